@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Make or refresh the project's virtual environment (.venv) and print its path.
+# Idempotent: reinstalls only when setup.py or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+stamp="$VENV/.distlearn-stamp"
+want="$(cat setup.py scripts/venv.sh | sha256sum | cut -c1-16)"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    "$PYTHON" -m venv "$VENV" >&2
+fi
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+    echo "venv: installing into $VENV (one time; log in $VENV/install.log)" >&2
+    pip=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+    # torch first and pinned: setup.py accepts any torch>=2.1, and an unpinned
+    # resolve would fetch the newest CUDA build (gigabytes).
+    if ! { "${pip[@]}" "torch==2.13.0" && "${pip[@]}" -e ".[all]"; } >"$VENV/install.log" 2>&1; then
+        tail -n 30 "$VENV/install.log" >&2
+        echo "venv: install failed; see $VENV/install.log" >&2
+        exit 1
+    fi
+    echo "$want" >"$stamp"
+fi
+echo "$VENV"

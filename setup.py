@@ -1,0 +1,49 @@
+"""distlearn: dataset loading, a ZeroMQ process tree and all-reduce SGD for PyTorch."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+# torch is not pinned here so users keep the build they have (CUDA, ROCm, CPU);
+# scripts/venv.sh installs torch==2.13.0 first so this range resolves to it.
+install_requires = [
+    "torch>=2.1",
+    "numpy>=1.24",
+    "pillow>=9",
+    "aiohttp>=3.9",
+    "pyzmq>=25",
+    "fsspec>=2023.6",
+    "filelock>=3.12",
+    "tqdm>=4.60",
+]
+
+extras = {
+    "s3": ["s3fs>=2023.6"],
+    "thrift": ["thrift>=0.16"],
+    "examples": ["matplotlib>=3.7"],
+    "bench": ["matplotlib>=3.7", "requests>=2.28", "webdataset>=0.2.90"],
+    "test": [
+        "pytest>=7.4",
+        "pytest-timeout>=2.1",
+        "ruff>=0.5",
+        "moto[server]>=5",
+        "s3fs>=2023.6",
+        "requests>=2.28",
+        "webdataset>=0.2.90",
+        "thrift>=0.16",
+    ],
+}
+extras["all"] = sorted({req for reqs in extras.values() for req in reqs})
+
+setup(
+    name="distlearn",
+    version="0.1.0",
+    description="Index-driven datasets, a ZeroMQ process tree and all-reduce SGD/EASGD for PyTorch",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dataset*", "ipc*", "distlearn*"]),
+    install_requires=install_requires,
+    extras_require=extras,
+    license="Apache-2.0",
+)

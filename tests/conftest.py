@@ -1,0 +1,71 @@
+"""Shared fixtures: real servers and processes, always cleaned up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def repo_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes: this checkout first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """Wait until `proc` writes `path`; fail fast if it dies first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before writing {path}")
+        time.sleep(0.02)
+    raise TimeoutError(f"{proc.args!r} did not write {path} within {timeout}s")
+
+
+@pytest.fixture
+def serve_dir(tmp_path_factory):
+    """Start `python -m dataset.serve DIR` in a subprocess; returns its base URL."""
+    procs: list[subprocess.Popen] = []
+    tmp = tmp_path_factory.mktemp("serve")
+
+    def start(root: str | os.PathLike, port: int = 0) -> str:
+        port_file = tmp / f"port-{len(procs)}"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dataset.serve",
+                str(root),
+                "--port",
+                str(port),
+                "--port-file",
+                str(port_file),
+            ],
+            env=repo_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        procs.append(proc)
+        bound = wait_for_file(port_file, proc)
+        return f"http://127.0.0.1:{bound}/"
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
