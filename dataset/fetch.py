@@ -139,8 +139,17 @@ class Fetcher:
         if loop is None or self._pid != os.getpid():
             return
 
+        async def shutdown() -> None:
+            # batches still in flight are abandoned: cancel them rather than leak them
+            me = asyncio.current_task()
+            rest = [t for t in asyncio.all_tasks() if t is not me]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+            await self.aclose()
+
         try:
-            asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(timeout=5)
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=5)
         except Exception as err:  # closing must not mask the caller's error
             log.debug("fetcher shutdown: %s", err)
         loop.call_soon_threadsafe(loop.stop)
