@@ -219,7 +219,7 @@ def from_csv(index: str, *, sep: str | None = None, meta: str | None = None,
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise BadIndex(f"{index}: not UTF-8 text ({err})") from err
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=sep)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=sep, strict=True)
     try:
         header = [h.strip() for h in next(reader)]
     except StopIteration:
