@@ -158,8 +158,8 @@ def prepare(
         if len(pairs) < n:
             log.warning("%s has %d items, fewer than %d: using all", source, len(pairs), n)
         # evenly spaced, so a subset of a label-sorted index still holds every label
-        step = max(1, len(pairs) // n)
-        samples = [(None, label, path) for path, label in pairs[::step][:n]]
+        picks = [i * len(pairs) // n for i in range(n)] if len(pairs) > n else range(len(pairs))
+        samples = [(None, pairs[i][1], pairs[i][0]) for i in picks]
 
     labels = sorted({label for _, label, _ in samples})
     label_id = {label: i for i, label in enumerate(labels)}
