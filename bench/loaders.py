@@ -241,49 +241,63 @@ def webdataset_http(ctx: Ctx, num_workers: int = 4) -> Iterator[torch.Tensor]:
 # ---------------------------------------------------------------- distlearn
 
 
-@row("dataset-csv")
-def dataset_csv(ctx: Ctx, workers: str = "thread", pool_size: int | None = None, **opts):
-    """distlearn Dataset over the CSV index via HTTP (one request per file)."""
-    from dataset.processors import Image
-
-    from dataset import Dataset
-
-    ds = Dataset(ctx.base_url + "index.csv")
+def _batches(ds, ctx: Ctx, sampler: str, processor, **opts) -> Iterator[torch.Tensor]:
     batcher = ds.sampled_batcher(
         batch_size=ctx.batch_size,
         input_dims=(1, 28, 28),
-        sampler="linear",
-        processor=Image(mode="L"),
-        pool_size=pool_size,
-        workers=workers,
-        **opts,
+        sampler=sampler,
+        processor=processor,
+        **{k: v for k, v in opts.items() if v is not None},  # None: the library's default
     )
     try:
         for batch in batcher:
             yield batch.input
     finally:
         batcher.close()
+
+
+@row("dataset-csv")
+def dataset_csv(ctx: Ctx, workers: str | None = None, pool_size: int | None = None, **opts):
+    """distlearn Dataset over the CSV index via HTTP (one request per file)."""
+    from dataset import Dataset, processors
+
+    ds = Dataset(ctx.base_url + "index.csv")
+    processor = processors.Image(mode="L")
+    yield from _batches(ds, ctx, "linear", processor, workers=workers, pool_size=pool_size, **opts)
+
+
+class SampleImage:
+    """The image of a tar sample (a dict of extension -> bytes) through dataset's Image processor.
+
+    A class, not a lambda, so process workers can pickle it.
+    """
+
+    def __init__(self, **image_opts):
+        from dataset import processors
+
+        self.image = processors.Image(**image_opts)
+
+    def __call__(self, sample, opt, out):
+        data = next(v for k, v in sample.items() if k in ("png", "jpg", "jpeg"))
+        return self.image(data, opt, out)
+
+
+def shard_pattern(ctx: Ctx) -> str:
+    """All shards as one brace URL (http://host/shards/mnist-{000000..000019}.tar): no listing."""
+    if len(ctx.shards) == 1:
+        return ctx.base_url + ctx.shards[0]
+    stem, first = ctx.shards[0].removesuffix(".tar").rsplit("-", 1)
+    last = ctx.shards[-1].removesuffix(".tar").rsplit("-", 1)[1]
+    return f"{ctx.base_url}{stem}-{{{first}..{last}}}.tar"
 
 
 @row("dataset-shards")
-def dataset_shards(ctx: Ctx, workers: str = "thread", pool_size: int | None = None, **opts):
-    """distlearn Dataset over the tar shards via HTTP (part files, read sequentially)."""
-    from dataset.processors import Image
-
+def dataset_shards(ctx: Ctx, workers: str | None = None, pool_size: int | None = None, **opts):
+    """distlearn Dataset over the tar shards via HTTP (part files, each read in one request)."""
     from dataset import Dataset
 
-    ds = Dataset(ctx.base_url + "shards/")
-    batcher = ds.sampled_batcher(
-        batch_size=ctx.batch_size,
-        input_dims=(1, 28, 28),
-        sampler="part-linear",
-        processor=Image(mode="L"),
-        pool_size=pool_size,
-        workers=workers,
-        **opts,
+    ds = Dataset(shard_pattern(ctx))
+    processor = SampleImage(mode="L")
+    yield from _batches(
+        ds, ctx, "part-linear", processor, workers=workers, pool_size=pool_size, **opts
     )
-    try:
-        for batch in batcher:
-            yield batch.input
-    finally:
-        batcher.close()

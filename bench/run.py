@@ -28,7 +28,7 @@ from bench import allreduce, report
 from bench.data import prepare
 from bench.loaders import Ctx
 from bench.procs import MemorySampler, kill_group
-from bench.servers import Server
+from bench.servers import Server, ensure_nginx
 
 log = logging.getLogger("bench")
 BENCH = Path(__file__).resolve().parent
@@ -53,9 +53,8 @@ class Row:
 def have_dataset(part_files: bool = False) -> str | None:
     """None when our loader is importable (with part-file support if asked), else why not."""
     try:
-        from dataset.processors import Image  # noqa: F401
-
         import dataset
+        from dataset import processors  # noqa: F401
     except ImportError as err:
         return f"dataset loader not available yet ({err})"
     if not hasattr(dataset, "Dataset"):
@@ -86,7 +85,8 @@ def loader_rows(quick: bool) -> tuple[list[Row], list[str]]:
     if why:
         notes.append(f"distlearn Dataset rows skipped: {why}")
     else:
-        pools = (32,) if quick else (16, 64)
+        rows.append(Row("distlearn", "dataset-csv", label="dataset-csv(defaults)"))
+        pools = (64,) if quick else (16, 64)
         for workers in ("thread", "process"):
             rows += [
                 Row("distlearn", "dataset-csv", {"workers": workers, "pool_size": p}) for p in pools
@@ -95,6 +95,7 @@ def loader_rows(quick: bool) -> tuple[list[Row], list[str]]:
     if why:
         notes.append(f"distlearn tar-shard rows skipped: {why}")
     else:
+        rows.append(Row("distlearn", "dataset-shards", label="dataset-shards(defaults)"))
         rows += [Row("distlearn", "dataset-shards", {"workers": w}) for w in ("thread", "process")]
     return rows, notes
 
@@ -140,6 +141,8 @@ def run_loaders(args, data, emit) -> list[dict]:
         emit({"kind": "note", "text": note})
     items = data.items()
     results: dict[str, list[dict]] = {r.label: [] for r in rows}
+    if args.server != "aiohttp" and not args.quick and not args.no_install:
+        ensure_nginx()
     with Server(data.root, kind=args.server, workers=args.server_workers) as server:
         emit({"kind": "server", "text": server.describe(), "url": server.url})
         log.info("serving %s with %s at %s", data.root, server.describe(), server.url)
@@ -229,6 +232,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions per row (median, min, max)")
     p.add_argument("--rows", nargs="+", help="only loader rows whose label contains one of these")
     p.add_argument("--server", choices=("auto", "nginx", "aiohttp"), default="auto")
+    p.add_argument(
+        "--no-install",
+        action="store_true",
+        help="full mode installs nginx via apt-get when missing and root; not with this",
+    )
     p.add_argument("--server-workers", type=int, default=1, help="nginx worker processes")
     p.add_argument("--row-timeout", type=float, default=300.0)
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="allreduce process counts")

@@ -59,6 +59,21 @@ def find_nginx() -> str | None:
     )
 
 
+def ensure_nginx() -> str | None:
+    """nginx, installed from Debian's packages when missing and we may (root, apt-get)."""
+    nginx = find_nginx()
+    if nginx or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return nginx
+    log.info("nginx missing: apt-get install -y nginx (about a minute, once)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx"]):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("%s failed: %s", " ".join(cmd), done.stderr.strip()[-500:])
+            return None
+    return find_nginx()
+
+
 class Server:
     """A running static file server over `root`; a context manager that always stops it."""
 
