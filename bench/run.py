@@ -253,6 +253,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="allreduce process counts")
     p.add_argument("--allreduce-sizes", nargs="+", help=f"subset of {list(allreduce.SIZES)}")
     p.add_argument("--allreduce-target-s", type=float, help="seconds per timed repetition")
+    p.add_argument(
+        "--train-nodes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="process counts for the training row",
+    )
+    p.add_argument(
+        "--train-backends",
+        nargs="+",
+        choices=("ipc", "gloo"),
+        default=["ipc"],
+        help="communicators for the training row (mnist.py --backend)",
+    )
+    p.add_argument("--train-timeout", type=float, default=900.0, help="seconds per training job")
     p.add_argument("--data-dir", default=str(BENCH / "data"), help="where prepared data goes")
     p.add_argument(
         "--out-dir", help="results folder (default: bench/ in full mode, bench/out quick)"
