@@ -1,0 +1,63 @@
+"""The communicator protocol over torch_xla collectives (TPU, GPU or CPU via PJRT).
+
+torch_xla is imported when an `XLA()` is made, so `distlearn` itself never needs it.
+XLA tensors are lazy: collectives join the traced graph, and reading the contributor
+count (a Python int, as the protocol promises) cuts the graph with a sync. That costs
+one graph execution per collective, which training does once per step anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._flat import FlatCommunicator
+
+
+class XLA(FlatCommunicator):
+    """Every XLA device of the job (one per process, as `torch_xla.launch` starts them)."""
+
+    # Lazy tensors allocate nothing until the graph runs; a cached buffer would only
+    # chain in-place updates across steps into the traced graph.
+    reuse_buffers = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+            import torch_xla.runtime as xr
+        except ImportError as e:
+            raise ImportError(
+                "distlearn.backends.XLA needs torch_xla (pip install torch_xla matching "
+                "your torch version; see tests/run-xla.sh)"
+            ) from e
+        self._xla = torch_xla
+        self._xm = xm
+        self.node_index = xr.global_ordinal()
+        self.num_nodes = xr.world_size()
+        self._ops = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
+
+    @property
+    def device(self) -> torch.device:
+        """This process's XLA device: put the model and batches here."""
+        return self._xla.device()
+
+    def _sync(self) -> None:
+        self._xla.sync()
+
+    def _all_reduce_flat(self, buf: torch.Tensor, op: str) -> None:
+        self._xm.all_reduce(self._ops[op], [buf])  # a list is reduced in place
+
+    def _all_gather_flat(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        gathered = self._xm.all_gather(buf.unsqueeze(0), dim=0)
+        return list(gathered.unbind(0))
+
+    def _broadcast_flat(self, buf: torch.Tensor) -> None:
+        self._xm.collective_broadcast([buf], root_ordinal=0)
+
+    def barrier(self) -> None:
+        """Wait until every XLA process reaches this point."""
+        self._xm.rendezvous("distlearn.barrier")
+
+    def __repr__(self) -> str:
+        return f"XLA(node {self.node_index} of {self.num_nodes})"

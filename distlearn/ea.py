@@ -1,0 +1,108 @@
+"""AllReduceEA: elastic averaging SGD (Zhang, Choromanska, LeCun 2015, arXiv:1412.6651)
+as one all-reduce per average."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .comm import Communicator, check_communicator
+from .tensors import parameters_of, state_of
+
+
+class AllReduceEA:
+    """Nodes train independently and are pulled towards a shared center every `tau` steps.
+
+    Every node keeps its own copy of the center. Every `tau` steps::
+
+        delta = alpha * (params - center)
+        params -= delta
+        center += all_reduce(delta)        # the same sum on every node
+
+    so the centers stay identical (up to float rounding, which `synchronize_center`
+    removes) with one all-reduce per average and no parameter server. `alpha=0`
+    leaves the nodes independent.
+    """
+
+    def __init__(self, comm: Communicator, tau: int = 10, alpha: float = 0.2) -> None:
+        if not isinstance(tau, int) or tau < 1:
+            raise ValueError(f"tau must be a positive int (steps between averages), got {tau!r}")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] (the elastic pull), got {alpha!r}")
+        self.comm = check_communicator(comm)
+        self.tau = tau
+        self.alpha = float(alpha)
+        self.steps = 0  # steps since the last synchronisation
+        self._center: list[torch.Tensor] | None = None
+        self._delta: list[torch.Tensor] = []
+        self._active: torch.Tensor | None = None
+
+    @property
+    def center(self) -> list[torch.Tensor]:
+        """This node's copy of the center, one tensor per parameter."""
+        if self._center is None:
+            raise RuntimeError("the center exists after the first AllReduceEA call")
+        return self._center
+
+    def _init(self, params: list[torch.Tensor]) -> None:
+        if self._center is None:
+            with torch.no_grad():
+                self._center = [p.detach().clone() for p in params]
+                self._delta = [torch.zeros_like(p) for p in params]
+            # 0/1: is this node still in its epoch? It rides in the delta all-reduce (same
+            # dtype as the first parameter, so a packing communicator sends one buffer).
+            self._active = torch.zeros(1, dtype=params[0].dtype, device=params[0].device)
+        elif len(params) != len(self._center) or any(
+            p.shape != c.shape for p, c in zip(params, self._center, strict=True)
+        ):
+            raise ValueError("AllReduceEA was given different parameters than on its first call")
+
+    def _average(self, params: list[torch.Tensor], active: bool) -> bool:
+        """One elastic average; returns whether any node was still active in it."""
+        center, delta = self._center, self._delta
+        with torch.no_grad():
+            torch._foreach_copy_(delta, params)
+            torch._foreach_sub_(delta, center)
+            torch._foreach_mul_(delta, self.alpha)
+            torch._foreach_sub_(params, delta)
+            self._active.fill_(1 if active else 0)
+            # The flag rides with the deltas: a node that finished its epoch still sends
+            # its real delta (it keeps averaging) but does not count as active.
+            self.comm.all_reduce([*delta, self._active])
+            torch._foreach_add_(center, delta)
+        return bool(self._active.item() > 0)
+
+    def average_parameters(self, x: Any) -> None:
+        """Call once per training step; every `tau`-th call averages with the center."""
+        params = parameters_of(x)
+        self._init(params)
+        self.steps += 1
+        if self.steps % self.tau == 0:
+            self._average(params, active=True)
+
+    def _handle_uneven_steps(self, params: list[torch.Tensor]) -> None:
+        # Nodes that took fewer averaging steps keep averaging (as "finished") until
+        # every node has arrived, so all centers receive the same sequence of sums. The
+        # last round, with everyone finished, is one more complete elastic average.
+        while self._average(params, active=False):
+            pass
+        self.steps = 0
+
+    def synchronize_center(self, x: Any) -> None:
+        """End of epoch: wait out nodes with more steps, then make the center bitwise
+        identical on all nodes (the root's), erasing float drift."""
+        params = parameters_of(x)
+        self._init(params)
+        self._handle_uneven_steps(params)
+        self.comm.scatter(self._center)
+
+    def synchronize_parameters(self, x: Any) -> None:
+        """Give every node the root's parameters (and a module's buffers) and reset the
+        center to them. Call at the start, or whenever replicas must agree exactly."""
+        params = parameters_of(x)
+        self._init(params)
+        self._handle_uneven_steps(params)
+        self.comm.scatter(state_of(x))
+        with torch.no_grad():
+            torch._foreach_copy_(self._center, params)

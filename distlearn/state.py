@@ -1,0 +1,119 @@
+"""Broadcast a `state_dict` (an optimizer's Adam moments, a scheduler's counters) from
+the root to every node, even to nodes whose state is still empty.
+
+The structure travels as JSON inside a uint8 tensor and the tensors travel through the
+communicator's `scatter`, so nothing received is unpickled or executed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from .comm import Communicator, check_communicator
+
+__all__ = ["broadcast_state_dict", "synchronize_optimizer"]
+
+
+def _encode(x: Any, tensors: list[torch.Tensor], path: str) -> Any:
+    if isinstance(x, torch.Tensor):
+        tensors.append(x)
+        dtype = str(x.dtype).removeprefix("torch.")
+        return {
+            "x": len(tensors) - 1,
+            "dtype": dtype,
+            "shape": list(x.shape),
+            "device": x.device.type,
+        }
+    if isinstance(x, dict):
+        for key in x:
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise TypeError(f"state_dict{path}: key {key!r} is not a str or an int")
+        return {"d": [[k, _encode(v, tensors, f"{path}[{k!r}]")] for k, v in x.items()]}
+    if isinstance(x, list):
+        return {"l": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(x)]}
+    if isinstance(x, tuple):
+        return {"t": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(x)]}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return {"v": x}
+    raise TypeError(
+        f"state_dict{path}: cannot broadcast a {type(x).__name__} (tensors, numbers, "
+        "strings, None, and lists/tuples/dicts of them can travel)"
+    )
+
+
+def _decode(node: dict, tensors: list[torch.Tensor]) -> Any:
+    if "x" in node:
+        return tensors[node["x"]]
+    if "d" in node:
+        return {k: _decode(v, tensors) for k, v in node["d"]}
+    if "l" in node:
+        return [_decode(v, tensors) for v in node["l"]]
+    if "t" in node:
+        return tuple(_decode(v, tensors) for v in node["t"])
+    return node["v"]
+
+
+def _allocate(node: Any, out: list[tuple[int, torch.Tensor]], device: torch.device | None) -> None:
+    if isinstance(node, dict):
+        if "x" in node:
+            dev = device or torch.device(node["device"])
+            t = torch.empty(node["shape"], dtype=getattr(torch, node["dtype"]), device=dev)
+            out.append((node["x"], t))
+            return
+        for value in node.values():
+            _allocate(value, out, device)
+    elif isinstance(node, list):
+        for value in node:
+            _allocate(value, out, device)
+
+
+def broadcast_state_dict(
+    comm: Communicator, state_dict: dict | None, device: torch.device | str | None = None
+) -> dict:
+    """Return the root's `state_dict` on every node (the root gets its own back).
+
+    Non-root nodes may pass None or a state of a different shape; theirs is ignored.
+    New tensors go on `device` if given, else on the root's device type (with NCCL,
+    pass a CUDA device: it reduces only CUDA tensors).
+    """
+    comm = check_communicator(comm)
+    wire = torch.device(device) if device is not None else torch.device("cpu")
+    is_root = comm.node_index == 0
+    tensors: list[torch.Tensor] = []
+    if is_root:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"the root must pass a dict, got {type(state_dict).__name__}")
+        skeleton = json.dumps(_encode(state_dict, tensors, "")).encode()
+        length = torch.tensor([len(skeleton)], dtype=torch.int64, device=wire)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=wire)
+    comm.scatter(length)
+    blob = torch.zeros(int(length.item()), dtype=torch.uint8, device=wire)
+    if is_root:
+        blob.copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
+    comm.scatter(blob)
+    tree = json.loads(bytes(blob.cpu().numpy()))
+    if is_root:
+        if device is not None:
+            tensors = [t.to(device) for t in tensors]
+    else:
+        found: list[tuple[int, torch.Tensor]] = []
+        _allocate(tree, found, torch.device(device) if device is not None else None)
+        tensors = [t for _, t in sorted(found, key=lambda it: it[0])]
+    if tensors:
+        comm.scatter(tensors)
+    return _decode(tree, tensors)
+
+
+def synchronize_optimizer(comm: Communicator, optimizer: torch.optim.Optimizer) -> None:
+    """Load the root's optimizer state (e.g. Adam moments and step counts) on every node.
+
+    Call it after `synchronize_parameters` when resuming from a checkpoint loaded on the
+    root only, or to restart replicas from identical optimizer state.
+    """
+    state = broadcast_state_dict(comm, optimizer.state_dict() if comm.node_index == 0 else None)
+    if comm.node_index != 0:
+        optimizer.load_state_dict(state)

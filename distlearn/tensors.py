@@ -1,0 +1,94 @@
+"""Turn what users pass (a module, tensors, nested lists/dicts) into flat lists of tensors.
+
+Every communicator and algorithm walks structures the same way, so two nodes that
+pass structures built by the same code exchange the same tensors in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["gradients_of", "leaves", "parameters_of", "state_of"]
+
+
+def _sorted_keys(mapping: Mapping) -> list:
+    # Sorted, so dicts built in a different order on different nodes still line up;
+    # keys that cannot be compared (mixed types) keep their insertion order.
+    try:
+        return sorted(mapping)
+    except TypeError:
+        return list(mapping)
+
+
+def leaves(tensors: Any) -> list[torch.Tensor]:
+    """The tensors of a tensor or a nested list/tuple/dict of tensors, in a fixed order."""
+    out: list[torch.Tensor] = []
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, Mapping):
+            for key in _sorted_keys(x):
+                walk(x[key], f"{path}[{key!r}]")
+        elif isinstance(x, (list, tuple)):
+            for i, item in enumerate(x):
+                walk(item, f"{path}[{i}]")
+        else:
+            raise TypeError(
+                f"expected a tensor or a nested list/tuple/dict of tensors, "
+                f"found {type(x).__name__} at {path or 'the top level'}"
+            )
+
+    walk(tensors, "")
+    return out
+
+
+def _as_list(x: Any, what: str) -> list:
+    if isinstance(x, (torch.Tensor, Mapping, list, tuple)):
+        return leaves(x)
+    if isinstance(x, Iterable):  # e.g. model.parameters(), a generator
+        return leaves(list(x))
+    raise TypeError(f"{what}: expected an nn.Module, a tensor or tensors, found {type(x).__name__}")
+
+
+def parameters_of(x: Any) -> list[torch.Tensor]:
+    """The trainable state of `x`: a module's parameters, or the tensors given."""
+    if isinstance(x, nn.Module):
+        return list(x.parameters())
+    return _as_list(x, "parameters")
+
+
+def state_of(x: Any) -> list[torch.Tensor]:
+    """What must match across nodes: a module's parameters and buffers (e.g. BatchNorm
+    running statistics), or the tensors given."""
+    if isinstance(x, nn.Module):
+        return [*x.parameters(), *x.buffers()]
+    return _as_list(x, "parameters")
+
+
+def gradients_of(x: Any) -> list[torch.Tensor]:
+    """The gradients to all-reduce for `x`.
+
+    A module gives the `.grad` of every parameter that requires grad; a missing `.grad`
+    (a parameter this node's batch did not reach) becomes zeros, so every node sends
+    the same list. An `nn.Parameter` among plain tensors also stands for its `.grad`,
+    because summing parameters where gradients were meant would silently ruin training.
+    Plain tensors are the gradients themselves.
+    """
+    if isinstance(x, nn.Module):
+        params: list[torch.Tensor] = [p for p in x.parameters() if p.requires_grad]
+    else:
+        params = _as_list(x, "gradients")
+    grads = []
+    for p in params:
+        if isinstance(p, nn.Parameter):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        else:
+            grads.append(p)
+    return grads

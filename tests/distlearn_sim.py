@@ -1,0 +1,125 @@
+"""Single-process references for the distlearn tests: the data and models the workers
+use, and plain simulations of N replicas running the same formulas."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def make_model(seed: int, batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(5, 8)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(8))
+    layers += [nn.Tanh(), nn.Linear(8, 3)]
+    return nn.Sequential(*layers)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(size, 5, generator=g), torch.randint(0, 3, (size,), generator=g)
+
+
+def sgd_reference(steps: int, size: int) -> dict:
+    """One process on the whole batch, from the root's initial weights."""
+    model = make_model(seed=100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = batch(step, size)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def uneven_grad(epoch: int, node: int, step: int, steps: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(epoch * 10_000 + node * 100 + step)
+    return torch.randn(7, dtype=torch.float64, generator=g) / steps
+
+
+def uneven_reference(steps_table: list[list[int]]) -> list[torch.Tensor]:
+    """Parameters after each synchronisation: node 0's at the start, then those of the
+    node with the most steps, where step k averaged the gradients of the nodes that
+    were still running at k."""
+    params = torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = [params.clone()]
+    for epoch, steps in enumerate(steps_table):
+        for k in range(max(steps)):
+            active = [n for n, s in enumerate(steps) if s > k]
+            total = sum(uneven_grad(epoch, n, k, steps[n]) for n in active)
+            params = params + total / len(active)
+        out.append(params.clone())
+    return out
+
+
+def ea_init(seed: int) -> torch.Tensor:
+    return torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def ea_noise(epoch: int, node: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7_000_000 + epoch * 10_000 + node * 100 + step)
+    return {
+        "w": torch.randn(6, dtype=torch.float64, generator=g),
+        "b": torch.randn(2, dtype=torch.float64, generator=g),
+    }
+
+
+def ea_reference(num_nodes: int, steps_table: list[list[int]], tau: int, alpha: float) -> dict:
+    """N replicas of elastic averaging in one process, rounds in lock step.
+
+    Within an epoch node n averages after each of its steps that is a multiple of tau;
+    at the end of the epoch nodes with fewer averages keep averaging (without stepping)
+    until every node has arrived, plus one final round all together; then the center is
+    the root's. Returns each node's parameters before `synchronize_center` and the center
+    after it, per epoch.
+    """
+    root = {"w": ea_init(0), "b": ea_init(1000)[:2]}
+    params = [{k: v.clone() for k, v in root.items()} for _ in range(num_nodes)]
+    center = {k: v.clone() for k, v in root.items()}
+    trajectory, centers = [], []
+
+    def average(nodes: list[int]) -> None:
+        # Every node computes its delta and moves; the center moves by the sum.
+        total = {k: torch.zeros_like(v) for k, v in center.items()}
+        for n in nodes:
+            for k in center:
+                delta = alpha * (params[n][k] - center[k])
+                params[n][k] = params[n][k] - delta
+                total[k] = total[k] + delta
+        for k in center:
+            center[k] = center[k] + total[k]
+
+    for epoch, steps in enumerate(steps_table):
+        rounds = [s // tau for s in steps]
+        snapshots = [None] * num_nodes
+        for rnd in range(max(rounds)):
+            # Active nodes take their tau steps, then everyone averages once.
+            for n in range(num_nodes):
+                if rnd < rounds[n]:
+                    for step in range(rnd * tau, (rnd + 1) * tau):
+                        noise = ea_noise(epoch, n, step)
+                        for k in params[n]:
+                            params[n][k] = params[n][k] + noise[k]
+            for n in range(num_nodes):
+                # A node that ran out of averages this epoch still has steps past the
+                # last multiple of tau before it reaches synchronize_center.
+                if rnd == rounds[n] and snapshots[n] is None:
+                    _finish_epoch(params[n], epoch, n, rnd * tau, steps[n])
+                    snapshots[n] = {k: v.clone() for k, v in params[n].items()}
+            average(list(range(num_nodes)))
+        for n in range(num_nodes):
+            if snapshots[n] is None:
+                _finish_epoch(params[n], epoch, n, rounds[n] * tau, steps[n])
+                snapshots[n] = {k: v.clone() for k, v in params[n].items()}
+        average(list(range(num_nodes)))  # the round in which everyone is finished
+        trajectory.append(snapshots)
+        centers.append({k: v.clone() for k, v in center.items()})
+    return {"params": trajectory, "centers": centers}
+
+
+def _finish_epoch(p: dict, epoch: int, node: int, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        noise = ea_noise(epoch, node, step)
+        for k in p:
+            p[k] = p[k] + noise[k]

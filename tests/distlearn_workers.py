@@ -1,0 +1,201 @@
+"""One node of the distlearn multi-process tests.
+
+    python tests/distlearn_workers.py --comm gloo|ipc --rank R --world N \
+        --rendezvous DIR --out DIR --scenarios protocol,sgd_equivalence,...
+
+Each scenario runs on a real communicator and returns tensors that the test compares
+with a single-process computation (tests/distlearn_sim.py); results go to
+OUT/rank-R.pt. Also importable: the torchrun scripts reuse the scenarios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import distlearn_sim as sim
+
+from distlearn import AllReduceEA, AllReduceSGD, synchronize_optimizer
+
+
+def make_comm(kind: str, rank: int, world: int, rendezvous: str | None):
+    """The communicator under test."""
+    if kind == "gloo":
+        import torch.distributed as dist
+
+        from distlearn.backends import TorchDistributed
+
+        if rendezvous is None:  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+            return TorchDistributed.from_env("gloo")
+        dist.init_process_group(
+            "gloo", init_method=f"file://{rendezvous}/gloo-store", rank=rank, world_size=world
+        )
+        return TorchDistributed()
+    if kind == "ipc":
+        import ipc
+
+        if rendezvous is None:
+            return ipc.Tree.from_env()
+        return ipc.LocalhostTree(rank, world)
+    raise ValueError(f"unknown communicator {kind!r}")
+
+
+# -- scenarios: each returns a dict of tensors / numbers -------------------------------
+
+
+def protocol(comm, cfg) -> dict:
+    """The communicator protocol itself: ops, nesting, dtypes, finished counts, scatter."""
+    r = comm.node_index
+    out = {}
+
+    def sample():
+        return {
+            "a": torch.full((3,), r + 1.0, dtype=torch.float64),
+            "b": [torch.arange(4, dtype=torch.int64) * (r + 1), torch.tensor([float(r)])],
+        }
+
+    for op in ("sum", "max", "min"):
+        x = sample()
+        out[f"{op}.count"] = comm.all_reduce(x, op=op)
+        out[f"{op}.value"] = x
+        # Odd nodes are finished: they take part but contribute nothing.
+        x = sample()
+        out[f"{op}.finished.count"] = comm.all_reduce(x, op=op, finished=r % 2 == 1)
+        out[f"{op}.finished.value"] = x
+    x = sample()
+    out["callable.count"] = comm.all_reduce(x, op=lambda a, b: a.mul_(b))
+    out["callable.value"] = x
+    x = torch.full((5,), float(r))
+    comm.scatter(x)
+    out["scatter"] = x
+    # A tensor that is not contiguous is reduced in place all the same.
+    big = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (r + 1)
+    view = big.t()
+    comm.all_reduce(view)
+    out["noncontiguous"] = big
+    comm.barrier()
+    return out
+
+
+def sgd_equivalence(comm, cfg) -> dict:
+    """N nodes on 1/N of each batch, starting from different weights."""
+    model = sim.make_model(seed=100 + comm.node_index)  # synchronize_parameters fixes it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sgd = AllReduceSGD(comm)
+    sgd.synchronize_parameters(model)
+    counts = []
+    for step in range(cfg["steps"]):
+        x, y = sim.batch(step, cfg["batch"])
+        x, y = x[comm.node_index :: comm.num_nodes], y[comm.node_index :: comm.num_nodes]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        counts.append(sgd.sum_and_normalize_gradients(model))
+        opt.step()
+    sgd.synchronize_parameters(model)
+    return {"state": model.state_dict(), "counts": counts}
+
+
+def sgd_uneven(comm, cfg) -> dict:
+    """The torch-distlearn test: random step counts per node per epoch."""
+    r = comm.node_index
+    params = [torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(r))]
+    grads = [torch.zeros(7, dtype=torch.float64)]
+    sgd = AllReduceSGD(comm)
+    sgd.synchronize_parameters(params)
+    synced, counts = [params[0].clone()], []
+    for epoch, steps_per_node in enumerate(cfg["steps"]):
+        steps = steps_per_node[r]
+        for step in range(steps):
+            grads[0].copy_(sim.uneven_grad(epoch, r, step, steps))
+            counts.append(sgd.sum_and_normalize_gradients(grads))
+            params[0].add_(grads[0])
+        sgd.synchronize_parameters(params)
+        synced.append(params[0].clone())
+    return {"synced": synced, "counts": counts}
+
+
+def easgd(comm, cfg) -> dict:
+    """AllReduceEA with uneven epochs, for comparison with a replica simulation."""
+    out = {}
+    for alpha in cfg["alphas"]:
+        r = comm.node_index
+        params = {"w": sim.ea_init(r), "b": sim.ea_init(r + 1000)[:2]}
+        ea = AllReduceEA(comm, tau=cfg["tau"], alpha=alpha)
+        ea.synchronize_parameters(params)
+        trajectory, centers = [], []
+        for epoch, steps_per_node in enumerate(cfg["steps"]):
+            for step in range(steps_per_node[r]):
+                noise = sim.ea_noise(epoch, r, step)
+                params["w"].add_(noise["w"])
+                params["b"].add_(noise["b"])
+                ea.average_parameters(params)
+            trajectory.append({k: v.clone() for k, v in params.items()})
+            ea.synchronize_center(params)
+            centers.append([c.clone() for c in ea.center])
+        out[f"alpha={alpha}"] = {"params": trajectory, "centers": centers}
+    return out
+
+
+def state(comm, cfg) -> dict:
+    """Optimizer state from the root reaches nodes whose state is empty; buffers sync."""
+    r = comm.node_index
+    model = sim.make_model(seed=7, batchnorm=True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sgd = AllReduceSGD(comm)
+    sgd.synchronize_parameters(model)
+    # Node r takes r local steps (the root none): different Adam state and BN statistics.
+    for step in range(r + 1):
+        x, y = sim.batch(100 + 10 * r + step, 8)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        sgd.sum_and_normalize_gradients(model)
+        opt.step()
+    sgd.synchronize_parameters(model)  # the node with the most steps wins (the last)
+    after_sync = {k: v.clone() for k, v in model.state_dict().items()}
+    synchronize_optimizer(comm, opt)
+    x, y = sim.batch(999, 8)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    return {"after_sync": after_sync, "after_step": model.state_dict(), "opt": opt.state_dict()}
+
+
+SCENARIOS = {f.__name__: f for f in (protocol, sgd_equivalence, sgd_uneven, easgd, state)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comm", required=True, choices=["gloo", "ipc"])
+    ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--world", type=int, default=None)
+    ap.add_argument("--rendezvous", default=None, help="a shared directory; none: torchrun env")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", required=True, help="JSON: scenario name -> its config")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    comm = make_comm(args.comm, args.rank, args.world, args.rendezvous)
+    config = json.loads(Path(args.config).read_text())
+    results = {name: SCENARIOS[name](comm, cfg) for name, cfg in config.items()}
+    results["node_index"] = comm.node_index
+    results["num_nodes"] = comm.num_nodes
+    comm.close()
+    if args.comm == "gloo":
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out = Path(args.out)
+    tmp = out / f".rank-{comm.node_index}.pt"
+    torch.save(results, tmp)
+    os.replace(tmp, out / f"rank-{comm.node_index}.pt")
+
+
+if __name__ == "__main__":
+    main()

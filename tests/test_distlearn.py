@@ -1,0 +1,355 @@
+"""AllReduceSGD / AllReduceEA on real communicators, against single-process references.
+
+Each (communicator, node count) launches its worker processes once and runs every
+scenario in them (tests/distlearn_workers.py); the tests below check the results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import repo_env
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import distlearn_sim as sim
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "distlearn_workers.py"
+NODES = [1, 2, 3, 4]
+TIMEOUT = 120.0
+
+
+def _has_ipc_tree() -> bool:
+    if importlib.util.find_spec("ipc") is None:
+        return False
+    import ipc
+
+    return hasattr(ipc, "LocalhostTree")
+
+
+COMMS = [
+    "gloo",
+    pytest.param(
+        "ipc",
+        marks=pytest.mark.skipif(
+            not _has_ipc_tree(), reason="the ipc tree is not on this branch yet"
+        ),
+    ),
+]
+
+
+def uneven_steps(num_nodes: int, epochs: int, seed: int, low: int, high: int) -> list[list[int]]:
+    """Random step counts per node per epoch, with a tie and (for N > 1) an idle node."""
+    rng = random.Random(seed * 31 + num_nodes)
+    table = [[rng.randint(low, high) for _ in range(num_nodes)] for _ in range(epochs)]
+    if num_nodes > 1:
+        table[1][num_nodes - 1] = 0  # a node with no data this epoch
+        table[2][0] = table[2][1] = max(table[2])  # two nodes tie for the most steps
+    return table
+
+
+def config(num_nodes: int) -> dict:
+    return {
+        "protocol": {},
+        "sgd_equivalence": {"steps": 4, "batch": 12},
+        "sgd_uneven": {"steps": uneven_steps(num_nodes, 5, seed=1, low=0, high=13)},
+        "easgd": {
+            "steps": uneven_steps(num_nodes, 4, seed=2, low=2, high=17),
+            "tau": 3,
+            "alphas": [0.4, 0.0],
+        },
+        "state": {},
+    }
+
+
+def launch(comm: str, num_nodes: int, tmp: Path, cfg: dict) -> list[dict]:
+    """Run `num_nodes` workers to completion; kill them all on failure or timeout."""
+    out = tmp / "out"
+    rendezvous = tmp / "rendezvous"
+    out.mkdir()
+    rendezvous.mkdir()
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    procs, logs = [], []
+    try:
+        for rank in range(num_nodes):
+            log = open(tmp / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        f"--comm={comm}",
+                        f"--rank={rank}",
+                        f"--world={num_nodes}",
+                        f"--rendezvous={rendezvous}",
+                        f"--out={out}",
+                        f"--config={tmp / 'config.json'}",
+                    ],
+                    env=repo_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        deadline = time.monotonic() + TIMEOUT
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
+        for log in logs:
+            log.close()
+    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        tails = "\n".join(
+            f"--- rank {rank} (exit {code}) ---\n{(tmp / f'rank-{rank}.log').read_text()[-3000:]}"
+            for rank, code in failed
+        )
+        raise AssertionError(f"{comm} with {num_nodes} nodes failed:\n{tails}")
+    return [torch.load(out / f"rank-{rank}.pt", weights_only=False) for rank in range(num_nodes)]
+
+
+_RUNS: dict[tuple[str, int], list[dict]] = {}
+
+
+@pytest.fixture
+def run(tmp_path_factory):
+    """Results of every scenario for (communicator, node count), launched once."""
+
+    def get(comm: str, num_nodes: int) -> list[dict]:
+        key = (comm, num_nodes)
+        if key not in _RUNS:
+            tmp = tmp_path_factory.mktemp(f"{comm}-{num_nodes}")
+            _RUNS[key] = launch(comm, num_nodes, tmp, config(num_nodes))
+        return _RUNS[key]
+
+    return get
+
+
+def assert_same(a, b, atol=0.0, rtol=0.0, what=""):
+    """Nested equality (or closeness) of tensors, lists, dicts and numbers."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), what
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
+        if atol == rtol == 0.0:
+            assert torch.equal(a, b), f"{what}: {a} != {b}"
+        else:
+            torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            assert_same(a[k], b[k], atol, rtol, f"{what}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, atol, rtol, f"{what}[{i}]")
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+# -- the communicator protocol ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_protocol(run, comm, num_nodes):
+    results = run(comm, num_nodes)
+    n = num_nodes
+    ranks = list(range(n))
+    even = [r for r in ranks if r % 2 == 0]
+
+    def expected(op, nodes):
+        fold = {"sum": sum, "max": max, "min": min}[op]
+        k = fold(r + 1 for r in nodes)
+        return {
+            "a": torch.full((3,), float(k), dtype=torch.float64),
+            "b": [torch.arange(4) * k, torch.tensor([float(fold(nodes))])],
+        }
+
+    for res in results:
+        res = res["protocol"]
+        for op in ("sum", "max", "min"):
+            assert res[f"{op}.count"] == n
+            assert_same(res[f"{op}.value"], expected(op, ranks), what=op)
+            assert res[f"{op}.finished.count"] == len(even)
+            assert_same(res[f"{op}.finished.value"], expected(op, even), what=f"{op} finished")
+        # The product of (r + 1) over the nodes: a callable op folds over contributors.
+        k = 1
+        for r in ranks:
+            k *= r + 1
+        assert res["callable.count"] == n
+        assert_same(res["callable.value"]["a"], torch.full((3,), float(k), dtype=torch.float64))
+        assert_same(res["scatter"], torch.zeros(5))
+        total = sum(r + 1 for r in ranks)
+        assert_same(
+            res["noncontiguous"], torch.arange(12, dtype=torch.float32).reshape(3, 4) * total
+        )
+
+
+# -- AllReduceSGD ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_sgd_matches_one_process_on_the_whole_batch(run, comm, num_nodes):
+    results = run(comm, num_nodes)
+    cfg = config(num_nodes)["sgd_equivalence"]
+    reference = sim.sgd_reference(cfg["steps"], cfg["batch"])
+    for res in results:
+        ours = res["sgd_equivalence"]
+        assert ours["counts"] == [num_nodes] * cfg["steps"]
+        assert_same(
+            ours["state"], reference, atol=1e-6, rtol=1e-5, what=f"node {res['node_index']}"
+        )
+        # Every node holds exactly the same bits.
+        assert_same(ours["state"], results[0]["sgd_equivalence"]["state"])
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_sgd_uneven_steps_end_on_the_longest_node(run, comm, num_nodes):
+    results = run(comm, num_nodes)
+    table = config(num_nodes)["sgd_uneven"]["steps"]
+    reference = sim.uneven_reference(table)
+    for res in results:
+        ours = res["sgd_uneven"]
+        # Identical on all nodes after every synchronisation...
+        assert_same(ours["synced"], results[0]["sgd_uneven"]["synced"])
+        # ...and equal to the parameters of the node that took the most steps.
+        assert_same(
+            ours["synced"], reference, atol=1e-12, rtol=1e-12, what=f"node {res['node_index']}"
+        )
+        # The contributor count drops as nodes run out of data.
+        r = res["node_index"]
+        expected = [sum(s > k for s in steps) for steps in table for k in range(steps[r])]
+        assert ours["counts"] == expected
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_state_buffers_and_optimizer(run, comm, num_nodes):
+    results = run(comm, num_nodes)
+    first = results[0]["state"]
+    for res in results:
+        ours = res["state"]
+        # BatchNorm running statistics are synchronised with the parameters.
+        assert any("running_mean" in k for k in ours["after_sync"])
+        assert_same(ours["after_sync"], first["after_sync"])
+        # The root's Adam state reached nodes with different (or empty) state, so one
+        # more identical step keeps the replicas identical.
+        assert_same(ours["opt"], first["opt"])
+        assert_same(ours["after_step"], first["after_step"])
+    if num_nodes > 1:
+        # The root had taken one step, the others more: its state is what everyone has.
+        assert int(first["opt"]["state"][0]["step"]) == 2
+
+
+# -- AllReduceEA -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_easgd_matches_replica_simulation(run, comm, num_nodes):
+    results = run(comm, num_nodes)
+    cfg = config(num_nodes)["easgd"]
+    for alpha in cfg["alphas"]:
+        ref = sim.ea_reference(num_nodes, cfg["steps"], cfg["tau"], alpha)
+        for res in results:
+            r = res["node_index"]
+            ours = res["easgd"][f"alpha={alpha}"]
+            for epoch, params in enumerate(ours["params"]):
+                assert_same(
+                    params,
+                    ref["params"][epoch][r],
+                    atol=1e-10,
+                    rtol=1e-10,
+                    what=f"{alpha=} {epoch=} node {r}",
+                )
+            # The center is bitwise identical everywhere after synchronize_center.
+            theirs = [list(c) for c in results[0]["easgd"][f"alpha={alpha}"]["centers"]]
+            assert_same([list(c) for c in ours["centers"]], theirs)
+            for epoch, center in enumerate(ours["centers"]):
+                # ea.center lists parameters in the walk order of the dict: b, w.
+                want = [ref["centers"][epoch]["b"], ref["centers"][epoch]["w"]]
+                assert_same(list(center), want, atol=1e-10, rtol=1e-10, what=f"center {epoch=}")
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_easgd_alpha_zero_keeps_nodes_independent(run, comm):
+    num_nodes = 3
+    results = run(comm, num_nodes)
+    table = config(num_nodes)["easgd"]["steps"]
+    root = {"w": sim.ea_init(0), "b": sim.ea_init(1000)[:2]}
+    for res in results:
+        r = res["node_index"]
+        ours = res["easgd"]["alpha=0.0"]
+        p = {k: v.clone() for k, v in root.items()}
+        for epoch, steps in enumerate(table):
+            for step in range(steps[r]):
+                noise = sim.ea_noise(epoch, r, step)
+                p = {k: p[k] + noise[k] for k in p}
+            assert_same(ours["params"][epoch], p, atol=1e-12, rtol=1e-12, what=f"node {r} {epoch=}")
+            assert_same(list(ours["centers"][epoch]), [root["b"], root["w"]])
+
+
+# -- torchrun ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_torchrun_two_processes(comm, tmp_path):
+    """`torchrun --nproc-per-node=2` with the communicator built from its environment
+    (`ipc.Tree.from_env()` or `TorchDistributed.from_env()`)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {k: v for k, v in config(2).items() if k in ("sgd_equivalence", "sgd_uneven")}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",  # a free rendezvous port on loopback
+        "--nproc-per-node=2",
+        str(WORKER),
+        f"--comm={comm}",
+        f"--out={out}",
+        f"--config={tmp_path / 'config.json'}",
+    ]
+    # A session of its own, so a timeout kills torchrun's workers too, not just torchrun.
+    proc = subprocess.Popen(
+        cmd,
+        env=repo_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
+    results = [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(2)]
+    reference = sim.sgd_reference(cfg["sgd_equivalence"]["steps"], cfg["sgd_equivalence"]["batch"])
+    uneven = sim.uneven_reference(cfg["sgd_uneven"]["steps"])
+    for r, res in enumerate(results):
+        assert (res["node_index"], res["num_nodes"]) == (r, 2)
+        assert_same(res["sgd_equivalence"]["state"], reference, atol=1e-6, rtol=1e-5)
+        assert_same(res["sgd_uneven"]["synced"], uneven, atol=1e-12, rtol=1e-12)
