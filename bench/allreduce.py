@@ -96,7 +96,7 @@ def _worker(a: argparse.Namespace) -> None:
         try:
             import ipc
 
-            tree = ipc.LocalhostTree(a.rank, a.world)
+            tree = ipc.LocalhostTree(a.rank, a.world, key=f"bench-allreduce-{a.port}")
             ops["tree"] = lambda t: tree.all_reduce(t)
         except Exception as err:  # the tree may not be built yet: report gloo alone
             errors["tree"] = f"{type(err).__name__}: {err}"

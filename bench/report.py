@@ -316,12 +316,32 @@ def markdown(records: list[dict], checks: list[dict], mach: dict, args, elapsed:
 
     tr = [r for r in records if r.get("kind") == "training"]
     if tr:
-        out += ["## Training (examples/mnist.py, one epoch)", ""]
+        items = next((r["train_items"] for r in tr if "train_items" in r), "?")
+        out += [f"## Training (examples/mnist.py, one epoch, {items} items)", ""]
+        out.append(
+            "One job per run (examples/launch.py: data over HTTP, N processes, AllReduceSGD over "
+            "the backend shown), timed phase by phase through the training loop's hooks "
+            "(bench/mnist_timed.py). samples/s: training items of all ranks over the epoch's "
+            "training seconds. Phases: share of each rank's epoch, averaged over ranks."
+        )
+        out.append("")
+        out += [
+            "| processes | backend | samples/s | vs 1 process | epoch s | loading % | compute % "
+            "| allreduce % | whole job s |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        one = next((r for r in tr if r["nodes"] == 1 and "items_per_s" in r), None)
         for r in tr:
-            if "markdown" in r:
-                out.append(r["markdown"])
-            elif "error" in r:
-                out.append(f"- {r.get('label', 'training')}: failed: {r['error'][:300]}")
+            if "error" in r:
+                out.append(f"| {r['nodes']} | {r['backend']} | failed: {r['error'][:200]} |||||||")
+                continue
+            vs = f"{r['items_per_s']['median'] / one['items_per_s']['median']:.2f}x" if one else "-"
+            out.append(
+                f"| {r['nodes']} | {r['backend']} | {_fmt(r['items_per_s'])} | {vs} "
+                f"| {_fmt(r['epoch_s'], digits=1)} | {_fmt(r['loading_pct'])} "
+                f"| {_fmt(r['compute_pct'])} | {_fmt(r['allreduce_pct'])} "
+                f"| {_fmt(r['job_wall_s'], digits=1)} |"
+            )
         out.append("")
     out.append(f"Reproduce: `python -m bench{' --quick' if args.quick else ''}` "
                "(raw figures, every repetition: `bench/out/results.jsonl`).")  # fmt: skip

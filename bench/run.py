@@ -67,19 +67,27 @@ def have_dataset(part_files: bool = False) -> str | None:
 
 
 def loader_rows(quick: bool) -> tuple[list[Row], list[str]]:
-    """The loader rows for this mode, and notes on rows skipped because a piece is missing."""
-    rows = [
-        Row("ceiling", "pil-decode"),
-        Row("ceiling", "aiohttp", {"procs": 1, "decode": False}),
-        Row("ceiling", "aiohttp", {"procs": 1, "decode": True}),
-        Row("ceiling", "aiohttp", {"procs": 2, "decode": False}),
-        Row("ceiling", "aiohttp", {"procs": 2, "decode": True}),
-    ]
-    rows += [
-        Row("peer", "dataloader-requests", {"num_workers": w})
-        for w in ((2, 4) if quick else (2, 4, 8))
-    ]
-    rows += [Row("peer", "webdataset", {"num_workers": w}) for w in (2, 4)]
+    """The loader rows for this mode, and notes on rows skipped because a piece is missing.
+
+    Quick mode keeps one setting per peer (the best of full runs on a 2-core
+    machine), the two ceilings the targets use, and fewer distlearn settings.
+    """
+    if quick:
+        rows = [
+            Row("ceiling", "pil-decode"),
+            Row("ceiling", "aiohttp", {"procs": 2, "decode": True}),
+            Row("peer", "dataloader-requests", {"num_workers": 8}),
+            Row("peer", "webdataset", {"num_workers": 4}),
+        ]
+    else:
+        rows = [Row("ceiling", "pil-decode")]
+        rows += [
+            Row("ceiling", "aiohttp", {"procs": p, "decode": d})
+            for p in (1, 2)
+            for d in (False, True)
+        ]
+        rows += [Row("peer", "dataloader-requests", {"num_workers": w}) for w in (2, 4, 8)]
+        rows += [Row("peer", "webdataset", {"num_workers": w}) for w in (2, 4)]
     notes = []
     why = have_dataset()
     if why:
@@ -96,7 +104,10 @@ def loader_rows(quick: bool) -> tuple[list[Row], list[str]]:
         notes.append(f"distlearn tar-shard rows skipped: {why}")
     else:
         rows.append(Row("distlearn", "dataset-shards", label="dataset-shards(defaults)"))
-        rows += [Row("distlearn", "dataset-shards", {"workers": w}) for w in ("thread", "process")]
+        if not quick:
+            rows += [
+                Row("distlearn", "dataset-shards", {"workers": w}) for w in ("thread", "process")
+            ]
     return rows, notes
 
 
@@ -227,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", choices=("loaders", "allreduce", "training"))
     p.add_argument("--data", help="source folder (labels = sub-folders) or CSV; default MNIST")
     p.add_argument("--synthetic", action="store_true", help="drawn digits instead of MNIST")
-    p.add_argument("--samples", type=int, help="samples per epoch (default 20000; quick 5000)")
+    p.add_argument("--samples", type=int, help="samples per epoch (default 20000; quick 4000)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="repetitions per row (median, min, max)")
     p.add_argument("--rows", nargs="+", help="only loader rows whose label contains one of these")
@@ -242,6 +253,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="allreduce process counts")
     p.add_argument("--allreduce-sizes", nargs="+", help=f"subset of {list(allreduce.SIZES)}")
     p.add_argument("--allreduce-target-s", type=float, help="seconds per timed repetition")
+    p.add_argument(
+        "--train-nodes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="process counts for the training row",
+    )
+    p.add_argument(
+        "--train-backends",
+        nargs="+",
+        choices=("ipc", "gloo"),
+        default=["ipc"],
+        help="communicators for the training row (mnist.py --backend)",
+    )
+    p.add_argument("--train-timeout", type=float, default=900.0, help="seconds per training job")
     p.add_argument("--data-dir", default=str(BENCH / "data"), help="where prepared data goes")
     p.add_argument(
         "--out-dir", help="results folder (default: bench/ in full mode, bench/out quick)"
@@ -249,7 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.samples is None:
-        args.samples = 5000 if args.quick else 20000
+        args.samples = 4000 if args.quick else 20000
     if args.allreduce_target_s is None:
         args.allreduce_target_s = 0.15 if args.quick else 0.5
     if args.out_dir is None:

@@ -127,11 +127,17 @@ def test_targets_compare_against_the_peer_at_its_best():
 def test_quick_run_end_to_end(tmp_path):
     """A tiny full pipeline: data, server, loader rows in fresh processes, gloo, report, chart."""
     out = tmp_path / "out"
-    rows = ["pil-decode", "aiohttp(procs=2, decode=True)", "dataloader-requests(num_workers=2)",
-            "webdataset(num_workers=2)", "dataset-"]  # fmt: skip
+    rows = [
+        "pil-decode",
+        "aiohttp(procs=2, decode=True)",
+        "dataloader-requests(num_workers=2)",
+        "webdataset(num_workers=2)",
+        "dataset-csv(defaults)",
+        "dataset-shards(defaults)",
+    ]
     cmd = [
-        sys.executable, "-m", "bench", "--quick", "--synthetic", "--samples", "300",
-        "--reps", "1", "--rows", *rows, "--worlds", "2", "--allreduce-sizes", "1 elem", "1 MiB",
+        sys.executable, "-m", "bench", "--no-install", "--synthetic", "--samples", "300",
+        "--reps", "1", "--rows", *rows, "--worlds", "2", "--allreduce-sizes", "1 elem", "64 KiB",
         "--allreduce-target-s", "0.02", "--only", "loaders", "allreduce",
         "--data-dir", str(tmp_path / "data"), "--out-dir", str(out),
     ]  # fmt: skip
@@ -149,7 +155,7 @@ def test_quick_run_end_to_end(tmp_path):
         assert r["rate_excl"]["median"] > 0 and r["ttfb_s"]["median"] > 0
         assert r["peak_pss_mib"]["median"] > 10  # a python process with torch, measured
     gloo = [r for r in recs if r["kind"] == "allreduce" and r.get("impl") == "gloo"]
-    assert [r["size"] for r in gloo] == ["1 elem", "1 MiB"]
+    assert [r["size"] for r in gloo] == ["1 elem", "64 KiB"]
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 1 for r in gloo)
     md = (out / "RESULTS.md").read_text()
     assert "## Loaders" in md and "## Allreduce" in md and "| target |" in md
