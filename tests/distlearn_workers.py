@@ -87,7 +87,7 @@ def protocol(comm, cfg) -> dict:
 def sgd_equivalence(comm, cfg) -> dict:
     """N nodes on 1/N of each batch, starting from different weights."""
     model = sim.make_model(seed=100 + comm.node_index)  # synchronize_parameters fixes it
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = sim.MomentumSGD(model)
     sgd = AllReduceSGD(comm)
     sgd.synchronize_parameters(model)
     counts = []

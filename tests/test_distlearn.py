@@ -60,7 +60,7 @@ def uneven_steps(num_nodes: int, epochs: int, seed: int, low: int, high: int) ->
 
 
 def config(num_nodes: int) -> dict:
-    return {
+    cfg = {
         "protocol": {},
         "sgd_equivalence": {"steps": 4, "batch": 12},
         "sgd_uneven": {"steps": uneven_steps(num_nodes, 5, seed=1, low=0, high=13)},
@@ -69,8 +69,12 @@ def config(num_nodes: int) -> dict:
             "tau": 3,
             "alphas": [0.4, 0.0],
         },
-        "state": {},
     }
+    if num_nodes == 3:
+        # torch.optim costs every process seconds of imports (torch._dynamo) on first
+        # use: the optimizer-state scenario runs with 3 nodes only.
+        cfg["state"] = {}
+    return cfg
 
 
 def launch(comm: str, num_nodes: int, tmp: Path, cfg: dict) -> list[dict]:
@@ -244,8 +248,8 @@ def test_sgd_uneven_steps_end_on_the_longest_node(run, comm, num_nodes):
 
 
 @pytest.mark.parametrize("comm", COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
-def test_state_buffers_and_optimizer(run, comm, num_nodes):
+def test_state_buffers_and_optimizer(run, comm):
+    num_nodes = 3
     results = run(comm, num_nodes)
     first = results[0]["state"]
     for res in results:
@@ -257,9 +261,8 @@ def test_state_buffers_and_optimizer(run, comm, num_nodes):
         # more identical step keeps the replicas identical.
         assert_same(ours["opt"], first["opt"])
         assert_same(ours["after_step"], first["after_step"])
-    if num_nodes > 1:
-        # The root had taken one step, the others more: its state is what everyone has.
-        assert int(first["opt"]["state"][0]["step"]) == 2
+    # The root had taken one step, the others more: its state is what everyone has.
+    assert int(first["opt"]["state"][0]["step"]) == 2
 
 
 # -- AllReduceEA -----------------------------------------------------------------------
