@@ -356,3 +356,40 @@ def test_torchrun_two_processes(comm, tmp_path):
         assert (res["node_index"], res["num_nodes"]) == (r, 2)
         assert_same(res["sgd_equivalence"]["state"], reference, atol=1e-6, rtol=1e-5)
         assert_same(res["sgd_uneven"]["synced"], uneven, atol=1e-12, rtol=1e-12)
+
+
+# -- CUDA (NCCL, and CUDA tensors through gloo and the tree) ------------------------------
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "comm, gpus",
+    [
+        pytest.param("nccl", 2, id="nccl"),
+        pytest.param("gloo", 1, id="gloo-cuda-tensors"),
+        pytest.param(
+            "ipc",
+            1,
+            id="ipc-cuda-tensors",
+            marks=pytest.mark.skipif(not _has_ipc_tree(), reason="the ipc tree is not here"),
+        ),
+    ],
+)
+def test_cuda_sgd(tmp_path, comm, gpus):
+    """Two nodes training on CUDA: NCCL needs a GPU per rank; gloo and the tree stage
+    CUDA tensors through the host, so they share one GPU."""
+    if _cuda_devices() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s); this machine has {_cuda_devices()}")
+    cfg = {k: v for k, v in config(2).items() if k in ("sgd_equivalence", "sgd_uneven")}
+    for scenario in cfg.values():
+        scenario["device"] = "cuda"
+    results = launch(comm, 2, tmp_path, cfg)
+    reference = sim.sgd_reference(cfg["sgd_equivalence"]["steps"], cfg["sgd_equivalence"]["batch"])
+    uneven = sim.uneven_reference(cfg["sgd_uneven"]["steps"])
+    for res in results:
+        assert_same(res["sgd_equivalence"]["state"], reference, atol=1e-5, rtol=1e-4)
+        assert_same(res["sgd_uneven"]["synced"], uneven, atol=1e-12, rtol=1e-12)
