@@ -78,9 +78,13 @@ class Cache:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], state["max_bytes"])
 
-    def path(self, url: str) -> Path:
-        """Where the entry for ``url`` lives (whether or not it exists)."""
-        h = hashlib.sha256(url.encode("utf-8")).hexdigest()
+    def path(self, url: str | tuple) -> Path:
+        """Where the entry for ``url`` lives (whether or not it exists).
+
+        A key may also be a tuple such as ``(url, offset, length)`` (a byte range).
+        """
+        key = url if isinstance(url, str) else repr(tuple(url))
+        h = hashlib.sha256(key.encode("utf-8")).hexdigest()
         return self.objects / h[:2] / h
 
     # ------------------------------------------------------------ reading
@@ -216,3 +220,17 @@ class Cache:
     def clear(self) -> None:
         """Remove every entry."""
         self.evict(0)
+
+
+def item_cache(opts: dict) -> Cache | None:
+    """For :class:`dataset.Dataset`: pop ``cache_items``, ``cache_dir``, ``max_cache_bytes``.
+
+    Returns the cache for fetched items when ``cache_items=True`` (so a second
+    epoch over HTTP reads from local disk), else None.
+    """
+    cache_items = opts.pop("cache_items", False)
+    cache_dir = opts.pop("cache_dir", None)
+    max_cache_bytes = opts.pop("max_cache_bytes", None)
+    if not cache_items:
+        return None
+    return Cache(cache_dir, max_cache_bytes)

@@ -158,7 +158,7 @@ class PartIndex:
     ``label_key`` (tar samples: the member whose text is the label, e.g.
     "cls"), ``labels`` (label names; without them ``label_key`` values must be
     integer class ids), ``check_crc``, ``storage_options`` (for fsspec),
-    ``retries`` (per part download).
+    ``part_retries`` (per part download).
     """
 
     def __init__(
@@ -173,7 +173,7 @@ class PartIndex:
         labels: Sequence[str] | None = None,
         check_crc: bool = True,
         storage_options: dict | None = None,
-        retries: int = 3,
+        part_retries: int = 3,
         partition: int = 0,
         partitions: int = 1,
     ):
@@ -193,7 +193,7 @@ class PartIndex:
         self._label_ids = {name: i for i, name in enumerate(self.labels)}
         self.check_crc = check_crc
         self.storage_options = storage_options or {}
-        self.retries = retries
+        self.retries = part_retries
         self.partition_id, self.partitions = partition, partitions
         self.counts: dict[int, int] = {}  # part number -> records read from it
         self.stats = ReadStats()
@@ -211,7 +211,7 @@ class PartIndex:
             labels=self.labels if self._fixed_labels else None,
             check_crc=self.check_crc,
             storage_options=self.storage_options,
-            retries=self.retries,
+            part_retries=self.retries,
         )
 
     def __repr__(self) -> str:
@@ -455,3 +455,35 @@ def open_parts(
     parts = list_parts(url, storage_options)
     cache = Cache(cache_dir, max_cache_bytes) if cache_parts else None
     return PartIndex(parts, url, cache=cache, storage_options=storage_options, **opts)
+
+
+PART_OPTIONS = (
+    "record_format",
+    "resident_parts",
+    "label_key",
+    "labels",
+    "check_crc",
+    "storage_options",
+    "part_retries",
+    "cache_parts",
+)
+
+
+def dataset_index(index: Any, opts: dict) -> PartIndex | None:
+    """For :class:`dataset.Dataset`: a PartIndex when ``index`` names part files, else None.
+
+    Takes the part options out of ``opts`` (they are not batcher options);
+    ``cache_dir`` and ``max_cache_bytes`` stay, for the item cache. Passing a
+    part option (``record_format=``, ...) makes any folder URL a part source.
+    """
+    mine = {k: opts.pop(k) for k in PART_OPTIONS if k in opts}
+    if not (is_part_source(index) or (mine and isinstance(index, str | os.PathLike))):
+        if mine:
+            raise TypeError(f"{sorted(mine)} apply to part files only, not to {index!r}")
+        return None
+    return open_parts(
+        index,
+        cache_dir=opts.get("cache_dir"),
+        max_cache_bytes=opts.get("max_cache_bytes"),
+        **mine,
+    )

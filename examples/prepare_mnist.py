@@ -264,12 +264,15 @@ def prepare(
     )
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+    pool = ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1)
+    try:
         for split, (x, y) in data.items():
             if limit is not None:
                 x, y = x[:limit], y[:limit]
             write_split(out, split, x, y, pool)
             counts[split] = len(y)
+    finally:  # on Ctrl-C, drop the queued chunks instead of encoding them all first
+        pool.shutdown(wait=True, cancel_futures=True)
     write_meta(out, url_prefix)
     result = dict(want, counts=counts, seconds=round(time.monotonic() - t0, 1))
     manifest.write_text(json.dumps(result, indent=1) + "\n")

@@ -203,7 +203,7 @@ def test_http_brace_pattern_cache_and_missing_part(tmp_path, serve_dir, caplog):
     keys = write_tar_parts(tmp_path / "www", 4, 6)
     base = serve_dir(tmp_path / "www")
     pattern = base + "shard-{000..004}.tar"  # shard-004 does not exist: a 404
-    whole = open_parts(pattern, cache_dir=tmp_path / "cache", retries=1)
+    whole = open_parts(pattern, cache_dir=tmp_path / "cache", part_retries=1)
     assert len(whole.parts) == 5
     got = epoch_keys(whole, "part-linear")
     assert got == keys and whole.failed_parts == 1
