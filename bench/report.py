@@ -200,6 +200,15 @@ def targets_text(checks: list[dict]) -> str:
 # ---------------------------------------------------------------- markdown
 
 
+def paired_ratio(gloo: dict, tree: dict) -> dict:
+    """gloo/tree time per repetition (each pair was timed back to back): median, min, max."""
+    return spread([g / t for g, t in zip(gloo["times_s"], tree["times_s"], strict=False)])
+
+
+def _bw(mbps: float) -> str:
+    return f"{mbps:,.0f}" if mbps >= 10 else f"{mbps:.3f}"
+
+
 def _cell(text: str, n: int = 200) -> str:
     """Error text that fits in one markdown table cell."""
     return text[:n].replace("|", "/").replace("\n", " ")
@@ -307,8 +316,8 @@ def markdown(records: list[dict], checks: list[dict], mach: dict, args, elapsed:
         )
         out.append("")
         out += [
-            "| processes | size | gloo ms/op | tree ms/op | gloo/tree | gloo busbw MB/s "
-            "| tree busbw MB/s |",
+            "| processes | size | gloo ms/op | tree ms/op | gloo/tree (paired reps) "
+            "| gloo busbw MB/s | tree busbw MB/s |",
             "|---:|---|---:|---:|---:|---:|---:|",
         ]
         by = {(r["world"], r.get("size"), r.get("impl")): r for r in ar}
@@ -325,11 +334,14 @@ def markdown(records: list[dict], checks: list[dict], mach: dict, args, elapsed:
             def ms(x):
                 return f"{x['median_s'] * 1e3:.3f} ({x['min_s'] * 1e3:.3f}-{x['max_s'] * 1e3:.3f})"
 
-            ratio = f"{r['median_s'] / tree['median_s']:.2f}x" if tree else "-"
-            tree_bw = f"{tree['busbw_MBps']:,.0f}" if tree else "-"
+            ratio = "-"
+            if tree:
+                pr = paired_ratio(r, tree)
+                ratio = f"{r['median_s'] / tree['median_s']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})"
+            tree_bw = _bw(tree["busbw_MBps"]) if tree else "-"
             out.append(
                 f"| {r['world']} | {r['size']} | {ms(r)} | {ms(tree) if tree else '-'} | {ratio} "
-                f"| {r['busbw_MBps']:,.0f} | {tree_bw} |"
+                f"| {_bw(r['busbw_MBps'])} | {tree_bw} |"
             )
         out.append("")
 
@@ -410,11 +422,15 @@ def chart(records: list[dict], path: Path) -> Path | None:
         sizes = list(dict.fromkeys(r["size"] for r in ar))
         width = 0.8 / max(1, len(worlds))
         for k, world in enumerate(worlds):
-            ratios = []
+            ratios, lo, hi = [], [], []
             for size in sizes:
                 g, t = by.get((world, size, "gloo")), by.get((world, size, "tree"))
-                ratios.append(g["median_s"] / t["median_s"] if g and t else 0.0)
-            ax.bar([i + k * width for i in range(len(sizes))], ratios, width,
+                ratio = g["median_s"] / t["median_s"] if g and t else 0.0
+                pr = paired_ratio(g, t) if g and t else {"min": ratio, "max": ratio}
+                ratios.append(ratio)
+                lo.append(max(0.0, ratio - pr["min"]))
+                hi.append(max(0.0, pr["max"] - ratio))
+            ax.bar([i + k * width for i in range(len(sizes))], ratios, width, yerr=[lo, hi],
                    label=f"{world} processes")  # fmt: skip
         ax.set_xticks([i + width * (len(worlds) - 1) / 2 for i in range(len(sizes))], sizes)
         ax.axhline(1.0, color="k", lw=0.8)
