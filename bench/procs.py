@@ -37,14 +37,32 @@ def children_of() -> dict[int, list[int]]:
     return kids
 
 
+def _children(pid: int) -> list[int] | None:
+    """Direct children from /proc/PID/task/*/children (cheap), None where the kernel lacks it."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+    except FileNotFoundError:
+        return None if os.path.exists(f"/proc/{pid}") else []
+    except OSError:
+        return []
+    return out
+
+
 def tree(pid: int) -> list[int]:
     """`pid` and all its live descendants."""
-    kids = children_of()
     out, todo = [], [pid]
+    kids: dict[int, list[int]] | None = None
     while todo:
         p = todo.pop()
         out.append(p)
-        todo.extend(kids.get(p, ()))
+        direct = _children(p) if kids is None else None
+        if direct is None:  # no children files: one scan of every process instead
+            kids = kids if kids is not None else children_of()
+            direct = kids.get(p, [])
+        todo.extend(direct)
     return out
 
 
@@ -72,40 +90,61 @@ def own_cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + live
 
 
-def memory_kib(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of one process in KiB, (0, 0) if it is gone."""
-    rss = pss = 0
+PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set of one process in KiB (cheap: /proc/PID/statm), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE_KIB
+    except (OSError, IndexError):
+        return 0
+
+
+def pss_kib(pid: int) -> int:
+    """Proportional set of one process in KiB, 0 if it is gone.
+
+    Costly (the kernel walks the page tables: tens of ms for a torch process),
+    so samplers read it far less often than RSS.
+    """
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Rss:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("Pss:"):
-                    pss = int(line.split()[1])
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
     except OSError:
         pass
-    return rss, pss
+    return 0
 
 
 @dataclass
 class MemorySampler:
-    """Samples the memory of a process tree in a thread and keeps the peaks."""
+    """Samples the memory of a process tree in a thread and keeps the peaks.
+
+    RSS every `interval` s; PSS every `pss_interval` s, and sooner when the RSS
+    sum reaches a new high, so its peak is caught without the sampler itself
+    taking a noticeable share of the cores it measures.
+    """
 
     pid: int
-    interval: float = 0.05
+    interval: float = 0.1
+    pss_interval: float = 1.0
     peak_rss_kib: int = 0
     peak_pss_kib: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _last_pss: float = 0.0
 
-    def sample(self) -> None:
-        rss = pss = 0
-        for p in tree(self.pid):
-            r, s = memory_kib(p)
-            rss += r
-            pss += s
+    def sample(self, force_pss: bool = False) -> None:
+        pids = tree(self.pid)
+        rss = sum(rss_kib(p) for p in pids)
+        now = time.monotonic()
+        new_high = rss > self.peak_rss_kib and now - self._last_pss >= self.pss_interval / 4
+        if force_pss or new_high or now - self._last_pss >= self.pss_interval:
+            self._last_pss = now
+            self.peak_pss_kib = max(self.peak_pss_kib, sum(pss_kib(p) for p in pids))
         self.peak_rss_kib = max(self.peak_rss_kib, rss)
-        self.peak_pss_kib = max(self.peak_pss_kib, pss)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

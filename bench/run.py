@@ -14,7 +14,6 @@ absolute figures drift with the machine's load, ratios taken side by side do not
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from bench import allreduce, report
 from bench.data import prepare
-from bench.loaders import Ctx
+from bench.loaders import Ctx, shard_pattern
 from bench.procs import MemorySampler, kill_group
 from bench.servers import Server, ensure_nginx
 
@@ -50,8 +49,8 @@ class Row:
             self.label = f"{self.row}({args})" if args else self.row
 
 
-def have_dataset(part_files: bool = False) -> str | None:
-    """None when our loader is importable (with part-file support if asked), else why not."""
+def have_dataset(part_url: str | None = None) -> str | None:
+    """None when our loader is importable (and opens `part_url` as part files), else why not."""
     try:
         import dataset
         from dataset import processors  # noqa: F401
@@ -59,14 +58,15 @@ def have_dataset(part_files: bool = False) -> str | None:
         return f"dataset loader not available yet ({err})"
     if not hasattr(dataset, "Dataset"):
         return "dataset.Dataset not available yet"
-    if part_files:
-        spec = importlib.util.find_spec("dataset.parts")
-        if spec is None:
-            return "part files (dataset.parts) not available yet"
+    if part_url:
+        try:  # opening is cheap (a brace pattern needs no listing); reading starts later
+            dataset.Dataset(part_url)
+        except Exception as err:
+            return f"Dataset({part_url!r}) raised {type(err).__name__}: {err}"
     return None
 
 
-def loader_rows(quick: bool) -> tuple[list[Row], list[str]]:
+def loader_rows(quick: bool, part_url: str) -> tuple[list[Row], list[str]]:
     """The loader rows for this mode, and notes on rows skipped because a piece is missing.
 
     Quick mode keeps one setting per peer (the best of full runs on a 2-core
@@ -99,7 +99,7 @@ def loader_rows(quick: bool) -> tuple[list[Row], list[str]]:
             rows += [
                 Row("distlearn", "dataset-csv", {"workers": workers, "pool_size": p}) for p in pools
             ]
-    why = have_dataset(part_files=True)
+    why = have_dataset(part_url)
     if why:
         notes.append(f"distlearn tar-shard rows skipped: {why}")
     else:
@@ -144,14 +144,7 @@ def run_child(spec: dict, server: Server, timeout: float) -> dict:
 
 
 def run_loaders(args, data, emit) -> list[dict]:
-    rows, notes = loader_rows(args.quick)
-    if args.rows:
-        rows = [r for r in rows if any(pat in r.label for pat in args.rows)]
-    for note in notes:
-        log.warning(note)
-        emit({"kind": "note", "text": note})
     items = data.items()
-    results: dict[str, list[dict]] = {r.label: [] for r in rows}
     if args.server != "aiohttp" and not args.quick and not args.no_install:
         ensure_nginx()
     with Server(data.root, kind=args.server, workers=args.server_workers) as server:
@@ -165,6 +158,13 @@ def run_loaders(args, data, emit) -> list[dict]:
             shards=data.shards,
             batch_size=args.batch_size,
         )
+        rows, notes = loader_rows(args.quick, shard_pattern(ctx))
+        if args.rows:
+            rows = [r for r in rows if any(pat in r.label for pat in args.rows)]
+        for note in notes:
+            log.warning(note)
+            emit({"kind": "note", "text": note})
+        results: dict[str, list[dict]] = {r.label: [] for r in rows}
         for rep in range(args.reps):
             order = rows if rep % 2 == 0 else rows[::-1]
             for r in order:
