@@ -1,0 +1,85 @@
+"""examples/mnist.py with per-phase timers, for the bench's training row.
+
+    python examples/launch.py --script bench/mnist_timed.py --nodes N --epochs 1 ...
+
+The same training as examples/mnist.py (its AllReduceSGD algorithm, options and
+loop), timed through the loop's public hooks: a forward pre-hook on the model
+marks the end of waiting for a batch, `after_backward` brackets the gradient
+allreduce, `after_step` ends the optimizer step. Per step:
+
+    loading   = previous step's end (or start) -> forward begins
+    compute   = forward + backward + optimizer step
+    allreduce = sum_and_normalize_gradients (+ the epoch-end synchronize)
+
+Each rank writes its totals to $BENCH_PHASES_DIR/rank{RANK}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import mnist  # noqa: E402  (examples/ is a folder of scripts, not a package)
+
+
+class TimedSGD(mnist.SGD):
+    """examples/mnist.py's AllReduceSGD with timers around each phase of a step."""
+
+    def start(self, comm, model):
+        self.phases = {"loading_s": 0.0, "compute_s": 0.0, "allreduce_s": 0.0}
+        self.steps = 0
+        self.training = True
+        t0 = time.perf_counter()
+        super().start(comm, model)
+        self.phases["allreduce_s"] += time.perf_counter() - t0
+        model.register_forward_pre_hook(self._before_forward)
+        self.t_start = self.last = time.perf_counter()
+
+    def _before_forward(self, module, inputs):
+        if self.training:  # evaluation forwards are not part of the epoch's phases
+            self.t_fwd = time.perf_counter()
+            self.phases["loading_s"] += self.t_fwd - self.last
+
+    def after_backward(self, model):
+        t0 = time.perf_counter()
+        self.phases["compute_s"] += t0 - self.t_fwd
+        super().after_backward(model)
+        self.t_reduced = time.perf_counter()
+        self.phases["allreduce_s"] += self.t_reduced - t0
+
+    def after_step(self, model):
+        t0 = time.perf_counter()
+        self.phases["compute_s"] += t0 - self.t_reduced
+        super().after_step(model)
+        self.steps += 1
+        self.last = time.perf_counter()
+
+    def end_epoch(self, model):
+        t0 = time.perf_counter()
+        evaluated = super().end_epoch(model)
+        t1 = time.perf_counter()
+        self.phases["allreduce_s"] += t1 - t0
+        self.training = False
+        out = os.environ.get("BENCH_PHASES_DIR")
+        if out:
+            rank = int(os.environ.get("RANK", "0"))
+            record = {**self.phases, "steps": self.steps, "epoch_s": t1 - self.t_start}
+            Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+        return evaluated
+
+
+def main(argv: list[str] | None = None) -> int:
+    # mnist.main builds its algorithm from the module's `SGD` when it runs: point that
+    # at the timed subclass, so the example's own options and defaults stay in force
+    mnist.SGD = TimedSGD
+    return mnist.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

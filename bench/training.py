@@ -1,0 +1,127 @@
+"""Training row: one epoch of examples/mnist.py with 1, 2 and 4 processes, phase by phase.
+
+Each run is a whole job as a user starts it (examples/launch.py: data served
+over HTTP, N processes), with bench/mnist_timed.py in place of mnist.py so
+every rank reports how its epoch split into loading, compute and allreduce.
+samples/s is the example's own figure: training items of all ranks over the
+epoch's training seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.procs import kill_group
+from bench.report import spread
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "examples" / "launch.py"
+MNIST = REPO / "examples" / "mnist.py"
+PHASES = ("loading_s", "compute_s", "allreduce_s")
+
+
+def missing() -> str | None:
+    """Why the training row cannot run here, or None."""
+    for path in (LAUNCH, MNIST, REPO / "examples" / "mnist_lib.py"):
+        if not path.exists():
+            return f"{path.relative_to(REPO)} not available yet"
+    return None
+
+
+def run_once(nodes: int, backend: str, quick: bool, timeout: float) -> dict:
+    """One epoch as one job; the example's log plus every rank's phase totals."""
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        phases_dir = Path(tmp, "phases")
+        phases_dir.mkdir()
+        cmd = [
+            sys.executable, str(LAUNCH), "--script", str(REPO / "bench" / "mnist_timed.py"),
+            "--nodes", str(nodes), "--output", str(Path(tmp, "out")), "--epochs", "1",
+            "--backend", backend,
+        ] + (["--quick"] if quick else [])  # fmt: skip
+        env = dict(os.environ, BENCH_PHASES_DIR=str(phases_dir))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f}s"}
+        finally:
+            kill_group(proc)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            return {"error": f"exit {proc.returncode}: " + " | ".join(out.splitlines()[-8:])}
+        log_json = Path(tmp, "out", "log.json")
+        if not log_json.exists():
+            return {"error": f"no {log_json.name}: " + " | ".join(out.splitlines()[-5:])}
+        epoch = json.loads(log_json.read_text())["epochs"][0]
+        ranks = [json.loads(p.read_text()) for p in sorted(phases_dir.glob("rank*.json"))]
+        if len(ranks) != nodes:
+            return {"error": f"{len(ranks)} of {nodes} ranks reported their phases"}
+        res = {
+            "items_per_s": epoch["items_per_s"],
+            "train_items": epoch["train_items"],
+            "test_accuracy": epoch.get("test_accuracy"),
+            "job_wall_s": wall,
+            "epoch_s": max(r["epoch_s"] for r in ranks),
+            "steps": max(r["steps"] for r in ranks),
+        }
+        # share of each phase in the epoch, averaged over ranks
+        for ph in PHASES:
+            res[ph.replace("_s", "_pct")] = 100 * sum(r[ph] / r["epoch_s"] for r in ranks) / nodes
+        return res
+
+
+def run(args, emit) -> list[dict]:
+    why = missing()
+    if why:
+        rec = {"kind": "note", "text": f"training rows skipped: {why}"}
+        log.warning(rec["text"])
+        emit(rec)
+        return [rec]
+    # one process needs no communicator: its row is the same whatever the backend
+    configs = [
+        (n, b)
+        for b in args.train_backends
+        for n in args.train_nodes
+        if n > 1 or b == args.train_backends[0]
+    ]
+    results: dict[tuple[int, str], list[dict]] = {c: [] for c in configs}
+    for rep in range(args.reps):
+        for nodes, backend in configs if rep % 2 == 0 else configs[::-1]:
+            res = run_once(nodes, backend, args.quick, args.train_timeout)
+            results[(nodes, backend)].append(res)
+            what = f"training rep {rep + 1}, {nodes} processes ({backend})"
+            if "error" in res:
+                log.warning("%s: %s", what, res["error"])
+            else:
+                log.info(
+                    "%s: %6.0f samples/s, loading %2.0f%% compute %2.0f%% allreduce %2.0f%%",
+                    what, res["items_per_s"], res["loading_pct"], res["compute_pct"],
+                    res["allreduce_pct"],
+                )  # fmt: skip
+    out = []
+    keys = ("items_per_s", "epoch_s", "job_wall_s", "loading_pct", "compute_pct", "allreduce_pct")
+    for nodes, backend in configs:
+        ok = [r for r in results[(nodes, backend)] if "error" not in r]
+        rec = {"kind": "training", "nodes": nodes, "backend": backend, "quick": args.quick}
+        if not ok:
+            rec["error"] = results[(nodes, backend)][0]["error"]
+        else:
+            rec["reps"] = ok
+            rec["train_items"] = ok[0]["train_items"]
+            rec.update({k: spread([r[k] for r in ok]) for k in keys})
+        emit(rec)
+        out.append(rec)
+    return out

@@ -1,0 +1,419 @@
+"""The sampled batcher: sampler order in, batches of tensors out, `prefetch` in flight.
+
+Per epoch the sampler yields a stream of items (index positions, or
+:class:`Record` objects that may carry their payload in memory); the batcher
+cuts it into batches, hands each batch's sources to the workers (which fill
+a slot of a preallocated ring of batch tensors) and gives batches back in
+sampler order. Sampling happens here, in the main process only, so no item is
+duplicated or skipped whatever the number or kind of workers.
+
+A batch handed to the user owns its tensors: they are copied out of the ring
+(and failed rows dropped) before the slot is reused, so holding on to a batch
+is always safe (the copy costs ~40 us for a 128 x 28 x 28 MNIST batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .fetch import RateLimitedLog, Stats
+from .index import Index
+from .processors import default_processor
+from .sampler import epoch_rng, get_sampler
+from .workers import ProcessWorkers, ThreadWorkers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Record:
+    """An item handed over by a sampler instead of an index position.
+
+    ``source``: what to fetch (a URL, ``(url, offset, length)``) or the payload
+    itself (bytes, a tensor) when it is already in memory, e.g. a record read
+    from a part file. ``labels``: label ids into ``index.labels`` (first =
+    primary, gives the target). ``name``: for ``batch.urls`` and logs.
+    """
+
+    source: Any
+    labels: tuple[int, ...] = ()
+    name: str = ""
+
+
+@dataclass
+class Batch:
+    """One batch: ``input`` [n, *input_dims] float, ``target`` [n] long (-1: unlabeled).
+
+    ``labels[i]``: the names of item i's labels (a tuple; empty when unlabeled),
+    ``urls[i]``: where it came from, ``extra[i]``: what the processor returned
+    (None when nothing). Rows whose fetch or processor failed are left out, so n
+    may be less than the batch size.
+    """
+
+    input: torch.Tensor
+    target: torch.Tensor
+    labels: list[tuple[str, ...]] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    extra: list[Any] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.input)
+
+
+class AllFailed(RuntimeError):
+    """Every item of several consecutive batches failed: the source is down, not flaky."""
+
+
+def default_workers() -> tuple[str, int]:
+    """(kind, count) used when not given: process workers, one per core (see README)."""
+    return "process", max(1, min(os.cpu_count() or 1, 8))
+
+
+class SampledBatcher:
+    """Iterate batches of a partition; see :meth:`dataset.Dataset.sampled_batcher`."""
+
+    def __init__(
+        self,
+        index: Index,
+        *,
+        batch_size: int = 32,
+        input_dims: Sequence[int] = (),
+        sampler: Any = "linear",
+        sampler_opt: dict | None = None,
+        processor: Any = None,
+        processor_opt: Any = None,
+        pool_size: int | None = None,
+        prefetch: int = 2,
+        seed: int = 0,
+        partition: int = 0,
+        workers: str | None = None,
+        num_workers: int | None = None,
+        drop_last: bool = False,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.05,
+        cache: Any = None,
+        max_failed_batches: int = 3,
+        progress: bool = False,
+        mp_context: str | None = None,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        self.index = index
+        self.batch_size = batch_size
+        self.input_dims = tuple(int(d) for d in input_dims)
+        self.sampler_name = (
+            sampler if isinstance(sampler, str) else getattr(sampler, "__name__", "")
+        )
+        self._sampler = get_sampler(sampler)
+        self._sampler_opt = dict(sampler_opt or {})
+        self.processor = processor if processor is not None else default_processor
+        self.processor_opt = processor_opt
+        self.seed, self.partition = int(seed), int(partition)
+        self.drop_last = drop_last
+        self.max_failed_batches = max_failed_batches
+        self.progress = progress
+        self.stats = Stats()
+        self._errlog = RateLimitedLog(log)
+
+        kind, count = default_workers()
+        if isinstance(index.sources, torch.Tensor):
+            kind, count = "thread", 0  # rows are in memory already: nothing to offload
+        if workers is not None:
+            if workers not in ("thread", "process"):
+                raise ValueError(f"workers must be 'thread' or 'process', got {workers!r}")
+            if workers != kind:
+                count = 1 if workers == "thread" else count
+            kind = workers
+        if num_workers is not None:
+            if num_workers < (1 if kind == "process" else 0):
+                raise ValueError(f"num_workers={num_workers} is too small for {kind} workers")
+            count = num_workers
+        self.workers_kind, self.num_workers = kind, count
+        # keep every process worker busy, with a batch queued behind the one it decodes
+        self.inflight = prefetch if kind == "thread" else max(prefetch, 2 * count)
+        fetch_kw = dict(
+            pool_size=pool_size or 64,
+            timeout=timeout,
+            retries=retries,
+            backoff=backoff,
+            cache=cache,
+        )
+        shape = (self.inflight, batch_size, *self.input_dims)
+        if kind == "process":
+            self._workers: Any = ProcessWorkers(
+                shape, self.processor, processor_opt, fetch_kw, count, mp_context
+            )
+        else:
+            slots = torch.empty(shape, dtype=torch.float32)
+            self._workers = ThreadWorkers(slots, self.processor, processor_opt, fetch_kw, count)
+        self._free = list(range(self.inflight))
+        self._pending: deque = deque()
+        self._stream: Iterator[list] | None = None
+        self._epoch = -1  # the epoch being read; -1 before the first
+        self._consumed = 0  # items of this epoch already handed out (or dropped)
+        self._resume: dict | None = None
+        self._failed_run = 0
+        self._closed = False
+
+    # -- epochs --------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (0-based); -1 before the first batch."""
+        return self._epoch
+
+    def _epoch_items(self, epoch: int) -> Iterable[Any]:
+        rng = epoch_rng(self.seed, self.partition, epoch)
+        return self._sampler(self.index, epoch, rng, **self._sampler_opt)
+
+    def _start_epoch(self, epoch: int, skip: int = 0) -> None:
+        self._drain()
+        self._epoch, self._consumed = epoch, skip
+        items = iter(self._epoch_items(epoch))
+        if skip:
+            items = itertools.islice(items, skip, None)
+        self._stream = self._chunks(items)
+
+    def _chunks(self, items: Iterator[Any]) -> Iterator[list]:
+        while True:
+            chunk = list(itertools.islice(items, self.batch_size))
+            if not chunk or (self.drop_last and len(chunk) < self.batch_size):
+                return
+            yield chunk
+
+    def __len__(self) -> int:
+        """Batches in one epoch; TypeError for a stream of unknown length (see num_batches)."""
+        items = self._epoch_items(max(self._epoch, 0))
+        if not hasattr(items, "__len__"):
+            raise TypeError(
+                f"sampler {self.sampler_name!r} yields a stream of unknown length; "
+                "use batcher.num_batches() for an estimate"
+            )
+        return self._batches_for(len(items))
+
+    def _batches_for(self, n: int) -> int:
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def num_batches(self) -> int:
+        """Batches in one epoch, or an estimate from ``len(index)`` for an unknown-length stream."""
+        try:
+            return len(self)
+        except TypeError:
+            return self._batches_for(len(self.index))
+
+    # -- the pipeline ----------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Fill free ring slots with the next batches of the stream."""
+        while self._free and self._stream is not None:
+            chunk = next(self._stream, None)
+            if chunk is None:
+                self._stream = None
+                return
+            slot = self._free.pop()
+            sources, targets, labels, names = [], [], [], []
+            index = self.index
+            for item in chunk:
+                if isinstance(item, Record):
+                    sources.append(item.source)
+                    labs = tuple(item.labels)
+                    names.append(item.name)
+                else:
+                    i = int(item)
+                    sources.append(index.source(i))
+                    labs = index.item_labels(i)
+                    names.append(index.name(i))
+                labels.append(labs)
+                targets.append(labs[0] if labs else -1)
+            job = self._workers.submit(slot, sources)
+            self._pending.append((job, slot, targets, labels, names))
+
+    def _drain(self) -> None:
+        """Wait out and discard batches in flight (their slots come back)."""
+        while self._pending:
+            job, slot, *_ = self._pending.popleft()
+            try:
+                self._workers.result(job)
+            finally:
+                self._free.append(slot)
+        self._stream = None
+
+    def _next_or_none(self) -> Batch | None:
+        """The next batch of the current epoch, or None at its end."""
+        if self._closed:
+            raise RuntimeError("batcher is closed")
+        self._dispatch()
+        if not self._pending:
+            return None
+        job, slot, targets, labels, names = self._pending.popleft()
+        try:
+            res = self._workers.result(job)
+            batch = self._assemble(self._workers.slots[slot], res, targets, labels, names)
+        finally:
+            self._free.append(slot)
+        self._dispatch()  # refill before handing over, so workers never wait on the user
+        return batch
+
+    def _assemble(self, slot: torch.Tensor, res, targets, labels, names) -> Batch:
+        n = len(targets)
+        self.stats.add(res.stats)
+        self._consumed += n
+        for row, cause in res.errors:
+            self._errlog.warning("dropped %s: %s", names[row], cause)
+        ok = res.ok
+        if all(ok):
+            rows = None
+            inp = slot[:n].clone()
+        else:
+            rows = [i for i in range(n) if ok[i]]
+            inp = slot.index_select(0, torch.as_tensor(rows, dtype=torch.long))
+        if rows is not None and not rows:
+            self._failed_run += 1
+            if self._failed_run >= self.max_failed_batches:
+                causes = "; ".join(f"{names[r]}: {c}" for r, c in res.errors[:3])
+                raise AllFailed(
+                    f"every item of {self._failed_run} consecutive batches failed "
+                    f"(stats {dict(self.stats)}); last causes: {causes}"
+                )
+        else:
+            self._failed_run = 0
+        keep = range(n) if rows is None else rows
+        names_ = self.index.labels
+        return Batch(
+            input=inp,
+            target=torch.as_tensor([targets[i] for i in keep], dtype=torch.long),
+            labels=[tuple(names_[lab] for lab in labels[i]) for i in keep],
+            urls=[names[i] for i in keep],
+            extra=[res.extras.get(i) for i in keep],
+        )
+
+    # -- public iteration --------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        """One epoch: the rest of an epoch being resumed, else the next epoch."""
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            self._start_epoch(state["epoch"], state["consumed"])
+        else:
+            self._start_epoch(self._epoch + 1)
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            try:
+                total = self.num_batches()
+            except Exception:
+                total = None
+            bar = tqdm(total=total, desc=f"epoch {self._epoch}", unit="batch")
+        try:
+            while True:
+                batch = self._next_or_none()
+                if batch is None:
+                    return
+                if bar is not None:
+                    bar.update(1)
+                yield batch
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def next_batch(self) -> Batch:
+        """The next batch, rolling over into the next epoch at the end of one."""
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            self._start_epoch(state["epoch"], state["consumed"])
+        elif self._epoch < 0:
+            self._start_epoch(0)
+        batch = self._next_or_none()
+        if batch is None:
+            self._start_epoch(self._epoch + 1)
+            batch = self._next_or_none()
+            if batch is None:
+                raise RuntimeError(f"sampler {self.sampler_name!r} gave an empty epoch")
+        return batch
+
+    def reset(self) -> None:
+        """Drop what is in flight; the next batch starts a new epoch."""
+        self._drain()
+        self._resume = None
+
+    # -- resume ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where this batcher stands: the epoch and how many of its items were handed out.
+
+        Items in flight but not yet handed out are not counted, so a job resumed
+        with :meth:`load_state_dict` sees exactly the items it had not seen.
+        """
+        return {
+            "epoch": max(self._epoch, 0),
+            "consumed": self._consumed if self._epoch >= 0 else 0,
+            "seed": self.seed,
+            "partition": self.partition,
+            "sampler": self.sampler_name,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`: the next batch is the first item not yet seen then."""
+        for key in ("seed", "partition"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"state_dict was saved with {key}={state[key]}, this batcher has "
+                    f"{key}={getattr(self, key)}"
+                )
+        self._drain()
+        self._resume = {"epoch": int(state["epoch"]), "consumed": int(state["consumed"])}
+
+    # -- adapters and lifetime ---------------------------------------------------------
+
+    def as_torch(self) -> torch.utils.data.IterableDataset:
+        """A ``torch.utils.data.IterableDataset`` yielding (input, target) per batch.
+
+        Use it with ``DataLoader(batcher.as_torch(), batch_size=None)`` (no
+        DataLoader workers: this batcher already has its own).
+        """
+        return _TorchAdapter(self)
+
+    def close(self) -> None:
+        """Stop the workers and free the ring (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        self._workers.close()
+
+    def __enter__(self) -> SampledBatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _TorchAdapter(torch.utils.data.IterableDataset):
+    def __init__(self, batcher: SampledBatcher):
+        self.batcher = batcher
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.batcher:
+            yield batch.input, batch.target
+
+    def __len__(self) -> int:
+        return len(self.batcher)

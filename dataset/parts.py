@@ -1,0 +1,489 @@
+"""Part files on any store: list, partition by file, read in the background, sample.
+
+    ds = Dataset("s3://bucket/train/", partition=rank, partitions=world)
+    batcher = ds.sampled_batcher(batch_size=128, sampler="part-linear-permutation", ...)
+
+A folder (or fsspec URL of one, or a brace pattern such as
+``http://host/shard-{000..019}.tar``) holds part files. Sorted by name, file
+i belongs to partition ``i % partitions``. An epoch walks this partition's
+parts in order (``part-linear``, ``part-linear-permutation``) or in a new
+random order (``part-permutation-permutation``), and the records of each part
+in order or in a random permutation. The next parts download and parse in
+background threads while the current one is read, and at most
+``resident_parts`` parsed parts are in memory at once, so memory is bounded
+by the part size, not by the dataset size.
+
+How many records an epoch holds is not known until every part has been read
+once: ``len(index)`` is an estimate (records seen so far, plus the mean part
+size for each part not read yet) that becomes exact after the first epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .cache import Cache
+from .records import ReadStats, read_part
+
+log = logging.getLogger(__name__)
+
+_PART_NAME = re.compile(r"(\.tar|\.tgz|\.tfrecords?|\.gz)$|^part-", re.IGNORECASE)
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+class PartError(ValueError):
+    """A part-file dataset that cannot be read as asked (no parts, too few for the partitions)."""
+
+
+@dataclass(slots=True)
+class PartRecord:
+    """A record read from a part file, handed to the batcher with its payload in memory.
+
+    ``source``: bytes (TFRecord, line) or a dict of extension to bytes (tar);
+    ``labels``: label ids into ``index.labels``; ``name``: ``part#offset``.
+    """
+
+    source: Any
+    labels: tuple[int, ...]
+    name: str
+
+
+# ---------------------------------------------------------------- finding parts
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand ``{000..019}`` ranges (zero padding kept) and ``{a,b}`` alternatives."""
+    m = _BRACES.search(pattern)
+    if m is None:
+        return [pattern]
+    body = m.group(1)
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi = rng.group(1), rng.group(2)
+        width = len(lo) if lo.startswith("0") else 0
+        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    else:
+        choices = body.split(",")
+    head, tail = pattern[: m.start()], pattern[m.end() :]
+    return [x for c in choices for x in expand_braces(head + c + tail)]
+
+
+def _has_scheme(index: str) -> bool:
+    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", index) is not None
+
+
+def is_part_source(index: Any) -> bool:
+    """Does ``index`` name part files (rather than a CSV, a .pt or a labelled directory)?
+
+    Yes for a brace pattern, a URL with a scheme ending in ``/``, and a local
+    folder without sub-folders whose files look like parts (``.tar``,
+    ``.tfrecord``, ``.gz``, ``part-*``).
+    """
+    if isinstance(index, os.PathLike):
+        index = os.fspath(index)
+    if not isinstance(index, str):
+        return False
+    if _BRACES.search(index) and len(expand_braces(index)) > 1:
+        return True
+    if index.startswith("file://"):
+        index = index[len("file://") :]
+    elif _has_scheme(index):
+        return index.endswith("/")
+    if not os.path.isdir(index):
+        return False
+    names = [e for e in os.scandir(index) if not e.name.startswith((".", "_"))]
+    if not names or any(e.is_dir() for e in names):
+        return False
+    return all(_PART_NAME.search(e.name) for e in names)
+
+
+def list_parts(url: str, storage_options: dict | None = None) -> list[str]:
+    """The part files of a folder URL (any fsspec store) or brace pattern, sorted by name.
+
+    Hidden files and markers (names starting with ``.`` or ``_``, e.g.
+    Hadoop's ``_SUCCESS``) are skipped; sub-folders are not descended into.
+    """
+    import fsspec
+
+    url = os.fspath(url)
+    if _BRACES.search(url):
+        return sorted(expand_braces(url))
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    hint = (
+        "; for a server without folder listings, name the parts with a brace pattern "
+        "such as 'http://host/train/shard-{000..099}.tar'"
+        if url.startswith(("http://", "https://"))
+        else ""
+    )
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        raise PartError(f"{url}: no such folder{hint}") from None
+    except Exception as err:  # an HTTP server without listings, a denied bucket, ...
+        raise PartError(f"{url}: cannot list part files ({err!r}){hint}") from err
+    parts = []
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        if e.get("type") == "directory" or name.startswith((".", "_")):
+            continue
+        parts.append(e["name"])
+    if not parts:
+        raise PartError(f"{url}: no part files found{hint}")
+    if _has_scheme(url) and not url.startswith("file://"):
+        parts = [fs.unstrip_protocol(p) if not _has_scheme(p) else p for p in parts]
+    return sorted(parts)
+
+
+# ---------------------------------------------------------------- the index
+
+
+class PartIndex:
+    """The part files of one partition and what is known so far about their records.
+
+    Options: ``record_format`` ("tar", "tfrecord", "lines"; default from the
+    extension), ``resident_parts`` (parsed parts in memory at most, >= 2),
+    ``cache`` (a :class:`dataset.cache.Cache` for downloaded parts, or None),
+    ``label_key`` (tar samples: the member whose text is the label, e.g.
+    "cls"), ``labels`` (label names; without them ``label_key`` values must be
+    integer class ids), ``check_crc``, ``storage_options`` (for fsspec),
+    ``part_retries`` (per part download).
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[str],
+        origin: str,
+        *,
+        record_format: str | None = None,
+        resident_parts: int = 3,
+        cache: Cache | None = None,
+        label_key: str | None = None,
+        labels: Sequence[str] | None = None,
+        check_crc: bool = True,
+        storage_options: dict | None = None,
+        part_retries: int = 3,
+        partition: int = 0,
+        partitions: int = 1,
+    ):
+        if resident_parts < 2:
+            raise ValueError(
+                f"resident_parts must be >= 2 (one read, one loading), got {resident_parts}"
+            )
+        self.parts = list(parts)
+        self.sources = self.parts
+        self.origin = origin
+        self.record_format = record_format
+        self.resident_parts = resident_parts
+        self.cache = cache
+        self.label_key = label_key
+        self._fixed_labels = labels is not None
+        self.labels: list[str] = list(labels) if labels is not None else []
+        self._label_ids = {name: i for i, name in enumerate(self.labels)}
+        self.check_crc = check_crc
+        self.storage_options = storage_options or {}
+        self.retries = part_retries
+        self.partition_id, self.partitions = partition, partitions
+        self.counts: dict[int, int] = {}  # part number -> records read from it
+        self.stats = ReadStats()
+        self.failed_parts = 0
+        self.resident = 0  # parsed parts held now (loaded, not yet released by the reader)
+        self.max_resident_seen = 0
+        self._lock = threading.Lock()
+
+    def _options(self) -> dict:
+        return dict(
+            record_format=self.record_format,
+            resident_parts=self.resident_parts,
+            cache=self.cache,
+            label_key=self.label_key,
+            labels=self.labels if self._fixed_labels else None,
+            check_crc=self.check_crc,
+            storage_options=self.storage_options,
+            part_retries=self.retries,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PartIndex({self.origin!r}, parts={len(self.parts)}, "
+            f"partition={self.partition_id}/{self.partitions}, records~{len(self)})"
+        )
+
+    def __len__(self) -> int:
+        """Records in this partition: exact once every part was read, else an estimate."""
+        with self._lock:
+            known = sum(self.counts.values())
+            unread = len(self.parts) - len(self.counts)
+            mean = known / len(self.counts) if self.counts else 1
+        return known + round(unread * mean)
+
+    @property
+    def exact(self) -> bool:
+        """Whether ``len()`` is exact (every part has been read once)."""
+        return len(self.counts) == len(self.parts)
+
+    def partition(self, partition: int, partitions: int) -> PartIndex:
+        """The parts of one partition: file i goes to partition ``i % partitions``."""
+        if partitions < 1 or not 0 <= partition < partitions:
+            raise ValueError(f"partition must be in [0, {partitions}), got {partition}")
+        if len(self.parts) < partitions:
+            raise PartError(
+                f"{self.origin}: {len(self.parts)} part files cannot feed {partitions} "
+                "partitions (each partition reads whole files; use fewer partitions or "
+                "split the data into more part files)"
+            )
+        mine = self.parts[partition::partitions]
+        return PartIndex(
+            mine, self.origin, partition=partition, partitions=partitions, **self._options()
+        )
+
+    def by_label(self) -> list[np.ndarray]:
+        raise TypeError(
+            f"{self.origin}: part files are read as a stream, so label samplers cannot "
+            "pick items by label; use part-linear, part-linear-permutation or "
+            "part-permutation-permutation"
+        )
+
+    def item_labels(self, i: int) -> tuple[int, ...]:
+        raise TypeError(f"{self.origin}: part-file records are reached through part-* samplers")
+
+    def source(self, i: int) -> Any:
+        raise TypeError(
+            f"{self.origin}: part-file records cannot be addressed by position; "
+            "use sampler='part-linear' (or part-linear-permutation, part-permutation-permutation)"
+        )
+
+    # ------------------------------------------------------------ loading
+
+    def _download(self, url: str) -> bytes:
+        import fsspec
+
+        def read() -> bytes:
+            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
+            return fs.cat_file(path)  # one GET for http(s), not ranged reads
+
+        if self.cache is None or not _has_scheme(url) or url.startswith(("file://", "memory://")):
+            return read()
+        path = self.cache.fill(url, lambda out: out.write(read()))
+        with open(path, "rb") as f:
+            return f.read()
+
+    def load_part(self, number: int) -> list[tuple[int, Any]]:
+        """Download and parse part ``number`` of this partition: ``[(offset, record)]``.
+
+        Download errors are retried with backoff; a part that still fails is
+        logged, counted in ``failed_parts`` and read as empty.
+        """
+        url = self.parts[number]
+        for attempt in range(self.retries + 1):
+            try:
+                data = self._download(url)
+                break
+            except FileNotFoundError:
+                log.error("%s: part file not found; skipping it", url)
+                self.failed_parts += 1
+                return []
+            except Exception as err:
+                if attempt == self.retries:
+                    log.error("%s: giving up after %d tries: %r", url, attempt + 1, err)
+                    self.failed_parts += 1
+                    return []
+                log.warning("%s: download failed (%r); retrying", url, err)
+                time.sleep(0.1 * 2**attempt)
+        stats = ReadStats()
+        recs = list(
+            read_part(
+                data, url, record_format=self.record_format, stats=stats, check_crc=self.check_crc
+            )
+        )
+        with self._lock:
+            self.counts[number] = len(recs)
+            self.stats.add(stats)
+        return recs
+
+    def _load_resident(self, number: int) -> list[tuple[int, Any]]:
+        """load_part, counted as resident until the reader releases it (even if it fails)."""
+        try:
+            return self.load_part(number)
+        finally:
+            with self._lock:
+                self.resident += 1
+                self.max_resident_seen = max(self.max_resident_seen, self.resident)
+
+    def _release(self) -> None:
+        with self._lock:
+            self.resident -= 1
+
+    def iter_parts(self, order: Sequence[int]) -> Iterator[tuple[int, list[tuple[int, Any]]]]:
+        """Yield ``(part number, records)`` in ``order``, loading ahead in the background.
+
+        At most ``resident_parts`` parts are held at once: the one the caller
+        is reading (the last one yielded) and the ones loading or waiting.
+        """
+        pool = ThreadPoolExecutor(
+            max_workers=self.resident_parts - 1, thread_name_prefix="part-loader"
+        )
+        pending: deque[tuple[int, Future]] = deque()
+        todo = iter(order)
+        try:
+            for n in itertools.islice(todo, self.resident_parts):
+                pending.append((n, pool.submit(self._load_resident, n)))
+            while pending:
+                n, fut = pending.popleft()
+                recs = fut.result()
+                try:
+                    yield n, recs
+                finally:
+                    # The caller asks for the next part once done with this one.
+                    del recs
+                    self._release()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append((nxt, pool.submit(self._load_resident, nxt)))
+        finally:
+            for _, fut in pending:
+                if not fut.cancel():
+                    fut.add_done_callback(lambda _: self._release())
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ sampling
+
+    def _labels_of(self, rec: Any, where: str) -> tuple[int, ...]:
+        if self.label_key is None or not isinstance(rec, dict):
+            return ()
+        raw = rec.get(self.label_key)
+        if raw is None:
+            return ()
+        text = raw.decode("utf-8").strip() if isinstance(raw, bytes) else str(raw).strip()
+        lab = self._label_ids.get(text)
+        if lab is not None:
+            return (lab,)
+        if self._fixed_labels:
+            raise PartError(f"{where}: label {text!r} is not one of labels={self.labels}")
+        try:
+            lab = int(text)
+        except ValueError:
+            raise PartError(
+                f"{where}: label {text!r} is not an integer class id; pass labels=[...] "
+                "to name the classes"
+            ) from None
+        if lab < 0:
+            raise PartError(f"{where}: negative class id {lab}")
+        while len(self.labels) <= lab:  # class ids 0..lab, named by their number
+            self._label_ids[str(len(self.labels))] = len(self.labels)
+            self.labels.append(str(len(self.labels)))
+        return (lab,)
+
+    def stream(
+        self, rng: np.random.Generator, parts: str = "linear", items: str = "linear"
+    ) -> Iterator[PartRecord]:
+        """One epoch of records: parts and items each in order or permuted by ``rng``."""
+        order = list(range(len(self.parts)))
+        if parts == "permutation":
+            order = [int(i) for i in rng.permutation(len(order))]
+        for n, recs in self.iter_parts(order):
+            url = self.parts[n]
+            idx = rng.permutation(len(recs)) if items == "permutation" else range(len(recs))
+            for i in idx:
+                off, rec = recs[i]
+                name = f"{url}#{off}"
+                yield PartRecord(rec, self._labels_of(rec, name), name)
+
+
+# ---------------------------------------------------------------- samplers
+
+
+def _need_parts(index: Any, kind: str) -> PartIndex:
+    if not isinstance(index, PartIndex):
+        raise TypeError(
+            f"sampler {kind!r} reads part files; the index {getattr(index, 'origin', index)!r} "
+            "is not a folder of part files"
+        )
+    return index
+
+
+def part_linear(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[PartRecord]:
+    """Parts in order, records of each part in order."""
+    return _need_parts(index, "part-linear").stream(rng, "linear", "linear")
+
+
+def part_linear_permutation(
+    index: Any, epoch: int, rng: np.random.Generator
+) -> Iterator[PartRecord]:
+    """Parts in order, records of each part in a new random order each epoch."""
+    return _need_parts(index, "part-linear-permutation").stream(rng, "linear", "permutation")
+
+
+def part_permutation_permutation(
+    index: Any, epoch: int, rng: np.random.Generator
+) -> Iterator[PartRecord]:
+    """Parts in a new random order each epoch, records of each part permuted too."""
+    return _need_parts(index, "part-permutation-permutation").stream(
+        rng, "permutation", "permutation"
+    )
+
+
+SAMPLERS = {
+    "part-linear": part_linear,
+    "part-linear-permutation": part_linear_permutation,
+    "part-permutation-permutation": part_permutation_permutation,
+}
+
+
+def open_parts(
+    index: Any,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    max_cache_bytes: int | None = None,
+    cache_parts: bool = True,
+    storage_options: dict | None = None,
+    **opts: Any,
+) -> PartIndex:
+    """A :class:`PartIndex` over every part file of ``index`` (unpartitioned)."""
+    url = os.fspath(index)
+    parts = list_parts(url, storage_options)
+    cache = Cache(cache_dir, max_cache_bytes) if cache_parts else None
+    return PartIndex(parts, url, cache=cache, storage_options=storage_options, **opts)
+
+
+PART_OPTIONS = (
+    "record_format",
+    "resident_parts",
+    "label_key",
+    "labels",
+    "check_crc",
+    "storage_options",
+    "part_retries",
+    "cache_parts",
+)
+
+
+def dataset_index(index: Any, opts: dict) -> PartIndex | None:
+    """For :class:`dataset.Dataset`: a PartIndex when ``index`` names part files, else None.
+
+    Takes the part options out of ``opts`` (they are not batcher options);
+    ``cache_dir`` and ``max_cache_bytes`` stay, for the item cache. Passing a
+    part option (``record_format=``, ...) makes any folder URL a part source.
+    """
+    mine = {k: opts.pop(k) for k in PART_OPTIONS if k in opts}
+    if not (is_part_source(index) or (mine and isinstance(index, str | os.PathLike))):
+        if mine:
+            raise TypeError(f"{sorted(mine)} apply to part files only, not to {index!r}")
+        return None
+    return open_parts(
+        index,
+        cache_dir=opts.get("cache_dir"),
+        max_cache_bytes=opts.get("max_cache_bytes"),
+        **mine,
+    )

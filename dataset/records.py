@@ -1,0 +1,445 @@
+"""Record readers for part files: WebDataset tar, TFRecord, newline-delimited; gzip.
+
+    from dataset.records import read_part
+
+    stats = ReadStats()
+    for offset, record in read_part(data, "s3://bucket/train-0001.tar.gz", stats=stats):
+        ...   # tar: {"__key__": "0001/img", "png": b"...", "cls": b"3"}; others: bytes
+
+A part file is read whole from memory (it was downloaded whole), so readers
+are plain loops over a buffer with no per-record I/O. The format comes from
+the name (``.tar``, ``.tfrecord``, anything else is newline-delimited; a
+trailing ``.gz`` is decompressed first) unless ``record_format`` says
+otherwise. A corrupt record (bad header checksum or CRC, a member or record
+cut off by the end of the file) is dropped, counted in :class:`ReadStats`,
+logged with the part file and byte offset, and reading goes on with the next
+record that can be found.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("tar", "tfrecord", "lines")
+
+# Log the first few corrupt records of a part file one by one; the rest are
+# summed up once the part is done, so a badly damaged file cannot flood logs.
+_LOG_PER_PART = 5
+
+
+@dataclass
+class ReadStats:
+    """What reading part files produced: records, dropped corrupt records, bytes."""
+
+    parts: int = 0
+    records: int = 0
+    corrupt: int = 0
+    bytes: int = 0
+    truncated_files: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: ReadStats) -> None:
+        """Fold another part's counts into these."""
+        self.parts += other.parts
+        self.records += other.records
+        self.corrupt += other.corrupt
+        self.bytes += other.bytes
+        self.truncated_files += other.truncated_files
+        for k, v in other.reasons.items():
+            self.reasons[k] = self.reasons.get(k, 0) + v
+
+
+class _Damage:
+    """Counts and logs corrupt records of one part file (rate-limited)."""
+
+    def __init__(self, source: str, stats: ReadStats):
+        self.source = source
+        self.stats = stats
+        self.logged = 0
+
+    def record(self, offset: int, reason: str) -> None:
+        self.stats.corrupt += 1
+        self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
+        if self.logged < _LOG_PER_PART:
+            log.warning("%s: dropped a corrupt record at byte %d: %s", self.source, offset, reason)
+        self.logged += 1
+
+    def close(self) -> None:
+        if self.logged > _LOG_PER_PART:
+            log.warning(
+                "%s: %d more corrupt records dropped (not logged one by one)",
+                self.source,
+                self.logged - _LOG_PER_PART,
+            )
+
+
+def part_format(name: str, record_format: str | None = None) -> tuple[str, bool]:
+    """(format, gzipped) for a part file name; ``record_format`` overrides the extension."""
+    base = name.rsplit("?", 1)[0].rstrip("/")
+    gz = base.endswith(".gz")
+    if gz:
+        base = base[:-3]
+    if record_format is not None:
+        if record_format not in FORMATS:
+            raise ValueError(f"record_format must be one of {FORMATS}, got {record_format!r}")
+        return record_format, gz
+    if base.endswith(".tar"):
+        return "tar", gz
+    if base.endswith((".tfrecord", ".tfrecords")):
+        return "tfrecord", gz
+    return "lines", gz
+
+
+def read_part(
+    data: bytes | bytearray | memoryview,
+    name: str,
+    *,
+    record_format: str | None = None,
+    stats: ReadStats | None = None,
+    check_crc: bool = True,
+) -> Iterator[tuple[int, Any]]:
+    """Yield ``(offset, record)`` for every intact record of the part file ``name``.
+
+    ``offset`` is the record's byte offset in the (decompressed) file. Tar
+    records are WebDataset samples: a dict of lower-cased extension to bytes
+    plus ``"__key__"``; TFRecord and line records are bytes.
+    """
+    stats = stats if stats is not None else ReadStats()
+    fmt, gz = part_format(name, record_format)
+    damage = _Damage(name, stats)
+    stats.parts += 1
+    truncated = False
+    if gz:
+        data, truncated = gunzip(data, name, stats)
+    stats.bytes += len(data)
+    try:
+        if fmt == "tar":
+            yield from _count(read_tar(data, damage), stats)
+        elif fmt == "tfrecord":
+            yield from _count(read_tfrecord(data, damage, check_crc=check_crc), stats)
+        else:
+            yield from _count(read_lines(data, damage, truncated=truncated), stats)
+    finally:
+        damage.close()
+
+
+def _count(records: Iterator[tuple[int, Any]], stats: ReadStats) -> Iterator[tuple[int, Any]]:
+    for rec in records:
+        stats.records += 1
+        yield rec
+
+
+def gunzip(data: bytes | memoryview, name: str, stats: ReadStats) -> tuple[bytes, bool]:
+    """Decompress (possibly multi-member) gzip; a cut-off stream keeps what was readable.
+
+    Returns ``(data, truncated)``.
+    """
+    out = []
+    rest = bytes(data)
+    while rest:
+        dec = zlib.decompressobj(wbits=31)
+        try:
+            out.append(dec.decompress(rest))
+        except zlib.error as err:
+            log.warning("%s: corrupt gzip stream, keeping what came before it: %s", name, err)
+            stats.truncated_files += 1
+            return b"".join(out), True
+        if not dec.eof:
+            log.warning("%s: gzip stream cut off; keeping the complete records before it", name)
+            stats.truncated_files += 1
+            return b"".join(out), True
+        rest = dec.unused_data.lstrip(b"\0")  # some writers pad members with zeros
+    return b"".join(out), False
+
+
+# ---------------------------------------------------------------- lines
+
+
+def read_lines(
+    data: bytes | memoryview, damage: _Damage, truncated: bool = False
+) -> Iterator[tuple[int, bytes]]:
+    """Newline-delimited records (``\\r\\n`` too); empty lines are skipped."""
+    data = bytes(data)
+    lines = data.split(b"\n")
+    cut = truncated and not data.endswith(b"\n")
+    last = len(lines) - 1
+    offset = 0
+    for i, line in enumerate(lines):
+        start = offset
+        offset += len(line) + 1
+        if i == last and cut:
+            if line:
+                damage.record(start, "line cut off by the end of a truncated file")
+            break
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if line:
+            yield start, line
+
+
+# ---------------------------------------------------------------- tfrecord
+
+_MASK_DELTA = 0xA282EAD8
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+def _crc32c_py(data: bytes | memoryview, _table: list[int] = _crc32c_table()) -> int:
+    crc = 0xFFFFFFFF
+    for b in bytes(data):
+        crc = _table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+try:  # the C implementation is ~1000x faster; the pure-Python one is the fallback
+    from google_crc32c import value as _crc32c_c
+
+    def crc32c(data: bytes | memoryview) -> int:
+        """CRC-32C (Castagnoli) of ``data``."""
+        return _crc32c_c(bytes(data) if isinstance(data, memoryview) else data)
+
+except ImportError:  # pragma: no cover - depends on the environment
+    crc32c = _crc32c_py
+
+
+def masked_crc32c(data: bytes | memoryview) -> int:
+    """TFRecord's masked CRC-32C (rotated right by 15 bits plus a constant)."""
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def write_tfrecord(payload: bytes) -> bytes:
+    """One TFRecord frame: length, masked CRC of the length, payload, masked CRC of it."""
+    head = struct.pack("<Q", len(payload))
+    return (
+        head
+        + struct.pack("<I", masked_crc32c(head))
+        + payload
+        + struct.pack("<I", masked_crc32c(payload))
+    )
+
+
+def read_tfrecord(
+    data: bytes | memoryview, damage: _Damage, check_crc: bool = True
+) -> Iterator[tuple[int, bytes]]:
+    """TFRecord frames; a bad length CRC resynchronises on the next valid header."""
+    data = bytes(data)
+    end = len(data)
+    off = 0
+    unpack_q = struct.Struct("<Q").unpack_from
+    unpack_i = struct.Struct("<I").unpack_from
+    while off < end:
+        if end - off < 12:
+            damage.record(off, f"record header cut off ({end - off} of 12 bytes)")
+            return
+        (length,) = unpack_q(data, off)
+        if check_crc and masked_crc32c(data[off : off + 8]) != unpack_i(data, off + 8)[0]:
+            damage.record(off, "bad length CRC")
+            off = _resync_tfrecord(data, off + 1)
+            continue
+        stop = off + 12 + length
+        if stop + 4 > end:
+            damage.record(off, f"record cut off ({end - off - 12} of {length + 4} bytes)")
+            return
+        payload = data[off + 12 : stop]
+        if check_crc and masked_crc32c(payload) != unpack_i(data, stop)[0]:
+            damage.record(off, "bad data CRC")
+        else:
+            yield off, payload
+        off = stop + 4
+
+
+def _resync_tfrecord(data: bytes, off: int) -> int:
+    """The next offset whose 8 length bytes carry a valid masked CRC (or the end)."""
+    unpack_i = struct.Struct("<I").unpack_from
+    end = len(data) - 12
+    while off <= end:
+        if masked_crc32c(data[off : off + 8]) == unpack_i(data, off + 8)[0]:
+            return off
+        off += 1
+    return len(data)
+
+
+# ---------------------------------------------------------------- tar
+
+_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset skips __meta__ members
+_BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
+
+
+def _tar_number(field: bytes, source: str, offset: int) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
+        return int.from_bytes(field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    return int(text, 8) if text else 0
+
+
+def _header_ok(header: bytes, block_sum: int | None = None) -> bool:
+    """The header's checksum field matches its bytes (the field itself counted as spaces)."""
+    try:
+        want = int(header[148:156].split(b"\0", 1)[0].strip(b" ") or b"-1", 8)
+    except ValueError:
+        return False
+    total = sum(header) if block_sum is None else block_sum
+    return total - sum(header[148:156]) + 8 * 32 == want
+
+
+def _block_sums(data: bytes) -> np.ndarray:
+    """The byte sum of every 512-byte block, computed at once (header checks cost ~0)."""
+    n = len(data) // _BLOCK
+    return np.frombuffer(data, np.uint8, count=n * _BLOCK).reshape(n, _BLOCK).sum(1, dtype=np.int64)
+
+
+def _tar_members(data: bytes, damage: _Damage) -> Iterator[tuple[int, str | None, bytes | None]]:
+    """(header offset, name, content) of regular members.
+
+    content None: the member is cut off by the end of the file (name "" when
+    its header is); name None too: a damaged header, already counted.
+    """
+    end = len(data)
+    off = 0
+    sums = _block_sums(data)
+    long_name: str | None = None
+    pax_path: str | None = None
+    first = 0  # where this member's headers start (pax / GNU long-name headers first)
+    while off + _BLOCK <= end:
+        header = data[off : off + _BLOCK]
+        if header == _ZERO_BLOCK:
+            return  # end-of-archive marker
+        if not _header_ok(header, int(sums[off // _BLOCK])):
+            damage.record(off, "bad tar header checksum")
+            yield off, None, None  # tells read_tar that a member was lost here
+            off = first = _resync_tar(data, off + _BLOCK)
+            long_name = pax_path = None
+            continue
+        size = _tar_number(header[124:136], damage.source, off)
+        kind = header[156:157]
+        start = off + _BLOCK
+        stop = start + size
+        if stop > end:
+            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
+            yield first, long_name or pax_path or name, None
+            return
+        nxt = start + -(-size // _BLOCK) * _BLOCK
+        if kind == b"L":  # GNU long name for the next member
+            long_name = data[start:stop].split(b"\0", 1)[0].decode("utf-8", "replace")
+        elif kind == b"x":  # pax extended header: only `path` matters here
+            pax_path = _pax_path(data[start:stop]) or pax_path
+        elif kind in (b"0", b"\0", b"7"):
+            if long_name or pax_path:
+                name = long_name or pax_path
+            else:
+                name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
+                prefix = header[345:500].split(b"\0", 1)[0]
+                if header[257:262] == b"ustar" and prefix:
+                    name = prefix.decode("utf-8", "replace") + "/" + name
+            yield first, name, data[start:stop]
+            long_name = pax_path = None
+        else:  # directories, links, global pax headers: nothing to read
+            long_name = pax_path = None
+        off = nxt
+        if kind not in (b"L", b"x"):
+            first = off
+    if off < end and data[off:].strip(b"\0"):
+        yield first, "", None  # a header cut off: whose member it was is unknown
+
+
+def _pax_path(block: bytes) -> str | None:
+    pos = 0
+    path = None
+    while pos < len(block):
+        sp = block.find(b" ", pos)
+        if sp < 0:
+            break
+        try:
+            n = int(block[pos:sp])
+        except ValueError:
+            break
+        if n <= 0:
+            break
+        key, _, value = block[sp + 1 : pos + n - 1].partition(b"=")
+        if key == b"path":
+            path = value.decode("utf-8", "replace")
+        pos += n
+    return path
+
+
+def _resync_tar(data: bytes, off: int) -> int:
+    """The offset of the next 512-byte block that is a valid tar header (or the end)."""
+    end = len(data)
+    while off + _BLOCK <= end:
+        header = data[off : off + _BLOCK]
+        if header != _ZERO_BLOCK and _header_ok(header):
+            return off
+        off += _BLOCK
+    return end
+
+
+def read_tar(data: bytes | memoryview, damage: _Damage) -> Iterator[tuple[int, dict[str, Any]]]:
+    """WebDataset samples: consecutive members sharing a key form one dict ext -> bytes.
+
+    Grouping matches webdataset (key = path up to the first dot of the file
+    name, lower-cased extensions, ``__meta__`` members skipped). A sample with
+    a cut-off or duplicated member is dropped whole.
+    """
+    data = bytes(data)
+    sample: dict[str, Any] | None = None
+    sample_off = 0
+    bad = False
+    lost_key = None  # the sample a damaged header hit: its other members are dropped too
+    for off, name, content in _tar_members(data, damage):
+        if name is None:
+            if sample is not None:
+                lost_key, sample = sample["__key__"], None
+            continue
+        if content is None:
+            # The sample this member belongs to is incomplete: drop it (one count).
+            damage.record(off, f"tar member {name or '(header)'!r} cut off by the end of the file")
+            m = _KEY_EXT.match(name)
+            if sample is not None and (m is None or m.group(1) == sample["__key__"]):
+                sample = None  # it may have lost members: never deliver it half
+            break
+        if "__" in name and (
+            ("/" not in name and name.startswith("__") and name.endswith("__"))
+            or _SKIP_META.match(name)
+        ):
+            continue
+        m = _KEY_EXT.match(name)
+        if m is None:
+            continue
+        key, ext = m.group(1), m.group(2).lower()
+        if key == lost_key:
+            continue
+        if sample is None or key != sample["__key__"]:
+            if sample is not None and not bad:
+                yield sample_off, sample
+            sample = {"__key__": key}
+            sample_off = off
+            bad = False
+        if ext in sample:
+            if not bad:
+                damage.record(off, f"duplicate member {name!r} in sample {key!r}")
+            bad = True
+            continue
+        sample[ext] = content
+    if sample is not None and not bad:
+        yield sample_off, sample

@@ -1,0 +1,309 @@
+"""Workers: fetch and decode one batch of sources into a slot of the batch ring.
+
+Two kinds with one interface (``submit(slot, sources) -> job``, ``result(job)``,
+``close()``), both running the same coroutine, :func:`fill`:
+
+- :class:`ThreadWorkers`: one Fetcher loop thread in this process; processors
+  run on a pool of `num_workers` threads (0: inline on the loop thread). Cheap
+  to start, but the GIL caps decoding at about one core.
+- :class:`ProcessWorkers`: `num_workers` processes, each with its own event
+  loop and HTTP session, decoding straight into the ring, which lives in shared
+  memory allocated once. The main process sends one small message per batch
+  (slot and sources) and gets back which rows succeeded; it never touches the
+  bytes. Works with the fork, forkserver and spawn start methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import multiprocessing as mp
+import os
+import pickle
+import signal
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from .fetch import Fetcher, FetchError, Stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchResult:
+    """What happened to each row of a batch: small, so it pickles fast."""
+
+    ok: list[bool]
+    extras: dict[int, Any] = field(default_factory=dict)
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (row, cause)
+    stats: dict = field(default_factory=Stats)
+
+
+async def fill(
+    fetcher: Fetcher,
+    sources: list[Any],
+    out: torch.Tensor,
+    processor: Any,
+    opt: Any,
+    executor: concurrent.futures.Executor | None = None,
+) -> BatchResult:
+    """Fetch every source and let `processor` decode item i into ``out[i]``, concurrently."""
+    res = BatchResult(ok=[False] * len(sources))
+    stats = res.stats
+    loop = asyncio.get_running_loop()
+
+    async def one(i: int, source: Any) -> None:
+        try:
+            data = await fetcher.fetch(source, stats)
+        except FetchError as err:
+            stats["failed"] += 1
+            res.errors.append((i, err.cause))
+            return
+        except Exception as err:  # a bug or an odd backend error: still only this item
+            stats["failed"] += 1
+            res.errors.append((i, f"{type(err).__name__}: {err}"))
+            return
+        try:
+            if executor is None:
+                ret = processor(data, opt, out[i])
+            else:
+                ret = await loop.run_in_executor(executor, processor, data, opt, out[i])
+        except Exception as err:
+            stats["dropped"] += 1
+            res.errors.append((i, f"processor raised {type(err).__name__}: {err}"))
+            return
+        extra = None
+        if isinstance(ret, tuple):
+            ret, extra = ret
+        if ret is False:
+            stats["dropped"] += 1
+            res.errors.append((i, "processor returned False"))
+            return
+        res.ok[i] = True
+        if extra is not None:
+            res.extras[i] = extra
+
+    await asyncio.gather(*(one(i, s) for i, s in enumerate(sources)))
+    return res
+
+
+class ThreadWorkers:
+    """Fetch on one event loop thread, decode on `num_workers` threads, all in this process."""
+
+    kind = "thread"
+
+    def __init__(self, slots: torch.Tensor, processor: Any, opt: Any, fetch_kw: dict,
+                 num_workers: int = 1):  # fmt: skip
+        self.slots = slots
+        self.processor, self.opt = processor, opt
+        self.fetcher = Fetcher(**fetch_kw)
+        self.executor = (
+            concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="dataset-decode")
+            if num_workers > 0
+            else None
+        )
+
+    def submit(self, slot: int, sources: list[Any]) -> concurrent.futures.Future:
+        out = self.slots[slot]
+        return self.fetcher.submit(
+            fill(self.fetcher, sources, out, self.processor, self.opt, self.executor)
+        )
+
+    def result(self, job: concurrent.futures.Future) -> BatchResult:
+        return job.result()
+
+    def close(self) -> None:
+        self.fetcher.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+class WorkerDied(RuntimeError):
+    """A process worker exited while batches were in flight."""
+
+
+class ProcessWorkers:
+    """`num_workers` processes filling a ring of batch slots in shared memory."""
+
+    kind = "process"
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        processor: Any,
+        opt: Any,
+        fetch_kw: dict,
+        num_workers: int,
+        mp_context: str | None = None,
+    ):
+        try:
+            payload = pickle.dumps((processor, opt), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:
+            raise TypeError(
+                f"workers='process' needs a picklable processor and processor_opt, but "
+                f"{processor!r} cannot be pickled ({type(err).__name__}: {err}); use a "
+                "module-level function or a class instance such as dataset.processors.Image, "
+                "or workers='thread'"
+            ) from err
+        if fetch_kw.get("cache") is not None:
+            try:
+                pickle.dumps(fetch_kw["cache"])
+            except Exception as err:
+                raise TypeError(f"workers='process' needs a picklable cache: {err}") from err
+        ctx = mp.get_context(mp_context)
+        nbytes = max(1, math.prod(shape) * 4)
+        self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.slots = torch.frombuffer(self._shm.buf, dtype=torch.float32, count=math.prod(shape))
+        self.slots = self.slots.view(shape)
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._outstanding: list[deque] = []
+        self._next_job = 0
+        self._closed = False
+        try:
+            for w in range(num_workers):
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(child, self._shm.name, shape, payload, fetch_kw, w),
+                    name=f"dataset-worker-{w}",
+                    daemon=True,
+                )
+                proc.start()
+                child.close()  # so a dead worker reads as EOF here
+                self._procs.append(proc)
+                self._conns.append(parent)
+                self._outstanding.append(deque())
+        except BaseException:
+            self.close()
+            raise
+
+    def submit(self, slot: int, sources: list[Any]) -> tuple[int, int]:
+        # least loaded worker; ties go to the lowest index
+        w = min(range(len(self._procs)), key=lambda i: len(self._outstanding[i]))
+        job = self._next_job
+        self._next_job += 1
+        try:
+            self._conns[w].send((job, slot, sources))
+        except (BrokenPipeError, ConnectionResetError, OSError) as err:
+            raise self._died(w, err) from None
+        self._outstanding[w].append(job)
+        return w, job
+
+    def result(self, handle: tuple[int, int]) -> BatchResult:
+        w, job = handle
+        # each worker answers its jobs in order, and jobs are consumed in global
+        # order, so the next answer on this worker's pipe is this job's
+        conn, proc = self._conns[w], self._procs[w]
+        while not conn.poll(1.0):
+            if not proc.is_alive():
+                raise self._died(w, None)
+        try:
+            got, res = conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as err:
+            raise self._died(w, err) from None
+        assert got == job == self._outstanding[w].popleft(), (got, job)
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def _died(self, w: int, err: BaseException | None) -> WorkerDied:
+        proc = self._procs[w]
+        proc.join(timeout=1)
+        return WorkerDied(
+            f"dataset worker process {w} (pid {proc.pid}) died with exit code "
+            f"{proc.exitcode}" + (f" ({err})" if err else "")
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        del self.slots
+        # BufferError: a batch view still maps it; the mapping goes with the last reference
+        with contextlib.suppress(BufferError):
+            self._shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._shm.unlink()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _worker_main(conn, shm_name: str, shape, payload: bytes, fetch_kw: dict, rank: int) -> None:
+    """A process worker: its own event loop and session, decoding into shared memory."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    torch.set_num_threads(1)
+    processor, opt = pickle.loads(payload)
+    shm = shared_memory.SharedMemory(name=shm_name)
+    slots = torch.frombuffer(shm.buf, dtype=torch.float32, count=math.prod(shape)).view(shape)
+    try:
+        asyncio.run(_worker_loop(conn, slots, processor, opt, fetch_kw))
+    finally:
+        del slots
+        with contextlib.suppress(BufferError):
+            shm.close()
+        conn.close()
+        os._exit(0)  # skip atexit (the resource tracker, torch) in a worker
+
+
+async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict) -> None:
+    loop = asyncio.get_running_loop()
+    fetcher = Fetcher(**fetch_kw)
+    done = asyncio.Event()
+    previous: asyncio.Future | None = None
+    tasks: set[asyncio.Task] = set()
+
+    async def run(job: int, slot: int, sources: list, before: asyncio.Future | None) -> None:
+        try:
+            res: Any = await fill(fetcher, sources, slots[slot], processor, opt)
+        except BaseException as err:  # report, so the main process raises it
+            res = RuntimeError(f"worker failed on a batch: {type(err).__name__}: {err}")
+        if before is not None:
+            await before  # answers go back in job order
+        conn.send((job, res))
+
+    def readable() -> None:
+        nonlocal previous
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = None
+        if msg is None:
+            loop.remove_reader(conn.fileno())
+            done.set()
+            return
+        job, slot, sources = msg
+        task = loop.create_task(run(job, slot, sources, previous))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        previous = task
+
+    loop.add_reader(conn.fileno(), readable)
+    try:
+        await done.wait()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+    finally:
+        await fetcher.aclose()

@@ -1,0 +1,360 @@
+"""Run an example as a job: prepare the data, serve it over HTTP, start N processes.
+
+    python examples/launch.py --script SCRIPT [--nodes 4] [--data DIR] [--quick]
+                              [--server auto|nginx|aiohttp] [--port P] [SCRIPT OPTIONS...]
+
+This is what ``examples/mnist.sh`` and ``mnist-ea.sh`` run. It stands in for a
+cluster scheduler plus a CDN on one machine:
+
+1. makes the MNIST folder if it is missing (``prepare_mnist.py``, idempotent);
+2. serves it on 127.0.0.1 with nginx when installed (sendfile, no Python in
+   the serving path, so the two cores go to training), else with
+   ``python -m dataset.serve``; a busy port falls back to a free one;
+3. starts SCRIPT N times with the torchrun environment (RANK, WORLD_SIZE,
+   LOCAL_RANK, MASTER_ADDR, MASTER_PORT), a fresh IPC_TOKEN and ``--data-url``,
+   so the script has one code path for this launcher and for torchrun;
+4. waits. The first process that fails, or Ctrl-C / SIGTERM, stops every
+   process and the server (SIGTERM, then SIGKILL after a grace period); the
+   exit status is non-zero if any process failed. Children also get SIGKILL
+   from the kernel if the launcher itself is killed (PR_SET_PDEATHSIG), so no
+   orphan outlives the job.
+
+The last line printed is the final test accuracy from node 0's JSON log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import prepare_mnist  # noqa: E402  (a sibling script, not a package)
+
+log = logging.getLogger("launch")
+
+GRACE_S = 10.0  # how long a stopped process gets to exit before SIGKILL
+SERVER_START_S = 120.0  # generous: importing aiohttp on a busy 2-core machine is slow
+QUICK_ITEMS = 4000  # items per split in --quick mode
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends SIGKILL when the launcher dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still applies
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = GRACE_S) -> None:
+    """SIGTERM every live process, then SIGKILL what is left after `grace` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop within %.0f s; killing it", p.pid, grace)
+            p.kill()
+            p.wait()
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+class Server:
+    """A static file server for `root` on 127.0.0.1: nginx or dataset.serve."""
+
+    def __init__(self, root: Path, kind: str = "auto", port: int = 0) -> None:
+        self.root = Path(root).resolve()
+        self.kind = kind
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+        self.tmp = Path(tempfile.mkdtemp(prefix="mnist-server-"))
+        self.url = ""
+
+    def start(self) -> str:
+        kind = self.kind
+        if kind == "auto":
+            kind = "nginx" if shutil.which("nginx") else "aiohttp"
+        if kind == "nginx":
+            self._start_nginx()
+        else:
+            self._start_aiohttp()
+        self.kind = kind
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self._wait_ready()
+        log.info("serving %s at %s (%s, pid %d)", self.root, self.url, kind, self.proc.pid)
+        return self.url
+
+    def _start_aiohttp(self) -> None:
+        port_file = self.tmp / "port"
+        cmd = [sys.executable, "-m", "dataset.serve", str(self.root)]
+        cmd += ["--port", str(self.port), "--port-file", str(port_file)]
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        )
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + SERVER_START_S
+        while not port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the data server exited ({describe(self.proc.returncode)}): {cmd}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the data server did not start in {SERVER_START_S:.0f} s: {cmd}"
+                )
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+
+    def _start_nginx(self) -> None:
+        if self.port and not port_is_free(self.port):
+            log.warning("port %d is in use; taking a free one", self.port)
+            self.port = 0
+        for _attempt in range(5):  # a free port can be taken between our check and nginx's bind
+            port = self.port or free_port()
+            conf = self.tmp / "nginx.conf"
+            conf.write_text(NGINX_CONF.format(tmp=self.tmp, port=port, root=self.root))
+            cmd = ["nginx", "-p", str(self.tmp), "-c", str(conf), "-e", str(self.tmp / "error.log")]
+            self.proc = subprocess.Popen(
+                cmd, preexec_fn=_die_with_parent, stderr=subprocess.DEVNULL
+            )
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if not port_is_free(port):
+                    self.port = port
+                    return
+                time.sleep(0.05)
+            stop_processes([self.proc], grace=2)
+            errors = (self.tmp / "error.log").read_text(errors="replace")[-2000:]
+            if "Address already in use" not in errors:
+                raise RuntimeError(f"nginx did not start ({cmd}):\n{errors}")
+            self.port = 0
+        raise RuntimeError("nginx: no free port after 5 attempts")
+
+    def _wait_ready(self) -> None:
+        """The server answers a real request for a file we know is there."""
+        deadline = time.monotonic() + SERVER_START_S
+        probe = self.url + "train.csv"
+        while True:
+            try:
+                with urllib.request.urlopen(probe, timeout=2) as r:
+                    r.read(1)
+                return
+            except OSError as err:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"the {self.kind} data server does not answer {probe}: {err}"
+                    ) from err
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_processes([self.proc], grace=5)  # nginx: SIGTERM is a fast shutdown
+            self.proc = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+NGINX_CONF = """\
+daemon off;
+master_process off;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    types {{ text/csv csv; image/png png; }}
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        autoindex off;
+        disable_symlinks on;
+    }}
+}}
+"""
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame) -> None:
+    # Once is enough: a second Ctrl-C must not cut the (bounded) cleanup short.
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def run_job(script: Path, nodes: int, url: str, args: list[str]) -> int:
+    """Start `nodes` processes of `script`; wait for all, or stop all at the first failure."""
+    master_port = free_port()
+    token = secrets.token_hex(16)  # the ipc tree admits only processes of this job
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(nodes):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(nodes),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(nodes),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master_port),
+                IPC_TOKEN=token,
+            )
+            cmd = [sys.executable, str(script), "--data-url", url, *args]
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        log.info("started %d processes of %s: pids %s", nodes, script.name, [p.pid for p in procs])
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                log.error(
+                    "node %d (pid %d) failed: %s; stopping the job",
+                    rank,
+                    procs[rank].pid,
+                    describe(code),
+                )
+                stop_processes(procs)
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        stop_processes(procs)
+
+
+def final_line(output: Path, script: Path, seconds: float) -> str:
+    """The job's result from node 0's JSON log: the last line the user sees."""
+    try:
+        result = json.loads((output / "log.json").read_text())
+        last = result["epochs"][-1]
+        return (
+            f"{script.name}: final test accuracy {100 * last['test_accuracy']:.2f}% after "
+            f"{len(result['epochs'])} epochs, {result['nodes']} processes, {seconds:.0f} s "
+            f"(log and plot in {output})"
+        )
+    except (OSError, ValueError, KeyError, IndexError) as err:
+        log_file = output / "log.json"
+        return f"{script.name}: finished in {seconds:.0f} s, but no result in {log_file} ({err})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Other options go to the script: see python SCRIPT --help.",
+    )
+    p.add_argument("--script", type=Path, required=True, help="the example, e.g. examples/mnist.py")
+    p.add_argument("--nodes", type=int, default=4, help="processes to start (default %(default)s)")
+    p.add_argument("--data", type=Path, help="MNIST folder (default examples/data/mnist[-quick])")
+    p.add_argument(
+        "--server",
+        choices=["auto", "nginx", "aiohttp"],
+        default="auto",
+        help="default: nginx if installed",
+    )
+    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--output", type=Path, help="where the script writes its log and plot")
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_ITEMS} items per split, one epoch")
+    a, script_args = p.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    t0 = time.monotonic()
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_interrupted)
+    data = a.data or prepare_mnist.DEFAULT_OUT.with_name("mnist-quick" if a.quick else "mnist")
+    output = a.output or HERE / "output" / a.script.stem
+    args = [*script_args, "--output", str(output)] + (["--quick"] if a.quick else [])
+    server = Server(data, a.server, a.port)
+    code = 1
+    try:
+        prepare_mnist.prepare(data, limit=QUICK_ITEMS if a.quick else None)
+        url = server.start()
+        code = run_job(a.script.resolve(), a.nodes, url, args)
+    except Interrupted as sig:
+        log.error("%s: stopping every process and the server", sig)
+        code = 128 + sig.signum
+    finally:
+        # Ctrl-C again while cleaning up must not leave the server behind.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        server.stop()
+    if code == 0:
+        print(final_line(output, a.script, time.monotonic() - t0), flush=True)
+    else:
+        print(
+            f"{a.script.name}: FAILED ({describe(code) if code < 128 else describe(128 - code)})",
+            flush=True,
+        )
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

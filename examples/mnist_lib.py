@@ -1,0 +1,431 @@
+"""What examples/mnist.py (AllReduceSGD) and examples/mnist-ea.py (AllReduceEA) share.
+
+The data flow of both: a CSV index of PNG files, served over HTTP, read by
+``Dataset(url, partition=rank, partitions=N)`` with the ``permutation`` sampler
+and the ``Image`` processor; a small CNN; a communicator (the ``ipc`` tree, or
+``torch.distributed`` gloo) that the algorithm uses to keep the nodes together.
+Each epoch ends with an evaluation on the test set split across the nodes, whose
+confusion matrix is all-reduced so that every node reports the same numbers.
+
+The two scripts differ only in the :class:`Algorithm` they pass to :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE.parent))  # a checkout that is not pip-installed still runs
+
+from dataset.processors import Image  # noqa: E402
+
+from dataset import Dataset  # noqa: E402
+
+log = logging.getLogger("mnist")
+
+CLASSES = 10
+QUICK_TRAIN_ITEMS = 4000  # --quick: items per epoch over all nodes
+QUICK_TEST_ITEMS = 2000
+
+
+class Net(nn.Module):
+    """The Lua example's CNN: two 5x5 convolutions with 16 maps, tanh, 2x2 max-pooling,
+    then a linear layer (28x28 input: 16 x 4 x 4 features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5),
+            nn.Tanh(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 16, 5),
+            nn.Tanh(),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Linear(16 * 4 * 4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).flatten(1))
+
+
+class Algorithm:
+    """How the nodes stay together; the hooks run at fixed points of the training loop."""
+
+    name = "single process"
+
+    def start(self, comm: Any, model: nn.Module) -> None:
+        """Before the first step: every node begins from the same weights."""
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Gradients are in `.grad`; the optimizer steps next."""
+
+    def after_step(self, model: nn.Module) -> None:
+        """The optimizer has stepped."""
+
+    def end_epoch(self, model: nn.Module) -> nn.Module:
+        """After the last step of an epoch; returns the model to evaluate."""
+        return model
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def parser(description: str, lr: float, epochs: int, batch_size: int) -> argparse.ArgumentParser:
+    """Options shared by both scripts; each script passes its own tuned defaults."""
+    p = argparse.ArgumentParser(description=description)
+    g = p.add_argument_group("nodes")
+    g.add_argument(
+        "--node-index",
+        type=int,
+        default=None,
+        help="0-based index of this process (default $RANK, else 0)",
+    )
+    g.add_argument(
+        "--num-nodes",
+        type=int,
+        default=None,
+        help="number of processes (default $WORLD_SIZE, else 1)",
+    )
+    g.add_argument(
+        "--backend",
+        choices=["ipc", "gloo"],
+        default="ipc",
+        help="communicator: the ipc tree (default) or torch.distributed gloo",
+    )
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=29500,
+        help="gloo rendezvous port when not launched by torchrun (default %(default)s)",
+    )
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=epochs, help="default %(default)s")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help="per node; the effective batch is N times this (default %(default)s)",
+    )
+    g.add_argument("--lr", type=float, default=lr, help="peak learning rate (default %(default)s)")
+    g.add_argument("--momentum", type=float, default=0.9, help="default %(default)s")
+    g.add_argument(
+        "--warmup",
+        type=float,
+        default=0.2,
+        help="epochs of linear warm-up before the cosine decay (default %(default)s)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="weights and sampling order")
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"one epoch of {QUICK_TRAIN_ITEMS} items, {QUICK_TEST_ITEMS} test items",
+    )
+    g = p.add_argument_group("data and output")
+    g.add_argument(
+        "--data-url",
+        default=str(HERE / "data" / "mnist"),
+        help="folder or URL holding train.csv and test.csv (default %(default)s)",
+    )
+    g.add_argument(
+        "--loader",
+        choices=["thread", "process"],
+        default="thread",
+        help="Dataset decode workers; one thread is plenty for 28x28 PNGs (default %(default)s)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: cores / processes on this host, at least 1)",
+    )
+    g.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="where node 0 writes log.json and plot.png (default examples/output/SCRIPT)",
+    )
+    return p
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def connect(args: argparse.Namespace) -> Any:
+    """The communicator: ipc tree or gloo, from explicit options or torchrun's environment."""
+    explicit = args.node_index is not None or args.num_nodes is not None
+    node = args.node_index if args.node_index is not None else int(os.environ.get("RANK", 0))
+    nodes = args.num_nodes if args.num_nodes is not None else int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= node < nodes:
+        raise SystemExit(f"--node-index {node} is not in [0, {nodes})")
+    if args.backend == "ipc":
+        import ipc
+
+        if not explicit and "RANK" in os.environ:
+            return ipc.Tree.from_env()
+        return ipc.LocalhostTree(node, nodes)
+    import torch.distributed as dist
+    from distlearn.backends import TorchDistributed
+
+    if not explicit and "RANK" in os.environ:
+        return TorchDistributed.from_env("gloo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.master_port}",
+        rank=node,
+        world_size=nodes,
+    )
+    comm = TorchDistributed()
+    comm._owns_group = True  # close() destroys the group we made
+    return comm
+
+
+def join(base: str, name: str) -> str:
+    """`name` inside the folder or URL `base`."""
+    if "://" in base:
+        return base.rstrip("/") + "/" + name
+    return str(Path(base) / name)
+
+
+def default_threads(nodes: int) -> int:
+    """Cores per process on this host: more threads than cores only adds switching."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nodes))
+    return max(1, (os.cpu_count() or 1) // max(1, local))
+
+
+class Schedule:
+    """Linear warm-up, then cosine decay to zero over the whole run (per step)."""
+
+    def __init__(self, lr: float, total_steps: int, warmup_steps: int) -> None:
+        self.lr, self.total, self.warmup = lr, max(1, total_steps), max(0, warmup_steps)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Any, comm: Any, limit: int | None) -> dict[str, Any]:
+    """Loss, accuracy and confusion matrix over every node's share of the test set,
+    all-reduced so that every node gets the same numbers."""
+    model.eval()
+    confusion = torch.zeros(CLASSES, CLASSES, dtype=torch.int64)
+    loss_sum = torch.zeros(1, dtype=torch.float64)
+    seen = 0
+    for batch in batches:
+        if limit is not None and seen >= limit:
+            break
+        out = model(batch.input)
+        loss_sum += F.cross_entropy(out, batch.target, reduction="sum").item()
+        pred = out.argmax(1)
+        confusion.view(-1).index_add_(
+            0, batch.target * CLASSES + pred, torch.ones_like(pred, dtype=torch.int64)
+        )
+        seen += len(batch.target)
+    model.train()
+    comm.all_reduce([confusion, loss_sum])
+    total = int(confusion.sum())
+    return {
+        "test_loss": float(loss_sum) / max(1, total),
+        "test_accuracy": float(confusion.diag().sum()) / max(1, total),
+        "test_items": total,
+        "confusion": confusion.tolist(),
+    }
+
+
+def format_confusion(confusion: list[list[int]]) -> str:
+    """Rows: true digit; columns: predicted; last column: per-class accuracy."""
+    lines = ["true\\pred " + " ".join(f"{c:>5}" for c in range(CLASSES)) + "   acc"]
+    for true, row in enumerate(confusion):
+        acc = row[true] / max(1, sum(row))
+        lines.append(f"{true:>9} " + " ".join(f"{v:>5}" for v in row) + f" {100 * acc:5.1f}%")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def write_outputs(output: Path, record: dict[str, Any]) -> tuple[Path, Path | None]:
+    """log.json, and plot.png (loss and accuracy per epoch) when matplotlib is installed."""
+    output.mkdir(parents=True, exist_ok=True)
+    log_path = output / "log.json"
+    tmp = log_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, log_path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install -e .[examples]): no plot")
+        return log_path, None
+    epochs = [e["epoch"] for e in record["epochs"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(epochs, [e["train_loss"] for e in record["epochs"]], "o-", label="train")
+    ax1.plot(epochs, [e["test_loss"] for e in record["epochs"]], "o-", label="test")
+    ax1.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax1.legend()
+    ax2.plot(epochs, [100 * e["test_accuracy"] for e in record["epochs"]], "o-")
+    ax2.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(f"{record['script']}: {record['algorithm']}, {record['nodes']} processes")
+    fig.tight_layout()
+    plot_path = output / "plot.png"
+    fig.savefig(plot_path, dpi=100)
+    plt.close(fig)
+    return log_path, plot_path
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def main(
+    script: str,
+    make_algorithm: Callable[[argparse.Namespace], Algorithm],
+    p: argparse.ArgumentParser,
+    argv: list[str] | None = None,
+) -> int:
+    """Parse options, connect, train for the epochs, evaluate each, write the outputs."""
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.quick:
+        args.epochs = 1
+    comm = connect(args)
+    node, nodes = comm.node_index, comm.num_nodes
+    lead = node == 0
+    torch.set_num_threads(args.threads or default_threads(nodes))
+    torch.manual_seed(args.seed)  # the same initial weights everywhere; the algorithm checks
+    algorithm = make_algorithm(args)
+    output = args.output or HERE / "output" / Path(script).stem
+
+    loader = dict(workers=args.loader, num_workers=1 if args.loader == "thread" else None)
+    train_ds = Dataset(join(args.data_url, "train.csv"), partition=node, partitions=nodes)
+    test_ds = Dataset(join(args.data_url, "test.csv"), partition=node, partitions=nodes)
+    train = train_ds.sampled_batcher(
+        batch_size=args.batch_size,
+        input_dims=(1, 28, 28),
+        sampler="permutation",
+        processor=Image(mode="L"),
+        seed=args.seed,
+        **loader,
+    )
+    test = test_ds.sampled_batcher(
+        batch_size=500,
+        input_dims=(1, 28, 28),
+        sampler="linear",
+        processor=Image(mode="L"),
+        **loader,
+    )
+    train_limit = QUICK_TRAIN_ITEMS // nodes if args.quick else None
+    test_limit = QUICK_TEST_ITEMS // nodes if args.quick else None
+    steps_per_epoch = (
+        len(train) if train_limit is None else math.ceil(train_limit / args.batch_size)
+    )
+
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    schedule = Schedule(
+        args.lr, steps_per_epoch * args.epochs, round(args.warmup * steps_per_epoch)
+    )
+    algorithm.start(comm, model)
+    if lead:
+        print(
+            f"{script}: {algorithm.name}, {nodes} process{'es' if nodes > 1 else ''} "
+            f"({args.backend}), {len(train_ds.index)} train items on node 0, "
+            f"batch {args.batch_size} x {nodes}, lr {args.lr}, {args.epochs} epochs",
+            flush=True,
+        )
+    record: dict[str, Any] = {
+        "script": script,
+        "algorithm": algorithm.name,
+        "nodes": nodes,
+        "backend": args.backend,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "epochs": [],
+    }
+    step = 0
+    try:
+        for epoch in range(1, args.epochs + 1):
+            t0 = time.perf_counter()
+            stats = torch.zeros(3, dtype=torch.float64)  # loss sum, items, steps
+            bar = None
+            if lead:
+                from tqdm import tqdm
+
+                bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch}", unit="step", leave=False)
+            for batch in train:
+                if train_limit is not None and stats[1] >= train_limit:
+                    break
+                for group in optimizer.param_groups:
+                    group["lr"] = schedule(step)
+                loss = F.cross_entropy(model(batch.input), batch.target)
+                optimizer.zero_grad(set_to_none=False)
+                loss.backward()
+                algorithm.after_backward(model)
+                optimizer.step()
+                algorithm.after_step(model)
+                n = len(batch.target)
+                stats += torch.tensor([loss.item() * n, n, 1], dtype=torch.float64)
+                step += 1
+                if bar is not None:
+                    bar.update()
+                    bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            if bar is not None:
+                bar.close()
+            evaluated = algorithm.end_epoch(model)
+            train_seconds = time.perf_counter() - t0
+            comm.all_reduce(stats)
+            result = evaluate(evaluated, test, comm, test_limit)
+            seconds = time.perf_counter() - t0
+            entry = {
+                "epoch": epoch,
+                "train_loss": float(stats[0] / max(1, stats[1])),
+                "train_items": int(stats[1]),
+                "items_per_s": float(stats[1]) / train_seconds,
+                "seconds": seconds,
+                **result,
+            }
+            record["epochs"].append(entry)
+            if lead:
+                print(
+                    f"epoch {epoch}/{args.epochs}: train loss {entry['train_loss']:.4f}, "
+                    f"test loss {entry['test_loss']:.4f}, "
+                    f"test accuracy {100 * entry['test_accuracy']:.2f}% "
+                    f"({entry['test_items']} items), {entry['items_per_s']:.0f} items/s, "
+                    f"{seconds:.0f} s",
+                    flush=True,
+                )
+        if lead:
+            print(format_confusion(record["epochs"][-1]["confusion"]), flush=True)
+            record["stats"] = {"train": str(train.stats), "test": str(test.stats)}
+            log_path, plot_path = write_outputs(output, record)
+            print(f"wrote {log_path}" + (f" and {plot_path}" if plot_path else ""), flush=True)
+            print(
+                f"final test accuracy: {100 * record['epochs'][-1]['test_accuracy']:.2f}%",
+                flush=True,
+            )
+    finally:
+        train.close()
+        test.close()
+        comm.close()
+    return 0

@@ -1,0 +1,156 @@
+"""A real aiohttp file server that injects faults, for loader tests.
+
+    python tests/faulty_server.py ROOT PLAN.json --port-file F [--stall 5]
+
+PLAN maps a path (relative to ROOT, no leading slash) to the list of what the
+server does on successive requests for it; the last entry repeats forever:
+``"ok"`` (serve the file), ``"500"``/``"503"``/``"404"``/``"403"`` (that status),
+``"stall"`` (sleep --stall seconds, then serve), ``"cut"`` (announce the full
+length, send half the body, drop the connection). Paths not in the plan are
+served normally. Request counts per path are written to ROOT/../hits.json on
+SIGTERM so tests can check retries really happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+from collections import Counter
+from pathlib import Path
+
+from aiohttp import web
+
+
+def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter):
+    async def handle(request: web.Request) -> web.StreamResponse:
+        rel = request.match_info["path"]
+        n = hits[rel]
+        hits[rel] += 1
+        steps = plan.get(rel, ["ok"])
+        action = steps[min(n, len(steps) - 1)]
+        path = (root / rel).resolve()
+        if action.isdigit():
+            return web.Response(status=int(action), text=f"injected {action} for /{rel}\n")
+        if not path.is_file():
+            raise web.HTTPNotFound(text=f"not found: /{rel}\n")
+        body = path.read_bytes()
+        if action == "stall":
+            await asyncio.sleep(stall)
+        if action == "cut":
+            resp = web.StreamResponse(status=200)
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            await resp.write(body[: len(body) // 2])
+            assert request.transport is not None
+            request.transport.close()  # the peer sees a body cut short
+            return resp
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/{path:.+}", handle)
+    return app
+
+
+async def serve(root: Path, plan: dict, stall: float, port_file: str, hits_file: Path) -> None:
+    hits: Counter = Counter()
+    runner = web.AppRunner(make_app(root, plan, stall, hits), access_log=None)
+    await runner.setup()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    tmp = port_file + ".tmp"
+    Path(tmp).write_text(f"{sock.getsockname()[1]}\n")
+    os.replace(tmp, port_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    hits_file.write_text(json.dumps(hits))
+    await runner.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("root")
+    p.add_argument("plan")
+    p.add_argument("--port-file", required=True)
+    p.add_argument("--stall", type=float, default=5.0)
+    args = p.parse_args()
+    root = Path(args.root).resolve()
+    plan = json.loads(Path(args.plan).read_text())
+    asyncio.run(serve(root, plan, args.stall, args.port_file, root.parent / "hits.json"))
+
+
+if __name__ == "__main__":
+    main()
+
+
+def make_pngs(root: Path, n: int, labels: int = 3, size: int = 8, csv: str = "train.csv") -> Path:
+    """`n` grey PNGs under ROOT/<label>/ whose pixels (0,0),(0,1) encode the item number,
+    and a CSV index (filename,label) beside them; returns the index path."""
+    import numpy as np
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    lines = ["filename,label"]
+    for i in range(n):
+        lab = f"c{i % labels}"
+        (root / lab).mkdir(exist_ok=True)
+        arr = np.full((size, size), 7, dtype=np.uint8)
+        arr[0, 0], arr[0, 1] = i % 256, i // 256
+        Image.fromarray(arr, "L").save(root / lab / f"{i:05d}.png")
+        lines.append(f"{lab}/{i:05d}.png,{lab}")
+    index = root / csv
+    index.write_text("\n".join(lines) + "\n")
+    return index
+
+
+def item_ids(batch_input) -> list[int]:
+    """The item numbers encoded by make_pngs, read back from a batch of decoded images."""
+    px = (batch_input[:, 0, 0, :2] * 255).round().long()
+    return (px[:, 0] + 256 * px[:, 1]).tolist()
+
+
+@contextlib.contextmanager
+def running(root: Path, plan: dict | None = None, stall: float = 5.0):
+    """Run this server over `root` in a subprocess; yields (base URL, hits() -> Counter)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.conftest import repo_env, wait_for_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file = Path(tmp) / "plan.json"
+        plan_file.write_text(json.dumps(plan or {}))
+        port_file = Path(tmp) / "port"
+        proc = subprocess.Popen(
+            [sys.executable, __file__, str(root), str(plan_file),
+             "--port-file", str(port_file), "--stall", str(stall)],
+            env=repo_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+        def hits() -> Counter:
+            proc.terminate()
+            proc.wait(timeout=10)
+            return Counter(json.loads((root.parent / "hits.json").read_text()))
+
+        try:
+            yield f"http://127.0.0.1:{wait_for_file(port_file, proc)}/", hits
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

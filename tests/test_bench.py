@@ -1,0 +1,163 @@
+"""The benchmark harness end to end on tiny data: real servers, loaders and processes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import REPO, repo_env
+
+from bench import report
+from bench.data import prepare
+from bench.servers import Server, find_nginx
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read()
+
+
+@pytest.mark.parametrize("kind", ["nginx", "aiohttp"])
+def test_server_serves_files_and_stops_every_process(tmp_path, kind):
+    if kind == "nginx" and not find_nginx():
+        pytest.skip("nginx not installed")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.bin").write_bytes(b"\x00\x01payload")
+    server = Server(tmp_path, kind=kind)
+    with server:
+        assert _get(server.url + "sub/a.bin") == b"\x00\x01payload"
+        pids = server.pids()
+        assert pids
+        with pytest.raises(urllib.error.HTTPError) as err:
+            _get(server.url + "missing.bin")
+        assert err.value.code == 404
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)]  # master and workers are gone, not orphaned
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_prepare_synthetic_files_index_and_shards_agree(tmp_path):
+    import webdataset as wds
+
+    data = prepare(tmp_path / "www", 250, synthetic=True, shard_size=100)
+    assert data.n == 250 and len(data.shards) == 3
+    items = data.items()
+    assert [lab for _, lab in items[:12]] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
+    # the shards hold the same bytes and labels as the files, in index order
+    samples = list(wds.WebDataset([str(data.root / s) for s in data.shards], shardshuffle=False))
+    assert len(samples) == 250
+    for (name, label), sample in zip(items, samples, strict=True):
+        assert sample["png"] == (data.root / name).read_bytes()
+        assert int(sample["cls"]) == label
+    # a second call with the same request reuses the folder
+    stamp = (data.root / "meta.json").stat().st_mtime_ns
+    again = prepare(tmp_path / "www", 250, synthetic=True, shard_size=100)
+    assert again.n == 250 and (data.root / "meta.json").stat().st_mtime_ns == stamp
+
+
+def test_prepare_from_a_folder_and_from_a_csv(tmp_path):
+    from bench.data import synthetic_digits
+
+    src = tmp_path / "src"
+    for i, (png, label) in enumerate(synthetic_digits(30)):
+        (src / f"digit{label}").mkdir(parents=True, exist_ok=True)
+        (src / f"digit{label}" / f"{i:03d}.png").write_bytes(png)
+    data = prepare(tmp_path / "a", 20, source=src, shard_size=1000)
+    labels = [lab for _, lab in data.items()]
+    assert data.n == 20 and sorted(set(labels)) == list(range(10))  # spread over all labels
+
+    with open(src / "index.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["filename", "label"])
+        w.writerows([(f"digit3/{i:03d}.png", "three") for i in (3, 13, 23)])
+    data = prepare(tmp_path / "b", 3, source=src / "index.csv")
+    assert [lab for _, lab in data.items()] == [0, 0, 0]
+
+    (src / "bad.csv").write_text("name,label\nx.png,1\n")
+    with pytest.raises(ValueError, match=r"bad\.csv.*filename"):
+        prepare(tmp_path / "c", 3, source=src / "bad.csv")
+
+
+def _loader(row, rate, group="distlearn", params=None):
+    s = {"median": rate, "min": rate, "max": rate}
+    return {"kind": "loader", "row": row, "group": group, "params": params or {},
+            "label": row, "rate_excl": s, "rate_incl": s}  # fmt: skip
+
+
+def test_targets_compare_against_the_peer_at_its_best():
+    records = [
+        _loader("dataset-csv", 5000),
+        _loader("dataloader-requests", 1000, "peer"),
+        _loader("dataloader-requests", 2000, "peer"),  # the best setting counts
+        _loader("webdataset", 4000, "peer"),
+        _loader("aiohttp", 6000, "ceiling", {"procs": 2, "decode": True}),
+        {"kind": "allreduce", "world": 4, "impl": "gloo", "size": "1 MiB", "bytes": 1 << 20,
+         "median_s": 0.006},
+        {"kind": "allreduce", "world": 4, "impl": "tree", "size": "1 MiB", "bytes": 1 << 20,
+         "median_s": 0.002},
+    ]  # fmt: skip
+    checks = {c["target"]: c for c in report.check_targets(records)}
+    dl = checks["per-file HTTP loader vs DataLoader+requests (best)"]
+    assert dl["ratio"] == pytest.approx(2.5) and dl["status"] == "missed"
+    ceiling = checks["per-file HTTP loader vs 2-process aiohttp+PIL ceiling"]
+    assert ceiling["ratio"] == pytest.approx(5000 / 6000) and ceiling["status"] == "met"
+    assert checks["tar-shard loader vs WebDataset (best)"]["status"] == "not measured"
+    ar = [c for c in report.check_targets(records) if c["target"].startswith("allreduce 1 MiB")]
+    assert [(c["want"], c["status"]) for c in ar] == [(1.0, "met"), (2.0, "met")]
+    assert "targets (checked, not asserted)" in report.targets_text(list(checks.values()))
+
+
+@pytest.mark.timeout(400)
+def test_quick_run_end_to_end(tmp_path):
+    """A tiny full pipeline: data, server, loader rows in fresh processes, gloo, report, chart."""
+    out = tmp_path / "out"
+    rows = [
+        "pil-decode",
+        "aiohttp(procs=2, decode=True)",
+        "dataloader-requests(num_workers=2)",
+        "webdataset(num_workers=2)",
+        "dataset-csv(defaults)",
+        "dataset-shards(defaults)",
+    ]
+    cmd = [
+        sys.executable, "-m", "bench", "--no-install", "--synthetic", "--samples", "300",
+        "--reps", "1", "--rows", *rows, "--worlds", "2", "--allreduce-sizes", "1 elem", "64 KiB",
+        "--allreduce-target-s", "0.02", "--only", "loaders", "allreduce",
+        "--data-dir", str(tmp_path / "data"), "--out-dir", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=360
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "targets (checked, not asserted)" in proc.stdout
+    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    loaders = {r["label"]: r for r in recs if r["kind"] == "loader"}
+    assert set(rows[:4]) <= set(loaders)
+    for label, r in loaders.items():
+        assert "error" not in r, (label, r["error"])
+        assert r["samples"] == 300
+        assert r["rate_excl"]["median"] > 0 and r["ttfb_s"]["median"] > 0
+        assert r["peak_pss_mib"]["median"] > 10  # a python process with torch, measured
+    gloo = [r for r in recs if r["kind"] == "allreduce" and r.get("impl") == "gloo"]
+    assert [r["size"] for r in gloo] == ["1 elem", "64 KiB"]
+    assert all(r["median_s"] > 0 and len(r["times_s"]) == 1 for r in gloo)
+    md = (out / "RESULTS.md").read_text()
+    assert "## Loaders" in md and "## Allreduce" in md and "| target |" in md
+    assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
+    assert os.path.getsize(out / "results.png") > 10_000

@@ -1,0 +1,217 @@
+"""The MNIST examples end to end: real data over HTTP, 4 real processes, real faults.
+
+Every job runs in its own session (start_new_session), so "no orphans" is checked
+for real: after the job, no process of that session may be left. The data is the
+quick MNIST subset (4000 train + 4000 test items) that `launch.py --quick`
+prepares once into examples/data/mnist-quick (ignored by git).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, repo_env
+
+EXAMPLES = REPO / "examples"
+QUICK_DATA = EXAMPLES / "data" / "mnist-quick"
+STARTUP_S = 240  # four processes importing torch on a loaded 2-core machine
+
+
+def session_processes(sid: int) -> list[str]:
+    """Live processes of session `sid` (pid and command), from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            found.append(f"{entry} {cmd.strip()}")
+    return found
+
+
+class Job:
+    """A launcher run in its own session; output is collected line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "launch.py"), *args],
+            cwd=REPO,
+            env=repo_env(PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.sid = self.proc.pid
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            # tqdm redraws with \r: keep only what is on screen at the end
+            self.lines.append(line.rstrip("\n").split("\r")[-1])
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n{self.output}")
+
+    def pids(self) -> list[int]:
+        """The server's and the workers' pids, as the launcher reports them."""
+        server = self.wait_for(r"serving .* pid (\d+)\)", STARTUP_S)
+        workers = self.wait_for(r"started \d+ processes of .*: pids \[([\d, ]+)\]", STARTUP_S)
+        return [int(server.group(1))] + [int(p) for p in workers.group(1).split(",")]
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job did not end within {timeout}s:\n{self.output}") from None
+        self._reader.join(timeout=10)
+        return code
+
+    def kill_all(self) -> None:
+        """Test teardown: whatever happened, leave nothing of this session behind."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.sid, signal.SIGKILL)
+        self.proc.wait()
+
+    def assert_no_orphans(self, pids: list[int]) -> None:
+        deadline = time.monotonic() + 15  # the kernel reaps asynchronously
+        while time.monotonic() < deadline and session_processes(self.sid):
+            time.sleep(0.1)
+        assert session_processes(self.sid) == [], f"left behind:\n{self.output}"
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.fixture
+def job():
+    jobs: list[Job] = []
+
+    def start(*args: str) -> Job:
+        jobs.append(Job(*args))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:
+        j.kill_all()
+
+
+def test_quick_run_end_to_end(job, tmp_path):
+    """prepare, serve, 4 processes, AllReduceSGD, evaluation, outputs, clean exit."""
+    j = job("--script", "examples/mnist.py", "--quick", "--output", str(tmp_path / "out"))
+    pids = j.pids()
+    code = j.finish(timeout=280)
+    assert code == 0, j.output
+    last = j.lines[-1]
+    m = re.fullmatch(
+        r"mnist\.py: final test accuracy ([\d.]+)% after 1 epochs, 4 processes, .*", last
+    )
+    assert m, j.output
+    # 4000 training items are enough for a CNN to beat chance (10%) by far.
+    assert float(m.group(1)) > 60, j.output
+    record = json.loads((tmp_path / "out" / "log.json").read_text())
+    assert record["nodes"] == 4 and record["algorithm"] == "AllReduceSGD"
+    (epoch,) = record["epochs"]
+    assert epoch["test_items"] == 2000  # the quick test split, shared by the 4 nodes
+    assert sum(map(sum, epoch["confusion"])) == 2000
+    assert epoch["train_items"] >= 4000
+    assert (tmp_path / "out" / "plot.png").stat().st_size > 1000
+    # Only node 0 prints: one header line, one epoch line.
+    assert sum("AllReduceSGD, 4 processes" in line for line in j.lines) == 1
+    assert sum(line.startswith("epoch 1/1:") for line in j.lines) == 1
+    j.assert_no_orphans(pids)
+
+
+def long_job(job, tmp_path) -> tuple[Job, list[int]]:
+    """A job that trains until stopped (the quick data, many epochs)."""
+    assert (QUICK_DATA / "prepared.json").exists(), "run test_quick_run_end_to_end first"
+    j = job(
+        "--script", "examples/mnist.py", "--data", str(QUICK_DATA),
+        "--output", str(tmp_path / "out"), "--epochs", "1000",
+    )  # fmt: skip
+    pids = j.pids()
+    j.wait_for(r"AllReduceSGD, 4 processes", STARTUP_S)  # node 0 is training
+    return j, pids
+
+
+def test_ctrl_c_stops_every_process_and_the_server(job, tmp_path):
+    j, pids = long_job(job, tmp_path)
+    os.killpg(j.sid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    code = j.finish(timeout=60)
+    assert code == 128 + signal.SIGINT, j.output
+    assert "FAILED" in j.lines[-1]
+    j.assert_no_orphans(pids)
+
+
+def test_a_failing_process_ends_the_job(job, tmp_path):
+    j, pids = long_job(job, tmp_path)
+    victim = pids[3]  # node 2
+    os.kill(victim, signal.SIGKILL)
+    code = j.finish(timeout=60)
+    assert code != 0, j.output
+    assert f"node 2 (pid {victim}) failed: killed by SIGKILL; stopping the job" in j.output
+    j.assert_no_orphans(pids)
+
+
+NGINX = pytest.mark.skipif(not shutil.which("nginx"), reason="nginx is not installed")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("nginx", marks=NGINX), "aiohttp"])
+def test_server_serves_and_stops(kind, tmp_path):
+    """Either server answers with the right bytes, takes a free port when asked for a busy
+    one, and leaves no process behind."""
+    sys.path.insert(0, str(EXAMPLES))
+    import launch
+
+    (tmp_path / "train.csv").write_text("filename,label\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.png").write_bytes(b"\x89PNG" + bytes(range(256)) * 10)
+    first = launch.Server(tmp_path, kind)
+    second = launch.Server(tmp_path, kind, port=0)
+    try:
+        url = first.start()
+        second.port = first.port  # busy: must fall back to another port
+        url2 = second.start()
+        assert url2 != url
+        import urllib.request
+
+        for base in (url, url2):
+            with urllib.request.urlopen(base + "sub/a.png") as r:
+                assert r.read() == (tmp_path / "sub" / "a.png").read_bytes()
+        procs = [first.proc, second.proc]
+    finally:
+        first.stop()
+        second.stop()
+    for p in procs:
+        assert p.poll() is not None

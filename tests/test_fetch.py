@@ -1,0 +1,156 @@
+"""Fetcher and batcher against a real fault-injecting HTTP server (500s, 404s, stalls, cuts)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+
+import pytest
+
+from dataset import AllFailed, Dataset, Fetcher, FetchError
+from dataset.processors import Image
+from tests.faulty_server import item_ids, make_pngs, running
+
+N = 120
+
+
+@pytest.fixture
+def faulty(tmp_path):
+    """start(plan, stall=...) -> base URL of a faulty server over a fresh PNG set."""
+    root = tmp_path / "root"
+    make_pngs(root, N, labels=3)
+    with contextlib.ExitStack() as stack:
+
+        def start(plan: dict, stall: float = 5.0) -> str:
+            base, start.hits = stack.enter_context(running(root, plan, stall))
+            return base
+
+        start.root = root
+        yield start
+
+
+def name(i: int) -> str:
+    return f"c{i % 3}/{i:05d}.png"
+
+
+def test_fetcher_retries_transient_faults_not_404(faulty):
+    base = faulty(
+        {
+            name(0): ["500", "503", "ok"],
+            name(1): ["cut", "ok"],
+            name(2): ["stall", "ok"],
+            name(3): ["404"],
+            name(4): ["403"],
+            name(5): ["500"],
+        },
+        stall=3.0,
+    )
+    fetcher = Fetcher(timeout=0.5, retries=3, backoff=0.01)
+    stats = {"fetched": 0, "retried": 0, "bytes": 0}
+    want = {i: (faulty.root / name(i)).read_bytes() for i in range(6)}
+
+    async def get(i):
+        try:
+            return await fetcher.fetch(base + name(i), stats)
+        except FetchError as err:
+            return err
+
+    try:
+        got = {i: fetcher.submit(get(i)).result(timeout=30) for i in range(6)}
+    finally:
+        fetcher.close()
+    assert got[0] == want[0] and got[1] == want[1] and got[2] == want[2]
+    assert "404" in got[3].cause and got[3].url == base + name(3)
+    assert "403" in got[4].cause
+    assert "500" in got[5].cause
+    hits = faulty.hits()
+    assert hits[name(0)] == 3 and hits[name(1)] == 2 and hits[name(2)] == 2
+    assert hits[name(3)] == 1 and hits[name(4)] == 1, "no retry on 404/403"
+    assert hits[name(5)] == 4, "a persistent 500 is tried 1 + retries times"
+    assert stats["retried"] == 2 + 1 + 1 + 3
+    assert stats["fetched"] == 3
+
+
+def test_range_reads(faulty):
+    base = faulty({})
+    data = (faulty.root / name(7)).read_bytes()
+    with Fetcher() as f:
+        got = f.submit(f.fetch((base + name(7), 3, 10))).result(timeout=30)
+        local = f.submit(f.fetch((str(faulty.root / name(7)), 3, 10))).result(timeout=30)
+        whole = f.submit(f.fetch("file://" + str(faulty.root / name(7)))).result(timeout=30)
+    assert got == local == data[3:13]
+    assert whole == data
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_faults_exactly_once_counted_and_named(faulty, caplog, workers):
+    perm_fail = {3: "404", 10: "500", 50: "403", 77: "404"}
+    plan = {name(i): [code] for i, code in perm_fail.items()}
+    plan.update({name(i): ["500", "ok"] for i in range(20, 30)})
+    plan.update({name(i): ["cut", "ok"] for i in range(30, 35)})
+    plan.update({name(i): ["stall", "ok"] for i in (40, 41)})
+    base = faulty(plan, stall=2.0)
+    seen: Counter = Counter()
+    stats: Counter = Counter()
+    caplog.set_level(logging.WARNING, logger="dataset")
+    for rank in range(2):
+        ds = Dataset(base + "train.csv", partition=rank, partitions=2)
+        with ds.sampled_batcher(
+            batch_size=16, input_dims=(1, 8, 8), sampler="permutation", processor=Image(),
+            workers=workers, num_workers=2, timeout=0.5, retries=2, backoff=0.01,
+        ) as b:  # fmt: skip
+            for batch in b:
+                seen.update(item_ids(batch.input))
+            stats.update(b.stats)
+    assert seen == Counter(i for i in range(N) if i not in perm_fail)
+    assert stats["failed"] == len(perm_fail)
+    assert stats["fetched"] == N - len(perm_fail)
+    assert stats["retried"] >= 10 + 5 + 2 + 2  # each transient once, the 500 twice
+    # the log names the URL and the cause (rate-limited: at least the first one per batcher)
+    text = caplog.text
+    assert "dropped http://127.0.0.1" in text
+    assert any(code in text for code in ("HTTP 404", "HTTP 500", "HTTP 403"))
+
+
+def test_all_failing_source_raises_instead_of_spinning(faulty):
+    base = faulty({name(i): ["404"] for i in range(N)})
+    ds = Dataset(base + "train.csv")
+    with (
+        ds.sampled_batcher(batch_size=10, input_dims=(1, 8, 8), processor=Image(),
+                           workers="thread", max_failed_batches=3) as b,
+        pytest.raises(AllFailed, match=r"3 consecutive batches.*HTTP 404"),
+    ):  # fmt: skip
+        list(b)
+    assert b.stats["failed"] == 30
+
+
+def test_processor_failure_drops_item_and_counts(faulty):
+    base = faulty({})
+    ds = Dataset(base + "train.csv")
+
+    def picky(data, opt, out):
+        Image()(data, opt, out)
+        i = item_ids(out.unsqueeze(0))[0]
+        if i % 7 == 0:
+            return False
+        if i % 11 == 0:
+            raise ValueError(f"bad item {i}")
+        return True, {"i": i}
+
+    with ds.sampled_batcher(batch_size=20, input_dims=(1, 8, 8), processor=picky,
+                            workers="thread") as b:  # fmt: skip
+        got = []
+        for batch in b:
+            ids = item_ids(batch.input)
+            assert [e["i"] for e in batch.extra] == ids
+            got += ids
+    bad = {i for i in range(N) if i % 7 == 0 or i % 11 == 0}
+    assert got == [i for i in range(N) if i not in bad]
+    assert b.stats["dropped"] == len(bad) and b.stats["failed"] == 0
+
+
+def test_missing_index_names_url(faulty):
+    base = faulty({})
+    with pytest.raises(FileNotFoundError, match=r"nope\.csv"):
+        Dataset(base + "nope.csv")

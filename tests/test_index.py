@@ -1,0 +1,189 @@
+"""Indexes: CSV/TSV parsing, URL resolution, meta files, folders, tensors, partitions, errors."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from dataset import BadIndex, Dataset
+from dataset.index import open_index
+
+
+def write(path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_csv_relative_absolute_quoted_and_multilabel(tmp_path):
+    idx = write(
+        tmp_path / "data" / "index.csv",
+        "filename,label,label2\n"
+        'a.png,cat,\n"b, with comma.png",dog,cat\n'
+        "sub/c.png,,\n"
+        "/abs/d.png,dog,\n"
+        "http://cdn.example/e.png,bird,\n",
+    )
+    ix = open_index(str(idx))
+    base = str(tmp_path / "data")
+    assert ix.sources == [
+        os.path.join(base, "a.png"),
+        os.path.join(base, "b, with comma.png"),
+        os.path.join(base, "sub", "c.png"),
+        "/abs/d.png",
+        "http://cdn.example/e.png",
+    ]
+    assert ix.labels == ["bird", "cat", "dog"]
+    assert [ix.item_labels(i) for i in range(5)] == [(1,), (2, 1), (), (2,), (0,)]
+    assert ix.targets.tolist() == [1, 2, -1, 2, 0]  # primary label; -1 unlabeled
+    assert [len(m) for m in ix.by_label()] == [1, 2, 2]  # the two-label item is in both
+
+
+def test_tsv_offset_length_and_numeric_label_order(tmp_path):
+    idx = write(
+        tmp_path / "i.tsv",
+        "filename\tlabel\toffset\tlength\nshard.bin\t10\t0\t5\nshard.bin\t9\t5\t7\nshard.bin\t2\t12\t1\n",
+    )
+    ix = open_index(str(idx))
+    shard = str(tmp_path / "shard.bin")
+    assert ix.sources == [(shard, 0, 5), (shard, 5, 7), (shard, 12, 1)]
+    assert ix.labels == ["2", "9", "10"]  # integers sort numerically
+    assert ix.targets.tolist() == [2, 1, 0]
+
+
+def test_http_index_resolves_against_its_url_and_meta_prefix(tmp_path, serve_dir):
+    write(tmp_path / "d" / "train.csv", "filename,label\nx/1.png,a\nhttp://other/2.png,b\n")
+    base = serve_dir(tmp_path)
+    ix = open_index(base + "d/train.csv")
+    assert ix.sources == [base + "d/x/1.png", "http://other/2.png"]
+    ix = open_index(base + "d/train.csv", url_params="token=abc")
+    assert ix.sources[0] == base + "d/x/1.png?token=abc"
+    write(tmp_path / "d" / "index-meta.csv", "url_prefix,url_params\nhttp://cdn.test/root,sig=1\n")
+    ix = open_index(base + "d/train.csv")
+    assert ix.sources == ["http://cdn.test/root/x/1.png?sig=1", "http://other/2.png?sig=1"]
+
+
+def test_meta_option_local(tmp_path):
+    write(tmp_path / "m.csv", "url_prefix\nhttp://h/p/\n")
+    idx = write(tmp_path / "i.csv", "filename\na.png\n")
+    assert open_index(str(idx), meta=str(tmp_path / "m.csv")).sources == ["http://h/p/a.png"]
+    with pytest.raises(FileNotFoundError):
+        open_index(str(idx), meta=str(tmp_path / "missing.csv"))
+
+
+def test_directory_index(tmp_path):
+    for rel in ["b/2.png", "a/1.png", "a/deep/3.png", "top.png", ".hidden", "a/.x.png", ".git/c"]:
+        write(tmp_path / rel, "x")
+    ix = open_index(str(tmp_path))
+    names = [os.path.relpath(s, tmp_path) for s in ix.sources]
+    assert names == ["a/1.png", "a/deep/3.png", "b/2.png", "top.png"]
+    assert ix.labels == ["a", "b"]
+    assert ix.targets.tolist() == [0, 0, 1, -1]
+
+
+def test_tensor_dict_and_pt(tmp_path):
+    x = torch.arange(12.0).view(6, 2)
+    y = torch.tensor([3, 1, 3, 10, 1, 3])
+    ix = open_index({"x": x, "y": y})
+    assert ix.labels == ["1", "3", "10"] and ix.targets.tolist() == [1, 0, 1, 2, 0, 1]
+    torch.save({"x": x, "y": y}, tmp_path / "d.pt")
+    ds = Dataset(str(tmp_path / "d.pt"), partition=1, partitions=2)
+    assert len(ds.index) == 2
+    with ds.sampled_batcher(batch_size=4, input_dims=(2,)) as b:
+        batch = b.next_batch()
+    # label 3 rows 0,2,5 -> partition 1 gets row 2; label 1 rows 1,4 -> row 4; label 10 row 3 -> p0
+    assert batch.input.tolist() == [[4.0, 5.0], [8.0, 9.0]]
+    assert batch.labels == [("3",), ("1",)]
+    assert open_index(x).labels == []
+
+
+def test_list_of_indexes_joins_item_by_item(tmp_path):
+    a = write(tmp_path / "a.csv", "filename,label\n1.bin,x\n2.bin,y\n")
+    b = write(tmp_path / "b.csv", "filename\n1.json\n2.json\n")
+    for f in ["1.bin", "2.bin", "1.json", "2.json"]:
+        (tmp_path / f).write_bytes(f.encode())
+    seen = []
+
+    def both(fetched, opt, out):
+        seen.append(fetched)
+        out.fill_(len(fetched))
+        return True
+
+    ds = Dataset([str(a), str(b)])
+    with ds.sampled_batcher(batch_size=2, input_dims=(1,), processor=both, workers="thread") as bt:
+        batch = bt.next_batch()
+    assert sorted(seen) == [[b"1.bin", b"1.json"], [b"2.bin", b"2.json"]]
+    assert batch.labels == [("x",), ("y",)]
+    c = write(tmp_path / "c.csv", "filename\n1.json\n")
+    with pytest.raises(BadIndex, match="differ in length"):
+        Dataset([str(a), str(c)])
+
+
+def test_partitions_cover_index_once_per_label(tmp_path):
+    rows = ["filename,label"] + [f"{i}.png,{'abc'[i % 3] if i % 5 else ''}" for i in range(101)]
+    idx = write(tmp_path / "i.csv", "\n".join(rows) + "\n")
+    whole = open_index(str(idx))
+    for parts in (1, 2, 3, 7):
+        union: Counter = Counter()
+        for r in range(parts):
+            p = whole.partition(r, parts)
+            union.update(p.sources)
+            # per label (and for the unlabeled), sizes differ by at most one across partitions
+            assert p.labels == whole.labels
+        assert union == Counter(whole.sources), "every item in exactly one partition"
+        for key in (-1, 0, 1, 2):
+            sizes = [int((whole.partition(r, parts).targets == key).sum()) for r in range(parts)]
+            assert max(sizes) - min(sizes) <= 1
+    # the rule itself: within a label, the i-th item goes to partition i % partitions
+    p1 = whole.partition(1, 3)
+    label_a = [s for s, t in zip(whole.sources, whole.targets, strict=True) if t == 0]
+    assert [s for s, t in zip(p1.sources, p1.targets, strict=True) if t == 0] == label_a[1::3]
+
+
+def test_partition_auto_reads_env(tmp_path, monkeypatch):
+    idx = write(tmp_path / "i.csv", "filename\n" + "".join(f"{i}\n" for i in range(10)))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ds = Dataset(str(idx), partition="auto")
+    assert (ds.partition, ds.partitions, len(ds.index)) == (2, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", r"i\.csv: empty index \(no header"),
+        ("filename,label\n", r"i\.csv: empty index \(a header but no items"),
+        ("name,label\na,b\n", r"i\.csv:1: no 'filename' column"),
+        ("filename,label\na,b\nc,d,e\n", r"i\.csv:3: expected 2 fields"),
+        ("filename,label\n,b\n", r"i\.csv:2: empty filename"),
+        ("filename,offset,length\na,x,1\n", r"i\.csv:2: offset/length must be integers"),
+        ("filename,offset\na,1\n", r"i\.csv:1: 'offset' and 'length' columns go together"),
+        ('filename\n"a\n', r"i\.csv:\d+: .*"),
+    ],
+)
+def test_bad_csv_names_file_and_line(tmp_path, text, match):
+    idx = write(tmp_path / "i.csv", text)
+    with pytest.raises(BadIndex, match=match):
+        open_index(str(idx))
+
+
+def test_bad_arguments(tmp_path):
+    idx = write(tmp_path / "i.csv", "filename\na\nb\n")
+    with pytest.raises(ValueError, match="partition 2 out of range for 2"):
+        Dataset(str(idx), partition=2, partitions=2)
+    with pytest.raises(ValueError, match="partition -1 out of range"):
+        Dataset(str(idx), partition=-1, partitions=2)
+    with pytest.raises(BadIndex, match="partition 2 of 3 is empty"):
+        Dataset(str(idx), partition=2, partitions=3)
+    with pytest.raises(FileNotFoundError, match=r"index not found: .*nope\.csv"):
+        Dataset(str(tmp_path / "nope.csv"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadIndex, match=r"empty directory index"):
+        Dataset(str(tmp_path / "empty"))
+    with pytest.raises(TypeError, match="unsupported index"):
+        Dataset(42)
+    with pytest.raises(BadIndex, match="'y' must be 1-D"):
+        Dataset({"x": torch.zeros(3, 2), "y": torch.zeros(2, dtype=torch.long)})

@@ -1,0 +1,145 @@
+"""Samplers: permutations, seeding, label distributions (chi-square), plugins, resume."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import dataset
+from dataset import Dataset, Record
+from dataset.index import open_index
+from dataset.sampler import epoch_rng, get_sampler
+
+# chi-square critical values at p = 0.001 for the degrees of freedom used below
+CHI2_999 = {2: 13.82, 3: 16.27, 4: 18.47}
+
+
+def labelled(n: int, weights=(0.7, 0.2, 0.1)):
+    """A tensor index of n rows whose labels are very unbalanced; row i holds i."""
+    rng = np.random.default_rng(0)
+    y = rng.choice(len(weights), size=n, p=weights)
+    return open_index({"x": torch.arange(n, dtype=torch.float32), "y": torch.as_tensor(y)})
+
+
+def draw(name, index, epoch=0, seed=0, partition=0, **opt):
+    return np.asarray(
+        list(get_sampler(name)(index, epoch, epoch_rng(seed, partition, epoch), **opt))
+    )
+
+
+def chi2(observed, expected) -> float:
+    observed, expected = np.asarray(observed, float), np.asarray(expected, float)
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def test_linear_and_permutation():
+    ix = labelled(500)
+    assert draw("linear", ix).tolist() == list(range(500))
+    p0, p1 = draw("permutation", ix, epoch=0), draw("permutation", ix, epoch=1)
+    assert sorted(p0.tolist()) == sorted(p1.tolist()) == list(range(500))
+    assert p0.tolist() != p1.tolist()
+    assert draw("permutation", ix, epoch=0).tolist() == p0.tolist(), "same seed, same order"
+    assert draw("permutation", ix, seed=1).tolist() != p0.tolist()
+    assert draw("permutation", ix, partition=1).tolist() != p0.tolist()
+
+
+def test_uniform_is_uniform_over_items():
+    ix = labelled(4)
+    counts = Counter()
+    for e in range(2000):
+        counts.update(draw("uniform", ix, epoch=e).tolist())
+    assert chi2([counts[i] for i in range(4)], [2000] * 4) < CHI2_999[3]
+
+
+@pytest.mark.parametrize("name", ["label-uniform", "label-permutation"])
+def test_label_samplers_are_uniform_over_labels(name):
+    ix = labelled(3000)
+    labels = ix.targets[draw(name, ix)]
+    assert chi2(np.bincount(labels, minlength=3), [1000] * 3) < CHI2_999[2]
+
+
+def test_label_permutation_walks_each_label_without_repeats():
+    ix = labelled(3000)
+    order = draw("label-permutation", ix)
+    rare = [p for p in order.tolist() if ix.targets[p] == 2]  # ~300 members, ~1000 draws
+    members = int((ix.targets == 2).sum())
+    first = rare[:members]
+    assert len(set(first)) == members, "no repeat before every item of the label was drawn"
+
+
+def test_label_distribution_follows_weights():
+    ix = labelled(6000)
+    w = {"0": 1.0, "1": 2.0}
+    labels = ix.targets[draw("label-distribution", ix, weights=w, default_weight=3.0)]
+    counts = np.bincount(labels, minlength=3)
+    assert chi2(counts, np.array([1, 2, 3]) / 6 * 6000) < CHI2_999[2]
+    with pytest.raises(ValueError, match="unknown labels"):
+        draw("label-distribution", ix, weights={"nope": 1})
+    with pytest.raises(ValueError, match="needs sampler_opt"):
+        draw("label-distribution", ix)
+
+
+def test_register_sampler_and_unknown_name():
+    def evens(index, epoch, rng, start=0):
+        return np.arange(start, len(index), 2)
+
+    dataset.register_sampler("test-evens", evens)
+    ds = Dataset({"x": torch.arange(10.0).view(10, 1)})
+    with ds.sampled_batcher(batch_size=3, input_dims=(1,), sampler="test-evens",
+                            sampler_opt={"start": 1}) as b:  # fmt: skip
+        assert len(b) == 2
+        assert [x for batch in b for x in batch.input.view(-1).tolist()] == [1, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match=r"unknown sampler 'nope'.*permutation"):
+        ds.sampled_batcher(sampler="nope")
+
+
+def test_stream_of_records_with_unknown_length():
+    """The part-file seam: a sampler yields records whose payload is already in memory."""
+
+    def records(index, epoch, rng):
+        for i in range(7):
+            yield Record(torch.full((2,), float(i + epoch * 10)), labels=(i % 2,), name=f"r{i}")
+
+    ds = Dataset({"x": torch.zeros(4, 2), "y": torch.tensor([0, 1, 0, 1])})
+    with ds.sampled_batcher(batch_size=3, input_dims=(2,), sampler=records) as b:
+        with pytest.raises(TypeError, match=r"unknown length.*num_batches"):
+            len(b)
+        assert b.num_batches() == 2  # estimated from len(index)
+        batches = list(b)
+        assert [len(x) for x in batches] == [3, 3, 1]
+        assert batches[0].input[:, 0].tolist() == [0, 1, 2]
+        assert batches[0].urls == ["r0", "r1", "r2"]
+        assert batches[0].target.tolist() == [0, 1, 0]
+        assert next(iter(b)).input[0, 0] == 10.0  # next epoch
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_state_dict_resume_sees_exactly_the_unseen_items(tmp_path, workers):
+    from tests.faulty_server import item_ids, make_pngs
+
+    idx = make_pngs(tmp_path, 100, labels=2)
+    from dataset.processors import Image
+
+    def batcher():
+        return Dataset(str(idx)).sampled_batcher(
+            batch_size=8, input_dims=(1, 8, 8), sampler="permutation", seed=3,
+            processor=Image(), workers=workers, num_workers=1, prefetch=3,
+        )  # fmt: skip
+
+    with batcher() as b:
+        full = [[i for x in b for i in item_ids(x.input)] for _ in range(2)]
+    with batcher() as b:
+        list(b)  # epoch 0
+        it = iter(b)
+        head = [i for _ in range(5) for i in item_ids(next(it).input)]
+        state = b.state_dict()
+    assert state["epoch"] == 1 and state["consumed"] == 40
+    with batcher() as b2:
+        b2.load_state_dict(state)
+        tail = [i for x in b2 for i in item_ids(x.input)]
+        after = [i for x in b2 for i in item_ids(x.input)]
+    assert head + tail == full[1]
+    assert sorted(after) == list(range(100)) and after != full[1]  # epoch 2 follows
