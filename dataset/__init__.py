@@ -18,12 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
-
-from .batcher import AllFailed, Batch, Record, SampledBatcher
-from .fetch import Fetcher, FetchError
-from .index import BadIndex, Index, open_index
-from .sampler import register_sampler
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "AllFailed",
@@ -35,8 +30,41 @@ __all__ = [
     "Index",
     "Record",
     "SampledBatcher",
+    "open_index",
     "register_sampler",
 ]
+
+# Imported on first use (PEP 562), so `python -m dataset.serve` and tools that only
+# need a submodule start without paying for torch.
+_LAZY = {
+    "AllFailed": "batcher",
+    "Batch": "batcher",
+    "Record": "batcher",
+    "SampledBatcher": "batcher",
+    "Fetcher": "fetch",
+    "FetchError": "fetch",
+    "BadIndex": "index",
+    "Index": "index",
+    "open_index": "index",
+    "register_sampler": "sampler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dataset' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from .batcher import AllFailed, Batch, Record, SampledBatcher
+    from .fetch import Fetcher, FetchError
+    from .index import BadIndex, Index, open_index
+    from .sampler import register_sampler
 
 
 def _auto_partition(partition: Any, partitions: int | None) -> tuple[int, int]:
@@ -77,6 +105,8 @@ class Dataset:
         url_params: str | dict | None = None,
         **opts: Any,
     ):
+        from .index import BadIndex, open_index
+
         self.partition, self.partitions = _auto_partition(partition, partitions)
         whole = open_index(index, sep=sep, meta=meta, url_params=url_params)
         self.index: Index = whole.partition(self.partition, self.partitions)
@@ -119,6 +149,8 @@ class Dataset:
         ``sampler_opt``, ``timeout``, ``retries``, ``cache``, ``progress``,
         ``drop_last`` and ``mp_context`` are further options.
         """
+        from .batcher import SampledBatcher
+
         kw = {**self.opts, **opts}
         return SampledBatcher(
             self.index,

@@ -48,6 +48,7 @@ import prepare_mnist  # noqa: E402  (a sibling script, not a package)
 log = logging.getLogger("launch")
 
 GRACE_S = 10.0  # how long a stopped process gets to exit before SIGKILL
+SERVER_START_S = 120.0  # generous: importing aiohttp on a busy 2-core machine is slow
 QUICK_ITEMS = 4000  # items per split in --quick mode
 
 _PR_SET_PDEATHSIG = 1
@@ -139,14 +140,16 @@ class Server:
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         )
         self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + SERVER_START_S
         while not port_file.exists():
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"the data server exited ({describe(self.proc.returncode)}): {cmd}"
                 )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the data server did not start within 30 s: {cmd}")
+                raise TimeoutError(
+                    f"the data server did not start in {SERVER_START_S:.0f} s: {cmd}"
+                )
             time.sleep(0.05)
         self.port = int(port_file.read_text())
 
@@ -177,7 +180,7 @@ class Server:
 
     def _wait_ready(self) -> None:
         """The server answers a real request for a file we know is there."""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + SERVER_START_S
         probe = self.url + "train.csv"
         while True:
             try:

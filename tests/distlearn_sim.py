@@ -21,10 +21,30 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 5, generator=g), torch.randint(0, 3, (size,), generator=g)
 
 
+class MomentumSGD:
+    """SGD with momentum, written out: torch.optim's first use imports torch._dynamo,
+    seconds of CPU in every test process, and these tests are about the gradients."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.1, momentum: float = 0.9):
+        self.params = list(model.parameters())
+        self.bufs = [torch.zeros_like(p) for p in self.params]
+        self.lr, self.momentum = lr, momentum
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, buf in zip(self.params, self.bufs, strict=True):
+            buf.mul_(self.momentum).add_(p.grad)
+            p.sub_(self.lr * buf)
+
+
 def sgd_reference(steps: int, size: int) -> dict:
     """One process on the whole batch, from the root's initial weights."""
     model = make_model(seed=100)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = MomentumSGD(model)
     for step in range(steps):
         x, y = batch(step, size)
         opt.zero_grad()

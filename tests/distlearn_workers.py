@@ -27,15 +27,17 @@ from distlearn import AllReduceEA, AllReduceSGD, synchronize_optimizer
 
 def make_comm(kind: str, rank: int, world: int, rendezvous: str | None):
     """The communicator under test."""
-    if kind == "gloo":
+    if kind in ("gloo", "nccl"):
         import torch.distributed as dist
 
         from distlearn.backends import TorchDistributed
 
         if rendezvous is None:  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-            return TorchDistributed.from_env("gloo")
+            return TorchDistributed.from_env(kind)
+        if kind == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"file://{rendezvous}/gloo-store", rank=rank, world_size=world
+            kind, init_method=f"file://{rendezvous}/{kind}-store", rank=rank, world_size=world
         )
         return TorchDistributed()
     if kind == "ipc":
@@ -86,8 +88,9 @@ def protocol(comm, cfg) -> dict:
 
 def sgd_equivalence(comm, cfg) -> dict:
     """N nodes on 1/N of each batch, starting from different weights."""
-    model = sim.make_model(seed=100 + comm.node_index)  # synchronize_parameters fixes it
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dev = torch.device(cfg.get("device", "cpu"))
+    model = sim.make_model(seed=100 + comm.node_index).to(dev)  # synchronize_parameters fixes it
+    opt = sim.MomentumSGD(model)
     sgd = AllReduceSGD(comm)
     sgd.synchronize_parameters(model)
     counts = []
@@ -95,7 +98,7 @@ def sgd_equivalence(comm, cfg) -> dict:
         x, y = sim.batch(step, cfg["batch"])
         x, y = x[comm.node_index :: comm.num_nodes], y[comm.node_index :: comm.num_nodes]
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
         counts.append(sgd.sum_and_normalize_gradients(model))
         opt.step()
     sgd.synchronize_parameters(model)
@@ -105,8 +108,10 @@ def sgd_equivalence(comm, cfg) -> dict:
 def sgd_uneven(comm, cfg) -> dict:
     """The torch-distlearn test: random step counts per node per epoch."""
     r = comm.node_index
+    dev = torch.device(cfg.get("device", "cpu"))
     params = [torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(r))]
-    grads = [torch.zeros(7, dtype=torch.float64)]
+    params = [params[0].to(dev)]
+    grads = [torch.zeros(7, dtype=torch.float64, device=dev)]
     sgd = AllReduceSGD(comm)
     sgd.synchronize_parameters(params)
     synced, counts = [params[0].clone()], []
@@ -170,9 +175,19 @@ def state(comm, cfg) -> dict:
 SCENARIOS = {f.__name__: f for f in (protocol, sgd_equivalence, sgd_uneven, easgd, state)}
 
 
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--comm", required=True, choices=["gloo", "ipc"])
+    ap.add_argument("--comm", required=True, choices=["gloo", "nccl", "ipc"])
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--world", type=int, default=None)
     ap.add_argument("--rendezvous", default=None, help="a shared directory; none: torchrun env")
@@ -183,10 +198,11 @@ def main() -> None:
     comm = make_comm(args.comm, args.rank, args.world, args.rendezvous)
     config = json.loads(Path(args.config).read_text())
     results = {name: SCENARIOS[name](comm, cfg) for name, cfg in config.items()}
+    results = _to_cpu(results)  # CUDA runs are compared on the CPU
     results["node_index"] = comm.node_index
     results["num_nodes"] = comm.num_nodes
     comm.close()
-    if args.comm == "gloo":
+    if args.comm in ("gloo", "nccl"):
         import torch.distributed as dist
 
         if dist.is_initialized():

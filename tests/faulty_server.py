@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -117,3 +118,39 @@ def item_ids(batch_input) -> list[int]:
     """The item numbers encoded by make_pngs, read back from a batch of decoded images."""
     px = (batch_input[:, 0, 0, :2] * 255).round().long()
     return (px[:, 0] + 256 * px[:, 1]).tolist()
+
+
+@contextlib.contextmanager
+def running(root: Path, plan: dict | None = None, stall: float = 5.0):
+    """Run this server over `root` in a subprocess; yields (base URL, hits() -> Counter)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.conftest import repo_env, wait_for_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file = Path(tmp) / "plan.json"
+        plan_file.write_text(json.dumps(plan or {}))
+        port_file = Path(tmp) / "port"
+        proc = subprocess.Popen(
+            [sys.executable, __file__, str(root), str(plan_file),
+             "--port-file", str(port_file), "--stall", str(stall)],
+            env=repo_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+        def hits() -> Counter:
+            proc.terminate()
+            proc.wait(timeout=10)
+            return Counter(json.loads((root.parent / "hits.json").read_text()))
+
+        try:
+            yield f"http://127.0.0.1:{wait_for_file(port_file, proc)}/", hits
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -10,16 +10,18 @@ import torch
 
 from dataset import Dataset
 from dataset.processors import Image
-from tests.faulty_server import item_ids, make_pngs
+from tests.faulty_server import item_ids, make_pngs, running
 
 N = 300
 
 
 @pytest.fixture(scope="module")
-def pngs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pngs")
+def base(tmp_path_factory):
+    """One HTTP server over N generated PNGs for the whole module."""
+    root = tmp_path_factory.mktemp("pngs") / "root"
     make_pngs(root, N, labels=3)
-    return root
+    with running(root) as (url, _):
+        yield url
 
 
 def _epoch_ids(batcher) -> list[int]:
@@ -27,8 +29,7 @@ def _epoch_ids(batcher) -> list[int]:
 
 
 @pytest.mark.parametrize("workers", ["thread", "process"])
-def test_core_path_over_http(pngs, serve_dir, workers):
-    base = serve_dir(pngs)
+def test_core_path_over_http(base, workers):
     parts = 3
     seen: Counter = Counter()
     for rank in range(parts):
@@ -65,8 +66,7 @@ def test_core_path_over_http(pngs, serve_dir, workers):
     assert seen == Counter(range(N)), "every item exactly once across all partitions"
 
 
-def test_permutation_epochs_differ_and_linear_is_ordered(pngs, serve_dir):
-    base = serve_dir(pngs)
+def test_permutation_epochs_differ_and_linear_is_ordered(base):
     ds = Dataset(base + "train.csv")
     with ds.sampled_batcher(
         batch_size=32, input_dims=(1, 8, 8), sampler="permutation", processor=Image(), seed=1,
@@ -80,8 +80,7 @@ def test_permutation_epochs_differ_and_linear_is_ordered(pngs, serve_dir):
         assert _epoch_ids(b) == list(range(N))
 
 
-def test_batches_handed_out_are_never_overwritten(pngs, serve_dir):
-    base = serve_dir(pngs)
+def test_batches_handed_out_are_never_overwritten(base):
     ds = Dataset(base + "train.csv")
     with ds.sampled_batcher(batch_size=10, input_dims=(1, 8, 8), processor=Image(),
                             prefetch=1, workers="process", num_workers=1) as b:  # fmt: skip
@@ -89,8 +88,7 @@ def test_batches_handed_out_are_never_overwritten(pngs, serve_dir):
     assert [i for batch in kept for i in item_ids(batch.input)] == list(range(N))
 
 
-def test_same_seed_same_order_thread_vs_process(pngs, serve_dir):
-    base = serve_dir(pngs)
+def test_same_seed_same_order_thread_vs_process(base):
     orders = []
     for workers in ("thread", "process"):
         ds = Dataset(base + "train.csv", partition=1, partitions=2)
@@ -100,8 +98,7 @@ def test_same_seed_same_order_thread_vs_process(pngs, serve_dir):
     assert orders[0] == orders[1]
 
 
-def test_spawn_context(pngs, serve_dir):
-    base = serve_dir(pngs)
+def test_spawn_context(base):
     ds = Dataset(base + "train.csv", partition=0, partitions=4)
     with ds.sampled_batcher(batch_size=32, input_dims=(1, 8, 8), processor=Image(),
                             workers="process", num_workers=1, mp_context="spawn") as b:  # fmt: skip
@@ -110,8 +107,8 @@ def test_spawn_context(pngs, serve_dir):
     assert len(ids) == len(ds.index)
 
 
-def test_unpicklable_processor_is_a_clear_error(pngs):
-    ds = Dataset(str(pngs / "train.csv"))
+def test_unpicklable_processor_is_a_clear_error(base):
+    ds = Dataset(base + "train.csv")
     with pytest.raises(TypeError, match="picklable processor"):
         ds.sampled_batcher(input_dims=(1, 8, 8), processor=lambda d, o, out: True,
                            workers="process")  # fmt: skip

@@ -8,6 +8,7 @@ prepares once into examples/data/mnist-quick (ignored by git).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, repo_env
 
 EXAMPLES = REPO / "examples"
@@ -101,10 +101,8 @@ class Job:
 
     def kill_all(self) -> None:
         """Test teardown: whatever happened, leave nothing of this session behind."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.sid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
 
     def assert_no_orphans(self, pids: list[int]) -> None:
@@ -136,7 +134,9 @@ def test_quick_run_end_to_end(job, tmp_path):
     code = j.finish(timeout=280)
     assert code == 0, j.output
     last = j.lines[-1]
-    m = re.fullmatch(r"mnist\.py: final test accuracy ([\d.]+)% after 1 epochs, 4 processes, .*", last)
+    m = re.fullmatch(
+        r"mnist\.py: final test accuracy ([\d.]+)% after 1 epochs, 4 processes, .*", last
+    )
     assert m, j.output
     # 4000 training items are enough for a CNN to beat chance (10%) by far.
     assert float(m.group(1)) > 60, j.output

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
 from dataset import AllFailed, Dataset, Fetcher, FetchError
 from dataset.processors import Image
-from tests.conftest import REPO, repo_env, wait_for_file
-from tests.faulty_server import item_ids, make_pngs
+from tests.faulty_server import item_ids, make_pngs, running
 
 N = 120
 
@@ -21,35 +18,16 @@ N = 120
 @pytest.fixture
 def faulty(tmp_path):
     """start(plan, stall=...) -> base URL of a faulty server over a fresh PNG set."""
-    procs: list[subprocess.Popen] = []
     root = tmp_path / "root"
     make_pngs(root, N, labels=3)
+    with contextlib.ExitStack() as stack:
 
-    def start(plan: dict, stall: float = 5.0) -> str:
-        plan_file = tmp_path / "plan.json"
-        plan_file.write_text(json.dumps(plan))
-        port_file = tmp_path / "port"
-        proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "faulty_server.py"), str(root), str(plan_file),
-             "--port-file", str(port_file), "--stall", str(stall)],
-            env=repo_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        procs.append(proc)
-        return f"http://127.0.0.1:{wait_for_file(port_file, proc)}/"
+        def start(plan: dict, stall: float = 5.0) -> str:
+            base, start.hits = stack.enter_context(running(root, plan, stall))
+            return base
 
-    def hits() -> Counter:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=10)
-        return Counter(json.loads((tmp_path / "hits.json").read_text()))
-
-    start.root = root
-    start.hits = hits
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        start.root = root
+        yield start
 
 
 def name(i: int) -> str:

@@ -1,0 +1,27 @@
+"""Exceptions raised by the ipc tree; every one names the node at fault when it is known."""
+
+from __future__ import annotations
+
+
+class IPCError(RuntimeError):
+    """Base class: the tree cannot complete a collective."""
+
+    def __init__(self, message: str, node: int | None = None):
+        super().__init__(message)
+        self.node = node
+
+
+class PeerError(IPCError):
+    """A peer died, disconnected, or reported a failure of its own."""
+
+
+class IPCTimeoutError(IPCError, TimeoutError):
+    """A blocking receive waited longer than the tree's `timeout`."""
+
+
+class AuthError(IPCError):
+    """A connection did not present the job's token (or we were refused)."""
+
+
+class MismatchError(IPCError):
+    """Nodes entered different collectives, or with different shapes/dtypes."""

@@ -1,0 +1,97 @@
+"""Flatten a nested structure of tensors into one contiguous host buffer per dtype.
+
+A model's 50 parameter tensors then cost one exchange instead of 50, and a
+single contiguous CPU tensor is used as is (no copy at all).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+Nested = torch.Tensor | list | tuple | dict
+
+
+def flatten(tensors: Nested, where: str = "tensors") -> list[torch.Tensor]:
+    """Leaves of a tensor or nested list/tuple/dict, in a deterministic order."""
+    out: list[torch.Tensor] = []
+
+    def walk(obj: object, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k], f"{path}[{k!r}]")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+        else:
+            raise TypeError(
+                f"{path}: expected a tensor or list/tuple/dict of tensors, got {type(obj)}"
+            )
+
+    walk(tensors, where)
+    return out
+
+
+@dataclass
+class Group:
+    """The tensors of one dtype and the flat buffer that carries them."""
+
+    dtype: torch.dtype
+    tensors: list[torch.Tensor]
+    flat: torch.Tensor  # 1-D, contiguous, on the CPU
+    aliased: bool  # flat *is* the user's memory: no unpack needed
+
+
+class Packed:
+    """One flat CPU buffer per dtype for a list of tensors; `unpack` writes results back."""
+
+    def __init__(self, leaves: list[torch.Tensor]):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in leaves:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        self.groups: list[Group] = []
+        for dtype, ts in by_dtype.items():
+            if len(ts) == 1 and ts[0].device.type == "cpu" and ts[0].is_contiguous():
+                # Zero-copy: reduce straight into the caller's tensor.
+                self.groups.append(Group(dtype, ts, ts[0].view(-1), aliased=True))
+                continue
+            total = sum(t.numel() for t in ts)
+            flat = torch.empty(total, dtype=dtype)
+            off = 0
+            for t in ts:
+                flat[off : off + t.numel()].view(t.shape).copy_(t)
+                off += t.numel()
+            self.groups.append(Group(dtype, ts, flat, aliased=False))
+        self.layout = [(str(g.dtype), [list(t.shape) for t in g.tensors]) for g in self.groups]
+
+    def signature(self, kind: str) -> bytes:
+        """8 bytes that differ when two nodes' collectives would not line up."""
+        text = repr((kind, self.layout)).encode()
+        return hashlib.blake2b(text, digest_size=8).digest()
+
+    def unpack(self) -> None:
+        """Copy the reduced flat buffers back into the caller's tensors."""
+        for g in self.groups:
+            if g.aliased:
+                continue
+            off = 0
+            for t in g.tensors:
+                t.copy_(g.flat[off : off + t.numel()].view(t.shape))
+                off += t.numel()
+
+    def chunks(self, chunk_bytes: int) -> Iterator[torch.Tensor]:
+        """1-D views of at most `chunk_bytes` each, covering every group in order."""
+        any_chunk = False
+        for g in self.groups:
+            step = max(1, chunk_bytes // g.flat.element_size())
+            for start in range(0, g.flat.numel(), step):
+                any_chunk = True
+                yield g.flat[start : start + step]
+        if not any_chunk:
+            # Nothing to carry (barrier, empty list): one empty chunk keeps the protocol uniform.
+            yield torch.empty(0, dtype=torch.uint8)

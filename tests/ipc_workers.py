@@ -1,0 +1,158 @@
+"""Workers for tests/test_ipc*.py: `python tests/ipc_workers.py SCENARIO NODE N OUTDIR [KEY]`.
+
+Each scenario joins a real tree, runs collectives, and saves what it saw to
+OUTDIR/result-NODE.pt (read back by the test process, which checks it against
+the reduction computed locally).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import torch
+
+import ipc
+
+DTYPES = [torch.float16, torch.float32, torch.float64, torch.int64]
+
+
+def node_tensor(
+    node: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0
+) -> torch.Tensor:
+    """The same pseudo-random tensor for `node` in the worker and in the test."""
+    g = torch.Generator().manual_seed(1000 * node + salt)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * 4).round().to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+def nested(node: int) -> dict:
+    """A nested structure mixing dtypes, like a model's state."""
+    return {
+        "w": [
+            node_tensor(node, (3, 5), torch.float32, 1),
+            node_tensor(node, (7,), torch.float64, 2),
+        ],
+        "b": (
+            node_tensor(node, (4,), torch.int64, 3),
+            {"h": node_tensor(node, (2, 2), torch.float16, 4)},
+        ),
+        "scalar": node_tensor(node, (), torch.float32, 5),
+    }
+
+
+def tree_from_args(node: int, n: int, key: str, **kw) -> ipc.Tree:
+    timeout = float(os.environ.get("TEST_IPC_TIMEOUT", "30"))
+    if key == "-":
+        return ipc.LocalhostTree(node, n, timeout=timeout, **kw)
+    return ipc.LocalhostTree(node, n, key=key, timeout=timeout, **kw)
+
+
+def run(scenario: str, node: int, n: int, key: str) -> dict:
+    out: dict = {}
+    if scenario == "ops":
+        tree = tree_from_args(node, n, key)
+        for op in ["sum", "max", "min"]:
+            for dt in DTYPES:
+                t = node_tensor(node, (33,), dt)
+                out[f"count-{op}-{dt}"] = tree.all_reduce(t, op=op)
+                out[f"{op}-{dt}"] = t
+        t = node_tensor(node, (10,), torch.float32)
+        out["callable"] = t
+        out["count-callable"] = tree.all_reduce(t, op=lambda a, b: a.mul_(b))
+        s = nested(node)
+        out["count-nested"] = tree.all_reduce(s)
+        out["nested"] = s
+        out["barrier-net"] = tree.net_stats()["collectives"]
+        tree.close()
+    elif scenario == "noncontig":
+        tree = tree_from_args(node, n, key)
+        base = node_tensor(node, (6, 8), torch.float32)
+        view = base.t()  # non-contiguous
+        tree.all_reduce(view)
+        out["base"] = base
+        tree.close()
+    elif scenario == "big":
+        tree = tree_from_args(node, n, key)
+        t = torch.full((16 << 20,), float(node + 1))  # 64 MiB of float32
+        t[node] = 100.0
+        out["count"] = tree.all_reduce(t)
+        out["head"] = t[:16].clone()
+        out["ok"] = bool((t[16:] == sum(range(1, n + 1))).all())
+        tree.close()
+    elif scenario == "uneven":
+        tree = tree_from_args(node, n, key)
+        steps = node + 1
+        counts, sums = [], []
+        step = 0
+        while True:
+            x = torch.tensor([float(node + 1)])
+            c = tree.all_reduce(x, finished=step >= steps)
+            if c == 0:
+                break
+            counts.append(c)
+            sums.append(float(x))
+            step += 1
+        out["counts"], out["sums"] = counts, sums
+        tree.close()
+    elif scenario == "scatter":
+        tree = tree_from_args(node, n, key, chunk_bytes=1 << 12)
+        t = {
+            "a": node_tensor(node, (5000,), torch.float32),
+            "b": [node_tensor(node, (3,), torch.int64)],
+        }
+        tree.scatter(t)
+        out["scattered"] = t
+        tree.close()
+    elif scenario == "barrier":
+        tree = tree_from_args(node, n, key)
+        time.sleep(0.3 * node)
+        tree.barrier()
+        out["after"] = time.time()
+        tree.close()
+    elif scenario in ("kill", "mismatch"):
+        tree = tree_from_args(node, n, key)
+        x = torch.ones(1000)
+        tree.all_reduce(x)
+        start = time.monotonic()
+        try:
+            if scenario == "kill" and node == n - 1:
+                os._exit(3)  # dies without closing anything, like a crash
+            shape = (1001,) if scenario == "mismatch" and node == n - 1 else (1000,)
+            tree.all_reduce(torch.ones(shape))
+            out["error"] = None
+        except ipc.IPCError as exc:
+            out["error"] = type(exc).__name__
+            out["message"] = str(exc)
+            out["peer"] = exc.node
+        out["elapsed"] = time.monotonic() - start
+        tree.close()
+    elif scenario == "token":
+        token = "wrong" if node == n - 1 else "right"
+        try:
+            tree = tree_from_args(node, n, key, token=token)
+            out["error"] = None
+            tree.close()
+        except ipc.IPCError as exc:
+            out["error"] = type(exc).__name__
+            out["message"] = str(exc)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    return out
+
+
+def main() -> None:
+    scenario, node, n, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    key = sys.argv[5] if len(sys.argv) > 5 else "-"
+    logging.basicConfig(level=logging.INFO, format=f"[node {node}] %(levelname)s %(message)s")
+    result = run(scenario, node, n, key)
+    tmp = os.path.join(outdir, f".result-{node}.pt")
+    torch.save(result, tmp)
+    os.replace(tmp, os.path.join(outdir, f"result-{node}.pt"))
+
+
+if __name__ == "__main__":
+    main()

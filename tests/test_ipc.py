@@ -1,0 +1,223 @@
+"""ipc: real trees of spawned processes on 127.0.0.1, checked against reductions computed here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import repo_env
+from ipc_workers import DTYPES, nested, node_tensor
+
+import ipc
+from ipc.topology import build_tree, depth
+
+WORKER = Path(__file__).with_name("ipc_workers.py")
+
+
+def run_tree(
+    scenario: str,
+    n: int,
+    tmp_path: Path,
+    timeout: float = 150,
+    key: str | None = None,
+    ipc_timeout: float = 30,
+    expect_rc: dict[int, int] | None = None,
+) -> tuple[list[dict | None], list[str]]:
+    """Start n worker processes side by side, wait for all, always clean up; results per node."""
+    key = key or f"test-{uuid.uuid4().hex[:8]}"
+    env = repo_env(TEST_IPC_TIMEOUT=str(ipc_timeout))
+    logs = [tmp_path / f"log-{i}.txt" for i in range(n)]
+    procs = []
+    try:
+        for i in range(n):
+            with open(logs[i], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), scenario, str(i), str(n), str(tmp_path), key],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [log.read_text() for log in logs]
+    results = []
+    for i, p in enumerate(procs):
+        want = (expect_rc or {}).get(i, 0)
+        assert p.returncode == want, f"node {i} exited {p.returncode}:\n{texts[i]}"
+        path = tmp_path / f"result-{i}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    return results, texts
+
+
+def local_reduce(op, tensors: list[torch.Tensor]) -> torch.Tensor:
+    acc = tensors[0].clone()
+    for t in tensors[1:]:
+        acc = op(acc, t)
+    return acc
+
+
+OPS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
+def test_all_reduce_ops_dtypes_nested(n, tmp_path):
+    results, _ = run_tree("ops", n, tmp_path, timeout=120)
+    for op, fn in OPS.items():
+        for dt in DTYPES:
+            want = local_reduce(fn, [node_tensor(i, (33,), dt) for i in range(n)])
+            for i, r in enumerate(results):
+                assert r[f"count-{op}-{dt}"] == n
+                assert r[f"{op}-{dt}"].dtype == dt
+                assert torch.equal(r[f"{op}-{dt}"], want), f"node {i} {op} {dt}"
+    want = local_reduce(torch.mul, [node_tensor(i, (10,), torch.float32) for i in range(n)])
+    for r in results:
+        assert r["count-callable"] == n
+        torch.testing.assert_close(r["callable"], want, rtol=1e-5, atol=0)
+        # identical bits on every node, whatever the reduction order
+        assert torch.equal(r["callable"], results[0]["callable"])
+    structs = [nested(i) for i in range(n)]
+    for r in results:
+        got = r["nested"]
+        assert torch.equal(got["w"][0], sum(s["w"][0] for s in structs))
+        assert torch.equal(got["w"][1], sum(s["w"][1] for s in structs))
+        assert torch.equal(got["b"][0], sum(s["b"][0] for s in structs))
+        assert torch.equal(got["b"][1]["h"], sum(s["b"][1]["h"] for s in structs))
+        assert got["b"][1]["h"].dtype == torch.float16
+        assert torch.equal(got["scalar"], sum(s["scalar"] for s in structs))
+
+
+def test_default_key_is_parent_pid(tmp_path):
+    """No key, no port: processes started side by side find each other."""
+    results, _ = run_tree("uneven", 3, tmp_path, key="-")
+    assert [len(r["counts"]) for r in results] == [3, 3, 3]
+
+
+def test_uneven_finished(tmp_path):
+    n = 4
+    results, _ = run_tree("uneven", n, tmp_path)
+    # node i runs i+1 steps; at step s the nodes with more than s steps contribute.
+    want_counts = [n - s for s in range(n)]
+    want_sums = [float(sum(i + 1 for i in range(n) if i + 1 > s)) for s in range(n)]
+    for r in results:
+        assert r["counts"] == want_counts
+        assert r["sums"] == want_sums
+
+
+def test_scatter(tmp_path):
+    results, _ = run_tree("scatter", 5, tmp_path)
+    for r in results:
+        assert torch.equal(r["scattered"]["a"], node_tensor(0, (5000,), torch.float32))
+        assert torch.equal(r["scattered"]["b"][0], node_tensor(0, (3,), torch.int64))
+
+
+def test_barrier(tmp_path):
+    n = 3
+    results, _ = run_tree("barrier", n, tmp_path)
+    # node 2 sleeps 0.6 s before entering; nobody may leave before it arrived.
+    after = [r["after"] for r in results]
+    assert max(after) - min(after) < 0.25
+
+
+def test_non_contiguous(tmp_path):
+    n = 3
+    results, _ = run_tree("noncontig", n, tmp_path)
+    want = sum(node_tensor(i, (6, 8), torch.float32) for i in range(n))
+    for r in results:
+        assert torch.equal(r["base"], want)
+
+
+def test_big_tensor_64mib(tmp_path):
+    n = 2
+    results, _ = run_tree("big", n, tmp_path, timeout=120)
+    for r in results:
+        assert r["count"] == n
+        assert r["ok"]
+        want = torch.full((16,), float(sum(range(1, n + 1))))
+        for i in range(n):
+            want[i] = 100.0 + sum(j + 1 for j in range(n) if j != i)
+        assert torch.equal(r["head"], want)
+
+
+def test_killed_peer_makes_others_raise(tmp_path):
+    n = 4
+    results, texts = run_tree("kill", n, tmp_path, ipc_timeout=60, expect_rc={n - 1: 3})
+    for i, r in enumerate(results[:-1]):
+        assert r["error"] == "PeerError", texts[i]
+        assert f"node {n - 1}" in r["message"]
+        assert r["peer"] == n - 1
+        assert r["elapsed"] < 10, r  # detected by the socket, long before the 60 s timeout
+
+
+def test_mismatched_shapes_raise(tmp_path):
+    n = 3
+    results, _ = run_tree("mismatch", n, tmp_path)
+    kinds = {r["error"] for r in results}
+    assert "MismatchError" in kinds
+    assert kinds <= {"MismatchError", "PeerError"}
+
+
+def test_wrong_token_refused(tmp_path):
+    n = 3
+    results, texts = run_tree("token", n, tmp_path, ipc_timeout=4)
+    assert results[-1]["error"] == "AuthError"
+    assert "refused" in results[-1]["message"]
+    assert results[0]["error"] == "IPCTimeoutError"  # node 2 never joined
+    assert "refused a join with a bad token" in texts[0]
+
+
+def test_topology_host_aware():
+    hosts = ["a", "a", "b", "b", "a", "c", "b"]
+    tree = build_tree(hosts, base=2)
+    assert tree[0].parent is None
+    # host leaders 0 (a), 2 (b), 5 (c): 2 and 5 hang off 0
+    assert tree[2].parent == 0 and tree[5].parent == 0
+    # within a host, a heap over that host's nodes
+    assert tree[1].parent == 0 and tree[4].parent == 0
+    assert tree[3].parent == 2 and tree[6].parent == 2
+    cross = [i for i, p in enumerate(tree) if p.parent is not None and hosts[p.parent] != hosts[i]]
+    assert sorted(cross) == [2, 5]
+    assert depth(build_tree(["h"] * 8, base=2)) == 3
+    assert depth(build_tree(["h"] * 8, base=7)) == 1
+
+
+def test_single_node_in_process():
+    tree = ipc.LocalhostTree(0, 1)
+    x = torch.arange(5.0)
+    assert tree.all_reduce(x) == 1
+    assert torch.equal(x, torch.arange(5.0))
+    assert tree.all_reduce(x, finished=True) == 0
+    tree.barrier()
+    tree.close()
+    with pytest.raises(ipc.IPCError, match="closed"):
+        tree.all_reduce(x)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="node_index"):
+        ipc.LocalhostTree(3, 2)
+    tree = ipc.LocalhostTree(0, 1)
+    with pytest.raises(TypeError, match=r"tensors\[1\]"):
+        tree.all_reduce([torch.ones(1), "x"])
+    with pytest.raises(ValueError, match="op"):
+        tree.all_reduce(torch.ones(1), op="mean")
+    tree.close()
+
+
+def test_from_env_requires_variables(monkeypatch):
+    for var in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"]:
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ipc.IPCError, match="RANK"):
+        ipc.Tree.from_env()

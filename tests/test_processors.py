@@ -1,0 +1,80 @@
+"""Processors: images (PNG/JPEG, modes, resize, normalisation), raw bytes, JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image as PILImage
+
+from dataset.processors import Image, Json, Raw, default_processor
+
+
+def encode(arr: np.ndarray, fmt: str = "PNG", mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    PILImage.fromarray(arr, mode).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_png_grey_to_unit_range():
+    arr = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
+    out = torch.empty(1, 8, 8)
+    assert Image(mode="L")(encode(arr), None, out) is True
+    assert torch.allclose(out[0], torch.from_numpy(arr).float() / 255)
+
+
+def test_rgb_channels_first_and_mode_from_dims():
+    arr = np.zeros((4, 6, 3), dtype=np.uint8)
+    arr[..., 0], arr[..., 1], arr[..., 2] = 255, 128, 0
+    out = torch.empty(3, 4, 6)
+    Image()(encode(arr), None, out)  # mode inferred: 3 channels -> RGB
+    assert out[0].eq(1).all() and out[2].eq(0).all()
+    assert torch.allclose(out[1], torch.full((4, 6), 128 / 255))
+    grey = torch.empty(1, 4, 6)
+    Image()(encode(arr), None, grey)  # RGB file into a 1-channel row: converted to L
+    assert grey.shape == (1, 4, 6)
+
+
+def test_jpeg_resize_and_normalise():
+    arr = np.full((64, 48, 3), 200, dtype=np.uint8)
+    out = torch.empty(3, 16, 12)
+    Image(size=(16, 12), mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25])(
+        encode(arr, "JPEG"), None, out
+    )
+    assert torch.allclose(out, torch.full_like(out, (200 / 255 - 0.5) / 0.25), atol=0.05)
+
+
+def test_size_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"does not fit input_dims \(1, 4, 4\).*size="):
+        Image()(encode(np.zeros((8, 8), np.uint8)), None, torch.empty(1, 4, 4))
+    with pytest.raises(OSError):  # Pillow: cannot identify image file
+        Image()(b"not an image", None, torch.empty(1, 4, 4))
+
+
+def test_raw_and_json():
+    out = torch.empty(2, 2)
+    assert Raw(scale=0.5)(bytes([2, 4, 6, 8]), None, out)
+    assert out.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    Raw(dtype="<f4")(np.arange(4, dtype="<f4").tobytes(), None, out)
+    assert out.view(-1).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="3 uint8 values, input_dims needs 4"):
+        Raw()(b"abc", None, out)
+    doc = {"v": [1, 2, 3, 4], "name": "x"}
+    ok, extra = Json(field="v")(json.dumps(doc).encode(), None, out)
+    assert ok and extra == doc and out.view(-1).tolist() == [1, 2, 3, 4]
+    ok, extra = Json()(b'{"a": "text"}', None, out)
+    assert ok and extra == {"a": "text"} and out.eq(0).all()
+
+
+def test_default_processor():
+    out = torch.empty(2, 2)
+    default_processor(torch.arange(4.0), None, out)
+    assert out.tolist() == [[0, 1], [2, 3]]
+    img = torch.empty(1, 2, 2)
+    default_processor(encode(np.full((2, 2), 255, np.uint8)), None, img)
+    assert img.eq(1).all()
+    with pytest.raises(TypeError, match="default processor"):
+        default_processor([b"a", b"b"], None, out)

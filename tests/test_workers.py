@@ -1,0 +1,118 @@
+"""Worker lifetime and adapters: a killed worker, clean shutdown, as_torch, tqdm, fsspec, cache."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import fsspec
+import pytest
+import torch
+
+from dataset import Dataset, Fetcher, FetchError
+from dataset.processors import Image, Raw
+from dataset.workers import WorkerDied
+from tests.faulty_server import item_ids, make_pngs
+
+
+@pytest.fixture(scope="module")
+def pngs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pngs")
+    return make_pngs(root, 96, labels=2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_raises_and_nothing_is_left(pngs):
+    ds = Dataset(str(pngs))
+    b = ds.sampled_batcher(batch_size=8, input_dims=(1, 8, 8), processor=Image(),
+                           workers="process", num_workers=2)  # fmt: skip
+    procs = list(b._workers._procs)
+    shm_name = b._workers._shm.name
+    b.next_batch()
+    os.kill(procs[0].pid, signal.SIGKILL)
+    with pytest.raises(WorkerDied, match=r"worker process 0 .* died"):
+        for _ in range(20):
+            b.next_batch()
+    b.close()
+    assert not any(_alive(p.pid) for p in procs)
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+
+
+def test_close_stops_workers_and_frees_shared_memory(pngs):
+    ds = Dataset(str(pngs.parent / "train.csv"))
+    with ds.sampled_batcher(batch_size=8, input_dims=(1, 8, 8), processor=Image(),
+                            workers="process", num_workers=2) as b:  # fmt: skip
+        procs = list(b._workers._procs)
+        shm_name = b._workers._shm.name
+        kept = b.next_batch()  # closed mid-epoch, with batches in flight
+    assert not any(_alive(p.pid) for p in procs)
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+    assert len(item_ids(kept.input)) == 8  # a batch handed out outlives the ring
+    with pytest.raises(RuntimeError, match="closed"):
+        b.next_batch()
+
+
+def test_as_torch_dataloader_and_progress(pngs, capsys):
+    ds = Dataset(str(pngs))
+    with ds.sampled_batcher(batch_size=32, input_dims=(1, 8, 8), processor=Image(),
+                            workers="thread", progress=True) as b:  # fmt: skip
+        loader = torch.utils.data.DataLoader(b.as_torch(), batch_size=None)
+        assert len(loader) == 3
+        got = [(x.shape, y.dtype) for x, y in loader]
+    assert got == [((32, 1, 8, 8), torch.long)] * 3
+    assert "3/3" in capsys.readouterr().err  # the tqdm bar went to stderr
+
+
+def test_next_batch_rolls_over_epochs_and_reset(pngs):
+    ds = Dataset(str(pngs.parent / "train.csv"), partition=0, partitions=2)
+    with ds.sampled_batcher(batch_size=20, input_dims=(1, 8, 8), processor=Image(),
+                            workers="thread") as b:  # fmt: skip
+        sizes = [len(b.next_batch()) for _ in range(5)]
+        assert sizes == [20, 20, 8, 20, 20] and b.epoch == 1
+        b.reset()
+        b.next_batch()
+        assert b.epoch == 2
+
+
+def test_fsspec_urls_and_a_plugged_in_cache():
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/ds/a.bin", bytes([1, 2, 3, 4]))
+    fs.pipe("/ds/b.bin", bytes([5, 6, 7, 8]))
+    fs.pipe("/ds/index.csv", b"filename,label\na.bin,x\nb.bin,y\n")
+
+    class DictCache:
+        """The smallest real cache: keeps bytes in a dict, counts hits."""
+
+        def __init__(self):
+            self.data, self.hits = {}, 0
+
+        def get(self, key):
+            hit = self.data.get(key)
+            self.hits += hit is not None
+            return hit
+
+        def put(self, key, data):
+            self.data[key] = data
+
+    cache = DictCache()
+    ds = Dataset("memory://ds/index.csv")
+    with ds.sampled_batcher(batch_size=2, input_dims=(4,), processor=Raw(), cache=cache,
+                            workers="thread") as b:  # fmt: skip
+        first = b.next_batch()
+        second = b.next_batch()
+    assert first.input.tolist() == second.input.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert first.urls == ["memory://ds/a.bin", "memory://ds/b.bin"]
+    assert cache.hits == 2 and set(cache.data) == set(first.urls)
+    # a missing fsspec file is a FetchError naming it
+    with Fetcher() as f, pytest.raises(FetchError, match="memory://ds/none: no such file"):
+        f.submit(f.fetch("memory://ds/none")).result(timeout=10)
