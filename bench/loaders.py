@@ -253,22 +253,6 @@ def dataset_csv(ctx: Ctx, workers: str | None = None, pool_size: int | None = No
     yield from _batches(ds, ctx, "linear", processor, workers=workers, pool_size=pool_size, **opts)
 
 
-class SampleImage:
-    """The image of a tar sample (a dict of extension -> bytes) through dataset's Image processor.
-
-    A class, not a lambda, so process workers can pickle it.
-    """
-
-    def __init__(self, **image_opts):
-        from dataset import processors
-
-        self.image = processors.Image(**image_opts)
-
-    def __call__(self, sample, opt, out):
-        data = next(v for k, v in sample.items() if k in ("png", "jpg", "jpeg"))
-        return self.image(data, opt, out)
-
-
 def shard_pattern(ctx: Ctx) -> str:
     """All shards as one brace URL (http://host/shards/mnist-{000000..000019}.tar): no listing."""
     if len(ctx.shards) == 1:
@@ -280,11 +264,14 @@ def shard_pattern(ctx: Ctx) -> str:
 
 @row("dataset-shards")
 def dataset_shards(ctx: Ctx, workers: str | None = None, pool_size: int | None = None, **opts):
-    """distlearn Dataset over the tar shards via HTTP (part files, each read in one request)."""
-    from dataset import Dataset
+    """distlearn Dataset over the tar shards via HTTP (part files, each read in one request).
 
-    ds = Dataset(shard_pattern(ctx))
-    processor = SampleImage(mode="L")
+    The part cache is off, so every repetition reads over HTTP like WebDataset does.
+    """
+    from dataset import Dataset, parts, processors
+
+    ds = Dataset(shard_pattern(ctx), cache_parts=False)
+    processor = parts.SampleMember(processors.Image(mode="L"))
     yield from _batches(
         ds, ctx, "part-linear", processor, workers=workers, pool_size=pool_size, **opts
     )
