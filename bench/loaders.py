@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import io
 import multiprocessing as mp
-import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -116,12 +115,14 @@ async def _fetch_urls(urls: list[str], decode: bool, concurrency: int, bs: int, 
 
 def _fetch_proc(urls, decode, concurrency, bs, q) -> None:
     # batches cross the process boundary as counts: the ceiling is fetch(+decode), not pickling
-    asyncio.run(
-        _fetch_urls(
-            urls, decode, concurrency, bs, lambda b: q.put(b if isinstance(b, int) else len(b))
+    try:
+        asyncio.run(
+            _fetch_urls(
+                urls, decode, concurrency, bs, lambda b: q.put(b if isinstance(b, int) else len(b))
+            )
         )
-    )
-    q.put(None)
+    finally:
+        q.put(None)  # the parent stops waiting even when this process failed
 
 
 @row("aiohttp")
@@ -130,24 +131,10 @@ def aiohttp_ceiling(
 ) -> Iterator[torch.Tensor | int]:
     """Fetch ceiling: bare aiohttp (and PIL) in `procs` processes, no batching machinery.
 
-    With one process the loop runs here and yields real batches; with more, each
-    process takes an equal slice of the URLs and reports counts back.
+    Each process takes an equal slice of the URLs, fills uint8 batches and reports
+    counts back; this process only waits, so 1 and 2 processes compare directly.
     """
     urls = ctx.urls
-    if procs == 1:
-        q: queue.Queue = queue.Queue()
-        import threading
-
-        def run():
-            try:
-                asyncio.run(_fetch_urls(urls, decode, concurrency, ctx.batch_size, q.put))
-            finally:
-                q.put(None)
-
-        threading.Thread(target=run, daemon=True).start()
-        while (b := q.get()) is not None:
-            yield b
-        return
     mpq = mp.get_context("fork").Queue()
     workers = [
         mp.get_context("fork").Process(
@@ -266,22 +253,6 @@ def dataset_csv(ctx: Ctx, workers: str | None = None, pool_size: int | None = No
     yield from _batches(ds, ctx, "linear", processor, workers=workers, pool_size=pool_size, **opts)
 
 
-class SampleImage:
-    """The image of a tar sample (a dict of extension -> bytes) through dataset's Image processor.
-
-    A class, not a lambda, so process workers can pickle it.
-    """
-
-    def __init__(self, **image_opts):
-        from dataset import processors
-
-        self.image = processors.Image(**image_opts)
-
-    def __call__(self, sample, opt, out):
-        data = next(v for k, v in sample.items() if k in ("png", "jpg", "jpeg"))
-        return self.image(data, opt, out)
-
-
 def shard_pattern(ctx: Ctx) -> str:
     """All shards as one brace URL (http://host/shards/mnist-{000000..000019}.tar): no listing."""
     if len(ctx.shards) == 1:
@@ -293,11 +264,14 @@ def shard_pattern(ctx: Ctx) -> str:
 
 @row("dataset-shards")
 def dataset_shards(ctx: Ctx, workers: str | None = None, pool_size: int | None = None, **opts):
-    """distlearn Dataset over the tar shards via HTTP (part files, each read in one request)."""
-    from dataset import Dataset
+    """distlearn Dataset over the tar shards via HTTP (part files, each read in one request).
 
-    ds = Dataset(shard_pattern(ctx))
-    processor = SampleImage(mode="L")
+    The part cache is off, so every repetition reads over HTTP like WebDataset does.
+    """
+    from dataset import Dataset, parts, processors
+
+    ds = Dataset(shard_pattern(ctx), cache_parts=False)
+    processor = parts.SampleMember(processors.Image(mode="L"))
     yield from _batches(
         ds, ctx, "part-linear", processor, workers=workers, pool_size=pool_size, **opts
     )

@@ -60,7 +60,7 @@ def have_dataset(part_url: str | None = None) -> str | None:
         return "dataset.Dataset not available yet"
     if part_url:
         try:  # opening is cheap (a brace pattern needs no listing); reading starts later
-            dataset.Dataset(part_url)
+            dataset.Dataset(part_url, cache_parts=False)
         except Exception as err:
             return f"Dataset({part_url!r}) raised {type(err).__name__}: {err}"
     return None
