@@ -65,6 +65,10 @@ class Cache:
             d.mkdir(parents=True, exist_ok=True)
         self._ledger = self.root / "size"  # bytes written since the last exact count
         self._lock_pid = -1  # file locks belong to one process: rebuilt after a fork
+        self._dirs: set[Path] = set()
+        self._unaccounted = 0  # bytes this process wrote, not yet in the ledger
+        self._flushed_at = time.monotonic()
+        self._flush_bytes = max(1, self.max_bytes // 100)
         self.hits = 0
         self.misses = 0
 
@@ -153,7 +157,9 @@ class Cache:
 
     def _write(self, url: str, writer: Callable[[BinaryIO], object]) -> Path:
         p = self.path(url)
-        p.parent.mkdir(exist_ok=True)
+        if p.parent not in self._dirs:
+            p.parent.mkdir(exist_ok=True)
+            self._dirs.add(p.parent)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -170,11 +176,21 @@ class Cache:
     # ------------------------------------------------------------ eviction
 
     def _account(self, size: int) -> None:
+        # Bytes written are added to the shared ledger in bulk (every 1% of the
+        # limit, or every second), not per entry: a lock and a ledger rewrite
+        # per small item would cost more than the item. The cache may so
+        # overshoot its limit by about 1% per writing process, briefly.
+        self._unaccounted += size
+        now = time.monotonic()
+        if self._unaccounted < self._flush_bytes and now - self._flushed_at < 1.0:
+            return
         with self._global:
-            total = self._read_ledger() + size
+            total = self._read_ledger() + self._unaccounted
             if total > self.max_bytes:
                 total = self._evict_locked(int(self.max_bytes * _LOW_WATER))
             self._ledger.write_text(f"{total}\n")
+        self._unaccounted = 0
+        self._flushed_at = now
 
     def _read_ledger(self) -> int:
         try:
@@ -218,6 +234,7 @@ class Cache:
         with self._global:
             total = self._evict_locked(self.max_bytes if target_bytes is None else target_bytes)
             self._ledger.write_text(f"{total}\n")
+            self._unaccounted = 0  # the scan counted everything
             return total
 
     def size(self) -> int:

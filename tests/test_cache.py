@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
+import dataset.cache
 from dataset.cache import Cache
 from tests.conftest import repo_env, wait_for_file
+
+CACHE_PY = dataset.cache.__file__
 
 
 def body(url: str, size: int) -> bytes:
@@ -74,8 +77,13 @@ def test_failed_writer_leaves_nothing(tmp_path):
 
 
 CHILD = r"""
-import os, sys, time, random, hashlib
-from dataset.cache import Cache
+import os, sys, time, random, hashlib, importlib.util
+# Load dataset/cache.py on its own: importing the package would import torch,
+# which takes seconds per child on a busy machine and is not what is tested.
+spec = importlib.util.spec_from_file_location("cache", os.environ["CACHE_PY"])
+cache_mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cache_mod)
+Cache = cache_mod.Cache
 
 def body(url, size):
     seed = hashlib.sha256(url.encode()).digest()
@@ -125,7 +133,7 @@ def run_children(tmp_path, mode, n, procs=4, timeout=120):
     children = [
         subprocess.Popen(
             [sys.executable, str(script), mode, str(tmp_path / "cache"), str(log), str(n)],
-            env=repo_env(),
+            env=repo_env(CACHE_PY=CACHE_PY),
             stderr=subprocess.PIPE,
         )
         for _ in range(procs)
@@ -162,7 +170,7 @@ def test_killed_filler_releases_the_lock(tmp_path):
     started = tmp_path / "started"
     proc = subprocess.Popen(
         [sys.executable, str(script), "hang", str(tmp_path / "cache"), str(started), "1"],
-        env=repo_env(),
+        env=repo_env(CACHE_PY=CACHE_PY),
     )
     try:
         wait_for_file(started, proc)
