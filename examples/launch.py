@@ -253,7 +253,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def run_job(script: Path, nodes: int, url: str, args: list[str]) -> int:
     """Start `nodes` processes of `script`; wait for all, or stop all at the first failure."""
-    master_port = free_port()
+    master_port, ipc_port = free_port(), free_port()  # ipc would otherwise take MASTER_PORT+1
     token = secrets.token_hex(16)  # the ipc tree admits only processes of this job
     procs: list[subprocess.Popen] = []
     try:
@@ -266,6 +266,7 @@ def run_job(script: Path, nodes: int, url: str, args: list[str]) -> int:
                 LOCAL_WORLD_SIZE=str(nodes),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(master_port),
+                IPC_PORT=str(ipc_port),
                 IPC_TOKEN=token,
             )
             cmd = [sys.executable, str(script), "--data-url", url, *args]

@@ -15,7 +15,6 @@ import copy
 import sys
 
 import mnist_lib
-import torch
 
 from distlearn import AllReduceEA
 
@@ -35,9 +34,8 @@ class EA(mnist_lib.Algorithm):
 
     def end_epoch(self, model):
         self.ea.synchronize_center(model)
-        with torch.no_grad():
-            for p, c in zip(self.center.parameters(), self.ea.center, strict=True):
-                p.copy_(c)
+        for p, c in zip(self.center.parameters(), self.ea.center, strict=True):
+            p.copy_(c)
         return self.center
 
 

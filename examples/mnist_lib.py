@@ -72,7 +72,11 @@ class Net(nn.Module):
 
 
 class Algorithm:
-    """How the nodes stay together; the hooks run at fixed points of the training loop."""
+    """How the nodes stay together; the hooks run at fixed points of the training loop.
+
+    The loop calls every hook under ``torch.no_grad()``: they write into parameters
+    and gradients in place, which is communication, not part of the autograd graph.
+    """
 
     name = "single process"
 
@@ -186,21 +190,16 @@ def connect(args: argparse.Namespace) -> Any:
         if not explicit and "RANK" in os.environ:
             return ipc.Tree.from_env()
         return ipc.LocalhostTree(node, nodes)
-    import torch.distributed as dist
-
     from distlearn.backends import TorchDistributed
 
-    if not explicit and "RANK" in os.environ:
-        return TorchDistributed.from_env("gloo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args.master_port}",
-        rank=node,
-        world_size=nodes,
-    )
-    comm = TorchDistributed()
-    comm._owns_group = True  # close() destroys the group we made
-    return comm
+    if explicit or "RANK" not in os.environ:  # started by hand: rendezvous on this host
+        os.environ.update(
+            RANK=str(node),
+            WORLD_SIZE=str(nodes),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(args.master_port),
+        )
+    return TorchDistributed.from_env("gloo")  # close() destroys the group
 
 
 def join(base: str, name: str) -> str:
@@ -358,7 +357,8 @@ def main(
     schedule = Schedule(
         args.lr, steps_per_epoch * args.epochs, round(args.warmup * steps_per_epoch)
     )
-    algorithm.start(comm, model)
+    with torch.no_grad():
+        algorithm.start(comm, model)
     if lead:
         print(
             f"{script}: {algorithm.name}, {nodes} process{'es' if nodes > 1 else ''} "
@@ -392,9 +392,11 @@ def main(
                 loss = F.cross_entropy(model(batch.input), batch.target)
                 optimizer.zero_grad(set_to_none=False)
                 loss.backward()
-                algorithm.after_backward(model)
+                with torch.no_grad():
+                    algorithm.after_backward(model)
                 optimizer.step()
-                algorithm.after_step(model)
+                with torch.no_grad():
+                    algorithm.after_step(model)
                 n = len(batch.target)
                 stats += torch.tensor([loss.item() * n, n, 1], dtype=torch.float64)
                 step += 1
@@ -403,7 +405,8 @@ def main(
                     bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             if bar is not None:
                 bar.close()
-            evaluated = algorithm.end_epoch(model)
+            with torch.no_grad():
+                evaluated = algorithm.end_epoch(model)
             train_seconds = time.perf_counter() - t0
             comm.all_reduce(stats)
             result = evaluate(evaluated, test, comm, test_limit)

@@ -215,3 +215,34 @@ def test_server_serves_and_stops(kind, tmp_path):
         second.stop()
     for p in procs:
         assert p.poll() is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ipc", "gloo"])
+def test_torchrun_quick(backend, serve_dir, tmp_path):
+    """`torchrun --nproc-per-node=4 examples/mnist.py` with rank and rendezvous from the
+    environment, for both communicators."""
+    assert (QUICK_DATA / "prepared.json").exists(), "run test_quick_run_end_to_end first"
+    url = serve_dir(QUICK_DATA)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    cmd += [str(EXAMPLES / "mnist.py"), "--data-url", url, "--quick", "--backend", backend]
+    cmd += ["--output", str(tmp_path / "out")]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=repo_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=280)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, out
+    assert re.search(r"final test accuracy: [\d.]+%", out), out
+    record = json.loads((tmp_path / "out" / "log.json").read_text())
+    assert record["nodes"] == 4 and record["backend"] == backend
