@@ -267,6 +267,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["ipc"],
         help="communicators for the training row (mnist.py --backend)",
     )
+    p.add_argument(
+        "--train-reps",
+        type=int,
+        help="repetitions of each training job (default --reps; quick mode 1)",
+    )
     p.add_argument("--train-timeout", type=float, default=900.0, help="seconds per training job")
     p.add_argument("--data-dir", default=str(BENCH / "data"), help="where prepared data goes")
     p.add_argument(
@@ -276,6 +281,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.samples is None:
         args.samples = 4000 if args.quick else 20000
+    if args.train_reps is None:
+        args.train_reps = 1 if args.quick else args.reps
     if args.allreduce_target_s is None:
         args.allreduce_target_s = 0.15 if args.quick else 0.5
     if args.out_dir is None:
