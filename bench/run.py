@@ -1,7 +1,7 @@
 """`python -m bench`: distlearn against the loaders and collectives users would pick instead.
 
     python -m bench                 # full suite -> bench/RESULTS.md, bench/results.png
-    python -m bench --quick         # a minute or two, smaller sweep -> bench/out/
+    python -m bench --quick         # smoke: smaller sweep, 4,000 samples -> bench/out/
     python -m bench --only loaders  # or allreduce, training
 
 Every loader row runs in a fresh process per repetition, against one HTTP server
@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(jsonl, "w") as f:
 
         def emit(rec: dict) -> None:
+            """Every record goes to the JSON lines as it comes, and to the report at the end."""
+            records.append(rec)
             f.write(json.dumps(rec) + "\n")
             f.flush()
 
@@ -320,13 +322,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             emit({"kind": "data", "source": data.source, "samples": data.n, "bytes": data.bytes,
                   "shards": len(data.shards), "requested": source})  # fmt: skip
-            records += run_loaders(args, data, emit)
+            run_loaders(args, data, emit)
         if "allreduce" in only:
-            records += run_allreduce(args, emit)
+            run_allreduce(args, emit)
         if "training" in only:
             from bench import training
 
-            records += training.run(args, emit)
+            training.run(args, emit)
         checks = report.check_targets(records)
         for c in checks:
             emit({"kind": "target", **c})
