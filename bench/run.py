@@ -232,6 +232,26 @@ def run_allreduce(args, emit) -> list[dict]:
     return out
 
 
+def run_data_and_loaders(args, emit) -> list[dict]:
+    source = "synthetic" if args.synthetic else args.data
+    name = "synthetic" if args.synthetic else "www"
+    data = prepare(
+        Path(args.data_dir) / name, args.samples, source=args.data, synthetic=args.synthetic
+    )
+    emit({"kind": "data", "source": data.source, "samples": data.n, "bytes": data.bytes,
+          "shards": len(data.shards), "requested": source})  # fmt: skip
+    return run_loaders(args, data, emit)
+
+
+def run_training(args, emit) -> list[dict]:
+    from bench import training
+
+    return training.run(args, emit)
+
+
+PARTS = {"loaders": run_data_and_loaders, "allreduce": run_allreduce, "training": run_training}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sweep, fewer samples (CI smoke)")
@@ -314,21 +334,14 @@ def main(argv: list[str] | None = None) -> int:
 
         mode = "quick" if args.quick else "full"
         emit({"kind": "run", "mode": mode, "argv": args.argv, "machine": machine})
-        if "loaders" in only:
-            source = "synthetic" if args.synthetic else args.data
-            name = "synthetic" if args.synthetic else "www"
-            data = prepare(
-                Path(args.data_dir) / name, args.samples, source=args.data, synthetic=args.synthetic
-            )
-            emit({"kind": "data", "source": data.source, "samples": data.n, "bytes": data.bytes,
-                  "shards": len(data.shards), "requested": source})  # fmt: skip
-            run_loaders(args, data, emit)
-        if "allreduce" in only:
-            run_allreduce(args, emit)
-        if "training" in only:
-            from bench import training
-
-            training.run(args, emit)
+        for part in ("loaders", "allreduce", "training"):
+            if part not in only:
+                continue
+            try:  # a part that breaks must not cost the figures of the others
+                PARTS[part](args, emit)
+            except Exception as err:
+                log.exception("%s failed", part)
+                emit({"kind": "note", "text": f"{part} failed: {type(err).__name__}: {err}"})
         checks = report.check_targets(records)
         for c in checks:
             emit({"kind": "target", **c})
