@@ -293,6 +293,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="repetitions of each training job (default --reps; quick mode 1)",
     )
     p.add_argument("--train-timeout", type=float, default=900.0, help="seconds per training job")
+    p.add_argument(
+        "--report-from",
+        metavar="JSONL",
+        help="only rebuild RESULTS.md and the chart from a results.jsonl",
+    )
     p.add_argument("--data-dir", default=str(BENCH / "data"), help="where prepared data goes")
     p.add_argument(
         "--out-dir", help="results folder (default: bench/ in full mode, bench/out quick)"
@@ -312,9 +317,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_report(records: list[dict], args, elapsed: float, out_dir: Path) -> list[dict]:
+    """RESULTS.md and results.png in `out_dir` from the records; prints the targets."""
+    machine = next(r["machine"] for r in records if r.get("kind") == "run")
+    checks = [r for r in records if r.get("kind") == "target"] or report.check_targets(records)
+    (out_dir / "RESULTS.md").write_text(report.markdown(records, checks, machine, args, elapsed))
+    chart = report.chart(records, out_dir / "results.png")
+    print(report.targets_text(checks))
+    log.info("wrote %s%s", out_dir / "RESULTS.md", f" and {chart}" if chart else "")
+    return checks
+
+
+def rerender(path: str, out_dir: str | None) -> int:
+    """Rebuild the report from a results.jsonl, e.g. after the run was cut short."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    run = next((r for r in records if r.get("kind") == "run"), None)
+    if run is None:
+        raise SystemExit(f"{path}: no run record; not a bench results.jsonl")
+    args = parse_args(run["argv"])
+    out = Path(out_dir or args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = next((r for r in records if r.get("kind") == "done"), {})
+    write_report(records, args, done.get("elapsed_s", float("nan")), out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.report_from:
+        return rerender(args.report_from, args.out_dir if "--out-dir" in args.argv else None)
     only = set(args.only or ("loaders", "allreduce", "training"))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -342,14 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:
                 log.exception("%s failed", part)
                 emit({"kind": "note", "text": f"{part} failed: {type(err).__name__}: {err}"})
-        checks = report.check_targets(records)
-        for c in checks:
+        for c in report.check_targets(records):
             emit({"kind": "target", **c})
-    elapsed = time.time() - started
-    md = report.markdown(records, checks, machine, args, elapsed)
-    (out_dir / "RESULTS.md").write_text(md)
-    chart = report.chart(records, out_dir / "results.png")
-    print(report.targets_text(checks))
-    log.info("wrote %s, %s%s in %.0fs", out_dir / "RESULTS.md", jsonl,
-             f", {chart}" if chart else "", elapsed)  # fmt: skip
+        elapsed = time.time() - started
+        emit({"kind": "done", "elapsed_s": elapsed})
+    write_report(records, args, elapsed, out_dir)
+    log.info("raw figures in %s; %.0f s in all", jsonl, elapsed)
     return 0
