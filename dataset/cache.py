@@ -64,7 +64,7 @@ class Cache:
         for d in (self.objects, self.locks):
             d.mkdir(parents=True, exist_ok=True)
         self._ledger = self.root / "size"  # bytes written since the last exact count
-        self._global = FileLock(str(self.root / "cache.lock"))
+        self._lock_pid = -1  # file locks belong to one process: rebuilt after a fork
         self.hits = 0
         self.misses = 0
 
@@ -77,6 +77,13 @@ class Cache:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], state["max_bytes"])
+
+    @property
+    def _global(self) -> FileLock:
+        if self._lock_pid != os.getpid():
+            self._global_lock = FileLock(str(self.root / "cache.lock"))
+            self._lock_pid = os.getpid()
+        return self._global_lock
 
     def path(self, url: str | tuple) -> Path:
         """Where the entry for ``url`` lives (whether or not it exists).

@@ -56,18 +56,22 @@ def _as_list(x: Any, what: str) -> list:
 
 
 def parameters_of(x: Any) -> list[torch.Tensor]:
-    """The trainable state of `x`: a module's parameters, or the tensors given."""
+    """The trainable state of `x`: a module's parameters, or the tensors given.
+
+    Detached (same storage, no autograd), so any communicator may write into them in
+    place without tripping autograd's check on leaves that require grad.
+    """
     if isinstance(x, nn.Module):
-        return list(x.parameters())
-    return _as_list(x, "parameters")
+        return [p.detach() for p in x.parameters()]
+    return [t.detach() for t in _as_list(x, "parameters")]
 
 
 def state_of(x: Any) -> list[torch.Tensor]:
     """What must match across nodes: a module's parameters and buffers (e.g. BatchNorm
-    running statistics), or the tensors given."""
+    running statistics), or the tensors given; detached like `parameters_of`."""
     if isinstance(x, nn.Module):
-        return [*x.parameters(), *x.buffers()]
-    return _as_list(x, "parameters")
+        return [t.detach() for t in (*x.parameters(), *x.buffers())]
+    return [t.detach() for t in _as_list(x, "parameters")]
 
 
 def gradients_of(x: Any) -> list[torch.Tensor]:
@@ -75,9 +79,9 @@ def gradients_of(x: Any) -> list[torch.Tensor]:
 
     A module gives the `.grad` of every parameter that requires grad; a missing `.grad`
     (a parameter this node's batch did not reach) becomes zeros, so every node sends
-    the same list. An `nn.Parameter` among plain tensors also stands for its `.grad`,
-    because summing parameters where gradients were meant would silently ruin training.
-    Plain tensors are the gradients themselves.
+    the same list. A tensor that requires grad (an `nn.Parameter`, say) also stands for
+    its `.grad`, because summing parameters where gradients were meant would silently
+    ruin training. Other tensors are the gradients themselves.
     """
     if isinstance(x, nn.Module):
         params: list[torch.Tensor] = [p for p in x.parameters() if p.requires_grad]
@@ -85,7 +89,7 @@ def gradients_of(x: Any) -> list[torch.Tensor]:
         params = _as_list(x, "gradients")
     grads = []
     for p in params:
-        if isinstance(p, nn.Parameter):
+        if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)

@@ -35,7 +35,7 @@ class SGD(mnist_lib.Algorithm):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = mnist_lib.parser(__doc__.split("\n")[0], lr=0.1, epochs=4, batch_size=32)
+    p = mnist_lib.parser(__doc__.split("\n")[0], lr=0.05, epochs=4, batch_size=32)
     return mnist_lib.main("mnist.py", lambda args: SGD(), p, argv)
 
 

@@ -158,12 +158,14 @@ class Tree:
         for p in self._peers.values():
             self._send(p, HELLO, 0, 0, 0, b"\0" * 8)
         waiting = set(self._peers)
+        early = []
         while waiting:
             msg = self._recv()
             waiting.discard(msg[0])
             if msg[1] != HELLO:
                 # A neighbour that finished its handshake first may already be reducing.
-                self._backlog.append(msg)
+                early.append(msg)
+        self._backlog.extend(early)
 
     @staticmethod
     def from_env(**kwargs) -> Tree:

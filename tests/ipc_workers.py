@@ -7,6 +7,7 @@ the reduction computed locally).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -144,14 +145,34 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
     return out
 
 
+def save(result: dict, outdir: str, node: int) -> None:
+    tmp = os.path.join(outdir, f".result-{node}.pt")
+    torch.save(result, tmp)
+    os.replace(tmp, os.path.join(outdir, f"result-{node}.pt"))
+
+
+def entry(scenario: str, node: int, n: int, outdir: str, key: str, ipc_timeout: float) -> None:
+    """Target for a forked worker: log to OUTDIR/log-NODE.txt, run, save the result."""
+    os.environ["TEST_IPC_TIMEOUT"] = str(ipc_timeout)
+    handler = logging.FileHandler(os.path.join(outdir, f"log-{node}.txt"))
+    handler.setFormatter(logging.Formatter(f"[node {node}] %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    # A hung worker leaves its stacks in its log before the test kills it.
+    faulthandler.dump_traceback_later(ipc_timeout + 15, file=handler.stream)
+    try:
+        save(run(scenario, node, n, key), outdir, node)
+    except BaseException:
+        logging.exception("worker failed")
+        raise
+
+
 def main() -> None:
     scenario, node, n, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     key = sys.argv[5] if len(sys.argv) > 5 else "-"
     logging.basicConfig(level=logging.INFO, format=f"[node {node}] %(levelname)s %(message)s")
-    result = run(scenario, node, n, key)
-    tmp = os.path.join(outdir, f".result-{node}.pt")
-    torch.save(result, tmp)
-    os.replace(tmp, os.path.join(outdir, f"result-{node}.pt"))
+    save(run(scenario, node, n, key), outdir, node)
 
 
 if __name__ == "__main__":

@@ -178,3 +178,29 @@ def test_killed_filler_releases_the_lock(tmp_path):
     p = cache.fill("http://host/stuck", lambda f: f.write(b"whole"))
     assert p.read_bytes() == b"whole" and time.monotonic() - t0 < 5
     assert isinstance(p, Path)
+
+
+def _child_put(cache: Cache, q) -> None:
+    cache.put("from-child", b"child")
+    q.put(cache.get("from-parent"))
+
+
+def test_usable_after_fork(tmp_path):
+    """Process workers fork with the cache in hand: its file locks must not be inherited."""
+    import multiprocessing as mp
+
+    cache = Cache(tmp_path, max_cache_bytes=1 << 20)
+    cache.put("from-parent", b"parent")  # the parent has used its locks
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child_put, args=(cache, q))
+    proc.start()
+    try:
+        assert q.get(timeout=60) == b"parent"
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert cache.get("from-child") == b"child"

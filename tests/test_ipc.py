@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import ipc_workers
 import pytest
 import torch
 from conftest import repo_env
@@ -19,44 +23,50 @@ from ipc.topology import build_tree, depth
 WORKER = Path(__file__).with_name("ipc_workers.py")
 
 
+def _forkserver():
+    """Workers fork from a server that imported torch once: a 2-core box cannot afford
+    a fresh torch import per node per test."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ipc", "ipc_workers"])
+    return ctx
+
+
 def run_tree(
     scenario: str,
     n: int,
     tmp_path: Path,
-    timeout: float = 150,
+    timeout: float = 120,
     key: str | None = None,
     ipc_timeout: float = 30,
     expect_rc: dict[int, int] | None = None,
 ) -> tuple[list[dict | None], list[str]]:
     """Start n worker processes side by side, wait for all, always clean up; results per node."""
     key = key or f"test-{uuid.uuid4().hex[:8]}"
-    env = repo_env(TEST_IPC_TIMEOUT=str(ipc_timeout))
-    logs = [tmp_path / f"log-{i}.txt" for i in range(n)]
+    ctx = _forkserver()
     procs = []
     try:
         for i in range(n):
-            with open(logs[i], "w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(WORKER), scenario, str(i), str(n), str(tmp_path), key],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+            args = (scenario, i, n, str(tmp_path), key, ipc_timeout)
+            procs.append(ctx.Process(target=ipc_workers.entry, args=args, daemon=True))
+            procs[-1].start()
         deadline = time.monotonic() + timeout
         for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.wait()
-    texts = [log.read_text() for log in logs]
+            p.join()
+    return collect(tmp_path, [p.exitcode for p in procs], expect_rc)
+
+
+def collect(tmp_path: Path, codes: list, expect_rc: dict[int, int] | None = None):
+    logs = [tmp_path / f"log-{i}.txt" for i in range(len(codes))]
+    texts = [log.read_text() if log.exists() else "" for log in logs]
     results = []
-    for i, p in enumerate(procs):
+    for i, code in enumerate(codes):
         want = (expect_rc or {}).get(i, 0)
-        assert p.returncode == want, f"node {i} exited {p.returncode}:\n{texts[i]}"
+        assert code == want, f"node {i} exited {code}:\n{texts[i]}"
         path = tmp_path / f"result-{i}.pt"
         results.append(torch.load(path, weights_only=False) if path.exists() else None)
     return results, texts
@@ -99,10 +109,25 @@ def test_all_reduce_ops_dtypes_nested(n, tmp_path):
         assert torch.equal(got["scalar"], sum(s["scalar"] for s in structs))
 
 
-def test_default_key_is_parent_pid(tmp_path):
-    """No key, no port: processes started side by side find each other."""
-    results, _ = run_tree("uneven", 3, tmp_path, key="-")
-    assert [len(r["counts"]) for r in results] == [3, 3, 3]
+def test_shell_script_default_key(tmp_path):
+    """No key, no port: processes started side by side by one shell script find each other."""
+    n = 3
+    script = f"""
+    for i in $(seq 0 {n - 1}); do
+        "{sys.executable}" "{WORKER}" uneven $i {n} "{tmp_path}" > "{tmp_path}/log-$i.txt" 2>&1 &
+    done
+    wait
+    """
+    proc = subprocess.Popen(["bash", "-c", script], env=repo_env(), start_new_session=True)
+    try:
+        proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    results, _ = collect(tmp_path, [0] * n)
+    assert all(r is not None for r in results)
+    assert [len(r["counts"]) for r in results] == [n, n, n]
 
 
 def test_uneven_finished(tmp_path):
