@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -117,8 +118,9 @@ def run_child(spec: dict, server: Server, timeout: float) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cpu_server0 = server.cpu_seconds()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.child", json.dumps(spec)],
+        [sys.executable, "-m", "bench.child"],
         env=env,
+        stdin=subprocess.PIPE,  # the spec: 20,000 URLs are too long for one argv string
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -126,7 +128,7 @@ def run_child(spec: dict, server: Server, timeout: float) -> dict:
     )
     try:
         with MemorySampler(proc.pid) as mem:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(json.dumps(spec), timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         return {"error": f"timed out after {timeout:.0f}s"}
@@ -345,6 +347,8 @@ def rerender(path: str, out_dir: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    # SIGTERM unwinds like Ctrl-C, so the server and every row's processes are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.report_from:
         return rerender(args.report_from, args.out_dir if "--out-dir" in args.argv else None)
     only = set(args.only or ("loaders", "allreduce", "training"))
