@@ -1,4 +1,4 @@
-"""One repetition of one loader row, in a fresh process: `python -m bench.child SPEC_JSON`.
+"""One repetition of one loader row, in a fresh process: `python -m bench.child < SPEC_JSON`.
 
 Prints one JSON line, prefixed RESULT, with the row's counts and clocks. Clocks:
 `t_start` is taken after imports and untimed setup, just before the loader is
@@ -76,7 +76,7 @@ def run(spec: dict) -> dict:
 
 
 def main() -> int:
-    spec = json.loads(sys.argv[1])
+    spec = json.load(sys.stdin)
     result = run(spec)
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()

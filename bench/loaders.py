@@ -38,7 +38,7 @@ class Ctx:
 
 
 def decode_gray(data: bytes) -> np.ndarray:
-    """PNG/JPEG bytes -> uint8 array [28, 28] (the one decode every row shares)."""
+    """PNG/JPEG bytes -> uint8 array [28, 28]: the decode of every peer and ceiling row."""
     with PILImage.open(io.BytesIO(data)) as img:
         return np.asarray(img.convert("L"))
 
@@ -53,6 +53,8 @@ SETUP: dict[str, Callable[[Ctx], object]] = {}
 
 
 def row(name: str, setup: Callable[[Ctx], object] | None = None):
+    """Register a row under `name`; `setup(ctx)` runs untimed and its result is passed in."""
+
     def register(fn):
         ROWS[name] = fn
         if setup is not None:

@@ -1,7 +1,7 @@
 """`python -m bench`: distlearn against the loaders and collectives users would pick instead.
 
     python -m bench                 # full suite -> bench/RESULTS.md, bench/results.png
-    python -m bench --quick         # a minute or two, smaller sweep -> bench/out/
+    python -m bench --quick         # smoke: smaller sweep, 4,000 samples -> bench/out/
     python -m bench --only loaders  # or allreduce, training
 
 Every loader row runs in a fresh process per repetition, against one HTTP server
@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -117,8 +118,9 @@ def run_child(spec: dict, server: Server, timeout: float) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cpu_server0 = server.cpu_seconds()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.child", json.dumps(spec)],
+        [sys.executable, "-m", "bench.child"],
         env=env,
+        stdin=subprocess.PIPE,  # the spec: 20,000 URLs are too long for one argv string
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -126,7 +128,7 @@ def run_child(spec: dict, server: Server, timeout: float) -> dict:
     )
     try:
         with MemorySampler(proc.pid) as mem:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(json.dumps(spec), timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         return {"error": f"timed out after {timeout:.0f}s"}
@@ -232,6 +234,26 @@ def run_allreduce(args, emit) -> list[dict]:
     return out
 
 
+def run_data_and_loaders(args, emit) -> list[dict]:
+    source = "synthetic" if args.synthetic else args.data
+    name = "synthetic" if args.synthetic else "www"
+    data = prepare(
+        Path(args.data_dir) / name, args.samples, source=args.data, synthetic=args.synthetic
+    )
+    emit({"kind": "data", "source": data.source, "samples": data.n, "bytes": data.bytes,
+          "shards": len(data.shards), "requested": source})  # fmt: skip
+    return run_loaders(args, data, emit)
+
+
+def run_training(args, emit) -> list[dict]:
+    from bench import training
+
+    return training.run(args, emit)
+
+
+PARTS = {"loaders": run_data_and_loaders, "allreduce": run_allreduce, "training": run_training}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sweep, fewer samples (CI smoke)")
@@ -267,7 +289,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["ipc"],
         help="communicators for the training row (mnist.py --backend)",
     )
+    p.add_argument(
+        "--train-reps",
+        type=int,
+        help="repetitions of each training job (default --reps; quick mode 1)",
+    )
     p.add_argument("--train-timeout", type=float, default=900.0, help="seconds per training job")
+    p.add_argument(
+        "--report-from",
+        metavar="JSONL",
+        help="only rebuild RESULTS.md and the chart from a results.jsonl",
+    )
     p.add_argument("--data-dir", default=str(BENCH / "data"), help="where prepared data goes")
     p.add_argument(
         "--out-dir", help="results folder (default: bench/ in full mode, bench/out quick)"
@@ -276,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.samples is None:
         args.samples = 4000 if args.quick else 20000
+    if args.train_reps is None:
+        args.train_reps = 1 if args.quick else args.reps
     if args.allreduce_target_s is None:
         args.allreduce_target_s = 0.15 if args.quick else 0.5
     if args.out_dir is None:
@@ -285,9 +319,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_report(records: list[dict], args, elapsed: float, out_dir: Path) -> list[dict]:
+    """RESULTS.md and results.png in `out_dir` from the records; prints the targets."""
+    machine = next(r["machine"] for r in records if r.get("kind") == "run")
+    checks = [r for r in records if r.get("kind") == "target"] or report.check_targets(records)
+    (out_dir / "RESULTS.md").write_text(report.markdown(records, checks, machine, args, elapsed))
+    chart = report.chart(records, out_dir / "results.png")
+    print(report.targets_text(checks))
+    log.info("wrote %s%s", out_dir / "RESULTS.md", f" and {chart}" if chart else "")
+    return checks
+
+
+def rerender(path: str, out_dir: str | None) -> int:
+    """Rebuild the report from a results.jsonl, e.g. after the run was cut short."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    run = next((r for r in records if r.get("kind") == "run"), None)
+    if run is None:
+        raise SystemExit(f"{path}: no run record; not a bench results.jsonl")
+    args = parse_args(run["argv"])
+    out = Path(out_dir or args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = next((r for r in records if r.get("kind") == "done"), {})
+    write_report(records, args, done.get("elapsed_s", float("nan")), out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    # SIGTERM unwinds like Ctrl-C, so the server and every row's processes are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if args.report_from:
+        return rerender(args.report_from, args.out_dir if "--out-dir" in args.argv else None)
     only = set(args.only or ("loaders", "allreduce", "training"))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -300,34 +363,25 @@ def main(argv: list[str] | None = None) -> int:
     with open(jsonl, "w") as f:
 
         def emit(rec: dict) -> None:
+            """Every record goes to the JSON lines as it comes, and to the report at the end."""
+            records.append(rec)
             f.write(json.dumps(rec) + "\n")
             f.flush()
 
         mode = "quick" if args.quick else "full"
         emit({"kind": "run", "mode": mode, "argv": args.argv, "machine": machine})
-        if "loaders" in only:
-            source = "synthetic" if args.synthetic else args.data
-            name = "synthetic" if args.synthetic else "www"
-            data = prepare(
-                Path(args.data_dir) / name, args.samples, source=args.data, synthetic=args.synthetic
-            )
-            emit({"kind": "data", "source": data.source, "samples": data.n, "bytes": data.bytes,
-                  "shards": len(data.shards), "requested": source})  # fmt: skip
-            records += run_loaders(args, data, emit)
-        if "allreduce" in only:
-            records += run_allreduce(args, emit)
-        if "training" in only:
-            from bench import training
-
-            records += training.run(args, emit)
-        checks = report.check_targets(records)
-        for c in checks:
+        for part in ("loaders", "allreduce", "training"):
+            if part not in only:
+                continue
+            try:  # a part that breaks must not cost the figures of the others
+                PARTS[part](args, emit)
+            except Exception as err:
+                log.exception("%s failed", part)
+                emit({"kind": "note", "text": f"{part} failed: {type(err).__name__}: {err}"})
+        for c in report.check_targets(records):
             emit({"kind": "target", **c})
-    elapsed = time.time() - started
-    md = report.markdown(records, checks, machine, args, elapsed)
-    (out_dir / "RESULTS.md").write_text(md)
-    chart = report.chart(records, out_dir / "results.png")
-    print(report.targets_text(checks))
-    log.info("wrote %s, %s%s in %.0fs", out_dir / "RESULTS.md", jsonl,
-             f", {chart}" if chart else "", elapsed)  # fmt: skip
+        elapsed = time.time() - started
+        emit({"kind": "done", "elapsed_s": elapsed})
+    write_report(records, args, elapsed, out_dir)
+    log.info("raw figures in %s; %.0f s in all", jsonl, elapsed)
     return 0

@@ -100,7 +100,7 @@ class Server:
     def describe(self) -> str:
         if self.kind == "nginx":
             version = subprocess.run([self._nginx, "-v"], capture_output=True, text=True)
-            return f"{version.stderr.strip().split('/')[-1]} nginx, {self.workers} worker(s)"
+            return f"nginx {version.stderr.strip().split('/')[-1]}, {self.workers} worker(s)"
         return "aiohttp (python -m dataset.serve), 1 process"
 
     def start(self) -> Server:

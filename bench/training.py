@@ -98,7 +98,7 @@ def run(args, emit) -> list[dict]:
         if n > 1 or b == args.train_backends[0]
     ]
     results: dict[tuple[int, str], list[dict]] = {c: [] for c in configs}
-    for rep in range(args.reps):
+    for rep in range(args.train_reps):
         for nodes, backend in configs if rep % 2 == 0 else configs[::-1]:
             res = run_once(nodes, backend, args.quick, args.train_timeout)
             results[(nodes, backend)].append(res)

@@ -161,3 +161,9 @@ def test_quick_run_end_to_end(tmp_path):
     assert "## Loaders" in md and "## Allreduce" in md and "| target |" in md
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     assert os.path.getsize(out / "results.png") > 10_000
+    # the report can be rebuilt from the raw figures alone
+    again = tmp_path / "again"
+    cmd = [sys.executable, "-m", "bench", "--report-from", str(out / "results.jsonl"),
+           "--out-dir", str(again)]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True, timeout=120, check=True)
+    assert (again / "RESULTS.md").read_text() == md
