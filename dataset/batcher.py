@@ -274,12 +274,14 @@ class SampledBatcher:
         for row, cause in res.errors:
             self._errlog.warning("dropped %s: %s", names[row], cause)
         ok = res.ok
+        # copy out with numpy: torch's clone/index_select may wake its intra-op thread
+        # pool (OpenMP), which costs more than the 400 KB copy itself on a busy machine
         if all(ok):
             rows = None
-            inp = slot[:n].clone()
+            inp = torch.from_numpy(slot.numpy()[:n].copy())
         else:
             rows = [i for i in range(n) if ok[i]]
-            inp = slot.index_select(0, torch.as_tensor(rows, dtype=torch.long))
+            inp = torch.from_numpy(slot.numpy()[rows])
         if rows is not None and not rows:
             self._failed_run += 1
             if self._failed_run >= self.max_failed_batches:
