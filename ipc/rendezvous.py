@@ -16,14 +16,12 @@ import os
 import re
 import secrets
 import socket
-import tempfile
 import time
-from pathlib import Path
 
 import zmq
 
 from .errors import AuthError, IPCError, IPCTimeoutError
-from .tree import DEFAULT_CHUNK, DEFAULT_TIMEOUT, Tree
+from .tree import DEFAULT_CHUNK, DEFAULT_TIMEOUT, Tree, runtime_dir
 
 log = logging.getLogger("ipc")
 
@@ -58,12 +56,6 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
-def _runtime_dir() -> Path:
-    d = Path(tempfile.gettempdir()) / f"distlearn-ipc-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    return d
-
-
 def _bind_node(ctx: zmq.Context, bind_host: str, with_ipc: bool, tag: str):
     """This node's ROUTER, on TCP (and a Unix socket for same-host peers)."""
     router = ctx.socket(zmq.ROUTER)
@@ -74,7 +66,7 @@ def _bind_node(ctx: zmq.Context, bind_host: str, with_ipc: bool, tag: str):
     addrs["tcp"] = f"tcp://{bind_host}:{port}"
     cleanup = []
     if with_ipc:
-        path = _runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
+        path = runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{path}")
         addrs["ipc"] = f"ipc://{path}"
         cleanup.append(str(path))
@@ -175,7 +167,9 @@ def _join(
                     f"did not answer within {timeout}s",
                     node=0,
                 )
-            addr = root_address()
+            # The root removes its rendezvous file once everyone has joined: keep the
+            # address we have unless a different live root shows up.
+            addr = root_address() or current
             if addr is None:
                 time.sleep(0.02)
                 continue
@@ -252,7 +246,7 @@ def LocalhostTree(
         key = f"port{port}" if port is not None else f"ppid{os.getppid()}"
     key = re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
     token = token if token is not None else os.environ.get(TOKEN_ENV)
-    rv_file = _runtime_dir() / f"{key}.json"
+    rv_file = runtime_dir() / f"{key}.json"
     ctx = zmq.Context.instance()
     if num_nodes == 1:
         router, _, cleanup = _bind_node(ctx, "127.0.0.1", False, f"{key}-0")
@@ -270,7 +264,7 @@ def LocalhostTree(
         else:
             router.bind(f"tcp://127.0.0.1:{port}")
             bound = port
-        ipc_path = _runtime_dir() / f"{key}-0-{secrets.token_hex(4)}.sock"
+        ipc_path = runtime_dir() / f"{key}-0-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{ipc_path}")
         my_addrs = {"tcp": f"tcp://127.0.0.1:{bound}", "ipc": f"ipc://{ipc_path}"}
         info = {"port": bound, "pid": os.getpid(), "secret": None if token else secret_text}
@@ -374,7 +368,7 @@ def StaticTree(
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(f"tcp://{bind_host}:{root_port}")
-        ipc_path = _runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
+        ipc_path = runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{ipc_path}")
         advertised = host or root_host
         my_addrs = {"tcp": f"tcp://{advertised}:{root_port}", "ipc": f"ipc://{ipc_path}"}
