@@ -232,6 +232,7 @@ def LocalhostTree(
     base: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
     chunk_bytes: int = DEFAULT_CHUNK,
+    shm: bool = True,
 ) -> Tree:
     """A tree of processes on this host, bound to loopback only.
 
@@ -239,7 +240,8 @@ def LocalhostTree(
     share a parent pid, which keys a rendezvous file in a private temp dir;
     node 0 writes its port and a fresh secret there. Pass `key=` to group
     processes with different parents, `port=` to fix node 0's port, and
-    `token=` (or $IPC_TOKEN) to set the secret yourself.
+    `token=` (or $IPC_TOKEN) to set the secret yourself. `shm=False` keeps
+    every collective on the ZeroMQ tree instead of shared memory.
     """
     _check_index(node_index, num_nodes)
     if key is None:
@@ -252,7 +254,7 @@ def LocalhostTree(
         router, _, cleanup = _bind_node(ctx, "127.0.0.1", False, f"{key}-0")
         return Tree(0, 1, context=ctx, router=router, cleanup=cleanup, secret=b"",
                     hosts=[host_identity()], addresses=[{}], base=base, timeout=timeout,
-                    chunk_bytes=chunk_bytes)  # fmt: skip
+                    chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
     if node_index == 0:
         secret_text = token if token is not None else secrets.token_hex(16)
         secret = secret_text.encode()
@@ -330,7 +332,7 @@ def LocalhostTree(
             raise
     return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
                 secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
-                chunk_bytes=chunk_bytes)  # fmt: skip
+                chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
 
 
 def StaticTree(
@@ -344,11 +346,14 @@ def StaticTree(
     base: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
     chunk_bytes: int = DEFAULT_CHUNK,
+    shm: bool = True,
 ) -> Tree:
     """A tree across machines: node 0 listens on `root_host:root_port`, the others dial it.
 
     `host` is the address this node binds and advertises (default: the local
     address that routes to the root). The secret is `token` or $IPC_TOKEN.
+    Nodes that share a host (and network namespace) use shared memory when
+    all of them do (`shm=True`), else the ZeroMQ tree.
     """
     _check_index(node_index, num_nodes)
     token = token if token is not None else os.environ.get(TOKEN_ENV)
@@ -394,7 +399,7 @@ def StaticTree(
             raise
     return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
                 secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
-                chunk_bytes=chunk_bytes)  # fmt: skip
+                chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
 
 
 def _first_slurm_host(nodelist: str) -> str:

@@ -35,7 +35,7 @@ CONTROL_SLOT = 64
 ALIGN = 64
 # Up to this many bytes every node reduces the whole buffer itself (one barrier);
 # above it, nodes reduce one slice each in parallel and then gather (two barriers).
-SMALL = 1 << 18
+SMALL = 1 << 20
 SHM_DIR = Path("/dev/shm")
 
 

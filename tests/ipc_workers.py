@@ -47,6 +47,7 @@ def nested(node: int) -> dict:
 
 def tree_from_args(node: int, n: int, key: str, **kw) -> ipc.Tree:
     timeout = float(os.environ.get("TEST_IPC_TIMEOUT", "30"))
+    kw.setdefault("shm", os.environ.get("TEST_IPC_SHM", "1") == "1")
     if key == "-":
         return ipc.LocalhostTree(node, n, timeout=timeout, **kw)
     return ipc.LocalhostTree(node, n, key=key, timeout=timeout, **kw)
@@ -151,9 +152,12 @@ def save(result: dict, outdir: str, node: int) -> None:
     os.replace(tmp, os.path.join(outdir, f"result-{node}.pt"))
 
 
-def entry(scenario: str, node: int, n: int, outdir: str, key: str, ipc_timeout: float) -> None:
+def entry(
+    scenario: str, node: int, n: int, outdir: str, key: str, ipc_timeout: float, shm: bool
+) -> None:
     """Target for a forked worker: log to OUTDIR/log-NODE.txt, run, save the result."""
     os.environ["TEST_IPC_TIMEOUT"] = str(ipc_timeout)
+    os.environ["TEST_IPC_SHM"] = "1" if shm else "0"
     handler = logging.FileHandler(os.path.join(outdir, f"log-{node}.txt"))
     handler.setFormatter(logging.Formatter(f"[node {node}] %(levelname)s %(message)s"))
     root = logging.getLogger()

@@ -39,6 +39,7 @@ def run_tree(
     key: str | None = None,
     ipc_timeout: float = 30,
     expect_rc: dict[int, int] | None = None,
+    shm: bool = True,
 ) -> tuple[list[dict | None], list[str]]:
     """Start n worker processes side by side, wait for all, always clean up; results per node."""
     key = key or f"test-{uuid.uuid4().hex[:8]}"
@@ -46,7 +47,7 @@ def run_tree(
     procs = []
     try:
         for i in range(n):
-            args = (scenario, i, n, str(tmp_path), key, ipc_timeout)
+            args = (scenario, i, n, str(tmp_path), key, ipc_timeout, shm)
             procs.append(ctx.Process(target=ipc_workers.entry, args=args, daemon=True))
             procs[-1].start()
         deadline = time.monotonic() + timeout
@@ -82,9 +83,14 @@ def local_reduce(op, tensors: list[torch.Tensor]) -> torch.Tensor:
 OPS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
+# shm: same-host shared memory; sockets: the ZeroMQ tree (what crosses hosts).
+TRANSPORTS = [pytest.param(True, id="shm"), pytest.param(False, id="sockets")]
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
-def test_all_reduce_ops_dtypes_nested(n, tmp_path):
-    results, _ = run_tree("ops", n, tmp_path, timeout=120)
+def test_all_reduce_ops_dtypes_nested(n, shm, tmp_path):
+    results, _ = run_tree("ops", n, tmp_path, timeout=120, shm=shm)
     for op, fn in OPS.items():
         for dt in DTYPES:
             want = local_reduce(fn, [node_tensor(i, (33,), dt) for i in range(n)])
@@ -130,9 +136,10 @@ def test_shell_script_default_key(tmp_path):
     assert [len(r["counts"]) for r in results] == [n, n, n]
 
 
-def test_uneven_finished(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_uneven_finished(shm, tmp_path):
     n = 4
-    results, _ = run_tree("uneven", n, tmp_path)
+    results, _ = run_tree("uneven", n, tmp_path, shm=shm)
     # node i runs i+1 steps; at step s the nodes with more than s steps contribute.
     want_counts = [n - s for s in range(n)]
     want_sums = [float(sum(i + 1 for i in range(n) if i + 1 > s)) for s in range(n)]
@@ -141,8 +148,9 @@ def test_uneven_finished(tmp_path):
         assert r["sums"] == want_sums
 
 
-def test_scatter(tmp_path):
-    results, _ = run_tree("scatter", 5, tmp_path)
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_scatter(shm, tmp_path):
+    results, _ = run_tree("scatter", 5, tmp_path, shm=shm)
     for r in results:
         assert torch.equal(r["scattered"]["a"], node_tensor(0, (5000,), torch.float32))
         assert torch.equal(r["scattered"]["b"][0], node_tensor(0, (3,), torch.int64))
@@ -156,17 +164,19 @@ def test_barrier(tmp_path):
     assert max(after) - min(after) < 0.25
 
 
-def test_non_contiguous(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_non_contiguous(shm, tmp_path):
     n = 3
-    results, _ = run_tree("noncontig", n, tmp_path)
+    results, _ = run_tree("noncontig", n, tmp_path, shm=shm)
     want = sum(node_tensor(i, (6, 8), torch.float32) for i in range(n))
     for r in results:
         assert torch.equal(r["base"], want)
 
 
-def test_big_tensor_64mib(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_big_tensor_64mib(shm, tmp_path):
     n = 2
-    results, _ = run_tree("big", n, tmp_path, timeout=120)
+    results, _ = run_tree("big", n, tmp_path, timeout=120, shm=shm)
     for r in results:
         assert r["count"] == n
         assert r["ok"]
@@ -176,9 +186,10 @@ def test_big_tensor_64mib(tmp_path):
         assert torch.equal(r["head"], want)
 
 
-def test_killed_peer_makes_others_raise(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_killed_peer_makes_others_raise(shm, tmp_path):
     n = 4
-    results, texts = run_tree("kill", n, tmp_path, ipc_timeout=60, expect_rc={n - 1: 3})
+    results, texts = run_tree("kill", n, tmp_path, ipc_timeout=60, expect_rc={n - 1: 3}, shm=shm)
     for i, r in enumerate(results[:-1]):
         assert r["error"] == "PeerError", texts[i]
         assert f"node {n - 1}" in r["message"]
@@ -186,9 +197,10 @@ def test_killed_peer_makes_others_raise(tmp_path):
         assert r["elapsed"] < 10, r  # detected by the socket, long before the 60 s timeout
 
 
-def test_mismatched_shapes_raise(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_mismatched_shapes_raise(shm, tmp_path):
     n = 3
-    results, _ = run_tree("mismatch", n, tmp_path)
+    results, _ = run_tree("mismatch", n, tmp_path, shm=shm)
     kinds = {r["error"] for r in results}
     assert "MismatchError" in kinds
     assert kinds <= {"MismatchError", "PeerError"}
