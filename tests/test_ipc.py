@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def run_tree(
     ipc_timeout: float = 30,
     expect_rc: dict[int, int] | None = None,
     shm: bool = True,
+    extra_env: list[dict[str, str]] | None = None,
 ) -> tuple[list[dict | None], list[str]]:
     """Start n worker processes side by side, wait for all, always clean up; results per node."""
     key = key or f"test-{uuid.uuid4().hex[:8]}"
@@ -47,7 +49,8 @@ def run_tree(
     procs = []
     try:
         for i in range(n):
-            args = (scenario, i, n, str(tmp_path), key, ipc_timeout, shm)
+            env = extra_env[i] if extra_env else None
+            args = (scenario, i, n, str(tmp_path), key, ipc_timeout, shm, env)
             procs.append(ctx.Process(target=ipc_workers.entry, args=args, daemon=True))
             procs[-1].start()
         deadline = time.monotonic() + timeout
@@ -258,3 +261,53 @@ def test_from_env_requires_variables(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ipc.IPCError, match="RANK"):
         ipc.Tree.from_env()
+
+
+@pytest.fixture
+def netns_pair():
+    """Two network namespaces joined by a veth pair (10.77.0.1 <-> 10.77.0.2); needs root."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2")
+    tag = uuid.uuid4().hex[:6]
+    names = [f"dlipc{tag}a", f"dlipc{tag}b"]
+    veth = [f"dl{tag}a", f"dl{tag}b"]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+    try:
+        for ns in names:
+            ip("netns", "add", ns)
+        ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for k in range(2):
+            ip("link", "set", veth[k], "netns", names[k])
+            ip("-n", names[k], "addr", "add", f"10.77.0.{k + 1}/24", "dev", veth[k])
+            ip("-n", names[k], "link", "set", veth[k], "up")
+            ip("-n", names[k], "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"ip netns unusable here: {exc}")
+    yield names
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def test_netns_over_tcp(netns_pair, tmp_path):
+    """Node 0 in one namespace, nodes 1 and 2 in another: real TCP between them."""
+    n = 3
+    envs = [
+        {"TEST_NETNS": netns_pair[0 if i == 0 else 1], "TEST_ROOT_HOST": "10.77.0.1",
+         "TEST_ROOT_PORT": "29877"}
+        for i in range(n)
+    ]  # fmt: skip
+    results, _ = run_tree("static", n, tmp_path, extra_env=envs)
+    for r in results:
+        assert r["count"] == n and r["ok"] and r["max"] == n - 1
+    links0 = results[0]["stats"]["links"]
+    # host-aware: node 1 leads the second namespace and hangs off node 0 over TCP;
+    # node 2 shares node 1's namespace and talks to it over a Unix socket.
+    assert links0[1]["address"].startswith("tcp://10.77.0.2:")
+    assert 2 not in links0
+    assert results[2]["stats"]["links"][1]["address"].startswith("ipc://")
+    assert links0[1]["bytes_sent"] >= 4 << 20 and links0[1]["bytes_recv"] >= 4 << 20
