@@ -81,20 +81,24 @@ class SharedMemoryGroup:
         # O_RDWR keeps the pipe open (no EOF between writers); O_NONBLOCK: we poll it.
         self._rfd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
         ctl_size = n * 2 * CONTROL_SLOT
-        if node == 0:
-            self._ctl = _map(ctl_path, ctl_size, create=True)
-        sync()
-        if node != 0:
-            self._ctl = _map(ctl_path, ctl_size, create=False)
-        targets = range(1, n) if node == 0 else [0]
-        self._wfd = {
-            j: os.open(fifo_dir / f"{prefix}-{j}.fifo", os.O_WRONLY | os.O_NONBLOCK)
-            for j in targets
-        }
-        sync()
-        os.unlink(fifo)
-        if node == 0:
-            os.unlink(ctl_path)
+        self._wfd: dict[int, int] = {}
+        try:
+            if node == 0:
+                self._ctl = _map(ctl_path, ctl_size, create=True)
+            sync()
+            if node != 0:
+                self._ctl = _map(ctl_path, ctl_size, create=False)
+            targets = range(1, n) if node == 0 else [0]
+            for j in targets:
+                self._wfd[j] = os.open(fifo_dir / f"{prefix}-{j}.fifo", os.O_WRONLY | os.O_NONBLOCK)
+            sync()
+        finally:
+            # Everyone has opened everything (or we failed): the names are no longer needed.
+            with contextlib.suppress(OSError):
+                os.unlink(fifo)
+            if node == 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(ctl_path)
 
     # ---- barrier -----------------------------------------------------------
 
@@ -124,16 +128,18 @@ class SharedMemoryGroup:
         self._gen += 1
         path = SHM_DIR / f"distlearn-{self.prefix}-{self.node}-{self._gen}"
         mine = _map(path, 2 * cap, create=True)
-        self.barrier()
-        maps = []
-        for j in range(self.n):
-            if j == self.node:
-                maps.append(mine)
-            else:
-                name = SHM_DIR / f"distlearn-{self.prefix}-{j}-{self._gen}"
-                maps.append(_map(name, 2 * cap, create=False))
-        self.barrier()
-        os.unlink(path)
+        try:
+            self.barrier()
+            maps = []
+            for j in range(self.n):
+                if j == self.node:
+                    maps.append(mine)
+                else:
+                    name = SHM_DIR / f"distlearn-{self.prefix}-{j}-{self._gen}"
+                    maps.append(_map(name, 2 * cap, create=False))
+            self.barrier()
+        finally:
+            os.unlink(path)
         self._release()
         self._maps = maps
         self._slots = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]

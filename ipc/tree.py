@@ -134,7 +134,7 @@ class Tree:
         self._secret = secret
         self._seq = 0
         self._broken: IPCError | None = None
-        self._shm = None
+        self._shm: SharedMemoryGroup | None = None
         self._closed = False
         self._bye: set[int] = set()
         self._backlog: deque = deque()
@@ -158,10 +158,18 @@ class Tree:
             self._peers[j] = Peer(j, addr, sock, monitor)
             self._by_identity[link_identity(secret, j, node_index)] = j
             self._poller.register(monitor, zmq.POLLIN)
-        self._handshake()
-        self._shm: SharedMemoryGroup | None = None
-        if shm and num_nodes > 1 and len(set(hosts)) == 1 and SHM_DIR.is_dir():
-            self._shm = self._setup_shm()
+        try:
+            self._handshake()
+            # Every neighbour is connected: the Unix socket names can go now, so even a
+            # killed process leaves nothing behind.
+            self._unlink_cleanup()
+            if shm and num_nodes > 1 and len(set(hosts)) == 1 and SHM_DIR.is_dir():
+                self._shm = self._setup_shm()
+        except BaseException as exc:
+            if isinstance(exc, IPCError):
+                self._fail(exc)
+            self.close()
+            raise
 
     def _setup_shm(self) -> SharedMemoryGroup:
         """All nodes on one host: agree on a name, then map shared slots and FIFOs."""
@@ -275,9 +283,13 @@ class Tree:
         if self._shm is not None:
             self._shm.close()
         self._router.close(linger=0)
+        self._unlink_cleanup()
+
+    def _unlink_cleanup(self) -> None:
         for path in self._cleanup:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        self._cleanup = []
 
     def __enter__(self) -> Tree:
         return self
