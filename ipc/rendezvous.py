@@ -8,6 +8,7 @@ stranger is refused and logged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -205,6 +206,14 @@ def _join(
             sock.close(linger=0)
 
 
+def _abandon(router: zmq.Socket, paths: list[str]) -> None:
+    """Rendezvous failed: close our socket and remove its Unix socket file."""
+    router.close(linger=0)
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def _check_index(node_index: int, num_nodes: int) -> None:
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
@@ -269,6 +278,7 @@ def LocalhostTree(
         ipc_path = runtime_dir() / f"{key}-0-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{ipc_path}")
         my_addrs = {"tcp": f"tcp://127.0.0.1:{bound}", "ipc": f"ipc://{ipc_path}"}
+        cleanup = [str(ipc_path)]
         info = {"port": bound, "pid": os.getpid(), "secret": None if token else secret_text}
         tmp = rv_file.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -289,9 +299,8 @@ def LocalhostTree(
             )
         except BaseException:
             remove_file()
-            router.close(linger=0)
+            _abandon(router, cleanup)
             raise
-        cleanup = [str(ipc_path)]
     else:
         router, my_addrs, cleanup = _bind_node(ctx, "127.0.0.1", True, f"{key}-{node_index}")
         secret_box: list[bytes] = [token.encode()] if token is not None else []
@@ -315,7 +324,7 @@ def LocalhostTree(
             addr = root_address()
             if addr is None:
                 if time.monotonic() > deadline:
-                    router.close(linger=0)
+                    _abandon(router, cleanup)
                     raise IPCTimeoutError(
                         f"node {node_index}: node 0 did not appear within {timeout}s "
                         f"(rendezvous file {rv_file})",
@@ -328,7 +337,7 @@ def LocalhostTree(
                 ctx, secret, node_index, num_nodes, my_addrs, timeout, root_address
             )
         except BaseException:
-            router.close(linger=0)
+            _abandon(router, cleanup)
             raise
     return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
                 secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
@@ -384,7 +393,7 @@ def StaticTree(
             try:
                 hosts, addrs = _root_gather(ctx, router, secret, num_nodes, my_addrs, timeout)
             except BaseException:
-                router.close(linger=0)
+                _abandon(router, cleanup)
                 raise
     else:
         bind_host = host or _advertised_host(root_host, root_port)
@@ -395,7 +404,7 @@ def StaticTree(
                 ctx, secret, node_index, num_nodes, my_addrs, timeout, lambda: root
             )
         except BaseException:
-            router.close(linger=0)
+            _abandon(router, cleanup)
             raise
     return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
                 secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
