@@ -8,6 +8,7 @@ stranger is refused and logged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -16,14 +17,12 @@ import os
 import re
 import secrets
 import socket
-import tempfile
 import time
-from pathlib import Path
 
 import zmq
 
 from .errors import AuthError, IPCError, IPCTimeoutError
-from .tree import DEFAULT_CHUNK, DEFAULT_TIMEOUT, Tree
+from .tree import DEFAULT_CHUNK, DEFAULT_TIMEOUT, Tree, runtime_dir
 
 log = logging.getLogger("ipc")
 
@@ -58,12 +57,6 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
-def _runtime_dir() -> Path:
-    d = Path(tempfile.gettempdir()) / f"distlearn-ipc-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    return d
-
-
 def _bind_node(ctx: zmq.Context, bind_host: str, with_ipc: bool, tag: str):
     """This node's ROUTER, on TCP (and a Unix socket for same-host peers)."""
     router = ctx.socket(zmq.ROUTER)
@@ -74,7 +67,7 @@ def _bind_node(ctx: zmq.Context, bind_host: str, with_ipc: bool, tag: str):
     addrs["tcp"] = f"tcp://{bind_host}:{port}"
     cleanup = []
     if with_ipc:
-        path = _runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
+        path = runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{path}")
         addrs["ipc"] = f"ipc://{path}"
         cleanup.append(str(path))
@@ -175,7 +168,9 @@ def _join(
                     f"did not answer within {timeout}s",
                     node=0,
                 )
-            addr = root_address()
+            # The root removes its rendezvous file once everyone has joined: keep the
+            # address we have unless a different live root shows up.
+            addr = root_address() or current
             if addr is None:
                 time.sleep(0.02)
                 continue
@@ -211,6 +206,14 @@ def _join(
             sock.close(linger=0)
 
 
+def _abandon(router: zmq.Socket, paths: list[str]) -> None:
+    """Rendezvous failed: close our socket and remove its Unix socket file."""
+    router.close(linger=0)
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def _check_index(node_index: int, num_nodes: int) -> None:
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
@@ -238,6 +241,7 @@ def LocalhostTree(
     base: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
     chunk_bytes: int = DEFAULT_CHUNK,
+    shm: bool = True,
 ) -> Tree:
     """A tree of processes on this host, bound to loopback only.
 
@@ -245,20 +249,21 @@ def LocalhostTree(
     share a parent pid, which keys a rendezvous file in a private temp dir;
     node 0 writes its port and a fresh secret there. Pass `key=` to group
     processes with different parents, `port=` to fix node 0's port, and
-    `token=` (or $IPC_TOKEN) to set the secret yourself.
+    `token=` (or $IPC_TOKEN) to set the secret yourself. `shm=False` keeps
+    every collective on the ZeroMQ tree instead of shared memory.
     """
     _check_index(node_index, num_nodes)
     if key is None:
         key = f"port{port}" if port is not None else f"ppid{os.getppid()}"
     key = re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
     token = token if token is not None else os.environ.get(TOKEN_ENV)
-    rv_file = _runtime_dir() / f"{key}.json"
+    rv_file = runtime_dir() / f"{key}.json"
     ctx = zmq.Context.instance()
     if num_nodes == 1:
         router, _, cleanup = _bind_node(ctx, "127.0.0.1", False, f"{key}-0")
         return Tree(0, 1, context=ctx, router=router, cleanup=cleanup, secret=b"",
                     hosts=[host_identity()], addresses=[{}], base=base, timeout=timeout,
-                    chunk_bytes=chunk_bytes)  # fmt: skip
+                    chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
     if node_index == 0:
         secret_text = token if token is not None else secrets.token_hex(16)
         secret = secret_text.encode()
@@ -270,9 +275,10 @@ def LocalhostTree(
         else:
             router.bind(f"tcp://127.0.0.1:{port}")
             bound = port
-        ipc_path = _runtime_dir() / f"{key}-0-{secrets.token_hex(4)}.sock"
+        ipc_path = runtime_dir() / f"{key}-0-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{ipc_path}")
         my_addrs = {"tcp": f"tcp://127.0.0.1:{bound}", "ipc": f"ipc://{ipc_path}"}
+        cleanup = [str(ipc_path)]
         info = {"port": bound, "pid": os.getpid(), "secret": None if token else secret_text}
         tmp = rv_file.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -293,9 +299,8 @@ def LocalhostTree(
             )
         except BaseException:
             remove_file()
-            router.close(linger=0)
+            _abandon(router, cleanup)
             raise
-        cleanup = [str(ipc_path)]
     else:
         router, my_addrs, cleanup = _bind_node(ctx, "127.0.0.1", True, f"{key}-{node_index}")
         secret_box: list[bytes] = [token.encode()] if token is not None else []
@@ -319,7 +324,7 @@ def LocalhostTree(
             addr = root_address()
             if addr is None:
                 if time.monotonic() > deadline:
-                    router.close(linger=0)
+                    _abandon(router, cleanup)
                     raise IPCTimeoutError(
                         f"node {node_index}: node 0 did not appear within {timeout}s "
                         f"(rendezvous file {rv_file})",
@@ -332,11 +337,11 @@ def LocalhostTree(
                 ctx, secret, node_index, num_nodes, my_addrs, timeout, root_address
             )
         except BaseException:
-            router.close(linger=0)
+            _abandon(router, cleanup)
             raise
     return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
                 secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
-                chunk_bytes=chunk_bytes)  # fmt: skip
+                chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
 
 
 def StaticTree(
@@ -350,11 +355,14 @@ def StaticTree(
     base: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
     chunk_bytes: int = DEFAULT_CHUNK,
+    shm: bool = True,
 ) -> Tree:
     """A tree across machines: node 0 listens on `root_host:root_port`, the others dial it.
 
     `host` is the address this node binds and advertises (default: the local
     address that routes to the root). The secret is `token` or $IPC_TOKEN.
+    Nodes that share a host (and network namespace) use shared memory when
+    all of them do (`shm=True`), else the ZeroMQ tree.
     """
     _check_index(node_index, num_nodes)
     token = token if token is not None else os.environ.get(TOKEN_ENV)
@@ -374,7 +382,7 @@ def StaticTree(
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(f"tcp://{bind_host}:{root_port}")
-        ipc_path = _runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
+        ipc_path = runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{ipc_path}")
         advertised = host or root_host
         my_addrs = {"tcp": f"tcp://{advertised}:{root_port}", "ipc": f"ipc://{ipc_path}"}
@@ -385,7 +393,7 @@ def StaticTree(
             try:
                 hosts, addrs = _root_gather(ctx, router, secret, num_nodes, my_addrs, timeout)
             except BaseException:
-                router.close(linger=0)
+                _abandon(router, cleanup)
                 raise
     else:
         bind_host = host or _advertised_host(root_host, root_port)
@@ -396,11 +404,11 @@ def StaticTree(
                 ctx, secret, node_index, num_nodes, my_addrs, timeout, lambda: root
             )
         except BaseException:
-            router.close(linger=0)
+            _abandon(router, cleanup)
             raise
     return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
                 secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
-                chunk_bytes=chunk_bytes)  # fmt: skip
+                chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
 
 
 def _first_slurm_host(nodelist: str) -> str:

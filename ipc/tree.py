@@ -16,10 +16,12 @@ import json
 import logging
 import os
 import struct
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import zmq
@@ -27,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .errors import IPCError, IPCTimeoutError, MismatchError, PeerError
 from .pack import Nested, Packed, flatten
+from .shm import SHM_DIR, SharedMemoryGroup
 from .topology import build_tree
 
 log = logging.getLogger("ipc")
@@ -45,7 +48,15 @@ Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 def link_identity(secret: bytes, src: int, dst: int) -> bytes:
     """The ZeroMQ identity `src` uses towards `dst`: unforgeable without the secret."""
-    return hmac.new(secret, f"link:{src}->{dst}".encode(), hashlib.sha256).digest()[:16]
+    # ZeroMQ reserves identities that start with a zero byte: never start with one.
+    return b"L" + hmac.new(secret, f"link:{src}->{dst}".encode(), hashlib.sha256).digest()[:16]
+
+
+def runtime_dir() -> Path:
+    """A private (0700) directory for rendezvous files, Unix sockets and FIFOs."""
+    d = Path(tempfile.gettempdir()) / f"distlearn-ipc-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
 
 
 def _dead(peer: int, exc: IPCError) -> IPCError:
@@ -111,6 +122,7 @@ class Tree:
         base: int = 2,
         timeout: float = DEFAULT_TIMEOUT,
         chunk_bytes: int = DEFAULT_CHUNK,
+        shm: bool = True,
     ):
         self.node_index = node_index
         self.num_nodes = num_nodes
@@ -122,6 +134,7 @@ class Tree:
         self._secret = secret
         self._seq = 0
         self._broken: IPCError | None = None
+        self._shm: SharedMemoryGroup | None = None
         self._closed = False
         self._bye: set[int] = set()
         self._backlog: deque = deque()
@@ -145,7 +158,56 @@ class Tree:
             self._peers[j] = Peer(j, addr, sock, monitor)
             self._by_identity[link_identity(secret, j, node_index)] = j
             self._poller.register(monitor, zmq.POLLIN)
-        self._handshake()
+        try:
+            self._handshake()
+            # Every neighbour is connected: the Unix socket names can go now, so even a
+            # killed process leaves nothing behind.
+            self._unlink_cleanup()
+            if shm and num_nodes > 1 and len(set(hosts)) == 1 and SHM_DIR.is_dir():
+                self._shm = self._setup_shm()
+        except BaseException as exc:
+            if isinstance(exc, IPCError):
+                self._fail(exc)
+            self.close()
+            raise
+
+    def _setup_shm(self) -> SharedMemoryGroup:
+        """All nodes on one host: agree on a name, then map shared slots and FIFOs."""
+        name = torch.empty(8, dtype=torch.uint8)
+        if self.node_index == 0:
+            name.copy_(torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8))
+        self._collective(name, "scatter", None, up=False, contribute=True)
+        prefix = f"ipc-{bytes(name.tolist()).hex()}"
+        return SharedMemoryGroup(
+            self.node_index,
+            self.num_nodes,
+            prefix,
+            runtime_dir(),
+            sync=lambda: self._collective([], "barrier", None, up=True, contribute=True),
+            wait_readable=self._wait_readable,
+        )
+
+    def _wait_readable(self, fd: int) -> None:
+        """Block until `fd` is readable, still raising if a neighbour fails or dies."""
+        self._poller.register(fd, zmq.POLLIN)
+        try:
+            deadline = time.monotonic() + self.timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise IPCTimeoutError(
+                        f"node {self.node_index}: a shared-memory barrier waited more than "
+                        f"{self.timeout}s",
+                        node=self.node_index,
+                    )
+                events = dict(self._poller.poll(int(min(remaining, 3600) * 1000) + 1))
+                if fd in events:
+                    return
+                if events:
+                    # An error or a goodbye from a neighbour raises here; anything else waits.
+                    self._backlog.append(self._recv())
+        finally:
+            self._poller.unregister(fd)
 
     def _pick_address(self, hosts: list[str], addresses: list[dict[str, str]], j: int) -> str:
         # Same host: a Unix socket skips the TCP stack; otherwise TCP.
@@ -218,10 +280,16 @@ class Tree:
             p.sock.disable_monitor()
             p.monitor.close(linger=0)
             p.sock.close()
+        if self._shm is not None:
+            self._shm.close()
         self._router.close(linger=0)
+        self._unlink_cleanup()
+
+    def _unlink_cleanup(self) -> None:
         for path in self._cleanup:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        self._cleanup = []
 
     def __enter__(self) -> Tree:
         return self
@@ -264,6 +332,9 @@ class Tree:
                 if total == 0 and up:
                     for chunk in packed.chunks(self.chunk_bytes):
                         chunk.zero_()
+            elif self._shm is not None:
+                flats = [g.flat for g in packed.groups]
+                total = self._shm.run(flats, sig, reduce, contribute, scatter=not up)
             else:
                 total = self._run(packed, sig, reduce, up, contribute)
         except IPCError as exc:

@@ -7,6 +7,7 @@ the reduction computed locally).
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import logging
 import os
@@ -47,6 +48,7 @@ def nested(node: int) -> dict:
 
 def tree_from_args(node: int, n: int, key: str, **kw) -> ipc.Tree:
     timeout = float(os.environ.get("TEST_IPC_TIMEOUT", "30"))
+    kw.setdefault("shm", os.environ.get("TEST_IPC_SHM", "1") == "1")
     if key == "-":
         return ipc.LocalhostTree(node, n, timeout=timeout, **kw)
     return ipc.LocalhostTree(node, n, key=key, timeout=timeout, **kw)
@@ -140,9 +142,39 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         except ipc.IPCError as exc:
             out["error"] = type(exc).__name__
             out["message"] = str(exc)
+    elif scenario == "static":
+        tree = ipc.StaticTree(
+            node,
+            n,
+            os.environ["TEST_ROOT_HOST"],
+            int(os.environ["TEST_ROOT_PORT"]),
+            token="netns-test",
+            timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")),
+            chunk_bytes=1 << 18,
+        )
+        t = torch.full((1 << 20,), float(node + 1))  # 4 MiB: 16 pipelined chunks
+        out["count"] = tree.all_reduce(t)
+        out["ok"] = bool((t == n * (n + 1) / 2).all())
+        m = torch.tensor([float(node)])
+        tree.all_reduce(m, op="max")
+        out["max"] = float(m)
+        tree.barrier()
+        out["stats"] = tree.net_stats()
+        tree.close()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     return out
+
+
+def enter_netns(name: str) -> None:
+    """Move this process into network namespace `name` (before any socket exists)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns({name})")
+    finally:
+        os.close(fd)
 
 
 def save(result: dict, outdir: str, node: int) -> None:
@@ -151,9 +183,22 @@ def save(result: dict, outdir: str, node: int) -> None:
     os.replace(tmp, os.path.join(outdir, f"result-{node}.pt"))
 
 
-def entry(scenario: str, node: int, n: int, outdir: str, key: str, ipc_timeout: float) -> None:
+def entry(
+    scenario: str,
+    node: int,
+    n: int,
+    outdir: str,
+    key: str,
+    ipc_timeout: float,
+    shm: bool,
+    extra_env: dict[str, str] | None = None,
+) -> None:
     """Target for a forked worker: log to OUTDIR/log-NODE.txt, run, save the result."""
+    os.environ.update(extra_env or {})
+    if os.environ.get("TEST_NETNS"):
+        enter_netns(os.environ["TEST_NETNS"])
     os.environ["TEST_IPC_TIMEOUT"] = str(ipc_timeout)
+    os.environ["TEST_IPC_SHM"] = "1" if shm else "0"
     handler = logging.FileHandler(os.path.join(outdir, f"log-{node}.txt"))
     handler.setFormatter(logging.Formatter(f"[node {node}] %(levelname)s %(message)s"))
     root = logging.getLogger()

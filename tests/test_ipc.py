@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,8 @@ def run_tree(
     key: str | None = None,
     ipc_timeout: float = 30,
     expect_rc: dict[int, int] | None = None,
+    shm: bool = True,
+    extra_env: list[dict[str, str]] | None = None,
 ) -> tuple[list[dict | None], list[str]]:
     """Start n worker processes side by side, wait for all, always clean up; results per node."""
     key = key or f"test-{uuid.uuid4().hex[:8]}"
@@ -46,7 +49,8 @@ def run_tree(
     procs = []
     try:
         for i in range(n):
-            args = (scenario, i, n, str(tmp_path), key, ipc_timeout)
+            env = extra_env[i] if extra_env else None
+            args = (scenario, i, n, str(tmp_path), key, ipc_timeout, shm, env)
             procs.append(ctx.Process(target=ipc_workers.entry, args=args, daemon=True))
             procs[-1].start()
         deadline = time.monotonic() + timeout
@@ -82,9 +86,14 @@ def local_reduce(op, tensors: list[torch.Tensor]) -> torch.Tensor:
 OPS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
+# shm: same-host shared memory; sockets: the ZeroMQ tree (what crosses hosts).
+TRANSPORTS = [pytest.param(True, id="shm"), pytest.param(False, id="sockets")]
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
-def test_all_reduce_ops_dtypes_nested(n, tmp_path):
-    results, _ = run_tree("ops", n, tmp_path, timeout=120)
+def test_all_reduce_ops_dtypes_nested(n, shm, tmp_path):
+    results, _ = run_tree("ops", n, tmp_path, timeout=120, shm=shm)
     for op, fn in OPS.items():
         for dt in DTYPES:
             want = local_reduce(fn, [node_tensor(i, (33,), dt) for i in range(n)])
@@ -130,9 +139,10 @@ def test_shell_script_default_key(tmp_path):
     assert [len(r["counts"]) for r in results] == [n, n, n]
 
 
-def test_uneven_finished(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_uneven_finished(shm, tmp_path):
     n = 4
-    results, _ = run_tree("uneven", n, tmp_path)
+    results, _ = run_tree("uneven", n, tmp_path, shm=shm)
     # node i runs i+1 steps; at step s the nodes with more than s steps contribute.
     want_counts = [n - s for s in range(n)]
     want_sums = [float(sum(i + 1 for i in range(n) if i + 1 > s)) for s in range(n)]
@@ -141,8 +151,9 @@ def test_uneven_finished(tmp_path):
         assert r["sums"] == want_sums
 
 
-def test_scatter(tmp_path):
-    results, _ = run_tree("scatter", 5, tmp_path)
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_scatter(shm, tmp_path):
+    results, _ = run_tree("scatter", 5, tmp_path, shm=shm)
     for r in results:
         assert torch.equal(r["scattered"]["a"], node_tensor(0, (5000,), torch.float32))
         assert torch.equal(r["scattered"]["b"][0], node_tensor(0, (3,), torch.int64))
@@ -156,17 +167,19 @@ def test_barrier(tmp_path):
     assert max(after) - min(after) < 0.25
 
 
-def test_non_contiguous(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_non_contiguous(shm, tmp_path):
     n = 3
-    results, _ = run_tree("noncontig", n, tmp_path)
+    results, _ = run_tree("noncontig", n, tmp_path, shm=shm)
     want = sum(node_tensor(i, (6, 8), torch.float32) for i in range(n))
     for r in results:
         assert torch.equal(r["base"], want)
 
 
-def test_big_tensor_64mib(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_big_tensor_64mib(shm, tmp_path):
     n = 2
-    results, _ = run_tree("big", n, tmp_path, timeout=120)
+    results, _ = run_tree("big", n, tmp_path, timeout=120, shm=shm)
     for r in results:
         assert r["count"] == n
         assert r["ok"]
@@ -176,9 +189,10 @@ def test_big_tensor_64mib(tmp_path):
         assert torch.equal(r["head"], want)
 
 
-def test_killed_peer_makes_others_raise(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_killed_peer_makes_others_raise(shm, tmp_path):
     n = 4
-    results, texts = run_tree("kill", n, tmp_path, ipc_timeout=60, expect_rc={n - 1: 3})
+    results, texts = run_tree("kill", n, tmp_path, ipc_timeout=60, expect_rc={n - 1: 3}, shm=shm)
     for i, r in enumerate(results[:-1]):
         assert r["error"] == "PeerError", texts[i]
         assert f"node {n - 1}" in r["message"]
@@ -186,9 +200,10 @@ def test_killed_peer_makes_others_raise(tmp_path):
         assert r["elapsed"] < 10, r  # detected by the socket, long before the 60 s timeout
 
 
-def test_mismatched_shapes_raise(tmp_path):
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_mismatched_shapes_raise(shm, tmp_path):
     n = 3
-    results, _ = run_tree("mismatch", n, tmp_path)
+    results, _ = run_tree("mismatch", n, tmp_path, shm=shm)
     kinds = {r["error"] for r in results}
     assert "MismatchError" in kinds
     assert kinds <= {"MismatchError", "PeerError"}
@@ -246,3 +261,53 @@ def test_from_env_requires_variables(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ipc.IPCError, match="RANK"):
         ipc.Tree.from_env()
+
+
+@pytest.fixture
+def netns_pair():
+    """Two network namespaces joined by a veth pair (10.77.0.1 <-> 10.77.0.2); needs root."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2")
+    tag = uuid.uuid4().hex[:6]
+    names = [f"dlipc{tag}a", f"dlipc{tag}b"]
+    veth = [f"dl{tag}a", f"dl{tag}b"]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+    try:
+        for ns in names:
+            ip("netns", "add", ns)
+        ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for k in range(2):
+            ip("link", "set", veth[k], "netns", names[k])
+            ip("-n", names[k], "addr", "add", f"10.77.0.{k + 1}/24", "dev", veth[k])
+            ip("-n", names[k], "link", "set", veth[k], "up")
+            ip("-n", names[k], "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"ip netns unusable here: {exc}")
+    yield names
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def test_netns_over_tcp(netns_pair, tmp_path):
+    """Node 0 in one namespace, nodes 1 and 2 in another: real TCP between them."""
+    n = 3
+    envs = [
+        {"TEST_NETNS": netns_pair[0 if i == 0 else 1], "TEST_ROOT_HOST": "10.77.0.1",
+         "TEST_ROOT_PORT": "29877"}
+        for i in range(n)
+    ]  # fmt: skip
+    results, _ = run_tree("static", n, tmp_path, extra_env=envs)
+    for r in results:
+        assert r["count"] == n and r["ok"] and r["max"] == n - 1
+    links0 = results[0]["stats"]["links"]
+    # host-aware: node 1 leads the second namespace and hangs off node 0 over TCP;
+    # node 2 shares node 1's namespace and talks to it over a Unix socket.
+    assert links0[1]["address"].startswith("tcp://10.77.0.2:")
+    assert 2 not in links0
+    assert results[2]["stats"]["links"][1]["address"].startswith("ipc://")
+    assert links0[1]["bytes_sent"] >= 4 << 20 and links0[1]["bytes_recv"] >= 4 << 20
