@@ -90,8 +90,11 @@ class Dataset:
     or a list of these joined item by item (see :mod:`dataset.index`).
     ``partition`` is 0-based like a torch rank; ``"auto"`` reads RANK/WORLD_SIZE.
     ``sep``, ``meta`` (an ``index-meta.csv`` location) and ``url_params`` (a query
-    string for every http(s) URL) tune CSV indexes. Other options become
-    defaults for :meth:`sampled_batcher`.
+    string for every http(s) URL) tune CSV indexes. A folder or fsspec URL of
+    part files (or a brace pattern) takes the options of :mod:`dataset.parts`
+    (``record_format``, ``resident_parts``, ``label_key``, ``storage_options``...).
+    ``cache_items=True`` caches fetched items on disk (``cache_dir``,
+    ``max_cache_bytes``). Other options become defaults for :meth:`sampled_batcher`.
     """
 
     def __init__(
@@ -105,10 +108,17 @@ class Dataset:
         url_params: str | dict | None = None,
         **opts: Any,
     ):
+        from . import parts
+        from .cache import item_cache
         from .index import BadIndex, open_index
 
         self.partition, self.partitions = _auto_partition(partition, partitions)
-        whole = open_index(index, sep=sep, meta=meta, url_params=url_params)
+        whole = parts.dataset_index(index, opts)  # a folder/URL of part files
+        if whole is None:
+            whole = open_index(index, sep=sep, meta=meta, url_params=url_params)
+        cache = item_cache(opts)  # cache_items=True, cache_dir=, max_cache_bytes=
+        if cache is not None:
+            opts.setdefault("cache", cache)
         self.index: Index = whole.partition(self.partition, self.partitions)
         if len(self.index) == 0:
             raise BadIndex(
@@ -150,8 +160,10 @@ class Dataset:
         ``drop_last`` and ``mp_context`` are further options.
         """
         from .batcher import SampledBatcher
+        from .parts import default_sampler
 
         kw = {**self.opts, **opts}
+        sampler = default_sampler(self.index, sampler)
         return SampledBatcher(
             self.index,
             batch_size=batch_size,

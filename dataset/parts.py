@@ -29,13 +29,14 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .batcher import Record
 from .cache import Cache
 from .records import ReadStats, read_part
+from .sampler import register_sampler
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +46,6 @@ _BRACES = re.compile(r"\{([^{}]*)\}")
 
 class PartError(ValueError):
     """A part-file dataset that cannot be read as asked (no parts, too few for the partitions)."""
-
-
-@dataclass(slots=True)
-class PartRecord:
-    """A record read from a part file, handed to the batcher with its payload in memory.
-
-    ``source``: bytes (TFRecord, line) or a dict of extension to bytes (tar);
-    ``labels``: label ids into ``index.labels``; ``name``: ``part#offset``.
-    """
-
-    source: Any
-    labels: tuple[int, ...]
-    name: str
 
 
 # ---------------------------------------------------------------- finding parts
@@ -275,7 +263,15 @@ class PartIndex:
 
         if self.cache is None or not _has_scheme(url) or url.startswith(("file://", "memory://")):
             return read()
-        path = self.cache.fill(url, lambda out: out.write(read()))
+        fetched: list[bytes] = []
+
+        def download_into(out) -> None:
+            fetched.append(read())
+            out.write(fetched[0])
+
+        path = self.cache.fill(url, download_into)
+        if fetched:  # this process downloaded it: no need to read it back
+            return fetched[0]
         with open(path, "rb") as f:
             return f.read()
 
@@ -387,7 +383,7 @@ class PartIndex:
 
     def stream(
         self, rng: np.random.Generator, parts: str = "linear", items: str = "linear"
-    ) -> Iterator[PartRecord]:
+    ) -> Iterator[Record]:
         """One epoch of records: parts and items each in order or permuted by ``rng``."""
         order = list(range(len(self.parts)))
         if parts == "permutation":
@@ -398,7 +394,7 @@ class PartIndex:
             for i in idx:
                 off, rec = recs[i]
                 name = f"{url}#{off}"
-                yield PartRecord(rec, self._labels_of(rec, name), name)
+                yield Record(rec, self._labels_of(rec, name), name)
 
 
 # ---------------------------------------------------------------- samplers
@@ -413,21 +409,19 @@ def _need_parts(index: Any, kind: str) -> PartIndex:
     return index
 
 
-def part_linear(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[PartRecord]:
+def part_linear(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Record]:
     """Parts in order, records of each part in order."""
     return _need_parts(index, "part-linear").stream(rng, "linear", "linear")
 
 
-def part_linear_permutation(
-    index: Any, epoch: int, rng: np.random.Generator
-) -> Iterator[PartRecord]:
+def part_linear_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Record]:
     """Parts in order, records of each part in a new random order each epoch."""
     return _need_parts(index, "part-linear-permutation").stream(rng, "linear", "permutation")
 
 
 def part_permutation_permutation(
     index: Any, epoch: int, rng: np.random.Generator
-) -> Iterator[PartRecord]:
+) -> Iterator[Record]:
     """Parts in a new random order each epoch, records of each part permuted too."""
     return _need_parts(index, "part-permutation-permutation").stream(
         rng, "permutation", "permutation"
@@ -439,6 +433,13 @@ SAMPLERS = {
     "part-linear-permutation": part_linear_permutation,
     "part-permutation-permutation": part_permutation_permutation,
 }
+for _name, _fn in SAMPLERS.items():
+    register_sampler(_name, _fn)
+
+
+def default_sampler(index: Any, sampler: Any) -> Any:
+    """``linear`` (the batcher's default) means ``part-linear`` for part files."""
+    return "part-linear" if sampler == "linear" and isinstance(index, PartIndex) else sampler
 
 
 def open_parts(
@@ -487,3 +488,27 @@ def dataset_index(index: Any, opts: dict) -> PartIndex | None:
         max_cache_bytes=opts.get("max_cache_bytes"),
         **mine,
     )
+
+
+class SampleMember:
+    """A processor for tar samples: hands one member's bytes to another processor.
+
+    ``SampleMember(Image(mode="L"))`` decodes the first of ``exts`` present in
+    the sample (``png``, ``jpg``, ``jpeg``, ``webp`` by default). A class, so
+    process workers can pickle it.
+    """
+
+    def __init__(self, processor: Any, exts: Sequence[str] = ("png", "jpg", "jpeg", "webp")):
+        self.processor = processor
+        self.exts = tuple(exts)
+
+    def __call__(self, sample: Any, opt: Any, out: Any) -> Any:
+        if not isinstance(sample, dict):
+            raise TypeError(
+                f"SampleMember needs a tar sample (a dict), got {type(sample).__name__}"
+            )
+        for ext in self.exts:
+            data = sample.get(ext)
+            if data is not None:
+                return self.processor(data, opt, out)
+        raise KeyError(f"sample {sample.get('__key__')!r} has none of {self.exts}")

@@ -19,7 +19,6 @@ or a struct ``{field_id: T}``.
 
 from __future__ import annotations
 
-import io
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -291,37 +290,22 @@ class MediaRecord:
     """Processor for Thrift media records: the image goes into the batch slot.
 
     ``processor(fetched, opt, out) -> (True, {"caption": str | None,
-    "resolution": list[int] | None})``. The image (PNG, JPEG, ... anything PIL
-    reads) is converted to ``out``'s channels (1: L, 3: RGB, 4: RGBA), resized
-    to ``out``'s height and width if it differs, and scaled to [0, 1].
+    "resolution": list[int] | None})``. The image (PNG, JPEG, ... anything
+    Pillow reads) is decoded by :class:`dataset.processors.Image`, which
+    ``image_opts`` configure (``mode``, ``size``, ``mean``, ``std``).
     """
 
-    def __init__(self, protocol: str = "binary"):
+    def __init__(self, protocol: str = "binary", **image_opts: Any):
+        from .processors import Image
+
         self.protocol = protocol
+        self.image = Image(**image_opts)
 
     def __call__(self, fetched: bytes, opt: Any, out) -> tuple[bool, dict[str, Any]]:
         rec = decode(fetched, self.protocol, MEDIA_SCHEMA)
         image = rec.get(1)
         if not isinstance(image, bytes):
             raise ThriftError("media record has no binary image in field 1")
-        decode_image_into(image, out)
-        return True, {"caption": rec.get(2), "resolution": rec.get(3)}
-
-
-def decode_image_into(data: bytes, out) -> None:
-    """Decode encoded image bytes into the float tensor ``out`` [C, H, W] in [0, 1]."""
-    import numpy as np
-    import torch
-    from PIL import Image
-
-    channels, height, width = out.shape[-3:] if out.dim() >= 3 else (1, *out.shape[-2:])
-    mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(channels)
-    if mode is None:
-        raise ValueError(f"cannot decode an image into {channels} channels")
-    with Image.open(io.BytesIO(data)) as img:
-        img = img.convert(mode) if img.mode != mode else img
-        if img.size != (width, height):
-            img = img.resize((width, height), Image.BILINEAR)
-        arr = torch.from_numpy(np.array(img))  # a writable copy: torch wants one
-    arr = arr.reshape(height, width, channels).permute(2, 0, 1)
-    out.copy_(arr.reshape(out.shape)).div_(255)
+        ret = self.image(image, opt, out)
+        ok = ret[0] if isinstance(ret, tuple) else ret
+        return ok is not False, {"caption": rec.get(2), "resolution": rec.get(3)}

@@ -170,9 +170,11 @@ def test_media_processor(media, protocol):
     ok, extra = MediaRecord(protocol)(data, None, out)
     assert ok and extra == {"caption": "hi", "resolution": [5, 6]}
     assert torch.allclose(out, torch.from_numpy(rgb).permute(2, 0, 1).float() / 255)
-    gray = torch.empty(1, 6, 5)
-    MediaRecord(protocol)(encode({1: png_bytes(rgb)}, MEDIA_SCHEMA, protocol), None, gray)
-    assert gray.min() >= 0 and gray.max() <= 1
+    gray = torch.empty(1, 3, 3)
+    MediaRecord(protocol, mode="L", size=3)(
+        encode({1: png_bytes(rgb)}, MEDIA_SCHEMA, protocol), None, gray
+    )
+    assert gray.min() >= 0 and gray.max() <= 1 and gray.std() > 0
     with pytest.raises(ThriftError, match="no binary image"):
         MediaRecord(protocol)(encode({2: "x"}, MEDIA_SCHEMA, protocol), None, out)
 
