@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 Nested = torch.Tensor | list | tuple | dict
+_SIGNATURES: dict[tuple, bytes] = {}
 
 
 def flatten(tensors: Nested, where: str = "tensors") -> list[torch.Tensor]:
@@ -67,12 +68,19 @@ class Packed:
                 flat[off : off + t.numel()].view(t.shape).copy_(t)
                 off += t.numel()
             self.groups.append(Group(dtype, ts, flat, aliased=False))
-        self.layout = [(str(g.dtype), [list(t.shape) for t in g.tensors]) for g in self.groups]
 
     def signature(self, kind: str) -> bytes:
         """8 bytes that differ when two nodes' collectives would not line up."""
-        text = repr((kind, self.layout)).encode()
-        return hashlib.blake2b(text, digest_size=8).digest()
+        key = (kind, tuple((g.dtype, *(t.shape for t in g.tensors)) for g in self.groups))
+        sig = _SIGNATURES.get(key)
+        if sig is None:
+            # The same structure is all-reduced every step: hash it once.
+            text = repr((key[0], [(str(d), [list(s) for s in shapes]) for d, *shapes in key[1]]))
+            sig = hashlib.blake2b(text.encode(), digest_size=8).digest()
+            if len(_SIGNATURES) > 4096:
+                _SIGNATURES.clear()
+            _SIGNATURES[key] = sig
+        return sig
 
     def unpack(self) -> None:
         """Copy the reduced flat buffers back into the caller's tensors."""

@@ -135,6 +135,7 @@ class Tree:
         self._seq = 0
         self._broken: IPCError | None = None
         self._shm: SharedMemoryGroup | None = None
+        self._polled_fds: set[int] = set()
         self._closed = False
         self._bye: set[int] = set()
         self._backlog: deque = deque()
@@ -189,25 +190,26 @@ class Tree:
 
     def _wait_readable(self, fd: int) -> None:
         """Block until `fd` is readable, still raising if a neighbour fails or dies."""
-        self._poller.register(fd, zmq.POLLIN)
-        try:
-            deadline = time.monotonic() + self.timeout
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise IPCTimeoutError(
-                        f"node {self.node_index}: a shared-memory barrier waited more than "
-                        f"{self.timeout}s",
-                        node=self.node_index,
-                    )
-                events = dict(self._poller.poll(int(min(remaining, 3600) * 1000) + 1))
-                if fd in events:
-                    return
-                if events:
-                    # An error or a goodbye from a neighbour raises here; anything else waits.
-                    self._backlog.append(self._recv())
-        finally:
-            self._poller.unregister(fd)
+        if fd not in self._polled_fds:
+            self._poller.register(fd, zmq.POLLIN)  # stays registered: no per-wait cost
+            self._polled_fds.add(fd)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise IPCTimeoutError(
+                    f"node {self.node_index}: a shared-memory barrier waited more than "
+                    f"{self.timeout}s",
+                    node=self.node_index,
+                )
+            events = dict(self._poller.poll(int(min(remaining, 3600) * 1000) + 1))
+            if fd in events:
+                return
+            if self._router in events:
+                # An error or a goodbye from a neighbour raises here; anything else waits.
+                self._backlog.append(self._recv())
+            elif events:
+                self._check_monitors(0)
 
     def _pick_address(self, hosts: list[str], addresses: list[dict[str, str]], j: int) -> str:
         # Same host: a Unix socket skips the TCP stack; otherwise TCP.
