@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -335,10 +336,15 @@ def test_torchrun_two_processes(comm, tmp_path):
         f"--out={out}",
         f"--config={tmp_path / 'config.json'}",
     ]
+    # The tree listens on MASTER_PORT + 1 unless told; --standalone picks MASTER_PORT at
+    # random, so name a port that is free now rather than hope its neighbour is.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        env = repo_env(IPC_PORT=str(sock.getsockname()[1]))
     # A session of its own, so a timeout kills torchrun's workers too, not just torchrun.
     proc = subprocess.Popen(
         cmd,
-        env=repo_env(),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
