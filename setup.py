@@ -20,6 +20,8 @@ install_requires = [
 extras = {
     "s3": ["s3fs>=2023.6"],
     "thrift": ["thrift>=0.16"],
+    # TFRecord CRC32C in C; without it dataset.records falls back to pure Python (~1000x slower)
+    "tfrecord": ["google-crc32c>=1.5"],
     "examples": ["matplotlib>=3.7"],
     "bench": ["matplotlib>=3.7", "requests>=2.28", "webdataset>=0.2.90"],
     "test": [
@@ -31,6 +33,7 @@ extras = {
         "requests>=2.28",
         "webdataset>=0.2.90",
         "thrift>=0.16",
+        "google-crc32c>=1.5",
     ],
 }
 extras["all"] = sorted({req for reqs in extras.values() for req in reqs})

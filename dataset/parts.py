@@ -288,12 +288,12 @@ class PartIndex:
                 break
             except FileNotFoundError:
                 log.error("%s: part file not found; skipping it", url)
-                self.failed_parts += 1
+                self._count_failed()
                 return []
             except Exception as err:
                 if attempt == self.retries:
                     log.error("%s: giving up after %d tries: %r", url, attempt + 1, err)
-                    self.failed_parts += 1
+                    self._count_failed()
                     return []
                 log.warning("%s: download failed (%r); retrying", url, err)
                 time.sleep(0.1 * 2**attempt)
@@ -316,6 +316,10 @@ class PartIndex:
             with self._lock:
                 self.resident += 1
                 self.max_resident_seen = max(self.max_resident_seen, self.resident)
+
+    def _count_failed(self) -> None:
+        with self._lock:
+            self.failed_parts += 1
 
     def _release(self) -> None:
         with self._lock:
