@@ -236,7 +236,8 @@ def run_allreduce(args, emit) -> list[dict]:
 
 def run_data_and_loaders(args, emit) -> list[dict]:
     source = "synthetic" if args.synthetic else args.data
-    name = "synthetic" if args.synthetic else "www"
+    # one folder per size, so quick and full runs do not rebuild each other's data
+    name = f"{'synthetic' if args.synthetic else 'www'}-{args.samples}"
     data = prepare(
         Path(args.data_dir) / name, args.samples, source=args.data, synthetic=args.synthetic
     )
