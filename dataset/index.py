@@ -183,10 +183,25 @@ def open_index(index: Any, *, sep: str | None = None, meta: str | None = None,
 # ----------------------------------------------------------------------------- CSV / TSV
 
 
+def _meta_candidates(index: str) -> list[str]:
+    """Where a meta file may sit beside `index`: ``<stem>-meta.csv`` (torch-dataset's
+    name, e.g. ``train-meta.csv`` for ``train.csv``), then ``index-meta.csv``."""
+    folder = src.parent_of(index)
+    name = index.rsplit("/", 1)[-1].split("?", 1)[0]
+    stem = name.rsplit(".", 1)[0] if "." in name else name
+    names = [f"{stem}-meta.csv", "index-meta.csv"]
+    return [src.resolve(folder, n) for n in dict.fromkeys(names)]
+
+
 def _read_meta(index: str, meta: str | None) -> dict[str, str]:
-    """The first row of ``index-meta.csv`` beside the index (or `meta`); {} when absent."""
-    location = meta or src.resolve(src.parent_of(index), "index-meta.csv")
-    data = src.read_bytes(location, missing_ok=meta is None)
+    """The first row of the meta file beside the index (or `meta`); {} when absent."""
+    if meta is not None:
+        location, data = meta, src.read_bytes(meta)
+    else:
+        for location in _meta_candidates(index):
+            data = src.read_bytes(location, missing_ok=True)
+            if data is not None:
+                break
     if data is None:
         return {}
     rows = list(csv.DictReader(io.StringIO(data.decode("utf-8-sig"))))
@@ -199,7 +214,8 @@ def from_csv(index: str, *, sep: str | None = None, meta: str | None = None,
              url_params: str | dict | None = None) -> Index:  # fmt: skip
     """A CSV/TSV index: columns ``filename``, ``label*``, optional ``offset``/``length``.
 
-    Relative filenames join ``url_prefix`` from ``index-meta.csv`` when present
+    Relative filenames join ``url_prefix`` from ``<stem>-meta.csv`` or
+    ``index-meta.csv`` beside the index when present
     (columns ``url_prefix`` and optional ``url_params``), else resolve against the
     index's own folder. Absolute URLs and paths are used as they are.
     """

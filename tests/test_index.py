@@ -66,6 +66,15 @@ def test_http_index_resolves_against_its_url_and_meta_prefix(tmp_path, serve_dir
     assert ix.sources == ["http://cdn.test/root/x/1.png?sig=1", "http://other/2.png?sig=1"]
 
 
+def test_stem_meta_file_is_found_before_index_meta(tmp_path):
+    # torch-dataset names the meta file after the index: train.csv -> train-meta.csv
+    idx = write(tmp_path / "train.csv", "filename\na.png\n")
+    write(tmp_path / "index-meta.csv", "url_prefix\nhttp://generic/\n")
+    assert open_index(str(idx)).sources == ["http://generic/a.png"]
+    write(tmp_path / "train-meta.csv", "url_prefix\nhttp://specific/\n")
+    assert open_index(str(idx)).sources == ["http://specific/a.png"]
+
+
 def test_meta_option_local(tmp_path):
     write(tmp_path / "m.csv", "url_prefix\nhttp://h/p/\n")
     idx = write(tmp_path / "i.csv", "filename\na.png\n")
