@@ -9,8 +9,8 @@ every node on its own, which needs no second barrier. Slots alternate
 between two halves, so a collective never overwrites data a slower node
 may still be reading from the previous one.
 
-The barrier is a star over FIFOs: blocking reads wake the waiting process
-directly (no busy polling, no broker thread), and the waits also poll the
+The barrier is one all-to-all round over FIFOs: blocking reads wake the
+waiting process directly (no busy polling, no broker thread), and the waits also poll the
 ZeroMQ links, so a dead peer or a failure elsewhere still raises.
 Files are unlinked as soon as every node has opened them: nothing is left
 behind in /dev/shm even if a process is killed.
@@ -72,6 +72,8 @@ class SharedMemoryGroup:
         self._wait_readable = wait_readable
         self._seq = 0
         self._gen = 0
+        self._barriers = 0
+        self._posted = [0] * 256
         self.capacity = 0  # bytes per slot
         self._maps: list[mmap.mmap] = []
         self._slots: list[torch.Tensor] = []
@@ -88,8 +90,7 @@ class SharedMemoryGroup:
             sync()
             if node != 0:
                 self._ctl = _map(ctl_path, ctl_size, create=False)
-            targets = range(1, n) if node == 0 else [0]
-            for j in targets:
+            for j in (j for j in range(n) if j != node):
                 self._wfd[j] = os.open(fifo_dir / f"{prefix}-{j}.fifo", os.O_WRONLY | os.O_NONBLOCK)
             sync()
         finally:
@@ -102,23 +103,27 @@ class SharedMemoryGroup:
 
     # ---- barrier -----------------------------------------------------------
 
-    def _read(self, count: int) -> None:
-        got = 0
-        while got < count:
+    def barrier(self) -> None:
+        """Every node posts a tagged byte to every other and waits for n-1 of its tag.
+
+        One round: the last node to arrive wakes all others directly. A node can
+        be at most one barrier ahead of another, so the tag (barrier count mod
+        256) keeps early posts for the next barrier apart from this one's.
+        """
+        self._barriers += 1
+        tag = self._barriers & 0xFF
+        post = bytes([tag])
+        for fd in self._wfd.values():
+            os.write(fd, post)
+        while self._posted[tag] < self.n - 1:
             try:
-                got += len(os.read(self._rfd, count - got))
+                data = os.read(self._rfd, 4096)
             except BlockingIOError:
                 self._wait_readable(self._rfd)
-
-    def barrier(self) -> None:
-        """Star barrier: everyone posts to node 0, node 0 releases everyone."""
-        if self.node == 0:
-            self._read(self.n - 1)
-            for fd in self._wfd.values():
-                os.write(fd, b"\1")
-        else:
-            os.write(self._wfd[0], b"\1")
-            self._read(1)
+                continue
+            for b in data:
+                self._posted[b] += 1
+        self._posted[tag] -= self.n - 1
 
     # ---- slots -------------------------------------------------------------
 
@@ -186,8 +191,9 @@ class SharedMemoryGroup:
             self._ctl, (self.node * 2 + parity) * CONTROL_SLOT, seq, int(writes), sig, nbytes
         )
         fits = nbytes <= self.capacity
+        sliced = not scatter and reduce is not None and nbytes > SMALL
         if fits and writes:
-            self._copy_in(groups, offsets, parity)
+            self._copy_in(groups, offsets, parity, sliced)
         self.barrier()
         contributors = []
         for j in range(self.n):
@@ -206,7 +212,7 @@ class SharedMemoryGroup:
         if not fits:
             self._grow(nbytes)
             if writes:
-                self._copy_in(groups, offsets, parity)
+                self._copy_in(groups, offsets, parity, sliced)
             self.barrier()
         total = len(contributors)
         if nbytes == 0:
@@ -215,10 +221,10 @@ class SharedMemoryGroup:
             for g in groups:
                 g.zero_()
             return 0
-        if scatter or nbytes <= SMALL or reduce is None:
-            self._reduce_all(groups, offsets, parity, contributors, reduce)
-        else:
+        if sliced:
             self._reduce_sliced(groups, offsets, parity, contributors, reduce)
+        else:
+            self._reduce_all(groups, offsets, parity, contributors, reduce)
         return total
 
     def _view(self, j: int, parity: int, off: int, g: torch.Tensor) -> torch.Tensor:
@@ -226,9 +232,21 @@ class SharedMemoryGroup:
         raw = self._slots[j][start : start + g.numel() * g.element_size()]
         return raw.view(g.dtype)
 
-    def _copy_in(self, groups: list[torch.Tensor], offsets: list[int], parity: int) -> None:
+    def _bounds(self, numel: int, i: int) -> tuple[int, int]:
+        """Node i's slice of a group in the sliced reduction."""
+        step = -(-numel // self.n)
+        return min(numel, i * step), min(numel, (i + 1) * step)
+
+    def _copy_in(self, groups, offsets, parity: int, sliced: bool) -> None:
         for g, off in zip(groups, offsets, strict=True):
-            self._view(self.node, parity, off, g).copy_(g)
+            dst = self._view(self.node, parity, off, g)
+            if not sliced:
+                dst.copy_(g)
+                continue
+            # Only the slices other nodes reduce: ours never needs to leave our tensor.
+            lo, hi = self._bounds(g.numel(), self.node)
+            dst[:lo].copy_(g[:lo])
+            dst[hi:].copy_(g[hi:])
 
     def _reduce_all(self, groups, offsets, parity, contributors, reduce) -> None:
         # Every node folds all slots in the same order: identical bits everywhere.
@@ -238,26 +256,24 @@ class SharedMemoryGroup:
                 reduce(g, self._view(j, parity, off, g))
 
     def _reduce_sliced(self, groups, offsets, parity, contributors, reduce) -> None:
-        # Node i reduces slice i of every group into its own slot, then all gather.
-        def bounds(numel: int, i: int) -> tuple[int, int]:
-            step = -(-numel // self.n)
-            return min(numel, i * step), min(numel, (i + 1) * step)
-
+        # Node i reduces slice i of every group in its own tensor, publishes it in
+        # its slot, and after a barrier everyone gathers the other slices.
         me = self.node
         for g, off in zip(groups, offsets, strict=True):
-            lo, hi = bounds(g.numel(), me)
+            lo, hi = self._bounds(g.numel(), me)
             if lo == hi:
                 continue
-            acc = self._view(me, parity, off, g)[lo:hi]
+            acc = g[lo:hi]
             others = [j for j in contributors if j != me]
             if me not in contributors:
                 acc.copy_(self._view(others[0], parity, off, g)[lo:hi])
                 others = others[1:]
             for j in others:
                 reduce(acc, self._view(j, parity, off, g)[lo:hi])
+            self._view(me, parity, off, g)[lo:hi].copy_(acc)
         self.barrier()
         for g, off in zip(groups, offsets, strict=True):
             for j in range(self.n):
-                lo, hi = bounds(g.numel(), j)
-                if lo < hi:
+                lo, hi = self._bounds(g.numel(), j)
+                if j != me and lo < hi:
                     g[lo:hi].copy_(self._view(j, parity, off, g)[lo:hi])

@@ -206,8 +206,10 @@ class Tree:
             if fd in events:
                 return
             if self._router in events:
-                # An error or a goodbye from a neighbour raises here; anything else waits.
-                self._backlog.append(self._recv())
+                # An error or an early goodbye from a neighbour raises here.
+                msg = self._read_router()
+                if msg is not None:
+                    self._backlog.append(msg)
             elif events:
                 self._check_monitors(0)
 
@@ -491,7 +493,18 @@ class Tree:
         for p in self._peers.values():
             while p.monitor.poll(timeout_ms, zmq.POLLIN):
                 event = recv_monitor_message(p.monitor, zmq.NOBLOCK)
-                if event["event"] == zmq.EVENT_DISCONNECTED and p.index not in self._bye:
+                if event["event"] != zmq.EVENT_DISCONNECTED or p.index in self._bye:
+                    continue
+                # A peer that closed normally sent a goodbye first, on another
+                # connection: give it a moment to arrive before calling it dead.
+                deadline = time.monotonic() + 0.5
+                while p.index not in self._bye and self._router.poll(
+                    max(0, int((deadline - time.monotonic()) * 1000))
+                ):
+                    msg = self._read_router()
+                    if msg is not None:
+                        self._backlog.append(msg)
+                if p.index not in self._bye:
                     raise _dead(
                         p.index,
                         PeerError(
@@ -501,6 +514,43 @@ class Tree:
                         ),
                     )
             timeout_ms = 0
+
+    def _read_router(self) -> tuple[int, int, int, int, int, bytes, zmq.Frame | None] | None:
+        """One message from the ROUTER; None for a stranger's or a harmless goodbye."""
+        frames = self._router.recv_multipart(copy=False)
+        peer = self._by_identity.get(frames[0].bytes)
+        if peer is None or len(frames) < 2 or len(frames[1].bytes) != HEADER.size:
+            self._stranger(frames[0].bytes)
+            return None
+        kind, seq, chunk, count, sig = HEADER.unpack(frames[1].bytes)
+        payload = frames[2] if len(frames) > 2 else None
+        stats = self._peers[peer].stats
+        stats.msgs_recv += 1
+        stats.bytes_recv += HEADER.size + (len(payload.buffer) if payload else 0)
+        if kind == ERROR:
+            info = json.loads(payload.bytes) if payload else {}
+            origin = info.get("node", peer)
+            exc = PeerError(
+                f"node {self.node_index}: tree failed: {info.get('message')} "
+                f"(reported via node {peer})",
+                node=origin,
+            )
+            exc.via = peer  # no need to tell it back
+            raise exc
+        if kind == BYE:
+            self._bye.add(peer)
+            if seq < self._seq:
+                # It left before finishing the collective we are in (or about to start).
+                raise _dead(
+                    peer,
+                    PeerError(
+                        f"node {self.node_index}: node {peer} closed the tree after "
+                        f"{seq} collectives; this is collective {self._seq}",
+                        node=peer,
+                    ),
+                )
+            return None  # it finished everything we need from it
+        return peer, kind, seq, chunk, count, sig, payload
 
     def _recv(self) -> tuple[int, int, int, int, int, bytes, zmq.Frame | None]:
         """Next message from a neighbour: (peer, kind, seq, chunk, count, sig, payload)."""
@@ -516,39 +566,12 @@ class Tree:
                     node=self.node_index,
                 )
             events = dict(self._poller.poll(int(min(remaining, 3600) * 1000) + 1))
-            if not events:
-                continue
             if self._router in events:
-                frames = self._router.recv_multipart(copy=False)
-                peer = self._by_identity.get(frames[0].bytes)
-                if peer is None or len(frames) < 2 or len(frames[1].bytes) != HEADER.size:
-                    self._stranger(frames[0].bytes)
-                    continue
-                kind, seq, chunk, count, sig = HEADER.unpack(frames[1].bytes)
-                payload = frames[2] if len(frames) > 2 else None
-                stats = self._peers[peer].stats
-                stats.msgs_recv += 1
-                stats.bytes_recv += HEADER.size + (len(payload.buffer) if payload else 0)
-                if kind == ERROR:
-                    info = json.loads(payload.bytes) if payload else {}
-                    origin = info.get("node", peer)
-                    exc = PeerError(
-                        f"node {self.node_index}: tree failed: {info.get('message')} "
-                        f"(reported via node {peer})",
-                        node=origin,
-                    )
-                    exc.via = peer  # no need to tell it back
-                    raise exc
-                if kind == BYE:
-                    self._bye.add(peer)
-                    raise _dead(
-                        peer,
-                        PeerError(
-                            f"node {self.node_index}: node {peer} closed the tree", node=peer
-                        ),
-                    )
-                return peer, kind, seq, chunk, count, sig, payload
-            self._check_monitors(0)
+                msg = self._read_router()
+                if msg is not None:
+                    return msg
+            elif events:
+                self._check_monitors(0)
 
     _stranger_logged = 0.0
 
