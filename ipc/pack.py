@@ -22,7 +22,10 @@ def flatten(tensors: Nested, where: str = "tensors") -> list[torch.Tensor]:
 
     def walk(obj: object, path: str) -> None:
         if isinstance(obj, torch.Tensor):
-            out.append(obj)
+            # Detached views share the caller's storage, so results still land in
+            # place, while autograd no longer refuses in-place writes into leaves
+            # that require grad (model parameters), as torch.distributed allows.
+            out.append(obj.detach())
         elif isinstance(obj, dict):
             for k in sorted(obj, key=str):
                 walk(obj[k], f"{path}[{k!r}]")

@@ -109,6 +109,10 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         }
         tree.scatter(t)
         out["scattered"] = t
+        # Model parameters are leaves that require grad: written in place all the same.
+        param = torch.nn.Parameter(node_tensor(node, (7,), torch.float32))
+        tree.scatter([param])
+        out["param"] = param.detach()
         tree.close()
     elif scenario == "barrier":
         tree = tree_from_args(node, n, key)

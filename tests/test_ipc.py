@@ -157,6 +157,7 @@ def test_scatter(shm, tmp_path):
     for r in results:
         assert torch.equal(r["scattered"]["a"], node_tensor(0, (5000,), torch.float32))
         assert torch.equal(r["scattered"]["b"][0], node_tensor(0, (3,), torch.int64))
+        assert torch.equal(r["param"], node_tensor(0, (7,), torch.float32))
 
 
 def test_barrier(tmp_path):
