@@ -36,9 +36,9 @@ def run_tree(
     scenario: str,
     n: int,
     tmp_path: Path,
-    timeout: float = 120,
+    timeout: float = 180,
     key: str | None = None,
-    ipc_timeout: float = 30,
+    ipc_timeout: float = 60,  # generous: a loaded CI box can stall a node for seconds
     expect_rc: dict[int, int] | None = None,
     shm: bool = True,
     extra_env: list[dict[str, str]] | None = None,
