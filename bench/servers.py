@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -126,8 +127,12 @@ class Server:
             # as root: read any file, and lift the 1,024 descriptor limit so nginx can keep
             # every sample's file open (open_file_cache), as a tuned static server would;
             # without the higher limit the cache runs out of descriptors and answers 500
-            root_only = "user root root;\nworker_rlimit_nofile 200000;\n"
-            file_cache = "    open_file_cache max=100000 inactive=600s;\n"
+            # The cache must stay below the hard limit, or it fills every descriptor
+            # and nginx answers 500 (seen at 20,000 files under a 20,000 hard limit).
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            nofile = 200000 if hard == resource.RLIM_INFINITY else min(200000, hard)
+            root_only = f"user root root;\nworker_rlimit_nofile {nofile};\n"
+            file_cache = f"    open_file_cache max={max(256, nofile // 2)} inactive=600s;\n"
         conf = Path(tmp, "nginx.conf")
         conf.write_text(
             NGINX_CONF.format(
