@@ -56,6 +56,11 @@ def resolve(base: str, name: str) -> str:
     if is_url(name) or os.path.isabs(name):
         return name
     if is_http(base):
+        # Index rows are nearly always plain relative paths, which join by
+        # concatenation; urljoin costs ~40 us a row (0.9 s for 20,000) and was
+        # most of the time to the first batch. Dot segments take the full path.
+        if not name.startswith(("/", ".")) and "/." not in name:
+            return base + name
         return urllib.parse.urljoin(base, name)
     if is_url(base):  # file://, s3://, gs://...: plain string join, as fsspec expects
         return base + name.lstrip("/")

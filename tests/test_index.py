@@ -66,6 +66,20 @@ def test_http_index_resolves_against_its_url_and_meta_prefix(tmp_path, serve_dir
     assert ix.sources == ["http://cdn.test/root/x/1.png?sig=1", "http://other/2.png?sig=1"]
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["a.png", "x/1.png", "x y/é.png", "a.png?v=1", "", "./a.png", "../up/a.png", "x/../b.png",
+     "x/./c.png", ".hidden/a.png"],
+)  # fmt: skip
+def test_http_resolution_matches_urljoin(name):
+    import urllib.parse
+
+    from dataset import sources
+
+    base = "http://cdn.test/data/set/"
+    assert sources.resolve(base, name) == urllib.parse.urljoin(base, name)
+
+
 def test_stem_meta_file_is_found_before_index_meta(tmp_path):
     # torch-dataset names the meta file after the index: train.csv -> train-meta.csv
     idx = write(tmp_path / "train.csv", "filename\na.png\n")
