@@ -94,7 +94,9 @@ class Dataset:
     part files (or a brace pattern) takes the options of :mod:`dataset.parts`
     (``record_format``, ``resident_parts``, ``label_key``, ``storage_options``...).
     ``cache_items=True`` caches fetched items on disk (``cache_dir``,
-    ``max_cache_bytes``). Other options become defaults for :meth:`sampled_batcher`.
+    ``max_cache_bytes``), and ``cache_index=True`` the remote index files, so a
+    restarted job or the other ranks of a host read them from local disk.
+    Other options become defaults for :meth:`sampled_batcher`.
     """
 
     def __init__(
@@ -109,13 +111,16 @@ class Dataset:
         **opts: Any,
     ):
         from . import parts
-        from .cache import item_cache
+        from .cache import Cache, item_cache
         from .index import BadIndex, open_index
 
         self.partition, self.partitions = _auto_partition(partition, partitions)
+        index_cache = None
+        if opts.pop("cache_index", False):  # remote index/meta/.pt files kept on local disk
+            index_cache = Cache(opts.get("cache_dir"), opts.get("max_cache_bytes"))
         whole = parts.dataset_index(index, opts)  # a folder/URL of part files
         if whole is None:
-            whole = open_index(index, sep=sep, meta=meta, url_params=url_params)
+            whole = open_index(index, sep=sep, meta=meta, url_params=url_params, cache=index_cache)
         cache = item_cache(opts)  # cache_items=True, cache_dir=, max_cache_bytes=
         if cache is not None:
             opts.setdefault("cache", cache)

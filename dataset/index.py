@@ -154,10 +154,11 @@ def sort_labels(names) -> list[str]:
 
 
 def open_index(index: Any, *, sep: str | None = None, meta: str | None = None,
-               url_params: str | dict | None = None) -> Index:  # fmt: skip
+               url_params: str | dict | None = None, cache: Any = None) -> Index:  # fmt: skip
     """Read any kind of index into an :class:`Index` (the whole index, unpartitioned).
 
     This is the single dispatch point on the kind of index: add new kinds here.
+    ``cache`` (a :class:`dataset.cache.Cache`) keeps remote index files on local disk.
     """
     if isinstance(index, Index):
         return index
@@ -166,7 +167,8 @@ def open_index(index: Any, *, sep: str | None = None, meta: str | None = None,
     if isinstance(index, list | tuple):
         if not index:
             raise BadIndex("empty list of indexes")
-        return join([open_index(i, sep=sep, meta=meta, url_params=url_params) for i in index])
+        return join([open_index(i, sep=sep, meta=meta, url_params=url_params, cache=cache)
+                     for i in index])  # fmt: skip
     if isinstance(index, os.PathLike):
         index = os.fspath(index)
     if not isinstance(index, str):
@@ -176,8 +178,8 @@ def open_index(index: Any, *, sep: str | None = None, meta: str | None = None,
     if path is not None and os.path.isdir(path):
         return from_directory(path)
     if index.lower().endswith(".pt"):
-        return from_pt(index)
-    return from_csv(index, sep=sep, meta=meta, url_params=url_params)
+        return from_pt(index, cache=cache)
+    return from_csv(index, sep=sep, meta=meta, url_params=url_params, cache=cache)
 
 
 # ----------------------------------------------------------------------------- CSV / TSV
@@ -193,13 +195,13 @@ def _meta_candidates(index: str) -> list[str]:
     return [src.resolve(folder, n) for n in dict.fromkeys(names)]
 
 
-def _read_meta(index: str, meta: str | None) -> dict[str, str]:
+def _read_meta(index: str, meta: str | None, cache: Any = None) -> dict[str, str]:
     """The first row of the meta file beside the index (or `meta`); {} when absent."""
     if meta is not None:
-        location, data = meta, src.read_bytes(meta)
+        location, data = meta, src.read_bytes(meta, cache=cache)
     else:
         for location in _meta_candidates(index):
-            data = src.read_bytes(location, missing_ok=True)
+            data = src.read_bytes(location, missing_ok=True, cache=cache)
             if data is not None:
                 break
     if data is None:
@@ -211,7 +213,7 @@ def _read_meta(index: str, meta: str | None) -> dict[str, str]:
 
 
 def from_csv(index: str, *, sep: str | None = None, meta: str | None = None,
-             url_params: str | dict | None = None) -> Index:  # fmt: skip
+             url_params: str | dict | None = None, cache: Any = None) -> Index:  # fmt: skip
     """A CSV/TSV index: columns ``filename``, ``label*``, optional ``offset``/``length``.
 
     Relative filenames join ``url_prefix`` from ``<stem>-meta.csv`` or
@@ -220,13 +222,13 @@ def from_csv(index: str, *, sep: str | None = None, meta: str | None = None,
     index's own folder. Absolute URLs and paths are used as they are.
     """
     try:
-        data = src.read_bytes(index)
+        data = src.read_bytes(index, cache=cache)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"index not found: {index}") from err
     assert data is not None
     if sep is None:
         sep = "\t" if index.lower().endswith(".tsv") else ","
-    info = _read_meta(index, meta)
+    info = _read_meta(index, meta, cache)
     prefix = info.get("url_prefix") or info.get("urlPrefix") or info.get("prefix") or ""
     params = url_params if url_params is not None else info.get("url_params") or None
     base = src.parent_of(index)
@@ -353,10 +355,10 @@ def from_tensors(data: torch.Tensor | dict, origin: str) -> Index:
     return Index(x, [(ids[v],) for v in y.tolist()], [str(v) for v in values], origin)
 
 
-def from_pt(location: str) -> Index:
+def from_pt(location: str, cache: Any = None) -> Index:
     """A ``.pt`` file (local or remote) holding a tensor or ``dict(x=..., y=...)``."""
     try:
-        data = src.read_bytes(location)
+        data = src.read_bytes(location, cache=cache)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"index not found: {location}") from err
     try:

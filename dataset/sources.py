@@ -15,6 +15,7 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import Any
 
 Source = "str | tuple[str, int, int] | bytes | torch.Tensor"
 
@@ -84,14 +85,29 @@ def add_params(url: str, params: str | dict | None) -> str:
     return url + ("&" if "?" in url else "?") + params
 
 
-def read_bytes(location: str, missing_ok: bool = False, timeout: float = 60.0) -> bytes | None:
+def read_bytes(
+    location: str, missing_ok: bool = False, timeout: float = 60.0, cache: Any = None
+) -> bytes | None:
     """Read a whole small file (an index, a meta file, a .pt) synchronously.
 
     Plain paths and ``file://`` are opened directly, http(s) goes through urllib
     (no event loop needed for a one-off read), anything else through fsspec.
-    With ``missing_ok``, a missing file gives None instead of an error.
+    With ``missing_ok``, a missing file gives None instead of an error. With a
+    :class:`dataset.cache.Cache`, a remote file is read from it when present and
+    kept in it once read (local files are never copied).
     """
     path = local_path(location)
+    if cache is not None and path is None:
+        data = cache.get(location)
+        if data is None:
+            # An optional file (a meta file) that was absent is remembered as absent,
+            # so a cached index opens with the store out of reach.
+            absent = (location, "absent")
+            if missing_ok and absent in cache:
+                return None
+            data = read_bytes(location, missing_ok, timeout)
+            cache.put(absent if data is None else location, b"" if data is None else data)
+        return data
     try:
         if path is not None:
             with open(path, "rb") as f:

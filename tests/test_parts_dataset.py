@@ -155,7 +155,8 @@ def test_cache_items_second_epoch_reads_from_disk(tmp_path):
     )
     try:
         base = f"http://127.0.0.1:{wait_for_file(port_file, server)}/"
-        ds = Dataset(base + "index.csv", cache_items=True, cache_dir=tmp_path / "cache")
+        opts = dict(cache_items=True, cache_index=True, cache_dir=tmp_path / "cache")
+        ds = Dataset(base + "index.csv", **opts)
         b = ds.sampled_batcher(
             batch_size=8,
             input_dims=(1, 4, 4),
@@ -169,6 +170,11 @@ def test_cache_items_second_epoch_reads_from_disk(tmp_path):
         server.wait(timeout=10)  # epoch 2 can only come from the cache now
         assert read_epoch(b)[2] == first
         b.close()
+        # cache_index: the index itself comes from disk too, so a restarted job still opens it
+        again = Dataset(base + "index.csv", **opts)
+        assert again.index.sources == ds.index.sources
+        with pytest.raises(OSError):
+            Dataset(base + "index.csv", cache_dir=tmp_path / "cache")
     finally:
         if server.poll() is None:
             server.kill()
