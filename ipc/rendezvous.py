@@ -207,8 +207,8 @@ def _join(
 
 
 def _abandon(router: zmq.Socket, paths: list[str]) -> None:
-    """Rendezvous failed: close our socket and remove its Unix socket file."""
-    router.close(linger=0)
+    """Rendezvous failed: close our sockets (and their context) and remove the Unix socket file."""
+    router.context.destroy(linger=0)
     for path in paths:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -258,7 +258,7 @@ def LocalhostTree(
     key = re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     rv_file = runtime_dir() / f"{key}.json"
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()  # the tree's own: close() terminates it, which flushes
     if num_nodes == 1:
         router, _, cleanup = _bind_node(ctx, "127.0.0.1", False, f"{key}-0")
         return Tree(0, 1, context=ctx, router=router, cleanup=cleanup, secret=b"",
@@ -374,7 +374,7 @@ def StaticTree(
         )
         token = f"distlearn-ipc:{root_host}:{root_port}"
     secret = token.encode()
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()  # the tree's own: close() terminates it, which flushes
     tag = f"static{root_port}-{node_index}"
     if node_index == 0:
         bind_host = host or "0.0.0.0"

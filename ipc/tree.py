@@ -287,6 +287,11 @@ class Tree:
         if self._shm is not None:
             self._shm.close()
         self._router.close(linger=0)
+        # Terminating our context blocks until what we queued (the last results sent
+        # down the tree, the goodbyes) is in the kernel, for at most the DEALERs'
+        # linger: a process that exits right after close(), even through os._exit as
+        # multiprocessing children do, cannot strand a neighbour mid-collective.
+        self._ctx.destroy()
         self._unlink_cleanup()
 
     def _unlink_cleanup(self) -> None:
