@@ -76,7 +76,10 @@ def endless(
     opt = opt or {}
     for epoch in itertools.count():
         empty = True
-        for item in sampler(index, epoch, rng, **opt):
+        items = sampler(index, epoch, rng, **opt)
+        if isinstance(items, np.ndarray):
+            items = items.tolist()  # python ints iterate and index far faster
+        for item in items:
             empty = False
             yield item
         if empty:
