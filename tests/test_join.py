@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dataset import BadIndex, Dataset
+from dataset import BadIndex, Dataset, Record
 from dataset.index import JoinedIndex, open_index
 from dataset.sampler import epoch_rng
 
@@ -139,7 +139,7 @@ def test_aligned_and_drawn_in_one_join_partitioned(files, tmp_path):
     assert set(drawn) == {300, 302, 304}, "only label x, from the whole index on every rank"
 
 
-def test_record_stream_restarts_and_reports_empty_draws(files):
+def test_drawn_streams_wrap_restart_and_report_empty_draws(files):
     ds = Dataset([files["images"], files["backgrounds"]])
 
     def nothing(index, epoch, rng):
@@ -184,3 +184,36 @@ def test_joined_index_partition_keeps_members_whole(files):
     assert part.source(0) == (whole.members[0].source(int(part.positions[0])),
                               whole.members[2].source(int(part.positions[0])))  # fmt: skip
     assert part.name(0).count(" + ") == 1
+
+
+def test_failed_drawn_fetch_drops_the_item(files):
+    (files["root"] / "backgrounds-102.txt").unlink()  # every third linear draw fails
+    ds = Dataset([files["images"], files["backgrounds"]])
+    with ds.sampled_batcher(batch_size=10, input_dims=(2,), sampler=["linear", "linear"],
+                            processor=numbers, workers="thread") as b:  # fmt: skip
+        got = pairs(b)
+        stats = dict(b.stats)
+    assert got == [(i, 100 + i % 3) for i in range(40) if i % 3 != 2]
+    assert stats["failed"] == 13
+
+
+def test_driver_yielding_records(files):
+    def in_memory(index, epoch, rng):
+        """A driver that hands over its payloads itself (as part-file readers do)."""
+        return [Record(str(500 + i).encode(), (i % 2,), f"mem-{i}") for i in range(6)]
+
+    ds = Dataset([files["images"], files["backgrounds"], files["masks"]])
+    with ds.sampled_batcher(batch_size=6, input_dims=(3,), processor=numbers,
+                            sampler=[in_memory, "uniform", "permutation"],
+                            workers="thread") as b:  # fmt: skip
+        batch = b.next_batch()
+    assert [row[0] for row in batch.input.tolist()] == [500, 501, 502, 503, 504, 505]
+    assert all(100 <= bg <= 102 and 200 <= m < 240 for _, bg, m in batch.input.tolist())
+    assert batch.target.tolist() == [0, 1, 0, 1, 0, 1]
+    assert batch.urls[0].startswith("mem-0 + ")
+    aligned = ds.sampled_batcher(
+        batch_size=6, input_dims=(3,), processor=numbers,
+        sampler=[in_memory, "uniform", None], workers="thread",
+    )  # fmt: skip
+    with aligned, pytest.raises(ValueError, match="no position"):
+        aligned.next_batch()
