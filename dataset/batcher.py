@@ -5,7 +5,9 @@ Per epoch the sampler yields a stream of items (index positions, or
 cuts it into batches, hands each batch's sources to the workers (which fill
 a slot of a preallocated ring of batch tensors) and gives batches back in
 sampler order. Sampling happens here, in the main process only, so no item is
-duplicated or skipped whatever the number or kind of workers.
+duplicated or skipped whatever the number or kind of workers. For a list of
+indexes with drawn members (``sampler=["permutation", "uniform"]``), each
+driven item becomes a :class:`Record` joining the items drawn for it.
 
 A batch handed to the user owns its tensors: they are copied out of the ring
 (and failed rows dropped) before the slot is reused, so holding on to a batch
