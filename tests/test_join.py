@@ -217,3 +217,18 @@ def test_driver_yielding_records(files):
     )  # fmt: skip
     with aligned, pytest.raises(ValueError, match="no position"):
         aligned.next_batch()
+
+
+def test_sampler_opt_dict_is_the_drivers(files):
+    ds = Dataset([files["images"], files["backgrounds"]])
+    with ds.sampled_batcher(batch_size=40, input_dims=(2,), processor=numbers, workers="thread",
+                            sampler=("label-distribution", "uniform"),
+                            sampler_opt={"weights": {"c": 1}}) as b:  # fmt: skip
+        got = pairs(b)
+    assert len(got) == 40 and {img % 4 for img, _ in got} == {2}, "only label c drives"
+    with pytest.raises(ValueError, match="sampler_opt has 1 entries for 2 samplers"):
+        ds.sampled_batcher(sampler=["linear", "uniform"], sampler_opt=[{}], workers="thread")
+    with pytest.raises(ValueError, match="which is aligned"):
+        Dataset([files["images"], files["masks"]]).sampled_batcher(
+            sampler=["linear", None], sampler_opt=[None, {"weights": {}}], workers="thread"
+        )
