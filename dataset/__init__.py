@@ -157,7 +157,12 @@ class Dataset:
 
         ``sampler``: a registered name (``linear``, ``permutation``, ``uniform``,
         ``label-uniform``, ``label-permutation``, ``label-distribution``) or a
-        callable ``(index, epoch, rng, **sampler_opt) -> iterable``.
+        callable ``(index, epoch, rng, **sampler_opt) -> iterable``. For a list
+        of indexes, a list with one entry per index: entry 0 drives the epoch,
+        entry k is None (item i of the first fetches item i of index k) or a
+        sampler that draws index k's item, from all of index k whatever the
+        partition (``sampler=["permutation", "uniform"]``, ``sampler_opt`` a
+        list too or a dict for the first).
         ``processor(fetched, opt, out) -> bool | (bool, extra)`` decodes one item
         into ``out``. ``pool_size``: concurrent fetches per worker. ``prefetch``:
         batches in flight. ``workers="thread" | "process"``, ``num_workers``,

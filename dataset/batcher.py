@@ -5,7 +5,9 @@ Per epoch the sampler yields a stream of items (index positions, or
 cuts it into batches, hands each batch's sources to the workers (which fill
 a slot of a preallocated ring of batch tensors) and gives batches back in
 sampler order. Sampling happens here, in the main process only, so no item is
-duplicated or skipped whatever the number or kind of workers.
+duplicated or skipped whatever the number or kind of workers. For a list of
+indexes with drawn members (``sampler=["permutation", "uniform"]``), each
+driven item becomes a :class:`Record` joining the items drawn for it.
 
 A batch handed to the user owns its tensors: they are copied out of the ring
 (and failed rows dropped) before the slot is reused, so holding on to a batch
@@ -24,12 +26,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .fetch import RateLimitedLog, Stats
-from .index import Index
+from .index import BadIndex, Index, JoinedIndex
 from .processors import default_processor
-from .sampler import epoch_rng, get_sampler
+from .sampler import endless, epoch_rng, get_sampler
+from .sources import Joined
 from .workers import ProcessWorkers, ThreadWorkers
 
 log = logging.getLogger(__name__)
@@ -114,6 +118,7 @@ class SampledBatcher:
         self.index = index
         self.batch_size = batch_size
         self.input_dims = tuple(int(d) for d in input_dims)
+        sampler, sampler_opt, self._draws = _split_samplers(index, sampler, sampler_opt)
         self.sampler_name = (
             sampler if isinstance(sampler, str) else getattr(sampler, "__name__", "")
         )
@@ -129,7 +134,8 @@ class SampledBatcher:
         self._errlog = RateLimitedLog(log)
 
         kind, count = default_workers()
-        if isinstance(index.sources, torch.Tensor):
+        # (a join's .sources would build every joined item just to find out: skip it)
+        if not isinstance(index, JoinedIndex) and isinstance(index.sources, torch.Tensor):
             kind, count = "thread", 0  # rows are in memory already: nothing to offload
         if workers is not None:
             if workers not in ("thread", "process"):
@@ -177,7 +183,11 @@ class SampledBatcher:
 
     def _epoch_items(self, epoch: int) -> Iterable[Any]:
         rng = epoch_rng(self.seed, self.partition, epoch)
-        return self._sampler(self.index, epoch, rng, **self._sampler_opt)
+        items = self._sampler(self.index, epoch, rng, **self._sampler_opt)
+        if self._draws:
+            sized = hasattr(items, "__len__")
+            return (_SizedDrawnJoin if sized else _DrawnJoin)(self, epoch, items)
+        return items
 
     def _start_epoch(self, epoch: int, skip: int = 0) -> None:
         self._drain()
@@ -407,6 +417,131 @@ class SampledBatcher:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+# ----------------------------------------------------------------------------- joined indexes
+
+
+@dataclass
+class _Draw:
+    """How member k of a joined index is drawn: its sampler and options."""
+
+    k: int
+    sampler: Any
+    opt: dict
+
+
+def _split_samplers(index: Index, sampler: Any, sampler_opt: Any) -> tuple[Any, dict, list]:
+    """(the driver's sampler, its options, the drawn members) from ``sampler``/``sampler_opt``.
+
+    A list/tuple ``sampler`` has one entry per joined index: entry 0 drives the
+    epoch, entry k > 0 is None (aligned: item i of the first fetches item i of
+    index k) or a sampler that draws index k's item for each driven item. A
+    plain sampler drives with every other index aligned. Aligned members must
+    have the first's length: BadIndex here, before anything is fetched.
+    """
+    members = index.members if isinstance(index, JoinedIndex) else None
+    if isinstance(sampler, list | tuple):
+        if members is None:
+            raise ValueError(
+                f"sampler={list(sampler)!r} is a list (one sampler per joined index), "
+                f"but {index.origin} is a single index; pass one sampler"
+            )
+        if len(sampler) != len(members):
+            raise ValueError(
+                f"sampler={list(sampler)!r} has {len(sampler)} entries for "
+                f"{len(members)} joined indexes ({index.origin}); give one per index"
+            )
+        if sampler[0] is None:
+            raise ValueError("sampler[0] drives the epoch and cannot be None")
+        samplers = list(sampler)
+    else:
+        samplers = [sampler] + [None] * (len(members) - 1 if members else 0)
+    if isinstance(sampler_opt, list | tuple):
+        if not isinstance(sampler, list | tuple):
+            raise ValueError("a list of sampler_opt goes with a list of samplers (one per index)")
+        if len(sampler_opt) != len(samplers):
+            raise ValueError(
+                f"sampler_opt has {len(sampler_opt)} entries for {len(samplers)} samplers"
+            )
+        opts = [dict(o or {}) for o in sampler_opt]
+    else:
+        opts = [dict(sampler_opt or {})] + [{} for _ in samplers[1:]]
+    draws = []
+    for k in range(1, len(samplers)):
+        member = members[k]
+        if samplers[k] is None:
+            if opts[k]:
+                raise ValueError(f"sampler_opt[{k}] given for {member.origin}, which is aligned")
+            first = members[0]
+            if len(member) != len(first):
+                raise BadIndex(
+                    f"joined indexes differ in length: {first.origin} has {len(first)} items, "
+                    f"{member.origin} has {len(member)}; item i of the first can only fetch "
+                    f"item i of an index of the same length. To draw from {member.origin} "
+                    f"instead, give it a sampler: sampler=[..., 'uniform'] (entry {k})"
+                )
+        else:
+            draws.append(_Draw(k, get_sampler(samplers[k]), opts[k]))
+    return samplers[0], opts[0], draws
+
+
+class _DrawnJoin:
+    """One epoch of a joined index with drawn members: a :class:`Record` per driven item.
+
+    Each iteration restarts the draws (each member's generator is seeded by
+    (seed, partition, epoch, k)), so an epoch regenerated to resume it draws
+    exactly what it drew before.
+    """
+
+    def __init__(self, batcher: SampledBatcher, epoch: int, items: Iterable[Any]):
+        self.batcher, self.epoch, self.items = batcher, epoch, items
+
+    def __iter__(self) -> Iterator[Record]:
+        b, index = self.batcher, self.batcher.index
+        members = index.members
+        streams: list[Iterator[Any] | None] = [None] * len(members)
+        for d in b._draws:
+            rng = epoch_rng(b.seed, b.partition, self.epoch, stream=d.k)
+            streams[d.k] = endless(d.sampler, members[d.k], rng, d.opt)
+        positions = index.positions.tolist()  # python ints: 10x faster to index than numpy's
+        items = self.items
+        if isinstance(items, np.ndarray):
+            items = items.tolist()
+        for item in items:
+            if isinstance(item, Record):
+                if any(s is None for s in streams[1:]):
+                    raise ValueError(
+                        f"sampler {b.sampler_name!r} yields records, which have no position "
+                        f"to align the other indexes of {index.origin} with; draw them instead"
+                    )
+                p, labels, slots, names = -1, tuple(item.labels), [item.source], [item.name]
+            else:
+                i = int(item)
+                p, labels = positions[i], index.item_labels(i)
+                slots, names = [members[0].source(p)], [members[0].name(p)]
+            for k in range(1, len(members)):
+                stream, member = streams[k], members[k]
+                if stream is None:  # aligned
+                    slots.append(member.source(p))
+                    names.append(member.name(p))
+                    continue
+                drawn = next(stream)
+                if isinstance(drawn, Record):
+                    slots.append(drawn.source)
+                    names.append(drawn.name)
+                else:
+                    j = int(drawn)
+                    slots.append(member.source(j))
+                    names.append(member.name(j))
+            yield Record(Joined(slots), labels, " + ".join(names))
+
+
+class _SizedDrawnJoin(_DrawnJoin):
+    """A :class:`_DrawnJoin` whose driver has a length, so ``len(batcher)`` still works."""
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class _TorchAdapter(torch.utils.data.IterableDataset):

@@ -232,11 +232,11 @@ class Fetcher:
     async def _fetch_once(self, url: str, offset: int | None, length: int | None) -> bytes:
         path = src.local_path(url)
         if path is not None:
-            return _read_local(path, offset, length)
+            return _read(path, offset, length, _open_local, remote=False)
         if src.is_http(url):
             return await self._fetch_http(url, offset, length)
         return await asyncio.get_running_loop().run_in_executor(
-            None, _read_fsspec, url, offset, length
+            None, _read, url, offset, length, _open_fsspec, True
         )
 
     async def _fetch_http(self, url: str, offset: int | None, length: int | None) -> bytes:
@@ -273,35 +273,36 @@ class Fetcher:
         return body
 
 
-def _read_local(path: str, offset: int | None, length: int | None) -> bytes:
+def _read(name: str, offset: int | None, length: int | None, opener: Any, remote: bool) -> bytes:
+    """All of `name`, or `length` bytes at `offset`, read through ``opener(name)``.
+
+    A remote store's errors and short reads are retried (they may be transient,
+    and fsspec backends raise their own error types); a local file's are not.
+    """
     try:
-        with open(path, "rb") as f:
+        with opener(name) as f:
             if offset is None:
                 return f.read()
             f.seek(offset)
             data = f.read(length)
     except FileNotFoundError:
-        raise FetchError(path, "no such file") from None
-    except OSError as err:
-        raise FetchError(path, f"{type(err).__name__}: {err}") from None
+        raise FetchError(name, "no such file") from None
+    except Exception as err:
+        if not (remote or isinstance(err, OSError)):
+            raise  # a local read fails with OSError; anything else is a bug to see
+        raise FetchError(name, f"{type(err).__name__}: {err}", remote) from None
     if len(data) != length:
-        raise FetchError(path, f"short read: {len(data)} of {length} bytes at offset {offset}")
+        raise FetchError(
+            name, f"short read: {len(data)} of {length} bytes at offset {offset}", remote
+        )
     return data
 
 
-def _read_fsspec(url: str, offset: int | None, length: int | None) -> bytes:
+def _open_local(path: str) -> Any:
+    return open(path, "rb")
+
+
+def _open_fsspec(url: str) -> Any:
     import fsspec
 
-    try:
-        with fsspec.open(url, "rb") as f:
-            if offset is None:
-                return f.read()
-            f.seek(offset)
-            data = f.read(length)
-    except FileNotFoundError:
-        raise FetchError(url, "no such file") from None
-    except Exception as err:  # fsspec backends raise their own error types
-        raise FetchError(url, f"{type(err).__name__}: {err}", True) from None
-    if len(data) != length:
-        raise FetchError(url, f"short read: {len(data)} of {length} bytes at offset {offset}", True)
-    return data
+    return fsspec.open(url, "rb")

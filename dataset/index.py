@@ -19,11 +19,15 @@ Label semantics (the same for every kind of index):
   ``i % partitions``. So every item is in exactly one partition, the union of
   all partitions is the index, and each label is spread evenly over ranks.
   Index order is row order for CSV/tensors and sorted path order for folders.
+- A list of indexes is a :class:`JoinedIndex`: the first gives the items, labels
+  and partitions; each other index is fetched item by item alongside it, or
+  drawn by its own sampler (then it is never partitioned).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import os
 from collections.abc import Sequence
@@ -374,22 +378,66 @@ def from_pt(location: str, cache: Any = None) -> Index:
 
 
 def join(indexes: list[Index]) -> Index:
-    """Several indexes joined item by item: item i fetches item i of each; labels of the first."""
+    """Several indexes joined item by item (a :class:`JoinedIndex`); one index stays as it is."""
     if len(indexes) == 1:
         return indexes[0]
-    first = indexes[0]
-    for other in indexes[1:]:
-        if len(other) != len(first):
-            raise BadIndex(
-                f"joined indexes differ in length: {first.origin} has {len(first)} items, "
-                f"{other.origin} has {len(other)}"
-            )
-    sources = [Joined(ix.source(i) for ix in indexes) for i in range(len(first))]
-    names = [" + ".join(ix.name(i) for ix in indexes) for i in range(len(first))]
-    return Index(
-        sources,
-        [first.item_labels(i) for i in range(len(first))],
-        first.labels,
-        " + ".join(ix.origin for ix in indexes),
-        names,
-    )
+    return JoinedIndex(indexes)
+
+
+class JoinedIndex(Index):
+    """A list of indexes joined item by item; the first (the *driver*) gives the items.
+
+    ``len()``, ``labels``, ``targets`` and partitions come from the first index:
+    item i is item ``positions[i]`` of the first. Each other member is either
+    *aligned* (item i fetches item ``positions[i]`` of it too, so it must have
+    the first's length and is partitioned in lockstep with it) or *drawn* by its
+    own sampler (see ``sampler=[...]`` in :class:`dataset.batcher.SampledBatcher`).
+    Which is chosen per batcher, so ``members`` stay whole: a drawn member is
+    never partitioned, every rank draws from all of it (draws are with
+    replacement, so partitioning would add nothing, and a 3-item index could not
+    be split over 8 ranks anyway).
+
+    ``source(i)``/``name(i)`` join item i of the members that have the first's
+    length (the ones that can be aligned), one per member, in order.
+    """
+
+    def __init__(
+        self,
+        members: Sequence[Index],
+        positions: Sequence[int] | np.ndarray | None = None,
+        origin: str | None = None,
+    ):
+        if len(members) < 2:
+            raise ValueError("a joined index needs at least two indexes")
+        self.members: list[Index] = list(members)
+        first = self.members[0]
+        if positions is None:
+            positions = np.arange(len(first), dtype=np.int64)
+        self.positions = np.asarray(positions, dtype=np.int64)
+        self.labels = first.labels
+        self.origin = origin or " + ".join(m.origin for m in self.members)
+        self._item_labels = [first.item_labels(p) for p in self.positions.tolist()]
+        self.targets = first.targets[self.positions]
+        self._names = None
+        # members that item i of the first can line up with
+        self._alignable = [m for m in self.members if len(m) == len(first)]
+
+    def __repr__(self) -> str:
+        return f"JoinedIndex({self.origin!r}, items={len(self)}, members={len(self.members)})"
+
+    @functools.cached_property
+    def sources(self) -> list[Joined]:  # type: ignore[override]
+        return [self.source(i) for i in range(len(self))]
+
+    def source(self, i: int) -> Joined:
+        p = int(self.positions[i])
+        return Joined(m.source(p) for m in self._alignable)
+
+    def name(self, i: int) -> str:
+        p = int(self.positions[i])
+        return " + ".join(m.name(p) for m in self._alignable)
+
+    def take(self, positions: Sequence[int], origin: str | None = None) -> JoinedIndex:
+        """The items at `positions`; members stay whole (only the driver's positions change)."""
+        picked = self.positions[np.asarray(positions, dtype=np.int64)]
+        return JoinedIndex(self.members, picked, origin or self.origin)

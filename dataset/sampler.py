@@ -18,7 +18,8 @@ Samplers that draw with replacement (``uniform``, ``label-*``) draw
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -50,9 +51,40 @@ def sampler_names() -> list[str]:
     return sorted(_SAMPLERS)
 
 
-def epoch_rng(seed: int, partition: int, epoch: int) -> np.random.Generator:
-    """The generator for one (seed, partition, epoch): reproducible on any machine."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, partition, epoch])))
+def epoch_rng(seed: int, partition: int, epoch: int, stream: int = 0) -> np.random.Generator:
+    """The generator for one (seed, partition, epoch): reproducible on any machine.
+
+    ``stream`` k > 0 gives an independent generator for the same epoch (numpy's
+    spawn key), used to draw from the k-th index of a join; stream 0 is the
+    epoch's own generator, the same as before streams existed.
+    """
+    spawn_key = (stream,) if stream else ()
+    seq = np.random.SeedSequence([seed, partition, epoch], spawn_key=spawn_key)
+    return np.random.Generator(np.random.PCG64(seq))
+
+
+def endless(
+    sampler: SamplerFn, index, rng: np.random.Generator, opt: Mapping[str, Any] | None = None
+) -> Iterator[Any]:
+    """`sampler`'s epochs of `index` end to end, forever, all drawn from one generator.
+
+    This is how a joined index that does not drive the epoch is drawn from: any
+    sampler works, ``linear``/``permutation`` wrap around and ``uniform`` never
+    ends. Raises ValueError when an epoch of the sampler is empty (it would never
+    yield an item).
+    """
+    opt = opt or {}
+    for epoch in itertools.count():
+        empty = True
+        items = sampler(index, epoch, rng, **opt)
+        if isinstance(items, np.ndarray):
+            items = items.tolist()  # python ints iterate and index far faster
+        for item in items:
+            empty = False
+            yield item
+        if empty:
+            name = getattr(sampler, "__name__", repr(sampler))
+            raise ValueError(f"{index.origin}: sampler {name!r} drew no item (epoch {epoch})")
 
 
 def linear(index, epoch: int, rng: np.random.Generator) -> np.ndarray:

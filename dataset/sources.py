@@ -53,8 +53,12 @@ def parent_of(location: str) -> str:
 
 
 def resolve(base: str, name: str) -> str:
-    """`name` relative to the folder `base` (from :func:`parent_of`); absolute names unchanged."""
-    if is_url(name) or os.path.isabs(name):
+    """`name` relative to the folder `base` (from :func:`parent_of`); absolute names unchanged.
+
+    Against an http(s) base, names resolve as a browser would (``urljoin``): a
+    leading ``/`` is the root of the base's host, not a local path.
+    """
+    if is_url(name):
         return name
     if is_http(base):
         # Index rows are nearly always plain relative paths, which join by
@@ -63,6 +67,8 @@ def resolve(base: str, name: str) -> str:
         if not name.startswith(("/", ".")) and "/." not in name:
             return base + name
         return urllib.parse.urljoin(base, name)
+    if os.path.isabs(name):
+        return name
     if is_url(base):  # file://, s3://, gs://...: plain string join, as fsspec expects
         return base + name.lstrip("/")
     return os.path.normpath(os.path.join(base, name))

@@ -69,7 +69,7 @@ def test_http_index_resolves_against_its_url_and_meta_prefix(tmp_path, serve_dir
 @pytest.mark.parametrize(
     "name",
     ["a.png", "x/1.png", "x y/é.png", "a.png?v=1", "", "./a.png", "../up/a.png", "x/../b.png",
-     "x/./c.png", ".hidden/a.png"],
+     "x/./c.png", ".hidden/a.png", "/img/1.png", "//cdn.other/x.png"],
 )  # fmt: skip
 def test_http_resolution_matches_urljoin(name):
     import urllib.parse
@@ -78,6 +78,26 @@ def test_http_resolution_matches_urljoin(name):
 
     base = "http://cdn.test/data/set/"
     assert sources.resolve(base, name) == urllib.parse.urljoin(base, name)
+
+
+def test_http_index_row_with_leading_slash_is_on_the_index_host(tmp_path, serve_dir):
+    write(tmp_path / "data" / "index.csv", "filename\n/img/1.png\n")
+    write(tmp_path / "img" / "1.png", "root-relative")
+    base = serve_dir(tmp_path)
+    ds = Dataset(base + "data/index.csv")
+    assert ds.index.sources == [base + "img/1.png"]
+    seen = []
+
+    def keep(fetched, opt, out):
+        seen.append(fetched)
+        return True
+
+    with ds.sampled_batcher(batch_size=1, processor=keep, workers="thread") as b:
+        b.next_batch()
+    assert seen == [b"root-relative"]
+    # a local index keeps a leading-slash row as an absolute path
+    local = write(tmp_path / "local.csv", "filename\n/img/1.png\n")
+    assert open_index(str(local)).sources == ["/img/1.png"]
 
 
 def test_stem_meta_file_is_found_before_index_meta(tmp_path):
@@ -141,8 +161,9 @@ def test_list_of_indexes_joins_item_by_item(tmp_path):
     assert sorted(seen) == [[b"1.bin", b"1.json"], [b"2.bin", b"2.json"]]
     assert batch.labels == [("x",), ("y",)]
     c = write(tmp_path / "c.csv", "filename\n1.json\n")
+    ds = Dataset([str(a), str(c)])  # a different length is fine to open: it may be drawn
     with pytest.raises(BadIndex, match="differ in length"):
-        Dataset([str(a), str(c)])
+        ds.sampled_batcher(processor=both, workers="thread")  # but not left aligned
 
 
 def test_partitions_cover_index_once_per_label(tmp_path):
