@@ -18,6 +18,8 @@ _SIGNATURES: dict[tuple, bytes] = {}
 
 def flatten(tensors: Nested, where: str = "tensors") -> list[torch.Tensor]:
     """Leaves of a tensor or nested list/tuple/dict, in a deterministic order."""
+    if isinstance(tensors, torch.Tensor):  # the common case, without the walk
+        return [tensors.detach()]
     out: list[torch.Tensor] = []
 
     def walk(obj: object, path: str) -> None:
@@ -62,7 +64,9 @@ class Packed:
         for dtype, ts in by_dtype.items():
             if len(ts) == 1 and ts[0].device.type == "cpu" and ts[0].is_contiguous():
                 # Zero-copy: reduce straight into the caller's tensor.
-                self.groups.append(Group(dtype, ts, ts[0].view(-1), aliased=True))
+                t = ts[0]
+                flat = t if t.dim() == 1 else t.view(-1)
+                self.groups.append(Group(dtype, ts, flat, aliased=True))
                 continue
             total = sum(t.numel() for t in ts)
             flat = torch.empty(total, dtype=dtype)

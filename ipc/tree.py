@@ -186,32 +186,22 @@ class Tree:
             runtime_dir(),
             sync=lambda: self._collective([], "barrier", None, up=True, contribute=True),
             wait_readable=self._wait_readable,
+            timeout=self.timeout,
         )
 
-    def _wait_readable(self, fd: int) -> None:
-        """Block until `fd` is readable, still raising if a neighbour fails or dies."""
+    def _wait_readable(self, fd: int, seconds: float) -> None:
+        """Wait until `fd` is readable or `seconds` pass; raise if a neighbour fails or dies."""
         if fd not in self._polled_fds:
             self._poller.register(fd, zmq.POLLIN)  # stays registered: no per-wait cost
             self._polled_fds.add(fd)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise IPCTimeoutError(
-                    f"node {self.node_index}: a shared-memory barrier waited more than "
-                    f"{self.timeout}s",
-                    node=self.node_index,
-                )
-            events = dict(self._poller.poll(int(min(remaining, 3600) * 1000) + 1))
-            if fd in events:
-                return
-            if self._router in events:
-                # An error or an early goodbye from a neighbour raises here.
-                msg = self._read_router()
-                if msg is not None:
-                    self._backlog.append(msg)
-            elif events:
-                self._check_monitors(0)
+        events = dict(self._poller.poll(max(1, int(seconds * 1000))))
+        if self._router in events:
+            # An error or an early goodbye from a neighbour raises here.
+            msg = self._read_router()
+            if msg is not None:
+                self._backlog.append(msg)
+        elif events and fd not in events:
+            self._check_monitors(0)
 
     def _pick_address(self, hosts: list[str], addresses: list[dict[str, str]], j: int) -> str:
         # Same host: a Unix socket skips the TCP stack; otherwise TCP.
@@ -262,7 +252,8 @@ class Tree:
         self._collective([], "barrier", None, up=True, contribute=True)
 
     def net_stats(self) -> dict:
-        """Bytes and messages per link, and time spent in collectives, since the tree was built."""
+        """Bytes and messages per link, time spent in collectives, and shared-memory traffic
+        (``shm``: collectives, bytes, and ``direct``: those read out of peers' tensors)."""
         return {
             "node": self.node_index,
             "parent": self.parent,
@@ -270,6 +261,8 @@ class Tree:
             "links": {j: {"address": p.address, **vars(p.stats)} for j, p in self._peers.items()},
             "collectives": self._collectives,
             "collective_seconds": self._collective_time,
+            # same-host collectives that went through shared memory instead of the links
+            "shm": None if self._shm is None else {**self._shm.stats, "cma": self._shm.cma},
         }
 
     def close(self) -> None:

@@ -86,6 +86,24 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         out["head"] = t[:16].clone()
         out["ok"] = bool((t[16:] == sum(range(1, n + 1))).all())
         tree.close()
+    elif scenario == "sliced":
+        # Above ipc.shm.SMALL: the sliced reduction, through the peers' tensors
+        # (ipc.cma) or through the slots (IPC_SHM_CMA=0).
+        tree = tree_from_args(node, n, key)
+        big = {
+            "a": node_tensor(node, (300_000,), torch.float32, 7),
+            "b": node_tensor(node, (200_000,), torch.float64, 8),
+        }
+        out["count"] = tree.all_reduce(big)
+        out["big"] = big
+        t = node_tensor(node, (400_000,), torch.float32, 9)
+        out["count-finished"] = tree.all_reduce(t, finished=node == 0)
+        out["finished"] = t
+        m = node_tensor(node, (400_000,), torch.float32, 10)
+        tree.all_reduce(m, op="max")
+        out["max"] = m
+        out["shm"] = tree.net_stats()["shm"]
+        tree.close()
     elif scenario == "uneven":
         tree = tree_from_args(node, n, key)
         steps = node + 1

@@ -190,6 +190,30 @@ def test_big_tensor_64mib(shm, tmp_path):
         assert torch.equal(r["head"], want)
 
 
+@pytest.mark.parametrize(
+    "cma", [pytest.param("1", id="cross-memory"), pytest.param("0", id="slots")]
+)
+def test_sliced_shared_memory_reduction(cma, tmp_path):
+    """Above 1 MiB each node reduces one slice: two dtypes, a finished node, max."""
+    n = 3
+    results, _ = run_tree("sliced", n, tmp_path, extra_env=[{"IPC_SHM_CMA": cma}] * n)
+    if cma == "1" and not results[0]["shm"]["cma"]:
+        pytest.skip("process_vm_readv is not permitted between processes on this host")
+    want_a = sum(node_tensor(i, (300_000,), torch.float32, 7) for i in range(n))
+    want_b = sum(node_tensor(i, (200_000,), torch.float64, 8) for i in range(n))
+    want_f = sum(node_tensor(i, (400_000,), torch.float32, 9) for i in range(1, n))
+    want_m = local_reduce(
+        torch.maximum, [node_tensor(i, (400_000,), torch.float32, 10) for i in range(n)]
+    )
+    for r in results:
+        assert r["shm"]["cma"] == (cma == "1")
+        assert r["shm"]["direct"] == (3 if cma == "1" else 0)
+        assert r["count"] == n and r["count-finished"] == n - 1
+        assert torch.equal(r["big"]["a"], want_a) and torch.equal(r["big"]["b"], want_b)
+        assert torch.equal(r["finished"], want_f)
+        assert torch.equal(r["max"], want_m)
+
+
 @pytest.mark.parametrize("shm", TRANSPORTS)
 def test_killed_peer_makes_others_raise(shm, tmp_path):
     n = 4
