@@ -56,7 +56,7 @@ LINES = 5
 # How long a node spins on the counters before it sleeps on its FIFO. Long enough
 # to cover a small collective's skew between nodes, short enough that a node
 # waiting on a slow peer gives the core back almost at once.
-SPIN_S = float(os.environ.get("IPC_SHM_SPIN_US", "200")) * 1e-6
+SPIN_S = float(os.environ.get("IPC_SHM_SPIN_US", "1000")) * 1e-6
 # A sleeper re-reads the counters this often even without a wake-up byte: the
 # backstop for a wake-up lost between its "sleeping" mark and the last arrival.
 NAP_S = 0.002
