@@ -8,9 +8,10 @@ Two kinds with one interface (``submit(slot, sources) -> job``, ``result(job)``,
   to start, but the GIL caps decoding at about one core.
 - :class:`ProcessWorkers`: `num_workers` processes, each with its own event
   loop and HTTP session, decoding straight into the ring, which lives in shared
-  memory allocated once. The main process sends one small message per batch
-  (slot and sources) and gets back which rows succeeded; it never touches the
-  bytes. Works with the fork, forkserver and spawn start methods.
+  memory allocated once (:class:`RingMemory`, a file without a name). The main
+  process sends one small message per batch (slot and sources) and gets back
+  which rows succeeded; it never touches the bytes. Works with the fork,
+  forkserver and spawn start methods.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import mmap
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import tempfile
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -125,6 +128,44 @@ class ThreadWorkers:
             self.executor.shutdown(wait=True, cancel_futures=True)
 
 
+class RingMemory:
+    """Shared memory for the batch ring: a file that never has a name.
+
+    A named /dev/shm segment outlives a creator killed with SIGKILL (the OOM
+    killer, a preempted job), and enough of them fill the host's RAM. This is
+    a ``memfd`` (an unlinked temporary file where there is none), handed to the
+    workers by descriptor: forked workers inherit it, spawned ones receive a
+    duplicate when the process object is pickled. It is freed with the last
+    process that maps it, however that process ends.
+    """
+
+    def __init__(self, nbytes: int, fd: int | None = None):
+        if fd is None:
+            if hasattr(os, "memfd_create"):
+                fd = os.memfd_create("dataset-ring")
+            else:
+                with tempfile.TemporaryFile() as f:
+                    fd = os.dup(f.fileno())
+            os.ftruncate(fd, nbytes)
+        self.fd, self.nbytes = fd, nbytes
+        self.buf = mmap.mmap(fd, nbytes)
+
+    def __reduce__(self):
+        # Pickled only for spawn/forkserver workers, while the process starts.
+        return _attach_ring, (reduction.DupFd(self.fd), self.nbytes)
+
+    def close(self) -> None:
+        # BufferError: a batch view still maps it; the mapping goes with the last reference
+        with contextlib.suppress(BufferError):
+            self.buf.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def _attach_ring(dup: Any, nbytes: int) -> RingMemory:
+    return RingMemory(nbytes, dup.detach())
+
+
 class WorkerDied(RuntimeError):
     """A process worker exited while batches were in flight."""
 
@@ -158,9 +199,10 @@ class ProcessWorkers:
             except Exception as err:
                 raise TypeError(f"workers='process' needs a picklable cache: {err}") from err
         ctx = mp.get_context(mp_context)
+        forks = ctx.get_start_method() == "fork"
         nbytes = max(1, math.prod(shape) * 4)
-        self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
-        self.slots = torch.frombuffer(self._shm.buf, dtype=torch.float32, count=math.prod(shape))
+        self._ring = RingMemory(nbytes)
+        self.slots = torch.frombuffer(self._ring.buf, dtype=torch.float32, count=math.prod(shape))
         self.slots = self.slots.view(shape)
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -170,9 +212,13 @@ class ProcessWorkers:
         try:
             for w in range(num_workers):
                 parent, child = ctx.Pipe(duplex=True)
+                # A forked worker inherits our ends of its pipe and of the earlier
+                # workers' pipes; it closes them, or a pipe would never read as
+                # closed and a worker would outlive a main process that was killed.
+                ours = [c.fileno() for c in [*self._conns, parent]] if forks else []
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(child, self._shm.name, shape, payload, fetch_kw, w),
+                    args=(child, self._ring, shape, payload, fetch_kw, w, ours),
                     name=f"dataset-worker-{w}",
                     daemon=True,
                 )
@@ -240,30 +286,32 @@ class ProcessWorkers:
         for conn in self._conns:
             conn.close()
         del self.slots
-        # BufferError: a batch view still maps it; the mapping goes with the last reference
-        with contextlib.suppress(BufferError):
-            self._shm.close()
-        with contextlib.suppress(FileNotFoundError):
-            self._shm.unlink()
+        self._ring.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
 
 
-def _worker_main(conn, shm_name: str, shape, payload: bytes, fetch_kw: dict, rank: int) -> None:
-    """A process worker: its own event loop and session, decoding into shared memory."""
+def _worker_main(
+    conn, ring: RingMemory, shape, payload: bytes, fetch_kw: dict, rank: int, inherited: list[int]
+) -> None:
+    """A process worker: its own event loop and session, decoding into shared memory.
+
+    It exits when its pipe closes: at ``close()``, or when the main process dies.
+    """
+    for fd in inherited:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)
     processor, opt = pickle.loads(payload)
-    shm = shared_memory.SharedMemory(name=shm_name)
-    slots = torch.frombuffer(shm.buf, dtype=torch.float32, count=math.prod(shape)).view(shape)
+    slots = torch.frombuffer(ring.buf, dtype=torch.float32, count=math.prod(shape)).view(shape)
     try:
         asyncio.run(_worker_loop(conn, slots, processor, opt, fetch_kw))
     finally:
         del slots
-        with contextlib.suppress(BufferError):
-            shm.close()
+        ring.close()
         conn.close()
         os._exit(0)  # skip atexit (the resource tracker, torch) in a worker
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import fsspec
 import pytest
@@ -12,6 +16,7 @@ import torch
 from dataset import Dataset, Fetcher, FetchError
 from dataset.processors import Image, Raw
 from dataset.workers import WorkerDied
+from tests.conftest import repo_env
 from tests.faulty_server import item_ids, make_pngs
 
 
@@ -37,7 +42,6 @@ def test_killed_worker_raises_and_nothing_is_left(pngs):
     b = ds.sampled_batcher(batch_size=8, input_dims=(1, 8, 8), processor=Image(),
                            workers="process", num_workers=2)  # fmt: skip
     procs = list(b._workers._procs)
-    shm_name = b._workers._shm.name
     b.next_batch()
     os.kill(procs[0].pid, signal.SIGKILL)
     with pytest.raises(WorkerDied, match=r"worker process 0 .* died"):
@@ -45,7 +49,6 @@ def test_killed_worker_raises_and_nothing_is_left(pngs):
             b.next_batch()
     b.close()
     assert not any(_alive(p.pid) for p in procs)
-    assert not os.path.exists(f"/dev/shm/{shm_name}")
 
 
 def test_close_stops_workers_and_frees_shared_memory(pngs):
@@ -53,13 +56,44 @@ def test_close_stops_workers_and_frees_shared_memory(pngs):
     with ds.sampled_batcher(batch_size=8, input_dims=(1, 8, 8), processor=Image(),
                             workers="process", num_workers=2) as b:  # fmt: skip
         procs = list(b._workers._procs)
-        shm_name = b._workers._shm.name
         kept = b.next_batch()  # closed mid-epoch, with batches in flight
     assert not any(_alive(p.pid) for p in procs)
-    assert not os.path.exists(f"/dev/shm/{shm_name}")
     assert len(item_ids(kept.input)) == 8  # a batch handed out outlives the ring
     with pytest.raises(RuntimeError, match="closed"):
         b.next_batch()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_sigkilled_main_process_leaves_no_shared_memory(pngs, start, tmp_path):
+    """The OOM killer's way out: SIGKILL mid-epoch leaves nothing in /dev/shm, no worker."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from dataset import Dataset
+        from dataset.processors import Image
+        b = Dataset({str(pngs)!r}).sampled_batcher(
+            batch_size=8, input_dims=(1, 8, 8), processor=Image(), workers="process",
+            num_workers=2, mp_context={start!r})
+        b.next_batch()
+        print(" ".join(str(p.pid) for p in b._workers._procs), flush=True)
+        time.sleep(600)
+    """)
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=repo_env(), stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2, "the batcher did not start"
+        assert set(os.listdir("/dev/shm")) == before, "the ring has a name in /dev/shm"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    deadline = time.monotonic() + 30
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)  # orphaned workers see their pipe close and exit
+    assert not any(_alive(w) for w in workers)
+    assert set(os.listdir("/dev/shm")) == before
 
 
 def test_as_torch_dataloader_and_progress(pngs, capsys):
