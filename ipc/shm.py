@@ -20,8 +20,10 @@ after the spin goes to sleep on its FIFO and the last node to arrive wakes
 the sleepers with one byte each; the sleep also polls the ZeroMQ links, so
 a dead peer or a failure elsewhere still raises.
 
-Files are unlinked as soon as every node has opened them: nothing is left
-behind in /dev/shm even if a process is killed.
+Files are unlinked as soon as every node has opened them, so nothing is
+left behind in /dev/shm once a collective runs; a file whose creator was
+killed in the milliseconds before that is named after its pid, and the next
+tree on the host removes it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,31 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _segment(prefix: str, what: str, pid: int) -> Path:
+    """Where a segment lives while the nodes open it; named after its creator's pid."""
+    return SHM_DIR / f"distlearn-{prefix}-{what}.{pid}"
+
+
+def sweep_stale(min_age: float = 60.0) -> None:
+    """Remove our segments whose creator is dead: killed between creating one and
+    every node opening it (a window of milliseconds at setup), it left the name.
+
+    Only files older than `min_age` seconds: a process in another pid namespace
+    sharing /dev/shm looks dead from here, but its files are never that old."""
+    for path in SHM_DIR.glob("distlearn-ipc-*.*"):
+        try:
+            pid = int(path.suffix[1:])
+            st = path.stat()
+            if st.st_uid != os.getuid() or time.time() - st.st_mtime < min_age:
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        except (ValueError, OSError):
+            continue  # not one of ours, alive, or not ours to judge
+
+
 def _map(path: Path, size: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
@@ -94,6 +121,7 @@ class SharedMemoryGroup:
         node: int,
         n: int,
         prefix: str,
+        root_pid: int,
         fifo_dir: Path,
         sync: Callable[[], None],
         wait_readable: Callable[[int, float], None],
@@ -115,7 +143,9 @@ class SharedMemoryGroup:
         self._scratches: dict[torch.dtype, torch.Tensor] = {}
         self._maps: list[mmap.mmap] = []
         self._slots: list[torch.Tensor] = []
-        ctl_path = SHM_DIR / f"distlearn-{prefix}-ctl"
+        if node == 0:
+            sweep_stale()
+        ctl_path = _segment(prefix, "ctl", root_pid)
         fifo = fifo_dir / f"{prefix}-{node}.fifo"
         os.mkfifo(fifo, 0o600)
         # O_RDWR keeps the pipe open (no EOF between writers); O_NONBLOCK: we poll it.
@@ -228,7 +258,7 @@ class SharedMemoryGroup:
         """Every node maps a bigger segment; called by all nodes with the same `need`."""
         cap = 1 << max(16, (need - 1).bit_length())
         self._gen += 1
-        path = SHM_DIR / f"distlearn-{self.prefix}-{self.node}-{self._gen}"
+        path = _segment(self.prefix, f"{self.node}-{self._gen}", os.getpid())
         mine = _map(path, 2 * cap, create=True)
         try:
             self.barrier()
@@ -237,7 +267,7 @@ class SharedMemoryGroup:
                 if j == self.node:
                     maps.append(mine)
                 else:
-                    name = SHM_DIR / f"distlearn-{self.prefix}-{j}-{self._gen}"
+                    name = _segment(self.prefix, f"{j}-{self._gen}", self._pids[j])
                     maps.append(_map(name, 2 * cap, create=False))
             self.barrier()
         finally:

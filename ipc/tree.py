@@ -173,16 +173,16 @@ class Tree:
             raise
 
     def _setup_shm(self) -> SharedMemoryGroup:
-        """All nodes on one host: agree on a name, then map shared slots and FIFOs."""
-        name = torch.empty(8, dtype=torch.uint8)
+        """All nodes on one host: agree on a name and node 0's pid, then map slots and FIFOs."""
+        name = torch.zeros(2, dtype=torch.int64)
         if self.node_index == 0:
-            name.copy_(torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8))
+            name[0], name[1] = int.from_bytes(os.urandom(7), "little"), os.getpid()
         self._collective(name, "scatter", None, up=False, contribute=True)
-        prefix = f"ipc-{bytes(name.tolist()).hex()}"
         return SharedMemoryGroup(
             self.node_index,
             self.num_nodes,
-            prefix,
+            f"ipc-{int(name[0]):014x}",
+            int(name[1]),
             runtime_dir(),
             sync=lambda: self._collective([], "barrier", None, up=True, contribute=True),
             wait_readable=self._wait_readable,

@@ -214,6 +214,28 @@ def test_sliced_shared_memory_reduction(cma, tmp_path):
         assert torch.equal(r["max"], want_m)
 
 
+def test_stale_shared_memory_is_swept(tmp_path):
+    """A segment left by a node killed during setup goes when the next tree starts."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    stale = Path("/dev/shm") / f"distlearn-ipc-{uuid.uuid4().hex[:14]}-ctl.{dead.pid}"
+    fresh = Path("/dev/shm") / f"distlearn-ipc-{uuid.uuid4().hex[:14]}-ctl.{dead.pid}"
+    alive = Path("/dev/shm") / f"distlearn-ipc-{uuid.uuid4().hex[:14]}-ctl.{os.getpid()}"
+    for path in (stale, fresh, alive):
+        path.write_bytes(b"x")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    os.utime(alive, (old, old))
+    try:
+        run_tree("uneven", 2, tmp_path)
+        assert not stale.exists()
+        assert fresh.exists(), "too young to judge: maybe another pid namespace's"
+        assert alive.exists()
+    finally:
+        for path in (stale, fresh, alive):
+            path.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("shm", TRANSPORTS)
 def test_killed_peer_makes_others_raise(shm, tmp_path):
     n = 4
