@@ -14,9 +14,12 @@ fi
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     echo "venv: installing into $VENV (one time; log in $VENV/install.log)" >&2
     pip=("$VENV/bin/python" -m pip install --disable-pip-version-check)
-    # torch first and pinned: setup.py accepts any torch>=2.1, and an unpinned
-    # resolve would fetch the newest CUDA build (gigabytes).
-    if ! { "${pip[@]}" "torch==2.13.0" && "${pip[@]}" -e ".[all]"; } >"$VENV/install.log" 2>&1; then
+    # A current pip first: the one a new venv ships (23.x with Python 3.11)
+    # backtracks through 18 boto3 releases to fit moto and s3fs together (46 s
+    # against 18 s). Then torch, pinned: setup.py accepts any torch>=2.1, and
+    # an unpinned resolve would fetch the newest CUDA build (gigabytes).
+    if ! { "${pip[@]}" --upgrade "pip>=24" && "${pip[@]}" "torch==2.13.0" \
+        && "${pip[@]}" -e ".[all]"; } >"$VENV/install.log" 2>&1; then
         tail -n 30 "$VENV/install.log" >&2
         echo "venv: install failed; see $VENV/install.log" >&2
         exit 1
