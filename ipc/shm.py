@@ -118,7 +118,7 @@ def _map(path: Path, size: int, create: bool) -> mmap.mmap:
 
 
 class SharedMemoryGroup:
-    """Shared slots and a FIFO barrier for the `n` nodes of one host."""
+    """Slots and a barrier (counters to spin on, FIFOs to sleep on) for the nodes of one host."""
 
     def __init__(
         self,
