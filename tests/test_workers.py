@@ -92,7 +92,10 @@ def test_sigkilled_main_process_leaves_no_shared_memory(pngs, start, tmp_path):
     deadline = time.monotonic() + 30
     while any(_alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)  # orphaned workers see their pipe close and exit
-    assert not any(_alive(w) for w in workers)
+    orphans = [w for w in workers if _alive(w)]
+    for w in orphans:  # never leave them behind, even when the test fails
+        os.kill(w, signal.SIGKILL)
+    assert not orphans, "workers outlived their main process"
     assert set(os.listdir("/dev/shm")) == before
 
 
