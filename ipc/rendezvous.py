@@ -57,21 +57,32 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
-def _bind_node(ctx: zmq.Context, bind_host: str, with_ipc: bool, tag: str):
-    """This node's ROUTER, on TCP (and a Unix socket for same-host peers)."""
+def _bind_node(
+    ctx: zmq.Context,
+    bind_host: str,
+    with_ipc: bool,
+    tag: str,
+    port: int | None = None,
+    advertise: str | None = None,
+):
+    """This node's ROUTER, on TCP (`port`, or a random one) and a Unix socket for
+    same-host peers; returns it, the addresses peers dial (TCP on `advertise`, by
+    default `bind_host`), the files to remove, and the TCP port."""
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.RCVHWM, 0)
     router.setsockopt(zmq.LINGER, 0)
-    addrs = {}
-    port = router.bind_to_random_port(f"tcp://{bind_host}")
-    addrs["tcp"] = f"tcp://{bind_host}:{port}"
+    if port is None:
+        port = router.bind_to_random_port(f"tcp://{bind_host}")
+    else:
+        router.bind(f"tcp://{bind_host}:{port}")
+    addrs = {"tcp": f"tcp://{advertise or bind_host}:{port}"}
     cleanup = []
     if with_ipc:
         path = runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
         router.bind(f"ipc://{path}")
         addrs["ipc"] = f"ipc://{path}"
         cleanup.append(str(path))
-    return router, addrs, cleanup
+    return router, addrs, cleanup, port
 
 
 def _advertised_host(root_host: str, root_port: int) -> str:
@@ -260,25 +271,14 @@ def LocalhostTree(
     rv_file = runtime_dir() / f"{key}.json"
     ctx = zmq.Context()  # the tree's own: close() terminates it, which flushes
     if num_nodes == 1:
-        router, _, cleanup = _bind_node(ctx, "127.0.0.1", False, f"{key}-0")
+        router, _, cleanup, _ = _bind_node(ctx, "127.0.0.1", False, f"{key}-0")
         return Tree(0, 1, context=ctx, router=router, cleanup=cleanup, secret=b"",
                     hosts=[host_identity()], addresses=[{}], base=base, timeout=timeout,
                     chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
     if node_index == 0:
         secret_text = token if token is not None else secrets.token_hex(16)
         secret = secret_text.encode()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.RCVHWM, 0)
-        router.setsockopt(zmq.LINGER, 0)
-        if port is None:
-            bound = router.bind_to_random_port("tcp://127.0.0.1")
-        else:
-            router.bind(f"tcp://127.0.0.1:{port}")
-            bound = port
-        ipc_path = runtime_dir() / f"{key}-0-{secrets.token_hex(4)}.sock"
-        router.bind(f"ipc://{ipc_path}")
-        my_addrs = {"tcp": f"tcp://127.0.0.1:{bound}", "ipc": f"ipc://{ipc_path}"}
-        cleanup = [str(ipc_path)]
+        router, my_addrs, cleanup, bound = _bind_node(ctx, "127.0.0.1", True, f"{key}-0", port)
         info = {"port": bound, "pid": os.getpid(), "secret": None if token else secret_text}
         tmp = rv_file.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -302,7 +302,7 @@ def LocalhostTree(
             _abandon(router, cleanup)
             raise
     else:
-        router, my_addrs, cleanup = _bind_node(ctx, "127.0.0.1", True, f"{key}-{node_index}")
+        router, my_addrs, cleanup, _ = _bind_node(ctx, "127.0.0.1", True, f"{key}-{node_index}")
         secret_box: list[bytes] = [token.encode()] if token is not None else []
 
         def root_address() -> str | None:
@@ -377,16 +377,9 @@ def StaticTree(
     ctx = zmq.Context()  # the tree's own: close() terminates it, which flushes
     tag = f"static{root_port}-{node_index}"
     if node_index == 0:
-        bind_host = host or "0.0.0.0"
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.RCVHWM, 0)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(f"tcp://{bind_host}:{root_port}")
-        ipc_path = runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
-        router.bind(f"ipc://{ipc_path}")
-        advertised = host or root_host
-        my_addrs = {"tcp": f"tcp://{advertised}:{root_port}", "ipc": f"ipc://{ipc_path}"}
-        cleanup = [str(ipc_path)]
+        router, my_addrs, cleanup, _ = _bind_node(
+            ctx, host or "0.0.0.0", True, tag, port=root_port, advertise=host or root_host
+        )
         if num_nodes == 1:
             hosts, addrs = [host_identity()], [my_addrs]
         else:
@@ -397,7 +390,7 @@ def StaticTree(
                 raise
     else:
         bind_host = host or _advertised_host(root_host, root_port)
-        router, my_addrs, cleanup = _bind_node(ctx, bind_host, True, tag)
+        router, my_addrs, cleanup, _ = _bind_node(ctx, bind_host, True, tag)
         root = f"tcp://{root_host}:{root_port}"
         try:
             hosts, addrs = _join(
