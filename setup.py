@@ -1,8 +1,20 @@
 """distlearn: dataset loading, a ZeroMQ process tree and all-reduce SGD for PyTorch."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
+
+# One import namespace, `distlearn`, while the repository keeps its top-level
+# folders: dataset/ and ipc/ install as distlearn.dataset and distlearn.ipc.
+# PyPI's `dataset` and `ipc` are other projects; we install no top-level
+# module of those names. Editable installs follow the same mapping.
+FOLDERS = {"distlearn": "distlearn", "distlearn.dataset": "dataset", "distlearn.ipc": "ipc"}
+packages = [
+    f"{name}.{sub}" if sub else name
+    for name, folder in FOLDERS.items()
+    for sub in ["", *find_packages(folder)]
+]
 
 # torch is not pinned here so users keep the build they have (CUDA, ROCm, CPU);
 # scripts/venv.sh installs torch==2.13.0 first so this range resolves to it.
@@ -40,12 +52,13 @@ extras["all"] = sorted({req for reqs in extras.values() for req in reqs})
 
 setup(
     name="distlearn",
-    version="0.1.0",
+    version=re.search(r'__version__ = "([^"]+)"', Path("distlearn/__init__.py").read_text())[1],
     description="Index-driven datasets, a ZeroMQ process tree and all-reduce SGD/EASGD for PyTorch",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["dataset*", "ipc*", "distlearn*"]),
+    packages=packages,
+    package_dir=FOLDERS,
     install_requires=install_requires,
     extras_require=extras,
     license="Apache-2.0",

@@ -94,7 +94,7 @@ def _worker(a: argparse.Namespace) -> None:
         ops["gloo"] = lambda t: dist.all_reduce(t)
     if "tree" in a.impls:
         try:
-            import ipc
+            from distlearn import ipc
 
             tree = ipc.LocalhostTree(a.rank, a.world, key=f"bench-allreduce-{a.port}")
             ops["tree"] = lambda t: tree.all_reduce(t)

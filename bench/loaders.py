@@ -248,7 +248,7 @@ def _batches(ds, ctx: Ctx, sampler: str, processor, **opts) -> Iterator[torch.Te
 @row("dataset-csv")
 def dataset_csv(ctx: Ctx, workers: str | None = None, pool_size: int | None = None, **opts):
     """distlearn Dataset over the CSV index via HTTP (one request per file)."""
-    from dataset import Dataset, processors
+    from distlearn.dataset import Dataset, processors
 
     ds = Dataset(ctx.base_url + "index.csv")
     processor = processors.Image(mode="L")
@@ -270,7 +270,7 @@ def dataset_shards(ctx: Ctx, workers: str | None = None, pool_size: int | None =
 
     The part cache is off, so every repetition reads over HTTP like WebDataset does.
     """
-    from dataset import Dataset, parts, processors
+    from distlearn.dataset import Dataset, parts, processors
 
     ds = Dataset(shard_pattern(ctx), cache_parts=False)
     processor = parts.SampleMember(processors.Image(mode="L"))

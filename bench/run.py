@@ -53,8 +53,8 @@ class Row:
 def have_dataset(part_url: str | None = None) -> str | None:
     """None when our loader is importable (and opens `part_url` as part files), else why not."""
     try:
-        import dataset
-        from dataset import processors  # noqa: F401
+        from distlearn import dataset
+        from distlearn.dataset import processors  # noqa: F401
     except ImportError as err:
         return f"dataset loader not available yet ({err})"
     if not hasattr(dataset, "Dataset"):

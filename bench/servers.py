@@ -4,7 +4,7 @@ nginx is what a real deployment would put in front of files (or a CDN would be),
 so it is the default: the bench starts its own instance on a free loopback port
 with a minimal config in a temporary folder (keep-alive on, access log off,
 directory listings on so part-file readers can list the shard folder), and stops
-it afterwards. Where nginx is not installed, `python -m dataset.serve` stands in.
+it afterwards. Where nginx is not installed, `python -m distlearn.dataset.serve` stands in.
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ class Server:
         if kind == "auto":
             kind = "nginx" if nginx else "aiohttp"
             if not nginx:
-                log.warning("nginx not found; serving with python -m dataset.serve instead")
+                log.warning(
+                    "nginx not found; serving with python -m distlearn.dataset.serve instead"
+                )
         if kind == "nginx" and not nginx:
             raise RuntimeError("nginx requested but not installed (apt-get install nginx)")
         self.kind = kind
@@ -100,7 +102,7 @@ class Server:
         if self.kind == "nginx":
             version = subprocess.run([self._nginx, "-v"], capture_output=True, text=True)
             return f"nginx {version.stderr.strip().split('/')[-1]}, {self.workers} worker(s)"
-        return "aiohttp (python -m dataset.serve), 1 process"
+        return "aiohttp (python -m distlearn.dataset.serve), 1 process"
 
     def start(self) -> Server:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-server-")
@@ -163,7 +165,14 @@ class Server:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dataset.serve", str(self.root), "--port-file", str(port_file)],
+            [
+                sys.executable,
+                "-m",
+                "distlearn.dataset.serve",
+                str(self.root),
+                "--port-file",
+                str(port_file),
+            ],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -172,7 +181,7 @@ class Server:
         deadline = time.monotonic() + 30
         while not port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("python -m dataset.serve did not start")
+                raise RuntimeError("python -m distlearn.dataset.serve did not start")
             time.sleep(0.02)
         self.port = int(port_file.read_text())
         wait_port("127.0.0.1", self.port, self.proc)

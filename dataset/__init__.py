@@ -1,7 +1,7 @@
 """dataset: an index of records drives samplers, async fetching and parallel decoding.
 
-    from dataset import Dataset
-    from dataset.processors import Image
+    from distlearn.dataset import Dataset
+    from distlearn.dataset.processors import Image
 
     ds = Dataset("http://host/mnist/train.csv", partition=rank, partitions=world)
     batcher = ds.sampled_batcher(batch_size=128, input_dims=(1, 28, 28),
@@ -15,6 +15,15 @@ batch ring (``prefetch`` in flight) -> user, in sampler order.
 """
 
 from __future__ import annotations
+
+if __name__ != "distlearn.dataset":
+    # The folder dataset/ of a distlearn checkout was found as a top-level module
+    # (the checkout is on sys.path). Importing it under a second name would give
+    # every module, and every registry in them, a second copy.
+    raise ImportError(
+        f"{__file__} is distlearn.dataset; import it as `from distlearn import dataset` "
+        "(PyPI's `dataset` is another project)"
+    )
 
 import os
 from collections.abc import Sequence
@@ -34,7 +43,7 @@ __all__ = [
     "register_sampler",
 ]
 
-# Imported on first use (PEP 562), so `python -m dataset.serve` and tools that only
+# Imported on first use (PEP 562), so `python -m distlearn.dataset.serve` and tools that only
 # need a submodule start without paying for torch.
 _LAZY = {
     "AllFailed": "batcher",
@@ -57,7 +66,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'dataset' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """A local disk cache keyed by URL, shared safely by the processes of one host.
 
-    from dataset.cache import Cache
+    from distlearn.dataset.cache import Cache
 
     cache = Cache()                               # ~/.cache/distlearn, 64 GiB
     data = cache.get(url)                         # bytes, or None on a miss

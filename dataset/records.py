@@ -1,6 +1,6 @@
 """Record readers for part files: WebDataset tar, TFRecord, newline-delimited; gzip.
 
-    from dataset.records import read_part
+    from distlearn.dataset.records import read_part
 
     stats = ReadStats()
     for offset, record in read_part(data, "s3://bucket/train-0001.tar.gz", stats=stats):

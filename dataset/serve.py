@@ -1,6 +1,6 @@
 """A static HTTP file server on loopback, standing in for a CDN.
 
-    python -m dataset.serve DIR [--host 127.0.0.1] [--port 0] [--port-file F]
+    python -m distlearn.dataset.serve DIR [--host 127.0.0.1] [--port 0] [--port-file F]
 
 Serves DIR with keep-alive and HTTP Range support (aiohttp's FileResponse), so
 examples, tests and benchmarks fetch real bytes over real sockets. Port 0 (the
@@ -81,7 +81,9 @@ async def serve(root: str | os.PathLike, sock: socket.socket, port_file: str | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dataset.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m distlearn.dataset.serve", description=__doc__.split("\n")[0]
+    )
     p.add_argument("root", help="directory to serve")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=0, help="port; 0 or a busy port takes a free one")

@@ -1,6 +1,6 @@
 """Thrift records without generated code: decode any struct, encode given a schema.
 
-    from dataset.thrift import decode, encode
+    from distlearn.dataset.thrift import decode, encode
 
     value = decode(data, protocol="compact")      # {1: b"...", 2: b"a cat", 3: [640, 480]}
     data = encode({1: b"...", 3: [640, 480]}, {1: "binary", 2: "string", 3: ("list", "i32")})

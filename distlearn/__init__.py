@@ -1,8 +1,12 @@
 """distlearn: AllReduceSGD and AllReduceEA over any communicator.
 
-The communicator is the `ipc` tree (the default), `torch.distributed` through
-`distlearn.backends.TorchDistributed`, or XLA through `distlearn.backends.XLA`.
+One import namespace: `distlearn.dataset` (loading), `distlearn.ipc` (the process
+tree) and this package. The communicator is the `ipc` tree (the default),
+`torch.distributed` through `distlearn.backends.TorchDistributed`, or XLA
+through `distlearn.backends.XLA`.
 """
+
+__version__ = "0.1.0"
 
 from .comm import Communicator
 from .ea import AllReduceEA

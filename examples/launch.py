@@ -9,7 +9,7 @@ cluster scheduler plus a CDN on one machine:
 1. makes the MNIST folder if it is missing (``prepare_mnist.py``, idempotent);
 2. serves it on 127.0.0.1 with nginx when installed (sendfile, no Python in
    the serving path, so the two cores go to training), else with
-   ``python -m dataset.serve``; a busy port falls back to a free one;
+   ``python -m distlearn.dataset.serve``; a busy port falls back to a free one;
 3. starts SCRIPT N times with the torchrun environment (RANK, WORLD_SIZE,
    LOCAL_RANK, MASTER_ADDR, MASTER_PORT), a fresh IPC_TOKEN and ``--data-url``,
    so the script has one code path for this launcher and for torchrun;
@@ -133,7 +133,7 @@ class Server:
 
     def _start_aiohttp(self) -> None:
         port_file = self.tmp / "port"
-        cmd = [sys.executable, "-m", "dataset.serve", str(self.root)]
+        cmd = [sys.executable, "-m", "distlearn.dataset.serve", str(self.root)]
         cmd += ["--port", str(self.port), "--port-file", str(port_file)]
         env = dict(
             os.environ,

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent))  # a checkout that is not pip-installed still runs
 
-from dataset import Dataset  # noqa: E402
-from dataset.processors import Image  # noqa: E402
+from distlearn.dataset import Dataset  # noqa: E402
+from distlearn.dataset.processors import Image  # noqa: E402
 
 log = logging.getLogger("mnist")
 
@@ -185,7 +185,7 @@ def connect(args: argparse.Namespace) -> Any:
     if not 0 <= node < nodes:
         raise SystemExit(f"--node-index {node} is not in [0, {nodes})")
     if args.backend == "ipc":
-        import ipc
+        from distlearn import ipc
 
         if not explicit and "RANK" in os.environ:
             return ipc.Tree.from_env()

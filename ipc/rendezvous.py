@@ -24,7 +24,7 @@ import zmq
 from .errors import AuthError, IPCError, IPCTimeoutError
 from .tree import DEFAULT_CHUNK, DEFAULT_TIMEOUT, Tree, runtime_dir
 
-log = logging.getLogger("ipc")
+log = logging.getLogger(__name__)
 
 TOKEN_ENV = "IPC_TOKEN"
 

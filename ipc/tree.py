@@ -32,7 +32,7 @@ from .pack import Nested, Packed, flatten
 from .shm import SHM_DIR, SharedMemoryGroup
 from .topology import build_tree
 
-log = logging.getLogger("ipc")
+log = logging.getLogger(__name__)
 
 # Header: kind, collective sequence number, chunk index, contributing count, signature.
 HEADER = struct.Struct("<BIII8s")

@@ -35,7 +35,7 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> 
 
 @pytest.fixture
 def serve_dir(tmp_path_factory):
-    """Start `python -m dataset.serve DIR` in a subprocess; returns its base URL."""
+    """Start `python -m distlearn.dataset.serve DIR` in a subprocess; returns its base URL."""
     procs: list[subprocess.Popen] = []
     tmp = tmp_path_factory.mktemp("serve")
 
@@ -45,7 +45,7 @@ def serve_dir(tmp_path_factory):
             [
                 sys.executable,
                 "-m",
-                "dataset.serve",
+                "distlearn.dataset.serve",
                 str(root),
                 "--port",
                 str(port),

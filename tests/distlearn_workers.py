@@ -41,7 +41,7 @@ def make_comm(kind: str, rank: int, world: int, rendezvous: str | None):
         )
         return TorchDistributed()
     if kind == "ipc":
-        import ipc
+        from distlearn import ipc
 
         if rendezvous is None:
             return ipc.Tree.from_env()

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-import ipc
+from distlearn import ipc
 
 DTYPES = [torch.float16, torch.float32, torch.float64, torch.int64]
 

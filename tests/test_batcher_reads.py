@@ -6,8 +6,8 @@ from __future__ import annotations
 import fsspec
 import pytest
 
-from dataset import Dataset
-from dataset.processors import Raw
+from distlearn.dataset import Dataset
+from distlearn.dataset.processors import Raw
 
 ROWS = "filename,offset,length\nshard.bin,0,5\nshard.bin,5,5\nshard.bin,8,5\n"
 

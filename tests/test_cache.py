@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import dataset.cache
-from dataset.cache import Cache
+import distlearn.dataset.cache
+from distlearn.dataset.cache import Cache
 from tests.conftest import repo_env, wait_for_file
 
-CACHE_PY = dataset.cache.__file__
+CACHE_PY = distlearn.dataset.cache.__file__
 
 
 def body(url: str, size: int) -> bytes:

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dataset import Dataset
-from dataset.processors import Image
+from distlearn.dataset import Dataset
+from distlearn.dataset.processors import Image
 from tests.faulty_server import item_ids, make_pngs, running
 
 N = 300

@@ -36,7 +36,7 @@ TIMEOUT = 240.0
 def _has_ipc_tree() -> bool:
     if importlib.util.find_spec("ipc") is None:
         return False
-    import ipc
+    from distlearn import ipc
 
     return hasattr(ipc, "LocalhostTree")
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from dataset import AllFailed, Dataset, Fetcher, FetchError
-from dataset.processors import Image
+from distlearn.dataset import AllFailed, Dataset, Fetcher, FetchError
+from distlearn.dataset.processors import Image
 from tests.faulty_server import item_ids, make_pngs, running
 
 N = 120
@@ -93,7 +93,7 @@ def test_faults_exactly_once_counted_and_named(faulty, caplog, workers):
     base = faulty(plan, stall=2.0)
     seen: Counter = Counter()
     stats: Counter = Counter()
-    caplog.set_level(logging.WARNING, logger="dataset")
+    caplog.set_level(logging.WARNING, logger="distlearn.dataset")
     for rank in range(2):
         ds = Dataset(base + "train.csv", partition=rank, partitions=2)
         with ds.sampled_batcher(

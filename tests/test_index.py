@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dataset import BadIndex, Dataset
-from dataset.index import open_index
+from distlearn.dataset import BadIndex, Dataset
+from distlearn.dataset.index import open_index
 
 
 def write(path, text: str):
@@ -74,7 +74,7 @@ def test_http_index_resolves_against_its_url_and_meta_prefix(tmp_path, serve_dir
 def test_http_resolution_matches_urljoin(name):
     import urllib.parse
 
-    from dataset import sources
+    from distlearn.dataset import sources
 
     base = "http://cdn.test/data/set/"
     assert sources.resolve(base, name) == urllib.parse.urljoin(base, name)

@@ -18,8 +18,8 @@ import torch
 from conftest import repo_env
 from ipc_workers import DTYPES, nested, node_tensor
 
-import ipc
-from ipc.topology import build_tree, depth
+from distlearn import ipc
+from distlearn.ipc.topology import build_tree, depth
 
 WORKER = Path(__file__).with_name("ipc_workers.py")
 

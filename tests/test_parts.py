@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from dataset.cache import Cache
-from dataset.parts import (
+from distlearn.dataset.cache import Cache
+from distlearn.dataset.parts import (
     SAMPLERS,
     PartError,
     PartIndex,
@@ -25,7 +25,7 @@ from dataset.parts import (
     list_parts,
     open_parts,
 )
-from dataset.records import write_tfrecord
+from distlearn.dataset.records import write_tfrecord
 from tests.moto_server import moto_s3
 
 

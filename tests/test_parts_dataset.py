@@ -17,9 +17,9 @@ import torch
 import webdataset as wds
 from PIL import Image as PILImage
 
-from dataset import Dataset
-from dataset.parts import PartError, PartIndex, SampleMember
-from dataset.processors import Image
+from distlearn.dataset import Dataset
+from distlearn.dataset.parts import PartError, PartIndex, SampleMember
+from distlearn.dataset.processors import Image
 from tests.conftest import repo_env, wait_for_file
 from tests.moto_server import moto_s3
 
@@ -149,7 +149,7 @@ def test_cache_items_second_epoch_reads_from_disk(tmp_path):
             w.writerow([f"{i}.png", f"c{i % 2}"])
     port_file = tmp_path / "port"
     server = subprocess.Popen(
-        [sys.executable, "-m", "dataset.serve", str(www), "--port-file", str(port_file)],
+        [sys.executable, "-m", "distlearn.dataset.serve", str(www), "--port-file", str(port_file)],
         env=repo_env(),
         stderr=subprocess.DEVNULL,
     )
@@ -187,8 +187,8 @@ def test_part_options_only_for_parts():
 
 
 def test_thrift_media_records_in_tfrecord_parts(tmp_path):
-    from dataset.records import write_tfrecord
-    from dataset.thrift import MEDIA_SCHEMA, MediaRecord, encode
+    from distlearn.dataset.records import write_tfrecord
+    from distlearn.dataset.thrift import MEDIA_SCHEMA, MediaRecord, encode
 
     (tmp_path / "media").mkdir()
     n = 0

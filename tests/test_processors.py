@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from dataset.processors import Image, Json, Raw, default_processor
+from distlearn.dataset.processors import Image, Json, Raw, default_processor
 
 
 def encode(arr: np.ndarray, fmt: str = "PNG", mode: str | None = None) -> bytes:

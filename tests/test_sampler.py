@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import dataset
-from dataset import Dataset, Record
-from dataset.index import open_index
-from dataset.sampler import epoch_rng, get_sampler
+from distlearn import dataset
+from distlearn.dataset import Dataset, Record
+from distlearn.dataset.index import open_index
+from distlearn.dataset.sampler import epoch_rng, get_sampler
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below
 CHI2_999 = {2: 13.82, 3: 16.27, 4: 18.47}
@@ -121,7 +121,7 @@ def test_state_dict_resume_sees_exactly_the_unseen_items(tmp_path, workers):
     from tests.faulty_server import item_ids, make_pngs
 
     idx = make_pngs(tmp_path, 100, labels=2)
-    from dataset.processors import Image
+    from distlearn.dataset.processors import Image
 
     def batcher():
         return Dataset(str(idx)).sampled_batcher(

@@ -47,7 +47,7 @@ def test_refuses_a_missing_directory(tmp_path, bad):
     from conftest import repo_env
 
     r = subprocess.run(
-        [sys.executable, "-m", "dataset.serve", str(tmp_path / bad)],
+        [sys.executable, "-m", "distlearn.dataset.serve", str(tmp_path / bad)],
         env=repo_env(),
         capture_output=True,
         text=True,

@@ -13,9 +13,9 @@ import fsspec
 import pytest
 import torch
 
-from dataset import Dataset, Fetcher, FetchError
-from dataset.processors import Image, Raw
-from dataset.workers import WorkerDied
+from distlearn.dataset import Dataset, Fetcher, FetchError
+from distlearn.dataset.processors import Image, Raw
+from distlearn.dataset.workers import WorkerDied
 from tests.conftest import repo_env
 from tests.faulty_server import item_ids, make_pngs
 
@@ -69,8 +69,8 @@ def test_sigkilled_main_process_leaves_no_shared_memory(pngs, start, tmp_path):
     """The OOM killer's way out: SIGKILL mid-epoch leaves nothing in /dev/shm, no worker."""
     script = textwrap.dedent(f"""
         import os, sys, time
-        from dataset import Dataset
-        from dataset.processors import Image
+        from distlearn.dataset import Dataset
+        from distlearn.dataset.processors import Image
         b = Dataset({str(pngs)!r}).sampled_batcher(
             batch_size=8, input_dims=(1, 8, 8), processor=Image(), workers="process",
             num_workers=2, mp_context={start!r})
