@@ -168,6 +168,7 @@ def list_part_sizes(
 def _refuse_index_files(url: str, parts: Sequence[str]) -> None:
     """A folder that holds index files is not a folder of part files: say which to open."""
     found = [p.rsplit("/", 1)[-1] for p in parts if _INDEX_FILE.search(p)]
+    found.sort(key=lambda name: (name.lower().endswith(".pt"), name))  # CSV/TSV first
     if found:
         folder = url if url.endswith("/") else url + "/"
         raise PartError(
@@ -234,6 +235,7 @@ class PartIndex:
         self.retries = part_retries
         self.partition_id, self.partitions = partition, partitions
         self.counts: dict[int, int] = {}  # part number -> records read from it
+        self.failed: set[int] = set()  # parts whose last read failed (read as empty)
         self.stats = ReadStats()
         self.failed_parts = 0
         self.resident = 0  # parsed parts held now (loaded, not yet released by the reader)
@@ -268,13 +270,16 @@ class PartIndex:
         (what a record weighs is unknown before); the parts read stand for the
         unread ones, scaled by size when the listing gave sizes.
         """
-        if not self.counts:
-            self.load_part(0)
+        for n in range(len(self.parts)):
+            if self.counts:
+                break
+            if n not in self.failed:
+                self.load_part(n)
         with self._lock:
-            counts = dict(self.counts)
+            counts, failed = dict(self.counts), set(self.failed)
         known = sum(counts.values())
-        unread = [n for n in range(len(self.parts)) if n not in counts]
-        if not unread:
+        unread = [n for n in range(len(self.parts)) if n not in counts and n not in failed]
+        if not unread or not counts:
             return known
         read_bytes = sum(self.sizes[n] or 0 for n in counts)
         if read_bytes and all(self.sizes[n] is not None for n in (*counts, *unread)):
@@ -294,8 +299,8 @@ class PartIndex:
 
     @property
     def exact(self) -> bool:
-        """Whether ``len()`` is exact (every part has been read once)."""
-        return len(self.counts) == len(self.parts)
+        """Whether ``len()`` is exact (every part has been read once, or failed)."""
+        return len(self.counts) + len(self.failed) == len(self.parts)
 
     def partition(self, partition: int, partitions: int) -> PartIndex:
         """The parts of one partition: file i goes to partition ``i % partitions``."""
@@ -387,10 +392,14 @@ class PartIndex:
             recs = list(records)
         except (FetchError, TooLarge) as err:
             log.error("%s: skipping this part file: %s", url, err)
-            self._count_failed()
+            with self._lock:
+                self.failed_parts += 1
+                self.failed.add(number)
+                self.counts.pop(number, None)
             return []
         with self._lock:
             self.counts[number] = len(recs)
+            self.failed.discard(number)
             self.stats.add(stats)
         return recs
 
@@ -402,10 +411,6 @@ class PartIndex:
             with self._lock:
                 self.resident += 1
                 self.max_resident_seen = max(self.max_resident_seen, self.resident)
-
-    def _count_failed(self) -> None:
-        with self._lock:
-            self.failed_parts += 1
 
     def _release(self) -> None:
         with self._lock:

@@ -427,16 +427,21 @@ def _tar_members(data: bytes, damage: _Damage) -> Iterator[tuple[int, str | None
 def key_ext(name: str) -> tuple[str, str] | None:
     """webdataset's ``base_plus_ext``: (path up to the first dot of the file name, the rest).
 
-    None when the file name has no dot, or starts with one. The same answer as
-    the regex ``^((?:.*/|)[^.]+)[.]([^/]*)$``, in linear time on any name (the
-    regex backtracks quadratically on a long name with many slashes).
+    The same answer as the regex ``^((?:.*/|)[^.]+)[.]([^/]*)$`` (None where it
+    does not match), in linear time on any name: the regex backtracks
+    quadratically on a long name with many slashes.
     """
-    slash = name.rfind("/")
-    base = name[slash + 1 :]
-    dot = base.find(".")
-    if dot <= 0:
+    last = name.rfind("/")
+    dot = name.find(".", last + 1)
+    if dot < 0:
         return None
-    return name[: slash + 1] + base[:dot], base[dot + 1 :]
+    if dot > last + 1:
+        return name[:dot], name[dot + 1 :]
+    # The file name starts with a dot: the regex's key reaches back over the last
+    # slash, through the previous folder name if that has no dot.
+    if last < 0 or "." in name[name.rfind("/", 0, last) + 1 : last]:
+        return None
+    return name[:dot], name[dot + 1 :]
 
 
 def _pax_path(block: bytes) -> str | None:
