@@ -207,7 +207,8 @@ class Dataset:
         if cache is not None:
             opts.setdefault("cache", cache)
         self.index: Index = whole.partition(self.partition, self.partitions)
-        if len(self.index) == 0:
+        # (part files: a partition has at least one part; len() would read one to count)
+        if not isinstance(self.index, parts.PartIndex) and len(self.index) == 0:
             raise BadIndex(
                 f"{whole.origin}: partition {self.partition} of {self.partitions} is empty "
                 f"(the index has {len(whole)} items)"

@@ -542,4 +542,4 @@ def read_bytes(
             raise
         if missing_ok:
             return None
-        raise IndexNotFound(f"not found: {err}") from None
+        raise IndexNotFound(str(err)) from None

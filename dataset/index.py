@@ -467,7 +467,7 @@ def from_csv(
     try:
         data = read_bytes(index, cache=cache, fetcher=fetcher)
     except IndexNotFound as err:
-        raise IndexNotFound(f"index not found: {index} ({err})") from None
+        raise IndexNotFound(f"index not found: {err}") from None
     assert data is not None
     if sep is None:
         sep = "\t" if index.lower().split("?", 1)[0].endswith(".tsv") else ","
@@ -624,7 +624,7 @@ def from_pt(location: str, cache: Any = None, fetcher: Fetcher | None = None) ->
     try:
         data = read_bytes(location, cache=cache, fetcher=fetcher)
     except IndexNotFound as err:
-        raise IndexNotFound(f"index not found: {location} ({err})") from None
+        raise IndexNotFound(f"index not found: {err}") from None
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:

@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -106,6 +107,16 @@ def is_part_source(index: Any) -> bool:
 
 _INDEX_FILE = re.compile(r"\.(csv|tsv|pt)$", re.IGNORECASE)
 DEFAULT_PART_TIMEOUT = 600.0
+
+
+def _read_local(path: str, url: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FetchError(url, "no such file", missing=True) from None
+    except OSError as err:
+        raise FetchError(url, f"{type(err).__name__}: {err}") from None
 
 
 def _retry_policy(fetch: dict | None) -> dict:
@@ -223,6 +234,7 @@ class PartIndex:
         self.origin = origin
         self.max_part_bytes, self.part_timeout = max_part_bytes, part_timeout
         self.fetch = dict(fetch or {})
+        self._own_fetcher: Fetcher | None = None
         self.record_format = record_format
         self.resident_parts = resident_parts
         self.cache = cache
@@ -341,14 +353,14 @@ class PartIndex:
 
     def _read_remote(self, url: str) -> bytes:
         """One part file, whole, retried with the fetch policy; FetchError when it fails."""
-        if src.is_http(url) or src.local_path(url) is not None:
-            policy = {k: v for k, v in self.fetch.items() if k != "timeout"}
-            policy.update(retries=self.retries, max_item_bytes=self.max_part_bytes)
-            # a part is large: the fetch timeout bounds each wait for data, part_timeout the whole
-            timeout = self.fetch.get("timeout", 30.0)
-            with Fetcher(pool_size=1, timeout=self.part_timeout, idle_timeout=timeout,
-                         **policy) as fetcher:  # fmt: skip
-                return fetcher.read(url)
+        if src.is_http(url):
+            return self._fetcher().read(url)
+        path = src.local_path(url)
+        if path is not None:  # read here, in the loader's thread: a large file must not
+            data = _read_local(path, url)  # hold the fetcher's loop
+            if len(data) > self.max_part_bytes:
+                raise FetchError(url, f"{len(data)} bytes exceed max_part_bytes")
+            return data
         import fsspec
 
         def read() -> bytes:
@@ -364,6 +376,23 @@ class PartIndex:
         policy = _retry_policy(self.fetch)
         policy["retries"] = self.retries
         return with_retries(read, url, **policy)
+
+    def _fetcher(self) -> Fetcher:
+        """This index's Fetcher for http(s) parts: one session, kept alive."""
+        with self._lock:
+            if self._own_fetcher is None:
+                policy = {k: v for k, v in self.fetch.items() if k != "timeout"}
+                policy.update(retries=self.retries, max_item_bytes=self.max_part_bytes)
+                # a part is large: the fetch timeout bounds each wait for data (idle),
+                # part_timeout a whole download
+                self._own_fetcher = Fetcher(
+                    pool_size=self.resident_parts,
+                    timeout=self.part_timeout,
+                    idle_timeout=self.fetch.get("timeout", 30.0),
+                    **policy,
+                )
+                weakref.finalize(self, self._own_fetcher.close)
+            return self._own_fetcher
 
     def _download(self, url: str) -> bytes:
         if self.cache is None or not _has_scheme(url) or url.startswith(("file://", "memory://")):
