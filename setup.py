@@ -52,7 +52,10 @@ extras["all"] = sorted({req for reqs in extras.values() for req in reqs})
 
 setup(
     name="distlearn",
-    version=re.search(r'__version__ = "([^"]+)"', Path("distlearn/__init__.py").read_text())[1],
+    version=re.search(
+        r'__version__ = "([^"]+)"',
+        Path(__file__).with_name("distlearn").joinpath("__init__.py").read_text(),
+    )[1],
     description="Index-driven datasets, a ZeroMQ process tree and all-reduce SGD/EASGD for PyTorch",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
@@ -60,6 +63,7 @@ setup(
     packages=packages,
     package_dir=FOLDERS,
     install_requires=install_requires,
+    entry_points={"console_scripts": ["distlearn-serve = distlearn.dataset.serve:main"]},
     extras_require=extras,
     license="Apache-2.0",
 )
