@@ -60,11 +60,12 @@ _BE = {
 
 _I16 = struct.Struct(">h").unpack_from
 _I32 = struct.Struct(">i").unpack_from
+_U32 = struct.Struct(">I").unpack_from
 _I64 = struct.Struct(">q").unpack_from
 _DBL = struct.Struct(">d").unpack_from
 _LIST_HEAD = struct.Struct(">Bi").unpack_from
 _MAP_HEAD = struct.Struct(">BBi").unpack_from
-_KEY_LEN = {t: struct.Struct(">" + _CODE[t] + "i").unpack_from for t in WIDTH}
+_KEY_ULEN = {t: struct.Struct(">" + _CODE[t] + "I").unpack_from for t in WIDTH}
 
 _STRUCTS_MAX_N = 1024  # maps up to this size unpack with one cached Struct; larger ones via numpy
 _structs: dict[tuple[int, int, int], Any] = {}
@@ -110,23 +111,19 @@ def _too_deep(pos: int) -> ThriftError:
     return ThriftError(f"nesting too deep at offset {pos} (limit max_depth)")
 
 
-def _check_count(r: _Reader, pos: int, n: int, size: int, what: str) -> None:
-    """A count read at ``pos`` whose elements start at ``pos + head``: before anything
-    is allocated, n elements of at least ``size`` bytes must fit in what remains."""
+def _bad_count(r: _Reader, pos: int, n: int, kind: str, types: tuple[int, ...]) -> ThriftError:
+    """Why a container's count at ``pos`` (its elements start there) is refused."""
+    for t in types:
+        if t not in MIN_SIZE:
+            return ThriftError(f"unknown element type id {t} of a {kind} at offset {pos}")
+    what = f"{kind}<{', '.join(NAME_OF[t] for t in types)}>"
     if n < 0:
-        raise ThriftError(f"negative size {n} of a {what} at offset {pos}")
-    if n * size > r.end - pos:
-        raise ThriftError(
-            f"a {what} of {n} elements at offset {pos} needs at least {n * size} bytes; "
-            f"{max(r.end - pos, 0)} remain"
-        )
-
-
-def _elem_size(t: int, pos: int) -> int:
-    size = MIN_SIZE.get(t)
-    if size is None:
-        raise ThriftError(f"unknown element type id {t} at offset {pos}")
-    return size
+        return ThriftError(f"negative size {n} of a {what} at offset {pos}")
+    need = n * sum(MIN_SIZE[t] for t in types)
+    return ThriftError(
+        f"a {what} of {n} elements at offset {pos} needs at least {need} bytes; "
+        f"{max(r.end - pos, 0)} remain"
+    )
 
 
 # ---------------------------------------------------------------- values
@@ -208,7 +205,10 @@ def _list(r, pos, depth, sch):
     buf = r.buf
     et, n = _LIST_HEAD(buf, pos)
     start = pos + 5
-    _check_count(r, start, n, _elem_size(et, pos), f"list<{NAME_OF[et]}>")
+    # before anything is allocated, n elements of at least MIN_SIZE bytes must fit
+    size = MIN_SIZE.get(et)
+    if size is None or n < 0 or n * size > r.end - start:
+        raise _bad_count(r, start, n, "list", (et,))
     w = WIDTH.get(et)
     if w is not None:
         return finish_list(_numbers(r, et, n, start), sch), start + n * w
@@ -216,16 +216,15 @@ def _list(r, pos, depth, sch):
     pos = start
     items: list = []
     try:
-        if et == STRING and esch is None:
-            end = r.end
+        if et == STRING and esch is None and r.end < 1 << 31:
+            # lengths read unsigned only move forward: one bound check after the loop
             append = items.append
             for _ in range(n):
-                (ln,) = _I32(buf, pos)
-                s = pos + 4
-                if not 0 <= ln <= end - s:
-                    raise ThriftError(f"string length {ln} at offset {pos}; {end - s} remain")
-                append(buf[s : s + ln])
-                pos = s + ln
+                (ln,) = _U32(buf, pos)
+                pos += 4 + ln
+                append(buf[pos - ln : pos])
+            if pos > r.end:
+                raise _truncated(pos, f"a string of the list at offset {start}", r)
         else:
             fn = _READ[et]
             append = items.append
@@ -243,8 +242,9 @@ def _map(r, pos, depth, sch):
     buf = r.buf
     kt, vt, n = _MAP_HEAD(buf, pos)
     start = pos + 6
-    what = f"map<{NAME_OF.get(kt, kt)}, {NAME_OF.get(vt, vt)}>"
-    _check_count(r, start, n, _elem_size(kt, pos) + _elem_size(vt, pos), what)
+    ks, vs = MIN_SIZE.get(kt), MIN_SIZE.get(vt)
+    if ks is None or vs is None or n < 0 or n * (ks + vs) > r.end - start:
+        raise _bad_count(r, start, n, "map", (kt, vt))
     kw, vw = WIDTH.get(kt), WIDTH.get(vt)
     if kw is not None and vw is not None:
         return _fixed_map(r, kt, vt, n, start), start + n * (kw + vw)
@@ -252,22 +252,20 @@ def _map(r, pos, depth, sch):
     vsch = None if sch is None else element_schema(sch, vt, 2)
     pos = start
     try:
-        if kw is not None and vt == STRING and vsch is None:
-            # i64 -> string (a feature record's string features): key and length in one call
-            unpack = _KEY_LEN[kt]
-            end = r.end
-            keys: list = []
-            vals: list = []
-            kadd, vadd = keys.append, vals.append
+        if kw is not None and vt == STRING and vsch is None and r.end < 1 << 31:
+            # i64 -> string (a feature record's string features): key and length in one
+            # call. The length is read unsigned, so it only moves forward; a length past
+            # the end makes the next read fail, or the check after the loop.
+            unpack = _KEY_ULEN[kt]
+            head = kw + 4
+            d = {}
             for _ in range(n):
                 k, ln = unpack(buf, pos)
-                s = pos + kw + 4
-                if not 0 <= ln <= end - s:
-                    raise ThriftError(f"string length {ln} at offset {pos + kw}; {end - s} remain")
-                kadd(k)
-                vadd(buf[s : s + ln])
-                pos = s + ln
-            return dict(zip(keys, vals, strict=False)), pos
+                pos += head + ln
+                d[k] = buf[pos - ln : pos]
+            if pos > r.end:
+                raise _truncated(pos, f"a string of the map at offset {start}", r)
+            return d, pos
         rk, rv = _READ[kt], _READ[vt]
         keys, vals = [], []
         for _ in range(n):
@@ -276,7 +274,7 @@ def _map(r, pos, depth, sch):
             keys.append(k)
             vals.append(v)
     except (IndexError, struct.error):
-        raise _truncated(pos, f"a {what} entry", r) from None
+        raise _truncated(pos, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry", r) from None
     return make_map(keys, vals), pos
 
 
