@@ -166,11 +166,12 @@ class FeatureRecord:
                     f"FeatureRecord: a dense row needs input_dims of {self.columns} values, "
                     f"got {tuple(out.shape)}"
                 )
-            flat = row.reshape(-1)
-            if not np.shares_memory(flat, row):
+            if not row.flags.c_contiguous:
                 raise ValueError("FeatureRecord: the batch row is not contiguous")
+            flat = row.reshape(-1)  # a view, as the row is contiguous
             flat[:] = 0
-            np.add.at(flat, cols, vals)
+            # features on one column add up; values in the row's dtype keep add.at fast
+            np.add.at(flat, cols, vals.astype(flat.dtype, copy=False))
             return True, {"features": len(cols), "skipped": skipped}
         if row.ndim != 2 or row.shape[0] != 2:
             raise ValueError(
