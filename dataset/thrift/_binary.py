@@ -141,7 +141,7 @@ def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
             if t == STOP:
                 return out, pos + 1
             (fid,) = _I16(buf, pos + 1)
-            fn = read[t] if t < len(read) else None
+            fn = read[t] if t <= UUID else None
             if fn is None:
                 raise ThriftError(f"unknown type id {t} of field {fid} at offset {pos}")
             sub = None if sch is None else field_schema(sch, fid, t)
@@ -211,7 +211,8 @@ def _list(r, pos, depth, sch):
         raise _bad_count(r, start, n, "list", (et,))
     w = WIDTH.get(et)
     if w is not None:
-        return finish_list(_numbers(r, et, n, start), sch), start + n * w
+        items = _numbers(r, et, n, start)
+        return (items if sch is None else finish_list(items, sch)), start + n * w
     esch = None if sch is None else element_schema(sch, et, 1)
     pos = start
     items: list = []
