@@ -162,25 +162,26 @@ def _varint_run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, i
     """m consecutive varints at pos as uint64 (not yet unzigzagged), and the offset after them."""
     avail = min(limit * m, r.end - pos)
     b = r.arr[pos : pos + avail]
-    ends = np.flatnonzero(b < 0x80)
+    ends = (b < 0x80).nonzero()[0]
     if len(ends) < m:
         raise _truncated(pos, f"a run of {m} varints", r)
     ends = ends[:m]
     starts = np.empty(m, np.intp)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
-    return _varints(b, starts, ends, limit, starts + pos), pos + int(ends[-1]) + 1
+    return _varints(b, starts, ends, limit, lambda i: pos + int(starts[i])), pos + int(ends[-1]) + 1
 
 
-def _varints(b: np.ndarray, starts: np.ndarray, ends: np.ndarray, limit: int, origin):
+def _varints(b: np.ndarray, starts: np.ndarray, ends: np.ndarray, limit: int, where):
     """Varints that tile ``b[:ends[-1]+1]`` (each from starts[i] to ends[i] inclusive) as uint64.
 
     Lengths over ``limit`` bytes and values over 32 (limit 5) or 64 bits are refused;
-    the error names ``origin[i]``, the record offset where varint i starts."""
+    the error names ``where(i)``, the record offset where varint i starts."""
     lens = ends - starts + 1
-    if lens.max() > limit:
+    longest = int(lens.max())
+    if longest > limit:
         i = int(np.argmax(lens > limit))
-        raise ThriftError(f"varint at offset {int(origin[i])} is longer than {limit} bytes")
+        raise ThriftError(f"varint at offset {where(i)} is longer than {limit} bytes")
     stop = int(ends[-1]) + 1
     groups = (b[:stop] & 0x7F).astype(_U64)
     # each byte's 7-bit group goes 7 * (its index within its varint) bits up
@@ -188,12 +189,14 @@ def _varints(b: np.ndarray, starts: np.ndarray, ends: np.ndarray, limit: int, or
     v = np.bitwise_or.reduceat(groups, starts)
     if limit == 5:
         bad = (v >> _32) != 0
-    else:  # the tenth byte may only carry bit 63
+    elif longest == 10:  # the tenth byte may only carry bit 63
         bad = (lens == 10) & (b[ends] > 1)
+    else:
+        return v
     if bad.any():
         i = int(np.argmax(bad))
         bits = 32 if limit == 5 else 64
-        raise ThriftError(f"varint at offset {int(origin[i])} overflows {bits} bits")
+        raise ThriftError(f"varint at offset {where(i)} overflows {bits} bits")
     return v
 
 
@@ -469,7 +472,7 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
     # the keys' bytes as one contiguous run of varints
     offs = np.cumsum(lens) - lens
     keyb = b[_arange(int(offs[-1] + lens[-1])) + np.repeat(st - offs, lens)]
-    v = _varints(keyb, offs, offs + lens - 1, limit, st + pos)
+    v = _varints(keyb, offs, offs + lens - 1, limit, lambda i: pos + starts[i])
     if kt != I64 and (v >> _32).any():
         raise ThriftError(f"a {NAME_OF[kt]} key in the map at offset {pos} overflows 32 bits")
     keys = _unzigzag(v, kt, pos)
