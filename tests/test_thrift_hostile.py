@@ -206,3 +206,23 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="struct schema"):
         decode(b"\x00", schema="i32")
     assert decode(bytearray(b"\x00")) == {} and decode(memoryview(b"\x00"), "compact") == {}
+
+
+@pytest.mark.timeout(120)  # linear work takes seconds; work quadratic in the record, hours
+def test_many_small_containers_take_linear_time():
+    m = 40_000
+    maps = (uvarint(16) + b"\x68" + b"\x02\x01a" * 16) * m  # map<i64, binary>, 16 entries each
+    data = b"\x19" + bytes([0xF0 | 11]) + uvarint(m) + maps + b"\x00"
+    got = decode(data, "compact")
+    assert len(got[1]) == m and got[1][0] == {1: b"a"}
+    runs = (b"\xf6" + uvarint(16) + b"\x02" * 16) * m  # list<i64>, 16 elements each
+    data = b"\x19" + bytes([0xF0 | 9]) + uvarint(m) + runs + b"\x00"
+    assert decode(data, "compact", numpy=True)[1][-1].tolist() == [1] * 16
+
+
+@pytest.mark.parametrize("size", [0, 100, 5000])
+def test_long_strings_in_a_compact_map(size):
+    value = {k * 2**40: bytes([k]) * (size + k) for k in range(40)}
+    data = b"\x1b" + uvarint(40) + b"\x68"
+    data += b"".join(uvarint(2 * k) + uvarint(len(v)) + v for k, v in value.items()) + b"\x00"
+    assert decode(data, "compact") == {1: value}

@@ -424,6 +424,14 @@ def _arange(n: int) -> np.ndarray:
     return _AR[:n]
 
 
+def _key_table(r: _Reader, pos: int, win: int) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """The window of win bytes at pos, where each byte's varint ends, and how far it runs
+    (capped at 255: anything over a varint's limit is refused by the caller)."""
+    b = r.arr[pos : pos + win]
+    nxt = _next_terminators(b)
+    return b, nxt, np.minimum(nxt - _arange(win), 255).astype(_U8).tobytes()
+
+
 def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
     """A map from integers to doubles or strings: each entry a varint key, then the value.
 
@@ -433,11 +441,13 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
     gathered into one run of varints and decoded as an array, and so are the
     doubles."""
     limit = VARINT_LIMIT[kt]
-    avail = r.end - pos if vt == STRING else min((limit + 8) * n, r.end - pos)
-    b = r.arr[pos : pos + avail]
-    nxt = _next_terminators(b)
-    # how far each byte's varint runs, capped: anything over `limit` is refused below
-    run = np.minimum(nxt - _arange(avail), 255).astype(_U8).tobytes()
+    rem = r.end - pos
+    # The table covers a window from pos: all a map of doubles can take, and for strings a
+    # guess that doubles when a key would not fit, so the work stays linear in the bytes
+    # read, whatever a crafted record claims (a table of all that remains, made for each
+    # of many small maps, would be quadratic).
+    win = min((limit + 8) * n if vt == DOUBLE else 32 * n + 64, rem)
+    b, nxt, run = _key_table(r, pos, win)
     starts = [0] * n
     q = 0
     try:
@@ -450,6 +460,9 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
             buf = r.buf
             vals = [b""] * n
             for i in range(n):
+                if q + limit > win and win < rem:
+                    win = min(2 * (q + limit) + 64, rem)
+                    b, nxt, run = _key_table(r, pos, win)
                 starts[i] = q
                 e = pos + q + run[q] + 1  # the string's length varint
                 ln = buf[e]
@@ -461,7 +474,7 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
                 vals[i] = buf[e : e + ln]
     except IndexError:
         raise _truncated(pos + q, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry", r) from None
-    if q > avail:
+    if q > (win if vt == DOUBLE else rem):
         raise _truncated(pos + starts[-1], f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry", r)
     st = np.array(starts, np.intp)
     ends = nxt[st]
@@ -477,7 +490,7 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
         raise ThriftError(f"a {NAME_OF[kt]} key in the map at offset {pos} overflows 32 bits")
     keys = _unzigzag(v, kt, pos)
     if vals is None:
-        vals = np.ndarray((avail - 7,), "<f8", b, 0, (1,))[ends + 1].astype(np.float64)
+        vals = np.ndarray((win - 7,), "<f8", b, 0, (1,))[ends + 1].astype(np.float64)
         if r.numpy:
             return (keys, vals), pos + q
         vals = vals.tolist()
