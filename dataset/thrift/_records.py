@@ -7,12 +7,14 @@ preallocated batch, as every processor does (see ``dataset.processors``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ._wire import Schema, ThriftError
+
+if TYPE_CHECKING:  # decoding records needs no torch; a processor's `out` is a tensor
+    import torch
 
 MEDIA_SCHEMA: dict[int, Schema] = {1: "binary", 2: "string", 3: ("list", "i32")}
 """A media record: 1: binary image, 2: optional string caption, 3: optional list<i32> resolution."""
