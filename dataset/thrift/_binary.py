@@ -243,12 +243,19 @@ def _map(r, pos, depth, sch):
     buf = r.buf
     kt, vt, n = _MAP_HEAD(buf, pos)
     start = pos + 6
+    kw, vw = WIDTH.get(kt), WIDTH.get(vt)
+    if kw is not None and vw is not None:  # the hot path: numbers to numbers
+        end = start + n * (kw + vw)
+        if n < 0 or end > r.end:
+            raise _bad_count(r, start, n, "map", (kt, vt))
+        if r.numpy or n > _STRUCTS_MAX_N:
+            return _fixed_map(r, kt, vt, n, start), end
+        unpack = _structs.get((kt, vt, n)) or _map_unpacker(kt, vt, n)
+        it = iter(unpack(buf, start))
+        return dict(zip(it, it, strict=False)), end
     ks, vs = MIN_SIZE.get(kt), MIN_SIZE.get(vt)
     if ks is None or vs is None or n < 0 or n * (ks + vs) > r.end - start:
         raise _bad_count(r, start, n, "map", (kt, vt))
-    kw, vw = WIDTH.get(kt), WIDTH.get(vt)
-    if kw is not None and vw is not None:
-        return _fixed_map(r, kt, vt, n, start), start + n * (kw + vw)
     ksch = None if sch is None else element_schema(sch, kt, 1)
     vsch = None if sch is None else element_schema(sch, vt, 2)
     pos = start
@@ -280,17 +287,15 @@ def _map(r, pos, depth, sch):
 
 
 def _fixed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
-    """A map of fixed-width keys and values: a dict, or (keys, values) arrays with numpy=True."""
-    if r.numpy or n > _STRUCTS_MAX_N:
-        rec = np.frombuffer(r.buf, np.dtype([("k", _BE[kt]), ("v", _BE[vt])]), n, pos)
-        keys, vals = rec["k"], rec["v"]
-        keys = keys != 0 if kt == BOOL else keys.astype(NUMPY_DTYPE[kt])
-        vals = vals != 0 if vt == BOOL else vals.astype(NUMPY_DTYPE[vt])
-        if r.numpy:
-            return keys, vals
-        return dict(zip(keys.tolist(), vals.tolist(), strict=False))
-    it = iter(_map_unpacker(kt, vt, n)(r.buf, pos))
-    return dict(zip(it, it, strict=False))
+    """A map of fixed-width keys and values: (keys, values) arrays with numpy=True, else
+    a dict (maps small enough for one cached Struct are read in _map)."""
+    rec = np.frombuffer(r.buf, np.dtype([("k", _BE[kt]), ("v", _BE[vt])]), n, pos)
+    keys, vals = rec["k"], rec["v"]
+    keys = keys != 0 if kt == BOOL else keys.astype(NUMPY_DTYPE[kt])
+    vals = vals != 0 if vt == BOOL else vals.astype(NUMPY_DTYPE[vt])
+    if r.numpy:
+        return keys, vals
+    return dict(zip(keys.tolist(), vals.tolist(), strict=False))
 
 
 _READ: tuple = tuple(
