@@ -72,12 +72,12 @@ def decode(
         _check_protocol(protocol)
     if schema is not None and not isinstance(schema, Mapping):
         raise ValueError(f"decode() takes a struct schema {{field_id: type}}, got {schema!r}")
-    if max_depth is not MAX_DEPTH and (not isinstance(max_depth, int) or max_depth < 1):
+    if not isinstance(max_depth, int) or max_depth < 1:
         raise ValueError(f"max_depth must be a positive int, got {max_depth!r}")
     if type(data) is not bytes:
         data = bytes(data)
     try:
-        return dec(data, schema, numpy is True or bool(numpy), max_depth)
+        return dec(data, schema, bool(numpy), max_depth)
     except ThriftError as err:
         what = f"not a valid {protocol} Thrift struct ({len(data)} bytes)"
         raise ThriftError(f"{what}: {err}") from None

@@ -43,6 +43,8 @@ from ._wire import (
     field_schema,
     finish_list,
     make_map,
+    too_deep,
+    truncated,
 )
 
 WIDTH = {BOOL: 1, BYTE: 1, I16: 2, I32: 4, I64: 8, DOUBLE: 8}
@@ -103,14 +105,6 @@ def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_dep
 # ---------------------------------------------------------------- errors
 
 
-def _truncated(pos: int, what: str, r: _Reader) -> ThriftError:
-    return ThriftError(f"truncated: {what} at offset {pos} runs past the end")
-
-
-def _too_deep(pos: int) -> ThriftError:
-    return ThriftError(f"nesting too deep at offset {pos} (limit max_depth)")
-
-
 def _bad_count(r: _Reader, pos: int, n: int, kind: str, types: tuple[int, ...]) -> ThriftError:
     """Why a container's count at ``pos`` (its elements start there) is refused."""
     for t in types:
@@ -131,7 +125,7 @@ def _bad_count(r: _Reader, pos: int, n: int, kind: str, types: tuple[int, ...]) 
 
 def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
     if depth <= 0:
-        raise _too_deep(pos)
+        raise too_deep(pos)
     buf = r.buf
     out: dict[int, Any] = {}
     read = _READ
@@ -147,7 +141,7 @@ def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
             sub = None if sch is None else field_schema(sch, fid, t)
             out[fid], pos = fn(r, pos + 3, depth - 1, sub)
     except (IndexError, struct.error):
-        raise _truncated(pos, "a struct field", r) from None
+        raise truncated(pos, "a struct field") from None
 
 
 def _bool(r, pos, depth, sch):
@@ -185,7 +179,7 @@ def _string(r, pos, depth, sch):
 
 def _uuid(r, pos, depth, sch):
     if pos + 16 > r.end:
-        raise _truncated(pos, "a uuid", r)
+        raise truncated(pos, "a uuid")
     return uuid.UUID(bytes=r.buf[pos : pos + 16]), pos + 16
 
 
@@ -201,7 +195,7 @@ def _numbers(r: _Reader, t: int, n: int, pos: int):
 
 def _list(r, pos, depth, sch):
     if depth <= 0:
-        raise _too_deep(pos)
+        raise too_deep(pos)
     buf = r.buf
     et, n = _LIST_HEAD(buf, pos)
     start = pos + 5
@@ -225,7 +219,7 @@ def _list(r, pos, depth, sch):
                 pos += 4 + ln
                 append(buf[pos - ln : pos])
             if pos > r.end:
-                raise _truncated(pos, f"a string of the list at offset {start}", r)
+                raise truncated(pos, f"a string of the list at offset {start}")
         else:
             fn = _READ[et]
             append = items.append
@@ -233,13 +227,13 @@ def _list(r, pos, depth, sch):
                 v, pos = fn(r, pos, depth - 1, esch)
                 append(v)
     except (IndexError, struct.error):
-        raise _truncated(pos, f"a list<{NAME_OF[et]}> element", r) from None
+        raise truncated(pos, f"a list<{NAME_OF[et]}> element") from None
     return finish_list(items, sch), pos
 
 
 def _map(r, pos, depth, sch):
     if depth <= 0:
-        raise _too_deep(pos)
+        raise too_deep(pos)
     buf = r.buf
     kt, vt, n = _MAP_HEAD(buf, pos)
     start = pos + 6
@@ -272,7 +266,7 @@ def _map(r, pos, depth, sch):
                 pos += head + ln
                 d[k] = buf[pos - ln : pos]
             if pos > r.end:
-                raise _truncated(pos, f"a string of the map at offset {start}", r)
+                raise truncated(pos, f"a string of the map at offset {start}")
             return d, pos
         rk, rv = _READ[kt], _READ[vt]
         keys, vals = [], []
@@ -282,7 +276,7 @@ def _map(r, pos, depth, sch):
             keys.append(k)
             vals.append(v)
     except (IndexError, struct.error):
-        raise _truncated(pos, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry", r) from None
+        raise truncated(pos, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry") from None
     return make_map(keys, vals), pos
 
 

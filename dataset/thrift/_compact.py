@@ -4,7 +4,7 @@ Integers are zigzag varints, so nothing has a fixed width; a container of
 integers is still one run of varints, which numpy decodes in a handful of
 calls: the bytes below 0x80 end each varint, and an or-reduction over each
 varint's 7-bit groups gives the values. A map from integers to doubles
-interleaves varints with 8-byte doubles: one Python step per entry finds where
+interleaves varints with 8-byte doubles (or strings): one Python step per entry finds where
 each key ends (from a table of "bytes to the next terminator"), then keys and
 doubles are decoded as arrays. Everything else is a tight loop over the bytes.
 
@@ -45,6 +45,8 @@ from ._wire import (
     field_schema,
     finish_list,
     make_map,
+    too_deep,
+    truncated,
 )
 
 # compact type nibble -> type id (1 and 2 are a bool field's value, or a bool element type)
@@ -91,14 +93,6 @@ def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_dep
 
 
 # ---------------------------------------------------------------- errors
-
-
-def _truncated(pos: int, what: str, r: _Reader) -> ThriftError:
-    return ThriftError(f"truncated: {what} at offset {pos} runs past the end")
-
-
-def _too_deep(pos: int) -> ThriftError:
-    return ThriftError(f"nesting too deep at offset {pos} (limit max_depth)")
 
 
 def _check_count(r: _Reader, pos: int, n: int, size: int, what: str) -> None:
@@ -164,7 +158,7 @@ def _varint_run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, i
     b = r.arr[pos : pos + avail]
     ends = (b < 0x80).nonzero()[0]
     if len(ends) < m:
-        raise _truncated(pos, f"a run of {m} varints", r)
+        raise truncated(pos, f"a run of {m} varints")
     ends = ends[:m]
     starts = np.empty(m, np.intp)
     starts[0] = 0
@@ -232,7 +226,7 @@ def _ints(r: _Reader, t: int, n: int, pos: int) -> tuple[Any, int]:
 
 def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
     if depth <= 0:
-        raise _too_deep(pos)
+        raise too_deep(pos)
     buf = r.buf
     out: dict[int, Any] = {}
     last = 0
@@ -261,7 +255,7 @@ def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
             sub = None if sch is None else field_schema(sch, fid, t)
             out[fid], pos = _READ[t](r, p, depth - 1, sub)
     except (IndexError, struct.error):
-        raise _truncated(pos, "a struct field", r) from None
+        raise truncated(pos, "a struct field") from None
 
 
 def _bool_elem(r, pos, depth, sch):
@@ -289,13 +283,13 @@ def _string(r, pos, depth, sch):
 
 def _uuid(r, pos, depth, sch):
     if pos + 16 > r.end:
-        raise _truncated(pos, "a uuid", r)
+        raise truncated(pos, "a uuid")
     return uuid.UUID(bytes=r.buf[pos : pos + 16]), pos + 16
 
 
 def _list(r, pos, depth, sch):
     if depth <= 0:
-        raise _too_deep(pos)
+        raise too_deep(pos)
     buf = r.buf
     h = buf[pos]
     n = h >> 4
@@ -339,13 +333,13 @@ def _list(r, pos, depth, sch):
                 v, p = fn(r, p, depth - 1, esch)
                 append(v)
     except (IndexError, struct.error):
-        raise _truncated(p, f"a list<{NAME_OF[et]}> element", r) from None
+        raise truncated(p, f"a list<{NAME_OF[et]}> element") from None
     return finish_list(items, sch), p
 
 
 def _map(r, pos, depth, sch):
     if depth <= 0:
-        raise _too_deep(pos)
+        raise too_deep(pos)
     buf = r.buf
     n, p = _uvarint(buf, pos, 5)
     if n == 0:  # an empty map carries no types
@@ -366,29 +360,13 @@ def _map(r, pos, depth, sch):
         keys: list = []
         vals: list = []
         rk, rv = _READ_ELEM[kt], _READ_ELEM[vt]
-        if vt == STRING and vsch is None and kt in VARINT_LIMIT:
-            # i64 -> string (a feature record's string features): the key, then the bytes
-            end = r.end
-            for _ in range(n):
-                k, p = rk(r, p, 0, None)
-                b = buf[p]
-                if b < 0x80:
-                    ln, s = b, p + 1
-                else:
-                    ln, s = _uvarint(buf, p, 5)
-                if ln > end - s:
-                    raise ThriftError(f"string length {ln} at offset {p}; {end - s} remain")
-                keys.append(k)
-                vals.append(buf[s : s + ln])
-                p = s + ln
-            return dict(zip(keys, vals, strict=False)), p
         for _ in range(n):
             k, p = rk(r, p, depth - 1, ksch)
             v, p = rv(r, p, depth - 1, vsch)
             keys.append(k)
             vals.append(v)
     except (IndexError, struct.error):
-        raise _truncated(p, f"a {what} entry", r) from None
+        raise truncated(p, f"a {what} entry") from None
     if r.numpy and kt in NUMPY_DTYPE and vt in NUMPY_DTYPE:
         return (np.array(keys, NUMPY_DTYPE[kt]), np.array(vals, NUMPY_DTYPE[vt])), p
     return make_map(keys, vals), p
@@ -473,9 +451,9 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
                 q = e + ln - pos
                 vals[i] = buf[e : e + ln]
     except IndexError:
-        raise _truncated(pos + q, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry", r) from None
+        raise truncated(pos + q, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry") from None
     if q > (win if vt == DOUBLE else rem):
-        raise _truncated(pos + starts[-1], f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry", r)
+        raise truncated(pos + starts[-1], f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry")
     st = np.array(starts, np.intp)
     ends = nxt[st]
     lens = ends - st + 1

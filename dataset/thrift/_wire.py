@@ -55,6 +55,14 @@ class ThriftError(ValueError):
     """A record that is not valid Thrift, or a value that does not fit its schema."""
 
 
+def truncated(pos: int, what: str) -> ThriftError:
+    return ThriftError(f"truncated: {what} at offset {pos} runs past the end")
+
+
+def too_deep(pos: int) -> ThriftError:
+    return ThriftError(f"nesting too deep at offset {pos} (limit max_depth)")
+
+
 def wire_type(schema: Schema) -> int:
     """The type id a schema stands for; ValueError naming the valid forms if it is none."""
     if isinstance(schema, str):
