@@ -13,7 +13,8 @@ a schema's ``"string"`` makes them ``str``). Fields a schema does not know
 are kept as they were read, so records from a newer writer lose nothing.
 With ``numpy=True`` a list or set of numbers is a 1-D array (int8, int16,
 int32, int64, float64 or bool) and a map from numbers to numbers is a
-``(keys, values)`` pair of arrays; ``encode`` takes both forms back.
+``(keys, values)`` pair of arrays (an empty map in the compact protocol carries
+no types, so it stays ``{}``); ``encode`` takes both forms back.
 
 Pure Python and numpy, no generated code and no compiler: ``_binary`` and
 ``_compact`` hold the two decoders, ``_encode`` the encoder, ``_records`` the
