@@ -35,7 +35,8 @@ extras = {
     # TFRecord CRC32C in C; without it dataset.records falls back to pure Python (~1000x slower)
     "tfrecord": ["google-crc32c>=1.5"],
     "examples": ["matplotlib>=3.7"],
-    "bench": ["matplotlib>=3.7", "requests>=2.28", "webdataset>=0.2.90"],
+    # bench/thrift.py compares dataset.thrift with thrift's own (C-accelerated) decoder
+    "bench": ["matplotlib>=3.7", "requests>=2.28", "webdataset>=0.2.90", "thrift>=0.16"],
     "test": [
         "pytest>=7.4",
         "pytest-timeout>=2.1",
