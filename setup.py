@@ -35,7 +35,8 @@ extras = {
     # TFRecord CRC32C in C; without it dataset.records falls back to pure Python (~1000x slower)
     "tfrecord": ["google-crc32c>=1.5"],
     "examples": ["matplotlib>=3.7"],
-    "bench": ["matplotlib>=3.7", "requests>=2.28", "webdataset>=0.2.90"],
+    # bench/thrift.py compares dataset.thrift with thrift's own (C-accelerated) decoder
+    "bench": ["matplotlib>=3.7", "requests>=2.28", "webdataset>=0.2.90", "thrift>=0.16"],
     "test": [
         "pytest>=7.4",
         "pytest-timeout>=2.1",
@@ -52,7 +53,10 @@ extras["all"] = sorted({req for reqs in extras.values() for req in reqs})
 
 setup(
     name="distlearn",
-    version=re.search(r'__version__ = "([^"]+)"', Path("distlearn/__init__.py").read_text())[1],
+    version=re.search(
+        r'__version__ = "([^"]+)"',
+        Path(__file__).with_name("distlearn").joinpath("__init__.py").read_text(),
+    )[1],
     description="Index-driven datasets, a ZeroMQ process tree and all-reduce SGD/EASGD for PyTorch",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
@@ -60,6 +64,7 @@ setup(
     packages=packages,
     package_dir=FOLDERS,
     install_requires=install_requires,
+    entry_points={"console_scripts": ["distlearn-serve = distlearn.dataset.serve:main"]},
     extras_require=extras,
     license="Apache-2.0",
 )

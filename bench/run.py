@@ -147,7 +147,7 @@ def run_child(spec: dict, server: Server, timeout: float) -> dict:
 
 def run_loaders(args, data, emit) -> list[dict]:
     items = data.items()
-    if args.server != "aiohttp" and not args.quick and not args.no_install:
+    if args.server != "serve" and not args.quick and not args.no_install:
         ensure_nginx()
     with Server(data.root, kind=args.server, workers=args.server_workers) as server:
         emit({"kind": "server", "text": server.describe(), "url": server.url})
@@ -265,7 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="repetitions per row (median, min, max)")
     p.add_argument("--rows", nargs="+", help="only loader rows whose label contains one of these")
-    p.add_argument("--server", choices=("auto", "nginx", "aiohttp"), default="auto")
+    p.add_argument("--server", choices=("auto", "nginx", "serve"), default="auto")
     p.add_argument(
         "--no-install",
         action="store_true",

@@ -1,4 +1,4 @@
-"""The static HTTP server every loader row reads from: nginx, or our aiohttp server.
+"""The static HTTP server every loader row reads from: nginx, or distlearn.dataset.serve.
 
 nginx is what a real deployment would put in front of files (or a CDN would be),
 so it is the default: the bench starts its own instance on a free loopback port
@@ -81,7 +81,7 @@ class Server:
         self.workers = workers
         nginx = find_nginx()
         if kind == "auto":
-            kind = "nginx" if nginx else "aiohttp"
+            kind = "nginx" if nginx else "serve"
             if not nginx:
                 log.warning(
                     "nginx not found; serving with python -m distlearn.dataset.serve instead"
@@ -102,7 +102,7 @@ class Server:
         if self.kind == "nginx":
             version = subprocess.run([self._nginx, "-v"], capture_output=True, text=True)
             return f"nginx {version.stderr.strip().split('/')[-1]}, {self.workers} worker(s)"
-        return "aiohttp (python -m distlearn.dataset.serve), 1 process"
+        return "python -m distlearn.dataset.serve, 1 process"
 
     def start(self) -> Server:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-server-")
@@ -112,7 +112,7 @@ class Server:
                 if self.kind == "nginx":
                     self._start_nginx(tmp)
                 else:
-                    self._start_aiohttp(tmp)
+                    self._start_serve(tmp)
                 return self
             except (RuntimeError, TimeoutError) as err:
                 if self.proc is not None:
@@ -159,7 +159,7 @@ class Server:
             log_text = Path(tmp, "error.log").read_text() if Path(tmp, "error.log").exists() else ""
             raise RuntimeError(f"{e}: {Path(tmp, 'stderr').read_text()} {log_text}") from None
 
-    def _start_aiohttp(self, tmp: str) -> None:
+    def _start_serve(self, tmp: str) -> None:
         port_file = Path(tmp, "port")
         repo = Path(__file__).resolve().parent.parent
         env = dict(os.environ)

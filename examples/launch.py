@@ -1,15 +1,18 @@
 """Run an example as a job: prepare the data, serve it over HTTP, start N processes.
 
-    python examples/launch.py --script SCRIPT [--nodes 4] [--data DIR] [--quick]
-                              [--server auto|nginx|aiohttp] [--port P] [SCRIPT OPTIONS...]
+    examples/mnist.sh [--nodes 4] [--data DIR] [--quick] [--server auto|nginx|serve]
+                      [--port P] [MNIST.PY OPTIONS...]
+    python examples/launch.py --script SCRIPT [the same options]
 
 This is what ``examples/mnist.sh`` and ``mnist-ea.sh`` run. It stands in for a
 cluster scheduler plus a CDN on one machine:
 
-1. makes the MNIST folder if it is missing (``prepare_mnist.py``, idempotent);
-2. serves it on 127.0.0.1 with nginx when installed (sendfile, no Python in
-   the serving path, so the two cores go to training), else with
-   ``python -m distlearn.dataset.serve``; a busy port falls back to a free one;
+1. checks the script's options once (one usage message for a typo, not one per
+   process), then makes the MNIST folder if it is missing (``prepare_mnist.py``,
+   idempotent);
+2. serves it on 127.0.0.1 with nginx when installed, else with
+   ``python -m distlearn.dataset.serve`` (both cost about 50 us of CPU per
+   file); ``--port`` picks the port, and a busy one is an error;
 3. starts SCRIPT N times with the torchrun environment (RANK, WORLD_SIZE,
    LOCAL_RANK, MASTER_ADDR, MASTER_PORT), a fresh IPC_TOKEN and ``--data-url``,
    so the script has one code path for this launcher and for torchrun;
@@ -19,14 +22,13 @@ cluster scheduler plus a CDN on one machine:
    from the kernel if the launcher itself is killed (PR_SET_PDEATHSIG), so no
    orphan outlives the job.
 
-The last line printed is the final test accuracy from node 0's JSON log.
+The last line printed is node 0's result: the final test accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import logging
 import os
 import secrets
@@ -107,7 +109,7 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = GRACE_S) -> Non
 
 
 class Server:
-    """A static file server for `root` on 127.0.0.1: nginx or dataset.serve."""
+    """A static file server for `root` on 127.0.0.1: nginx or distlearn.dataset.serve."""
 
     def __init__(self, root: Path, kind: str = "auto", port: int = 0) -> None:
         self.root = Path(root).resolve()
@@ -120,18 +122,20 @@ class Server:
     def start(self) -> str:
         kind = self.kind
         if kind == "auto":
-            kind = "nginx" if shutil.which("nginx") else "aiohttp"
+            kind = "nginx" if shutil.which("nginx") else "serve"
+        if self.port and not port_is_free(self.port):
+            raise RuntimeError(f"port {self.port} on 127.0.0.1 is in use: pick another with --port")
         if kind == "nginx":
             self._start_nginx()
         else:
-            self._start_aiohttp()
+            self._start_serve()
         self.kind = kind
         self.url = f"http://127.0.0.1:{self.port}/"
         self._wait_ready()
         log.info("serving %s at %s (%s, pid %d)", self.root, self.url, kind, self.proc.pid)
         return self.url
 
-    def _start_aiohttp(self) -> None:
+    def _start_serve(self) -> None:
         port_file = self.tmp / "port"
         cmd = [sys.executable, "-m", "distlearn.dataset.serve", str(self.root)]
         cmd += ["--port", str(self.port), "--port-file", str(port_file)]
@@ -139,12 +143,15 @@ class Server:
             os.environ,
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         )
-        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        errors = self.tmp / "serve.log"
+        with open(errors, "w") as err:
+            self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, stderr=err)
         deadline = time.monotonic() + SERVER_START_S
         while not port_file.exists():
             if self.proc.poll() is not None:
+                why = errors.read_text(errors="replace").strip().splitlines()[-1:] or [""]
                 raise RuntimeError(
-                    f"the data server exited ({describe(self.proc.returncode)}): {cmd}"
+                    f"the data server exited ({describe(self.proc.returncode)}): {why[0]}"
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -154,9 +161,6 @@ class Server:
         self.port = int(port_file.read_text())
 
     def _start_nginx(self) -> None:
-        if self.port and not port_is_free(self.port):
-            log.warning("port %d is in use; taking a free one", self.port)
-            self.port = 0
         for _attempt in range(5):  # a free port can be taken between our check and nginx's bind
             port = self.port or free_port()
             conf = self.tmp / "nginx.conf"
@@ -173,9 +177,8 @@ class Server:
                 time.sleep(0.05)
             stop_processes([self.proc], grace=2)
             errors = (self.tmp / "error.log").read_text(errors="replace")[-2000:]
-            if "Address already in use" not in errors:
+            if "Address already in use" not in errors or self.port:
                 raise RuntimeError(f"nginx did not start ({cmd}):\n{errors}")
-            self.port = 0
         raise RuntimeError("nginx: no free port after 5 attempts")
 
     def _wait_ready(self) -> None:
@@ -292,47 +295,66 @@ def run_job(script: Path, nodes: int, url: str, args: list[str]) -> int:
         stop_processes(procs)
 
 
-def final_line(output: Path, script: Path, seconds: float) -> str:
-    """The job's result from node 0's JSON log: the last line the user sees."""
-    try:
-        result = json.loads((output / "log.json").read_text())
-        last = result["epochs"][-1]
-        return (
-            f"{script.name}: final test accuracy {100 * last['test_accuracy']:.2f}% after "
-            f"{len(result['epochs'])} epochs, {result['nodes']} processes, {seconds:.0f} s "
-            f"(log and plot in {output})"
-        )
-    except (OSError, ValueError, KeyError, IndexError) as err:
-        log_file = output / "log.json"
-        return f"{script.name}: finished in {seconds:.0f} s, but no result in {log_file} ({err})"
+def check_script_args(script: Path, args: list[str]) -> int:
+    """Let the script's own parser judge its options once, before anything starts."""
+    return subprocess.run([sys.executable, str(script), "--check-args", *args]).returncode
 
 
-def main(argv: list[str] | None = None) -> int:
+def script_help(script: Path) -> str:
+    """The script's options, from its own --help, for the launcher's --help."""
+    out = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True
+    ).stdout
+    # Without the script's usage, description and -h: only its option groups.
+    groups = [g for g in out.split("\n\n") if g.rstrip().endswith(":") or "\n  -" in g]
+    groups = [g for g in groups if not g.startswith("options:\n  -h, --help")]
+    return f"options of {script.name} (passed on to every process):\n\n" + "\n\n".join(groups)
+
+
+def parser(prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
-        epilog="Other options go to the script: see python SCRIPT --help.",
+        usage="%(prog)s [--nodes N] [--data DIR] [--quick] [--server KIND] [--port P] "
+        "[SCRIPT OPTIONS...]",
+        add_help=False,
     )
-    p.add_argument("--script", type=Path, required=True, help="the example, e.g. examples/mnist.py")
+    # mnist.sh and mnist-ea.sh pass these two; a user never needs to.
+    p.add_argument("--script", type=Path, required=True, help=argparse.SUPPRESS)
+    p.add_argument("--prog", help=argparse.SUPPRESS)
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     p.add_argument("--nodes", type=int, default=4, help="processes to start (default %(default)s)")
     p.add_argument("--data", type=Path, help="MNIST folder (default examples/data/mnist[-quick])")
     p.add_argument(
         "--server",
-        choices=["auto", "nginx", "aiohttp"],
+        choices=["auto", "nginx", "serve"],
         default="auto",
-        help="default: nginx if installed",
+        help="nginx, or python -m distlearn.dataset.serve (default: nginx if installed)",
     )
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    p.add_argument("--output", type=Path, help="where the script writes its log and plot")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_ITEMS} items per split, one epoch")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    prog = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--prog"), None)
+    p = parser(prog)
     a, script_args = p.parse_known_args(argv)
+    if a.help:
+        print(p.format_help() + "\n" + script_help(a.script))
+        return 0
+    if a.nodes < 1:
+        p.error(f"--nodes must be at least 1, not {a.nodes}")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    t0 = time.monotonic()
+    args = script_args + (["--quick"] if a.quick else [])
+    code = check_script_args(a.script, args)
+    if code != 0:
+        return code
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, _raise_interrupted)
     data = a.data or prepare_mnist.DEFAULT_OUT.with_name("mnist-quick" if a.quick else "mnist")
-    output = a.output or HERE / "output" / a.script.stem
-    args = [*script_args, "--output", str(output)] + (["--quick"] if a.quick else [])
     server = Server(data, a.server, a.port)
     code = 1
     try:
@@ -342,18 +364,16 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as sig:
         log.error("%s: stopping every process and the server", sig)
         code = 128 + sig.signum
+    except RuntimeError as err:  # the server could not start: say why, no traceback
+        log.error("%s", err)
     finally:
         # Ctrl-C again while cleaning up must not leave the server behind.
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
         server.stop()
-    if code == 0:
-        print(final_line(output, a.script, time.monotonic() - t0), flush=True)
-    else:
-        print(
-            f"{a.script.name}: FAILED ({describe(code) if code < 128 else describe(128 - code)})",
-            flush=True,
-        )
+    if code != 0:  # on success, node 0's result line stays the last line
+        what = describe(code) if code < 128 else describe(128 - code)
+        print(f"{a.script.name}: FAILED ({what})", flush=True)
     return code
 
 

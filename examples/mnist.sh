@@ -4,8 +4,8 @@
 # 4 processes of examples/mnist.py, stops everything, exits non-zero if any
 # process failed. The last line is the final test accuracy.
 #   examples/mnist.sh [--quick] [--nodes N] [--epochs E] [--batch-size B] [--lr LR] [--backend gloo] ...
-# Options: python examples/launch.py --help and python examples/mnist.py --help.
+# Options: examples/mnist.sh --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(scripts/venv.sh)"
-exec "$VENV/bin/python" examples/launch.py --script examples/mnist.py "$@"
+exec "$VENV/bin/python" examples/launch.py --script examples/mnist.py --prog "$0" "$@"

@@ -169,7 +169,13 @@ def parser(description: str, lr: float, epochs: int, batch_size: int) -> argpars
         "--output",
         type=Path,
         default=None,
-        help="where node 0 writes log.json and plot.png (default examples/output/SCRIPT)",
+        help="where node 0 writes log.json and plot.png (default: a new folder per run, "
+        "examples/output/SCRIPT/TIME, with examples/output/SCRIPT/latest pointing to it)",
+    )
+    p.add_argument(
+        "--check-args",
+        action="store_true",
+        help=argparse.SUPPRESS,  # the launcher's one check of the options, before it starts N
     )
     return p
 
@@ -200,6 +206,42 @@ def connect(args: argparse.Namespace) -> Any:
             MASTER_PORT=str(args.master_port),
         )
     return TorchDistributed.from_env("gloo")  # close() destroys the group
+
+
+def check_data(url: str) -> None:
+    """A local data folder without its index gets a message that says what to run."""
+    if "://" in url:
+        return
+    missing = [n for n in ("train.csv", "test.csv") if not (Path(url) / n).is_file()]
+    if missing:
+        raise SystemExit(
+            f"no MNIST in {url} ({', '.join(missing)} missing): run "
+            "`python examples/prepare_mnist.py` once to make it (or ./examples/mnist.sh, "
+            "which prepares, serves and trains), or point --data-url at a folder or URL "
+            "holding train.csv and test.csv"
+        )
+
+
+def run_folder(script: str) -> Path:
+    """examples/output/SCRIPT/TIME, new for this run, and SCRIPT/latest pointing to it."""
+    base = HERE / "output" / Path(script).stem
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = base / stamp
+    n = 1
+    while folder.exists():  # two runs within one second
+        n += 1
+        folder = base / f"{stamp}-{n}"
+    folder.mkdir(parents=True)
+    tmp = base / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(folder.name)
+    os.replace(tmp, base / "latest")  # atomic: a reader never sees no link
+    return folder
+
+
+def plural(n: int, word: str) -> str:
+    """`1 epoch`, `4 epochs`, `1 process`, `4 processes`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
 
 
 def join(base: str, name: str) -> str:
@@ -273,7 +315,9 @@ def format_confusion(confusion: list[list[int]]) -> str:
 
 
 def write_outputs(output: Path, record: dict[str, Any]) -> tuple[Path, Path | None]:
-    """log.json, and plot.png (loss and accuracy per epoch) when matplotlib is installed."""
+    """log.json, and plot.png when matplotlib is installed: the training loss as it
+    went (every few steps) and the test loss and accuracy after each epoch, against
+    epochs, so a one-epoch run draws a curve, not a dot."""
     output.mkdir(parents=True, exist_ok=True)
     log_path = output / "log.json"
     tmp = log_path.with_suffix(".tmp")
@@ -288,17 +332,24 @@ def write_outputs(output: Path, record: dict[str, Any]) -> tuple[Path, Path | No
         log.warning("matplotlib is not installed (pip install -e .[examples]): no plot")
         return log_path, None
     epochs = [e["epoch"] for e in record["epochs"]]
+    accuracy = [100 * e["test_accuracy"] for e in record["epochs"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(epochs, [e["train_loss"] for e in record["epochs"]], "o-", label="train")
-    ax1.plot(epochs, [e["test_loss"] for e in record["epochs"]], "o-", label="test")
-    ax1.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    steps = record["train_curve"]
+    ax1.plot([x for x, _ in steps], [y for _, y in steps], "-", label="train (node 0)")
+    ax1.plot(epochs, [e["test_loss"] for e in record["epochs"]], "o", label="test")
+    ax1.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss", ylim=(0, None))
     ax1.legend()
-    ax2.plot(epochs, [100 * e["test_accuracy"] for e in record["epochs"]], "o-")
-    ax2.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    ax2.plot(epochs, accuracy, "o-")
+    low = max(0.0, min(accuracy) - 2.0)
+    ax2.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy", ylim=(low, 100))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.suptitle(f"{record['script']}: {record['algorithm']}, {record['nodes']} processes")
+        ax.set_xlim(0, max(epochs) * 1.03)  # room for the last epoch's markers
+    args = record["args"]
+    fig.suptitle(
+        f"{record['script']}: {record['algorithm']}, {plural(record['nodes'], 'process')} "
+        f"({record['backend']}), batch {args['batch_size']} per node, lr {args['lr']}"
+    )
     fig.tight_layout()
     plot_path = output / "plot.png"
     fig.savefig(plot_path, dpi=100)
@@ -317,16 +368,19 @@ def main(
 ) -> int:
     """Parse options, connect, train for the epochs, evaluate each, write the outputs."""
     args = p.parse_args(argv)
+    if args.check_args:
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.quick:
         args.epochs = 1
+    check_data(args.data_url)
+    started = time.perf_counter()
     comm = connect(args)
     node, nodes = comm.node_index, comm.num_nodes
     lead = node == 0
     torch.set_num_threads(args.threads or default_threads(nodes))
     torch.manual_seed(args.seed)  # the same initial weights everywhere; the algorithm checks
     algorithm = make_algorithm(args)
-    output = args.output or HERE / "output" / Path(script).stem
 
     loader = dict(workers=args.loader, num_workers=1 if args.loader == "thread" else None)
     train_ds = Dataset(join(args.data_url, "train.csv"), partition=node, partitions=nodes)
@@ -361,9 +415,9 @@ def main(
         algorithm.start(comm, model)
     if lead:
         print(
-            f"{script}: {algorithm.name}, {nodes} process{'es' if nodes > 1 else ''} "
+            f"{script}: {algorithm.name}, {plural(nodes, 'process')} "
             f"({args.backend}), {len(train_ds.index)} train items on node 0, "
-            f"batch {args.batch_size} x {nodes}, lr {args.lr}, {args.epochs} epochs",
+            f"batch {args.batch_size} x {nodes}, lr {args.lr}, {plural(args.epochs, 'epoch')}",
             flush=True,
         )
     record: dict[str, Any] = {
@@ -373,7 +427,10 @@ def main(
         "backend": args.backend,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "epochs": [],
+        "train_curve": [],  # (fractional epoch, node 0's mean loss since the last point)
     }
+    curve_every = max(1, steps_per_epoch // 50)
+    curve_loss = 0.0
     step = 0
     try:
         for epoch in range(1, args.epochs + 1):
@@ -400,6 +457,11 @@ def main(
                 n = len(batch.target)
                 stats += torch.tensor([loss.item() * n, n, 1], dtype=torch.float64)
                 step += 1
+                curve_loss += loss.item()
+                if step % curve_every == 0:
+                    x = epoch - 1 + min(1.0, stats[2].item() / steps_per_epoch)
+                    record["train_curve"].append((round(x, 4), curve_loss / curve_every))
+                    curve_loss = 0.0
                 if bar is not None:
                     bar.update()
                     bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
@@ -432,10 +494,14 @@ def main(
         if lead:
             print(format_confusion(record["epochs"][-1]["confusion"]), flush=True)
             record["stats"] = {"train": str(train.stats), "test": str(test.stats)}
+            output = args.output or run_folder(script)
             log_path, plot_path = write_outputs(output, record)
             print(f"wrote {log_path}" + (f" and {plot_path}" if plot_path else ""), flush=True)
-            print(
-                f"final test accuracy: {100 * record['epochs'][-1]['test_accuracy']:.2f}%",
+            last = record["epochs"][-1]
+            print(  # the result: the last line of the job
+                f"{script}: final test accuracy {100 * last['test_accuracy']:.2f}% after "
+                f"{plural(len(record['epochs']), 'epoch')}, {plural(nodes, 'process')}, "
+                f"{time.perf_counter() - started:.0f} s",
                 flush=True,
             )
     finally:

@@ -39,7 +39,7 @@ def serve_dir(tmp_path_factory):
     procs: list[subprocess.Popen] = []
     tmp = tmp_path_factory.mktemp("serve")
 
-    def start(root: str | os.PathLike, port: int = 0) -> str:
+    def start(root: str | os.PathLike, port: int = 0, *args: str) -> str:
         port_file = tmp / f"port-{len(procs)}"
         proc = subprocess.Popen(
             [
@@ -51,6 +51,7 @@ def serve_dir(tmp_path_factory):
                 str(port),
                 "--port-file",
                 str(port_file),
+                *args,
             ],
             env=repo_env(),
             stdout=subprocess.DEVNULL,

@@ -24,7 +24,7 @@ def _get(url: str) -> bytes:
         return resp.read()
 
 
-@pytest.mark.parametrize("kind", ["nginx", "aiohttp"])
+@pytest.mark.parametrize("kind", ["nginx", "serve"])
 def test_server_serves_files_and_stops_every_process(tmp_path, kind):
     if kind == "nginx" and not find_nginx():
         pytest.skip("nginx not installed")

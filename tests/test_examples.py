@@ -136,7 +136,7 @@ def test_quick_run_end_to_end(job, tmp_path):
     assert code == 0, j.output
     last = j.lines[-1]
     m = re.fullmatch(
-        r"mnist\.py: final test accuracy ([\d.]+)% after 1 epochs, 4 processes, .*", last
+        r"mnist\.py: final test accuracy ([\d.]+)% after 1 epoch, 4 processes, .*", last
     )
     assert m, j.output
     # 4000 training items are enough for a CNN to beat chance (10%) by far.
@@ -151,7 +151,61 @@ def test_quick_run_end_to_end(job, tmp_path):
     # Only node 0 prints: one header line, one epoch line.
     assert sum("AllReduceSGD, 4 processes" in line for line in j.lines) == 1
     assert sum(line.startswith("epoch 1/1:") for line in j.lines) == 1
+    assert sum("final test accuracy" in line for line in j.lines) == 1
+    assert len(record["train_curve"]) >= 10  # the plot has a curve, not one dot per epoch
     j.assert_no_orphans(pids)
+
+
+def test_typo_gets_one_usage_message_and_nothing_starts():
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "launch.py"), "--script", "examples/mnist.py", "--epohcs"],
+        cwd=REPO,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out
+    assert out.stderr.count("usage:") == 1 and "unrecognized arguments: --epohcs" in out.stderr
+    assert "serving" not in out.stderr and "started" not in out.stderr
+
+
+def test_help_shows_the_launcher_and_script_options_but_not_internals():
+    out = subprocess.run(
+        ["bash", str(EXAMPLES / "mnist.sh"), "--help"],
+        cwd=REPO,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out
+    assert out.stdout.startswith("usage: ") and "mnist.sh [--nodes N]" in out.stdout
+    assert "--script" not in out.stdout and "--check-args" not in out.stdout
+    assert "--server {auto,nginx,serve}" in out.stdout and "--batch-size" in out.stdout
+
+
+def test_a_run_without_data_says_how_to_make_it(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "mnist.py"), "--data-url", str(tmp_path)],
+        cwd=REPO,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "run `python examples/prepare_mnist.py` once" in out.stderr, out.stderr
+
+
+def test_each_run_gets_its_own_output_folder_and_latest_points_to_it(monkeypatch, tmp_path):
+    sys.path.insert(0, str(EXAMPLES))
+    import mnist_lib
+
+    monkeypatch.setattr(mnist_lib, "HERE", tmp_path)
+    first, second = mnist_lib.run_folder("mnist.py"), mnist_lib.run_folder("mnist.py")
+    assert first != second and first.parent == second.parent == tmp_path / "output" / "mnist"
+    assert (tmp_path / "output" / "mnist" / "latest").resolve() == second.resolve()
 
 
 def long_job(job, tmp_path) -> tuple[Job, list[int]]:
@@ -188,11 +242,10 @@ def test_a_failing_process_ends_the_job(job, tmp_path):
 NGINX = pytest.mark.skipif(not shutil.which("nginx"), reason="nginx is not installed")
 
 
-@pytest.mark.parametrize("kind", [pytest.param("nginx", marks=NGINX), "aiohttp"])
+@pytest.mark.parametrize("kind", [pytest.param("nginx", marks=NGINX), "serve"])
 def test_server_serves_and_stops(kind, tmp_path):
-    """Either server answers with the right bytes, takes a free port when asked for a busy
-    one, and leaves no process behind. (dataset.serve's own tests cover its port fallback
-    in depth; here the second aiohttp server is skipped: it costs a slow Python start.)"""
+    """Either server answers with the right bytes, refuses a busy explicit port with an
+    error naming it, and leaves no process behind."""
     sys.path.insert(0, str(EXAMPLES))
     import launch
 
@@ -200,23 +253,18 @@ def test_server_serves_and_stops(kind, tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.png").write_bytes(b"\x89PNG" + bytes(range(256)) * 10)
     first = launch.Server(tmp_path, kind)
-    second = launch.Server(tmp_path, kind, port=0)
     try:
-        urls = [first.start()]
-        procs = [first.proc]
-        if kind == "nginx":
-            second.port = first.port  # busy: must fall back to another port
-            urls.append(second.start())
-            procs.append(second.proc)
-            assert urls[1] != urls[0]
-        for base in urls:
-            with urllib.request.urlopen(base + "sub/a.png") as r:
-                assert r.read() == (tmp_path / "sub" / "a.png").read_bytes()
-    finally:
-        first.stop()
+        base = first.start()
+        with urllib.request.urlopen(base + "sub/a.png") as r:
+            assert r.read() == (tmp_path / "sub" / "a.png").read_bytes()
+        second = launch.Server(tmp_path, kind, port=first.port)  # busy
+        with pytest.raises(RuntimeError, match=f"port {first.port} on 127.0.0.1 is in use"):
+            second.start()
         second.stop()
-    for p in procs:
-        assert p.poll() is not None
+    finally:
+        proc = first.proc
+        first.stop()
+    assert proc.poll() is not None
 
 
 @pytest.mark.slow
@@ -245,6 +293,6 @@ def test_torchrun_quick(backend, serve_dir, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == 0, out
-    assert re.search(r"final test accuracy: [\d.]+%", out), out
+    assert re.search(r"mnist\.py: final test accuracy [\d.]+% after 1 epoch", out), out
     record = json.loads((tmp_path / "out" / "log.json").read_text())
     assert record["nodes"] == 4 and record["backend"] == backend

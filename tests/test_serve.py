@@ -1,16 +1,26 @@
-"""The loopback static server used by examples, tests and benchmarks."""
+"""The loopback static server: what it serves, and what it refuses under attack.
+
+Clients are urllib (a real HTTP client) and raw sockets, for bytes no polite
+client would send.
+"""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from tests.conftest import repo_env, wait_for_file
 
-def get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers=headers or {})
+
+def get(url: str, headers: dict | None = None, method: str = "GET") -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {}, method=method)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, r.read()
@@ -18,40 +28,206 @@ def get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
-def test_serves_files_and_ranges(tmp_path, serve_dir):
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "a.bin").write_bytes(bytes(range(256)))
-    base = serve_dir(tmp_path)
+def raw(base: str, data: bytes, wait: float = 5.0) -> bytes:
+    """Send `data` on a fresh connection; everything the server answers until it
+    closes the connection or stays silent for a moment."""
+    host, port = base.split("//")[1].rstrip("/").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        return out
+
+
+def statuses(data: bytes) -> list[int]:
+    """The status of each response in `data`, framed by Content-Length."""
+    out = []
+    while data:
+        head, sep, data = data.partition(b"\r\n\r\n")
+        assert sep, f"a response head without its end: {head[:200]!r}"
+        lines = head.split(b"\r\n")
+        out.append(int(lines[0].split()[1]))
+        length = [
+            int(v) for k, _, v in (x.partition(b":") for x in lines) if k == b"Content-Length"
+        ]
+        head_only = len(data) < length[0] if length else True  # HEAD answers
+        data = data if head_only else data[length[0] :]
+    return out
+
+
+def serve_cmd(root, *args: str) -> list[str]:
+    return [sys.executable, "-m", "distlearn.dataset.serve", str(root), *args]
+
+
+def make_tree(tmp_path):
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.bin").write_bytes(bytes(range(256)))
+    (root / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024 + 7))  # over the in-memory limit
+    (root / "empty").write_bytes(b"")
+    (tmp_path / "secret.txt").write_text("outside the root")
+    (root / "link.txt").symlink_to(tmp_path / "secret.txt")
+    (root / "linkdir").symlink_to(tmp_path)
+    return root
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One server over a tree that no test changes: (root, base URL)."""
+    root = make_tree(tmp_path_factory.mktemp("served"))
+    port_file = root.parent / "port"
+    proc = subprocess.Popen(
+        serve_cmd(root, "--port-file", str(port_file)), env=repo_env(), stderr=subprocess.PIPE
+    )
+    try:
+        yield root, f"http://127.0.0.1:{wait_for_file(port_file, proc)}/"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_serves_files_heads_and_ranges(served):
+    tree, base = served
     assert get(base + "sub/a.bin") == (200, bytes(range(256)))
+    assert get(base + "sub/%61.bin") == (200, bytes(range(256)))  # percent-decoded
+    assert get(base + "sub/a.bin?v=1") == (200, bytes(range(256)))  # query ignored
     assert get(base + "sub/a.bin", {"Range": "bytes=10-19"}) == (206, bytes(range(10, 20)))
-    assert get(base + "missing.bin")[0] == 404
-    assert get(base + "../../etc/passwd")[0] == 404
+    assert get(base + "sub/a.bin", {"Range": "bytes=250-"}) == (206, bytes(range(250, 256)))
+    assert get(base + "sub/a.bin", {"Range": "bytes=-3"}) == (206, bytes(range(253, 256)))
+    assert get(base + "sub/a.bin", {"Range": "bytes=250-999"}) == (206, bytes(range(250, 256)))
+    assert get(base + "sub/a.bin", {"Range": "bytes=0-1,5-6"}) == (200, bytes(range(256)))
+    assert get(base + "sub/a.bin", {"Range": "bytes=300-"})[0] == 416
+    assert get(base + "empty") == (200, b"")
+    assert get(base + "sub/a.bin", method="HEAD") == (200, b"")
+    big = (tree / "big.bin").read_bytes()
+    assert get(base + "big.bin") == (200, big)
+    lo, hi = 2 * 1024 * 1024, 2 * 1024 * 1024 + 99
+    assert get(base + "big.bin", {"Range": f"bytes={lo}-{hi}"}) == (206, big[lo : hi + 1])
 
 
-def test_busy_port_falls_back_to_a_free_one(tmp_path, serve_dir):
-    (tmp_path / "x.txt").write_text("hello")
+def test_a_changed_small_file_is_served_new(tree, serve_dir):
+    base = serve_dir(tree)
+    assert get(base + "sub/a.bin")[1] == bytes(range(256))
+    (tree / "sub" / "a.bin").write_bytes(b"new contents")
+    assert get(base + "sub/a.bin") == (200, b"new contents")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/../secret.txt",
+        "/sub/../../secret.txt",
+        "/%2e%2e/secret.txt",
+        "/sub/%2E%2E/%2e%2e/secret.txt",
+        "/link.txt",  # a symlink to a file outside
+        "/linkdir/secret.txt",  # through a symlinked directory
+        "/sub",  # directories are not listed
+        "/",
+        "/sub/a.bin%00.png",
+        "/missing",
+    ],
+)
+def test_nothing_outside_the_root_and_no_links(served, path):
+    _, base = served
+    answer = raw(base, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    assert statuses(answer) == [404], answer[:200]
+    assert b"outside the root" not in answer
+
+
+def test_keep_alive_and_pipelining_answer_in_order(served):
+    _, base = served
+    requests = b"".join(
+        f"GET /{p} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for p in ["sub/a.bin", "missing", "empty"]
+    )
+    answer = raw(base, requests + b"GET /sub/a.bin HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert statuses(answer) == [200, 404, 200, 200]
+    assert answer.count(bytes(range(256))) == 2
+    # HTTP/1.0 closes after one answer unless asked to keep alive
+    assert statuses(raw(base, b"GET /empty HTTP/1.0\r\n\r\nGET /empty HTTP/1.0\r\n\r\n")) == [200]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"\x00\xff\xfe junk\r\n\r\n", 400),
+        (b"GET\r\n\r\n", 400),
+        (b"GET /empty HTTP/2.0\r\n\r\n", 505),
+        (b"GET /empty HTTP/1.1\r\nno colon here\r\n\r\n", 400),
+        (b"GET /empty HTTP/1.1\r\nHost : x\r\n\r\n", 400),  # space before the colon
+        (b"GET /empty HTTP/1.1\r\nX: a\r\n folded\r\n\r\n", 400),  # obsolete line folding
+        (b"GET /empty HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", 413),
+        (b"GET /empty HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 413),
+        (b"GET /empty HTTP/1.1\r\nRange: bytes=0-\r\nRange: bytes=1-\r\n\r\n", 400),
+        (b"GET /empty HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n", 431),
+        (b"GET /empty HTTP/1.1\r\nX: " + b"a" * 20000, 431),  # no end of head at all
+        (b"DELETE /empty HTTP/1.1\r\nConnection: close\r\n\r\n", 405),
+    ],
+)
+def test_malformed_requests_are_refused_and_the_server_goes_on(served, request_bytes, status):
+    _, base = served
+    assert statuses(raw(base, request_bytes))[:1] == [status]
+    assert get(base + "sub/a.bin") == (200, bytes(range(256)))
+
+
+def test_slow_heads_and_idle_connections_are_closed(tree, serve_dir):
+    base = serve_dir(tree, 0, "--head-timeout", "1", "--idle-timeout", "2")
+    host, port = base.split("//")[1].rstrip("/").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as slow:
+        slow.sendall(b"GET /empty HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        t0 = time.monotonic()
+        assert slow.recv(100) == b""  # closed by the server
+        assert time.monotonic() - t0 < 8
+    with socket.create_connection((host, int(port)), timeout=10) as idle:
+        idle.sendall(b"GET /empty HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert idle.recv(1000).startswith(b"HTTP/1.1 200")
+        assert idle.recv(100) == b""  # idle keep-alive closed after 2 s
+
+
+def test_a_client_gone_mid_file_leaves_the_server_serving(served):
+    tree, base = served
+    host, port = base.split("//")[1].rstrip("/").split(":")
+    for _ in range(5):
+        s = socket.create_connection((host, int(port)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"GET /big.bin HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+        s.recv(1000)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()  # a reset in the middle of sendfile
+    assert get(base + "big.bin")[1] == (tree / "big.bin").read_bytes()
+
+
+def test_a_busy_explicit_port_is_an_error(tree):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = busy.getsockname()[1]
-        base = serve_dir(tmp_path, port=taken)
-        assert f":{taken}/" not in base
-        assert get(base + "x.txt") == (200, b"hello")
+        r = subprocess.run(
+            serve_cmd(tree, "--port", str(taken)),
+            env=repo_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 2
+    assert f"port {taken} on 127.0.0.1 is in use" in r.stderr
 
 
-@pytest.mark.parametrize("bad", ["does-not-exist"])
-def test_refuses_a_missing_directory(tmp_path, bad):
-    import subprocess
-    import sys
-
-    from conftest import repo_env
-
+def test_refuses_a_missing_directory(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "distlearn.dataset.serve", str(tmp_path / bad)],
+        serve_cmd(tmp_path / "does-not-exist"),
         env=repo_env(),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=60,
     )
     assert r.returncode == 2
     assert "not a directory" in r.stderr

@@ -38,12 +38,13 @@ V2_SCHEMA = {
 }
 
 
-def load_generated(gen_dir: Path):
+def load_generated(gen_dir: Path, package: str = "media"):
+    """`package`.ttypes as generated into gen_dir (a fresh import, not a cached one)."""
     sys.path.insert(0, str(gen_dir))
     try:
-        for name in [m for m in sys.modules if m == "media" or m.startswith("media.")]:
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
             del sys.modules[name]
-        return importlib.import_module("media.ttypes")
+        return importlib.import_module(package + ".ttypes")
     finally:
         sys.path.remove(str(gen_dir))
 

@@ -1,0 +1,96 @@
+"""Thrift records without generated code: decode any struct, encode given a schema.
+
+    from distlearn.dataset.thrift import decode, encode
+
+    value = decode(data, protocol="compact")      # {1: b"...", 2: b"a cat", 3: [640, 480]}
+    data = encode({1: b"...", 3: [640, 480]}, {1: "binary", 2: "string", 3: ("list", "i32")})
+    rec = decode(data, numpy=True)                 # numeric containers as arrays
+
+Records are nested Python values keyed by field id: structs are dicts, lists
+and sets are lists (sets become ``set`` when a schema says so), maps are
+dicts, strings and binaries are ``bytes`` (the wire cannot tell them apart;
+a schema's ``"string"`` makes them ``str``). Fields a schema does not know
+are kept as they were read, so records from a newer writer lose nothing.
+With ``numpy=True`` a list or set of numbers is a 1-D array (int8, int16,
+int32, int64, float64 or bool) and a map from numbers to numbers is a
+``(keys, values)`` pair of arrays (an empty map in the compact protocol carries
+no types, so it stays ``{}``); ``encode`` takes both forms back.
+
+Pure Python and numpy, no generated code and no compiler: ``_binary`` and
+``_compact`` hold the two decoders, ``_encode`` the encoder, ``_records`` the
+ready processors (:class:`MediaRecord`, :class:`FeatureRecord`).
+
+A schema is a type: ``"bool" "byte" "i8" "i16" "i32" "i64" "double"
+"string" "binary" "uuid"``, ``("list", T)``, ``("set", T)``, ``("map", K, V)``
+or a struct ``{field_id: T}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from . import _binary, _compact, _encode
+from ._records import FEATURE_FIELDS, MEDIA_SCHEMA, FeatureRecord, MediaRecord
+from ._wire import MAX_DEPTH, Schema, ThriftError
+
+__all__ = [
+    "FEATURE_FIELDS",
+    "MAX_DEPTH",
+    "MEDIA_SCHEMA",
+    "FeatureRecord",
+    "MediaRecord",
+    "ThriftError",
+    "decode",
+    "encode",
+]
+
+_DECODERS = {"binary": _binary.decode, "compact": _compact.decode}
+
+
+def _check_protocol(protocol: str) -> None:
+    if protocol not in _DECODERS:
+        raise ValueError(f"protocol must be 'binary' or 'compact', got {protocol!r}")
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    protocol: str = "binary",
+    schema: Mapping[int, Schema] | None = None,
+    *,
+    numpy: bool = False,
+    max_depth: int = MAX_DEPTH,
+) -> dict[int, Any]:
+    """Decode one Thrift struct from ``data`` into a dict keyed by field id.
+
+    ``schema`` is optional; it only turns ``"string"`` fields into ``str`` and
+    ``("set", T)`` fields into ``set``. ``numpy=True`` returns numeric
+    containers as arrays. The whole of ``data`` must be the struct. Raises
+    :class:`ThriftError`, naming the offset, on bad input.
+    """
+    dec = _DECODERS.get(protocol)
+    if dec is None:
+        _check_protocol(protocol)
+    if schema is not None and not isinstance(schema, Mapping):
+        raise ValueError(f"decode() takes a struct schema {{field_id: type}}, got {schema!r}")
+    if not isinstance(max_depth, int) or max_depth < 1:
+        raise ValueError(f"max_depth must be a positive int, got {max_depth!r}")
+    if type(data) is not bytes:
+        data = bytes(data)
+    try:
+        return dec(data, schema, bool(numpy), max_depth)
+    except ThriftError as err:
+        what = f"not a valid {protocol} Thrift struct ({len(data)} bytes)"
+        raise ThriftError(f"{what}: {err}") from None
+
+
+def encode(
+    value: Mapping[int, Any], schema: Mapping[int, Schema], protocol: str = "binary"
+) -> bytes:
+    """Encode a struct (dict keyed by field id) given its ``schema``.
+
+    Fields absent from ``value`` (or None) are left out, as optional fields
+    are; a field the schema does not name raises :class:`ThriftError`.
+    """
+    _check_protocol(protocol)
+    return _encode.encode(value, schema, protocol)
