@@ -25,20 +25,29 @@ if __name__ != "distlearn.dataset":
         "(PyPI's `dataset` is another project)"
     )
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from . import options as _options
 
 __all__ = [
     "AllFailed",
     "BadIndex",
     "Batch",
     "Dataset",
+    "DatasetError",
     "FetchError",
     "Fetcher",
     "Index",
+    "IndexNotFound",
+    "PartError",
     "Record",
     "SampledBatcher",
+    "WorkerDied",
+    "item_rng",
+    "item_seed",
     "open_index",
     "register_sampler",
 ]
@@ -46,17 +55,25 @@ __all__ = [
 # Imported on first use (PEP 562), so `python -m distlearn.dataset.serve` and tools that only
 # need a submodule start without paying for torch.
 _LAZY = {
-    "AllFailed": "batcher",
+    "AllFailed": "errors",
+    "BadIndex": "errors",
+    "DatasetError": "errors",
+    "FetchError": "errors",
+    "IndexNotFound": "errors",
+    "PartError": "errors",
+    "WorkerDied": "errors",
     "Batch": "batcher",
     "Record": "batcher",
     "SampledBatcher": "batcher",
     "Fetcher": "fetch",
-    "FetchError": "fetch",
-    "BadIndex": "index",
     "Index": "index",
     "open_index": "index",
     "register_sampler": "sampler",
+    "item_rng": "seeding",
+    "item_seed": "seeding",
 }
+
+log = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> Any:
@@ -70,25 +87,55 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .batcher import AllFailed, Batch, Record, SampledBatcher
-    from .fetch import Fetcher, FetchError
-    from .index import BadIndex, Index, open_index
+    from .batcher import Batch, Record, SampledBatcher
+    from .errors import (
+        AllFailed,
+        BadIndex,
+        DatasetError,
+        FetchError,
+        IndexNotFound,
+        PartError,
+        WorkerDied,
+    )
+    from .fetch import Fetcher
+    from .index import Index, open_index
     from .sampler import register_sampler
+    from .seeding import item_rng, item_seed
 
 
-def _auto_partition(partition: Any, partitions: int | None) -> tuple[int, int]:
+def _env_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) from the environment (torchrun), or None when not set."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ["WORLD_SIZE"])
+    except ValueError as err:
+        raise ValueError(f"RANK/WORLD_SIZE must be integers ({err})") from None
+    return rank, world
+
+
+def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, str]:
+    """(partition, partitions, where they came from) for a Dataset.
+
+    No partition arguments under torchrun (``WORLD_SIZE`` > 1) follow
+    ``RANK``/``WORLD_SIZE``, as ``DistributedSampler`` follows the process
+    group; ``partition="auto"`` reads them whatever ``WORLD_SIZE``; explicit
+    numbers win (``partition=0, partitions=1`` is the whole index).
+    """
+    if partition is None and partitions is None:
+        env = _env_rank()
+        if env is not None and env[1] > 1:
+            return env[0], env[1], "RANK/WORLD_SIZE"
+        return 0, 1, "default"
     if partition == "auto":
-        try:
-            rank = int(os.environ.get("RANK", "0"))
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-        except ValueError as err:
-            raise ValueError(
-                f"partition='auto': RANK/WORLD_SIZE must be integers ({err})"
-            ) from None
-        return rank, world
+        env = _env_rank() or (0, 1)
+        return env[0], env[1], "RANK/WORLD_SIZE"
+    if partition is None:
+        partition = 0
     if isinstance(partition, bool) or not isinstance(partition, int):
         raise TypeError(f"partition must be an int or 'auto', got {partition!r}")
-    return partition, 1 if partitions is None else partitions
+    return partition, 1 if partitions is None else partitions, "arguments"
 
 
 class Dataset:
@@ -97,57 +144,93 @@ class Dataset:
     ``index``: a .csv/.tsv path or URL (local, http(s)://, any fsspec URL), a
     directory (labels = sub-folder names), a tensor, ``dict(x=, y=)``, a .pt file,
     or a list of these joined item by item (see :mod:`dataset.index`).
-    ``partition`` is 0-based like a torch rank; ``"auto"`` reads RANK/WORLD_SIZE.
-    ``sep``, ``meta`` (an ``index-meta.csv`` location) and ``url_params`` (a query
-    string for every http(s) URL) tune CSV indexes. A folder or fsspec URL of
+    ``partition`` is 0-based like a torch rank; ``"auto"`` reads RANK/WORLD_SIZE,
+    and so does a Dataset given neither under torchrun (``WORLD_SIZE`` > 1).
+    ``sep``, ``meta`` (a meta file location), ``url_params`` (a query string
+    for every http(s) URL), ``multi_hot`` (one example per item, a multi-hot
+    target) and ``allow_schemes`` tune CSV indexes. A folder or fsspec URL of
     part files (or a brace pattern) takes the options of :mod:`dataset.parts`
     (``record_format``, ``resident_parts``, ``label_key``, ``storage_options``...).
     ``cache_items=True`` caches fetched items on disk (``cache_dir``,
     ``max_cache_bytes``), and ``cache_index=True`` the remote index files, so a
     restarted job or the other ranks of a host read them from local disk.
-    Other options become defaults for :meth:`sampled_batcher`.
+    The fetch options (``timeout``, ``retries``, ``backoff``...) apply to every
+    read, the index's included; they and the other batcher options become
+    defaults for :meth:`sampled_batcher`. A misspelt option raises TypeError.
     """
 
     def __init__(
         self,
         index: Any,
-        partition: int | str = 0,
+        partition: int | str | None = None,
         partitions: int | None = None,
         *,
         sep: str | None = None,
         meta: str | None = None,
         url_params: str | dict | None = None,
+        multi_hot: bool = False,
+        allow_schemes: Sequence[str] = (),
         **opts: Any,
     ):
         from . import parts
         from .cache import Cache, item_cache
-        from .index import BadIndex, open_index
+        from .errors import BadIndex
+        from .index import open_index
 
-        self.partition, self.partitions = _auto_partition(partition, partitions)
+        _options.check(
+            "Dataset()",
+            opts,
+            _options.INDEX,
+            _options.FETCH,
+            _options.CACHE,
+            _options.PARTS,
+            _options.BATCHER,
+        )
+        self.partition, self.partitions, source = choose_partition(partition, partitions)
+        fetch = {k: opts[k] for k in _options.FETCH if k in opts}
         index_cache = None
         if opts.pop("cache_index", False):  # remote index/meta/.pt files kept on local disk
             index_cache = Cache(opts.get("cache_dir"), opts.get("max_cache_bytes"))
-        whole = parts.dataset_index(index, opts)  # a folder/URL of part files
+        whole = parts.dataset_index(index, opts, fetch)  # a folder/URL of part files
         if whole is None:
-            whole = open_index(index, sep=sep, meta=meta, url_params=url_params, cache=index_cache)
+            whole = open_index(
+                index,
+                sep=sep,
+                meta=meta,
+                url_params=url_params,
+                cache=index_cache,
+                multi_hot=multi_hot,
+                allow_schemes=allow_schemes,
+                fetch=fetch,
+            )
         cache = item_cache(opts)  # cache_items=True, cache_dir=, max_cache_bytes=
         if cache is not None:
             opts.setdefault("cache", cache)
         self.index: Index = whole.partition(self.partition, self.partitions)
-        if len(self.index) == 0:
+        # (part files: a partition has at least one part; len() would read one to count)
+        if not isinstance(self.index, parts.PartIndex) and len(self.index) == 0:
             raise BadIndex(
                 f"{whole.origin}: partition {self.partition} of {self.partitions} is empty "
                 f"(the index has {len(whole)} items)"
+            )
+        if source != "default":
+            log.info(
+                "%s: partition %d of %d (from %s)",
+                whole.origin,
+                self.partition,
+                self.partitions,
+                source,
             )
         self.opts = opts
 
     def __repr__(self) -> str:
         return (
             f"Dataset({self.index.origin!r}, partition={self.partition}, "
-            f"partitions={self.partitions}, items={len(self.index)})"
+            f"partitions={self.partitions}, examples={len(self.index)})"
         )
 
     def __len__(self) -> int:
+        """Examples in this partition (for part files: records, estimated until all are read)."""
         return len(self.index)
 
     def sampled_batcher(
@@ -176,11 +259,15 @@ class Dataset:
         into ``out``. ``pool_size``: concurrent fetches per worker. ``prefetch``:
         batches in flight. ``workers="thread" | "process"``, ``num_workers``,
         ``sampler_opt``, ``timeout``, ``retries``, ``cache``, ``progress``,
-        ``drop_last`` and ``mp_context`` are further options.
+        ``drop_last``, ``on_error``, ``worker_timeout`` and ``mp_context`` are
+        further options (see the README).
         """
         from .batcher import SampledBatcher
         from .parts import default_sampler
 
+        _options.check(
+            "sampled_batcher()", opts, _options.FETCH, _options.BATCHER, _options.BATCHER_ARGS
+        )
         kw = {**self.opts, **opts}
         sampler = default_sampler(self.index, sampler)
         return SampledBatcher(

@@ -22,21 +22,27 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .fetch import RateLimitedLog, Stats
-from .index import BadIndex, Index, JoinedIndex
+from .errors import AllFailed, BadIndex
+from .failures import FailurePolicy
+from .fetch import Stats
+from .index import Index, JoinedIndex
 from .processors import default_processor
 from .sampler import endless, epoch_rng, get_sampler
 from .sources import Joined
 from .workers import ProcessWorkers, ThreadWorkers
 
+__all__ = ["AllFailed", "Batch", "Record", "SampledBatcher"]
+
 log = logging.getLogger(__name__)
+
+DEFAULT_WORKER_TIMEOUT = 600.0
 
 
 @dataclass
@@ -45,23 +51,28 @@ class Record:
 
     ``source``: what to fetch (a URL, ``(url, offset, length)``) or the payload
     itself (bytes, a tensor) when it is already in memory, e.g. a record read
-    from a part file. ``labels``: label ids into ``index.labels`` (first =
-    primary, gives the target). ``name``: for ``batch.urls`` and logs.
+    from a part file. ``labels``: label ids into ``index.labels``. ``target``:
+    the label this example stands for (default: the first label, -1 if none).
+    ``name``: for ``batch.urls`` and logs.
     """
 
     source: Any
     labels: tuple[int, ...] = ()
     name: str = ""
+    target: int | None = None
 
 
 @dataclass
 class Batch:
     """One batch: ``input`` [n, *input_dims] float, ``target`` [n] long (-1: unlabeled).
 
-    ``labels[i]``: the names of item i's labels (a tuple; empty when unlabeled),
-    ``urls[i]``: where it came from, ``extra[i]``: what the processor returned
-    (None when nothing). Rows whose fetch or processor failed are left out, so n
-    may be less than the batch size.
+    ``target[i]`` is the label example i stands for (an item with several
+    labels is one example per label); with ``multi_hot`` datasets it is a float
+    [n, len(labels)] tensor with a 1 for each label of the item.
+    ``labels[i]``: the names of all labels of item i (a tuple; empty when
+    unlabeled), ``urls[i]``: where it came from, ``extra[i]``: what the
+    processor returned (None when nothing). Rows whose fetch or processor
+    failed are left out, so n may be less than the batch size, never 0.
     """
 
     input: torch.Tensor
@@ -74,13 +85,20 @@ class Batch:
         return len(self.input)
 
 
-class AllFailed(RuntimeError):
-    """Every item of several consecutive batches failed: the source is down, not flaky."""
-
-
 def default_workers() -> tuple[str, int]:
     """(kind, count) used when not given: process workers, one per core (see README)."""
     return "process", max(1, min(os.cpu_count() or 1, 8))
+
+
+@dataclass
+class _InFlight:
+    """A batch handed to the workers: its job, ring slot, and what the main process keeps."""
+
+    job: Any
+    slot: int
+    targets: list[int]
+    labels: list[tuple[int, ...]]
+    names: list[str]
 
 
 class SampledBatcher:
@@ -106,8 +124,14 @@ class SampledBatcher:
         timeout: float = 30.0,
         retries: int = 3,
         backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        headers: dict[str, str] | None = None,
+        redirects: str = "same-host",
+        max_item_bytes: int | None = None,
         cache: Any = None,
         max_failed_batches: int = 3,
+        on_error: str | Callable[[BaseException], Any] | None = None,
+        worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT,
         progress: bool = False,
         mp_context: str | None = None,
     ):
@@ -115,6 +139,8 @@ class SampledBatcher:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if worker_timeout is not None and worker_timeout <= 0:
+            raise ValueError(f"worker_timeout must be > 0 or None, got {worker_timeout}")
         self.index = index
         self.batch_size = batch_size
         self.input_dims = tuple(int(d) for d in input_dims)
@@ -128,14 +154,13 @@ class SampledBatcher:
         self.processor_opt = processor_opt
         self.seed, self.partition = int(seed), int(partition)
         self.drop_last = drop_last
-        self.max_failed_batches = max_failed_batches
         self.progress = progress
-        self.stats = Stats()
-        self._errlog = RateLimitedLog(log)
+        self._failures = FailurePolicy(on_error, max_failed_batches)
+        self._stats = Stats()
+        self._pid = os.getpid()
 
         kind, count = default_workers()
-        # (a join's .sources would build every joined item just to find out: skip it)
-        if not isinstance(index, JoinedIndex) and isinstance(index.sources, torch.Tensor):
+        if isinstance(getattr(index, "row_sources", None), torch.Tensor):
             kind, count = "thread", 0  # rows are in memory already: nothing to offload
         if workers is not None:
             if workers not in ("thread", "process"):
@@ -155,24 +180,45 @@ class SampledBatcher:
             timeout=timeout,
             retries=retries,
             backoff=backoff,
+            max_backoff=max_backoff,
+            headers=headers,
+            redirects=redirects,
             cache=cache,
         )
+        if max_item_bytes is not None:
+            fetch_kw["max_item_bytes"] = max_item_bytes
         shape = (self.inflight, batch_size, *self.input_dims)
         if kind == "process":
             self._workers: Any = ProcessWorkers(
-                shape, self.processor, processor_opt, fetch_kw, count, mp_context
+                shape, self.processor, processor_opt, fetch_kw, count, mp_context, worker_timeout
             )
         else:
             slots = torch.empty(shape, dtype=torch.float32)
-            self._workers = ThreadWorkers(slots, self.processor, processor_opt, fetch_kw, count)
+            self._workers = ThreadWorkers(
+                slots, self.processor, processor_opt, fetch_kw, count, worker_timeout
+            )
         self._free = list(range(self.inflight))
-        self._pending: deque = deque()
+        self._pending: deque[_InFlight] = deque()
         self._stream: Iterator[list] | None = None
         self._epoch = -1  # the epoch being read; -1 before the first
         self._consumed = 0  # items of this epoch already handed out (or dropped)
+        self._dispatched = 0  # items of this epoch handed to the workers
         self._resume: dict | None = None
-        self._failed_run = 0
         self._closed = False
+
+    @property
+    def stats(self) -> Stats:
+        """Counters: items ``fetched``, ``retried``, ``failed``, ``dropped``, ``bytes``.
+
+        For part files, records handed out count as fetched (with their size),
+        and the part reader's counters join in: ``parts``, ``part_bytes``,
+        ``corrupt`` records dropped, ``failed_parts`` (part reads that failed).
+        """
+        out = Stats(**self._stats)
+        counters = getattr(self.index, "read_counters", None)
+        if counters is not None:
+            out.update(counters())
+        return out
 
     # -- epochs --------------------------------------------------------------------
 
@@ -191,7 +237,7 @@ class SampledBatcher:
 
     def _start_epoch(self, epoch: int, skip: int = 0) -> None:
         self._drain()
-        self._epoch, self._consumed = epoch, skip
+        self._epoch, self._consumed, self._dispatched = epoch, skip, skip
         items = iter(self._epoch_items(epoch))
         if skip:
             items = itertools.islice(items, skip, None)
@@ -205,7 +251,10 @@ class SampledBatcher:
             yield chunk
 
     def __len__(self) -> int:
-        """Batches in one epoch; TypeError for a stream of unknown length (see num_batches)."""
+        """Batches in one epoch; TypeError for a stream of unknown length (see num_batches).
+
+        A batch whose every item failed is skipped, so an epoch may hand out fewer.
+        """
         items = self._epoch_items(max(self._epoch, 0))
         if not hasattr(items, "__len__"):
             raise TypeError(
@@ -218,7 +267,11 @@ class SampledBatcher:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def num_batches(self) -> int:
-        """Batches in one epoch, or an estimate from ``len(index)`` for an unknown-length stream."""
+        """Batches in one epoch, or an estimate from ``len(index)`` for an unknown-length stream.
+
+        For part files ``len(index)`` is estimated from the part sizes until
+        every part has been read once, then exact.
+        """
         try:
             return len(self)
         except TypeError:
@@ -241,72 +294,85 @@ class SampledBatcher:
                     sources.append(item.source)
                     labs = tuple(item.labels)
                     names.append(item.name)
+                    target = item.target
+                    if target is None:
+                        target = labs[0] if labs else -1
                 else:
                     i = int(item)
                     sources.append(index.source(i))
                     labs = index.item_labels(i)
                     names.append(index.name(i))
+                    target = index.target(i)
                 labels.append(labs)
-                targets.append(labs[0] if labs else -1)
-            job = self._workers.submit(slot, sources)
-            self._pending.append((job, slot, targets, labels, names))
+                targets.append(target)
+            ctx = (self.seed, self.partition, self._epoch, self._dispatched)
+            job = self._workers.submit(slot, sources, ctx)
+            self._dispatched += len(chunk)
+            self._pending.append(_InFlight(job, slot, targets, labels, names))
 
     def _drain(self) -> None:
         """Wait out and discard batches in flight (their slots come back)."""
         while self._pending:
-            job, slot, *_ = self._pending.popleft()
+            flight = self._pending[0]
             try:
-                self._workers.result(job)
+                self._workers.result(flight.job)
             finally:
-                self._free.append(slot)
+                self._pending.popleft()
+                self._free.append(flight.slot)
         self._stream = None
 
     def _next_or_none(self) -> Batch | None:
-        """The next batch of the current epoch, or None at its end."""
+        """The next batch of the current epoch, or None at its end.
+
+        A batch whose every item failed is skipped (or raises, by the failure
+        policy). Interrupted while waiting (Ctrl-C), the batch stays in flight
+        and the next call picks it up.
+        """
         if self._closed:
             raise RuntimeError("batcher is closed")
-        self._dispatch()
-        if not self._pending:
-            return None
-        job, slot, targets, labels, names = self._pending.popleft()
-        try:
-            res = self._workers.result(job)
-            batch = self._assemble(self._workers.slots[slot], res, targets, labels, names)
-        finally:
-            self._free.append(slot)
-        self._dispatch()  # refill before handing over, so workers never wait on the user
-        return batch
+        while True:
+            self._dispatch()
+            if not self._pending:
+                return None
+            flight = self._pending[0]
+            res = self._workers.result(flight.job)  # an interruption leaves it pending
+            self._pending.popleft()
+            try:
+                batch = self._assemble(self._workers.slots[flight.slot], res, flight)
+            finally:
+                self._free.append(flight.slot)
+            self._dispatch()  # refill before handing over, so workers never wait on the user
+            if batch is not None:
+                return batch
 
-    def _assemble(self, slot: torch.Tensor, res, targets, labels, names) -> Batch:
+    def _assemble(self, slot: torch.Tensor, res, flight: _InFlight) -> Batch | None:
+        """The batch of the rows that succeeded (None when none did), copied out of the ring."""
+        targets, labels, names = flight.targets, flight.labels, flight.names
         n = len(targets)
-        self.stats.add(res.stats)
+        self._stats.add(res.stats)
         self._consumed += n
-        for row, cause in res.errors:
-            self._errlog.warning("dropped %s: %s", names[row], cause)
+        self._failures.check(res.errors, names, n, self._stats)
         ok = res.ok
         # copy out with numpy: torch's clone/index_select may wake its intra-op thread
         # pool (OpenMP), which costs more than the 400 KB copy itself on a busy machine
         if all(ok):
-            rows = None
+            keep: Sequence[int] = range(n)
             inp = torch.from_numpy(slot.numpy()[:n].copy())
         else:
-            rows = [i for i in range(n) if ok[i]]
-            inp = torch.from_numpy(slot.numpy()[rows])
-        if rows is not None and not rows:
-            self._failed_run += 1
-            if self._failed_run >= self.max_failed_batches:
-                causes = "; ".join(f"{names[r]}: {c}" for r, c in res.errors[:3])
-                raise AllFailed(
-                    f"every item of {self._failed_run} consecutive batches failed "
-                    f"(stats {dict(self.stats)}); last causes: {causes}"
-                )
-        else:
-            self._failed_run = 0
-        keep = range(n) if rows is None else rows
+            keep = [i for i in range(n) if ok[i]]
+            if not keep:
+                return None
+            inp = torch.from_numpy(slot.numpy()[keep])
         names_ = self.index.labels
+        if getattr(self.index, "multi_hot", False):
+            target = torch.zeros(len(keep), len(names_), dtype=torch.float32)
+            for row, i in enumerate(keep):
+                target[row, list(labels[i])] = 1.0
+        else:
+            target = torch.as_tensor([targets[i] for i in keep], dtype=torch.long)
         return Batch(
             input=inp,
-            target=torch.as_tensor([targets[i] for i in keep], dtype=torch.long),
+            target=target,
             labels=[tuple(names_[lab] for lab in labels[i]) for i in keep],
             urls=[names[i] for i in keep],
             extra=[res.extras.get(i) for i in keep],
@@ -354,7 +420,10 @@ class SampledBatcher:
             self._start_epoch(self._epoch + 1)
             batch = self._next_or_none()
             if batch is None:
-                raise RuntimeError(f"sampler {self.sampler_name!r} gave an empty epoch")
+                raise RuntimeError(
+                    f"sampler {self.sampler_name!r} gave an epoch with no item "
+                    f"(stats {dict(self.stats)})"
+                )
         return batch
 
     def reset(self) -> None:
@@ -395,14 +464,15 @@ class SampledBatcher:
     def as_torch(self) -> torch.utils.data.IterableDataset:
         """A ``torch.utils.data.IterableDataset`` yielding (input, target) per batch.
 
-        Use it with ``DataLoader(batcher.as_torch(), batch_size=None)`` (no
-        DataLoader workers: this batcher already has its own).
+        Use it with ``DataLoader(batcher.as_torch(), batch_size=None)`` and no
+        DataLoader workers (``num_workers=0``): this batcher already has its own,
+        and a DataLoader worker raises a clear error at once.
         """
         return _TorchAdapter(self)
 
     def close(self) -> None:
         """Stop the workers and free the ring (idempotent)."""
-        if self._closed:
+        if self._closed or self._pid != os.getpid():
             return
         self._closed = True
         self._pending.clear()
@@ -474,12 +544,13 @@ def _split_samplers(index: Index, sampler: Any, sampler_opt: Any) -> tuple[Any, 
             if opts[k]:
                 raise ValueError(f"sampler_opt[{k}] given for {member.origin}, which is aligned")
             first = members[0]
-            if len(member) != len(first):
+            if member.num_rows != first.num_rows:
                 raise BadIndex(
-                    f"joined indexes differ in length: {first.origin} has {len(first)} items, "
-                    f"{member.origin} has {len(member)}; item i of the first can only fetch "
-                    f"item i of an index of the same length. To draw from {member.origin} "
-                    f"instead, give it a sampler: sampler=[..., 'uniform'] (entry {k})"
+                    f"joined indexes differ in length: {first.origin} has {first.num_rows} "
+                    f"items, {member.origin} has {member.num_rows}; item i of the first can "
+                    f"only fetch item i of an index of the same length. To draw from "
+                    f"{member.origin} instead, give it a sampler: sampler=[..., 'uniform'] "
+                    f"(entry {k})"
                 )
         else:
             draws.append(_Draw(k, get_sampler(samplers[k]), opts[k]))
@@ -515,16 +586,18 @@ class _DrawnJoin:
                         f"sampler {b.sampler_name!r} yields records, which have no position "
                         f"to align the other indexes of {index.origin} with; draw them instead"
                     )
-                p, labels, slots, names = -1, tuple(item.labels), [item.source], [item.name]
+                labels, target = tuple(item.labels), item.target
+                slots, names = [item.source], [item.name]
             else:
                 i = int(item)
-                p, labels = positions[i], index.item_labels(i)
+                p, labels, target = positions[i], index.item_labels(i), index.target(i)
+                row = members[0].row(p)
                 slots, names = [members[0].source(p)], [members[0].name(p)]
             for k in range(1, len(members)):
                 stream, member = streams[k], members[k]
-                if stream is None:  # aligned
-                    slots.append(member.source(p))
-                    names.append(member.name(p))
+                if stream is None:  # aligned: the member's item on the same row
+                    slots.append(member.row_source(row))
+                    names.append(member.row_name(row))
                     continue
                 drawn = next(stream)
                 if isinstance(drawn, Record):
@@ -534,7 +607,7 @@ class _DrawnJoin:
                     j = int(drawn)
                     slots.append(member.source(j))
                     names.append(member.name(j))
-            yield Record(Joined(slots), labels, " + ".join(names))
+            yield Record(Joined(slots), labels, " + ".join(names), target)
 
 
 class _SizedDrawnJoin(_DrawnJoin):
@@ -545,12 +618,28 @@ class _SizedDrawnJoin(_DrawnJoin):
 
 
 class _TorchAdapter(torch.utils.data.IterableDataset):
+    """``batcher.as_torch()``: the batches as (input, target), for a DataLoader without workers."""
+
     def __init__(self, batcher: SampledBatcher):
         self.batcher = batcher
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        if info is not None or os.getpid() != self.batcher._pid:
+            raise RuntimeError(_IN_DATALOADER_WORKER)
         for batch in self.batcher:
             yield batch.input, batch.target
 
     def __len__(self) -> int:
         return len(self.batcher)
+
+    def __reduce__(self):
+        # DataLoader workers started by spawn/forkserver get the dataset pickled
+        raise TypeError(_IN_DATALOADER_WORKER)
+
+
+_IN_DATALOADER_WORKER = (
+    "batcher.as_torch() runs in the process that made the batcher: it has its own "
+    "workers (workers=, num_workers=), so use DataLoader(batcher.as_torch(), "
+    "batch_size=None) with num_workers=0 (the default)"
+)

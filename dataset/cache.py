@@ -5,15 +5,24 @@
     cache = Cache()                               # ~/.cache/distlearn, 64 GiB
     data = cache.get(url)                         # bytes, or None on a miss
     cache.put(url, data)
-    path = cache.fill(url, lambda f: download(url, f))   # one download per host
+    data = cache.fill(url, lambda: download(url))   # one download per host
 
-Every entry is written to a temporary file in the cache and renamed into
-place, so a reader sees a whole entry or none. ``fill`` holds a per-URL file
-lock, so when several processes want the same part file one downloads it and
-the others wait and read it. Least recently used entries are evicted (a hit
-refreshes the entry's mtime) once the cache grows past ``max_cache_bytes``;
-an entry evicted while another process reads it stays readable to that
-process (POSIX unlink semantics).
+What it guarantees, with several processes reading, writing and evicting:
+
+- A reader gets a whole, intact entry or a miss: an entry is written to a
+  temporary file, synced to disk, then renamed into place, and carries its
+  length and a CRC-32 in a 16-byte trailer. A truncated or corrupt entry (a
+  crash, a full disk, a bad sector) reads as a miss, is removed, and is
+  fetched again.
+- Entries are handed out as bytes, never as paths: an entry that is being
+  read cannot be evicted under its reader (the open file survives an unlink).
+- ``fill`` holds a per-URL file lock, so when several processes want the same
+  part file one downloads it and the others wait and read it.
+- Least recently used entries are evicted (a hit refreshes the entry's mtime)
+  once the cache grows past ``max_cache_bytes``, never the entry just written;
+  an entry larger than the whole cache is not stored at all.
+- The directory must be ours: owned by this user and not writable by others,
+  since whoever can write it chooses what the trainer reads.
 """
 
 from __future__ import annotations
@@ -22,13 +31,17 @@ import contextlib
 import hashlib
 import logging
 import os
+import stat
+import struct
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 from filelock import FileLock
+
+from .errors import DatasetError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +51,9 @@ DEFAULT_MAX_BYTES = 64 << 30
 _LOW_WATER = 0.9
 # A temporary file this old was left by a process that died mid-write.
 _STALE_TMP_S = 3600
+# Every entry ends with: magic, payload length, CRC-32 of the payload.
+_TRAILER = struct.Struct("<4sQI")
+_MAGIC = b"DLC1"
 
 
 def default_cache_dir() -> Path:
@@ -47,6 +63,36 @@ def default_cache_dir() -> Path:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "distlearn"
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` (0700) or check that an existing one is ours and not writable by others."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise DatasetError(
+            f"cache directory {path} belongs to uid {st.st_uid}, not to this user "
+            f"({os.geteuid()}); pick another cache_dir"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise DatasetError(
+            f"cache directory {path} is writable by other users (mode "
+            f"{stat.S_IMODE(st.st_mode):o}), who could replace what the trainer reads; "
+            f"chmod go-w {path} or pick another cache_dir"
+        )
+
+
+def seal(data: bytes | bytearray | memoryview) -> bytes:
+    """The trailer that makes `data` a cache entry."""
+    return _TRAILER.pack(_MAGIC, len(data), zlib.crc32(data))
+
+
+def intact(payload: bytes, trailer: bytes) -> bool:
+    """Whether `payload` is what the entry's `trailer` says was written."""
+    if len(trailer) != _TRAILER.size:
+        return False
+    magic, length, crc = _TRAILER.unpack(trailer)
+    return magic == _MAGIC and length == len(payload) and zlib.crc32(payload) == crc
 
 
 class Cache:
@@ -61,8 +107,8 @@ class Cache:
             raise ValueError(f"max_cache_bytes must be positive, got {max_cache_bytes}")
         self.objects = self.root / "objects"
         self.locks = self.root / "locks"
-        for d in (self.objects, self.locks):
-            d.mkdir(parents=True, exist_ok=True)
+        for d in (self.root, self.objects, self.locks):
+            _private_dir(d)
         self._ledger = self.root / "size"  # bytes written since the last exact count
         self._lock_pid = -1  # file locks belong to one process: rebuilt after a fork
         self._dirs: set[Path] = set()
@@ -71,6 +117,7 @@ class Cache:
         self._flush_bytes = max(1, self.max_bytes // 100)
         self.hits = 0
         self.misses = 0
+        self.corrupt = 0
 
     def __repr__(self) -> str:
         return f"Cache({str(self.root)!r}, max_cache_bytes={self.max_bytes})"
@@ -93,6 +140,7 @@ class Cache:
         """Where the entry for ``url`` lives (whether or not it exists).
 
         A key may also be a tuple such as ``(url, offset, length)`` (a byte range).
+        The file holds the payload and a trailer: read it with :meth:`get`.
         """
         key = url if isinstance(url, str) else repr(tuple(url))
         h = hashlib.sha256(key.encode("utf-8")).hexdigest()
@@ -100,29 +148,42 @@ class Cache:
 
     # ------------------------------------------------------------ reading
 
-    def get(self, url: str) -> bytes | None:
-        """The cached bytes of ``url``, or None; a hit makes it most recently used."""
+    def get(self, url: str | tuple) -> bytes | None:
+        """The cached bytes of ``url``, or None; a hit makes it most recently used.
+
+        A damaged entry counts as a miss: it is removed (and logged), so the
+        caller fetches and stores it again.
+        """
         p = self.path(url)
         try:
-            with open(p, "rb") as f:
-                data = f.read()
+            with open(p, "rb") as f:  # an open file stays readable if it is evicted now
+                st = os.fstat(f.fileno())
+                data = f.read(max(0, st.st_size - _TRAILER.size))
+                trailer = f.read()
         except FileNotFoundError:
             self.misses += 1
+            return None
+        if not intact(data, trailer):
+            self.corrupt += 1
+            self.misses += 1
+            log.warning("cache %s: entry for %s is damaged (%d bytes); refetching", self.root,
+                        url, st.st_size)  # fmt: skip
+            self._remove_damaged(p, st)
             return None
         self._touch(p)
         self.hits += 1
         return data
 
-    def get_path(self, url: str) -> Path | None:
-        """The local path of a cached ``url``, or None. Open it soon: it may be evicted."""
-        p = self.path(url)
-        if not self._touch(p):
-            self.misses += 1
-            return None
-        self.hits += 1
-        return p
+    def _remove_damaged(self, p: Path, seen: os.stat_result) -> None:
+        # another process may have replaced it with a good entry since we read it
+        with contextlib.suppress(FileNotFoundError), self._global:
+            now = p.stat()
+            if (now.st_ino, now.st_size, now.st_mtime_ns) == (
+                seen.st_ino, seen.st_size, seen.st_mtime_ns
+            ):  # fmt: skip
+                p.unlink()
 
-    def __contains__(self, url: str) -> bool:
+    def __contains__(self, url: str | tuple) -> bool:
         return self.path(url).exists()
 
     @staticmethod
@@ -135,47 +196,56 @@ class Cache:
 
     # ------------------------------------------------------------ writing
 
-    def put(self, url: str, data: bytes | bytearray | memoryview) -> Path:
-        """Store ``data`` as the entry for ``url`` (atomically) and return its path."""
-        return self._write(url, lambda f: f.write(data))
+    def put(self, url: str | tuple, data: bytes | bytearray | memoryview) -> bool:
+        """Store ``data`` as the entry for ``url`` (atomically); False when it is too large."""
+        if len(data) + _TRAILER.size > self.max_bytes:
+            log.debug("cache %s: %s (%d bytes) is larger than the cache; not stored",
+                      self.root, url, len(data))  # fmt: skip
+            return False
+        self._write(url, data)
+        return True
 
-    def fill(self, url: str, writer: Callable[[BinaryIO], object]) -> Path:
-        """The path of ``url``'s entry; on a miss ``writer(file)`` writes it, once per host.
+    def fill(self, url: str | tuple, produce: Callable[[], bytes]) -> bytes:
+        """The bytes of ``url``'s entry; on a miss ``produce()`` makes them, once per host.
 
         A per-URL file lock makes other processes wanting the same URL wait for
-        this one's download instead of repeating it. If ``writer`` raises,
+        this one's download instead of repeating it. If ``produce`` raises,
         nothing is stored and the error propagates.
         """
-        p = self.get_path(url)
-        if p is not None:
-            return p
+        data = self.get(url)
+        if data is not None:
+            return data
         with FileLock(str(self.locks / (self.path(url).name + ".lock"))):
-            p = self.path(url)
-            if self._touch(p):  # another process filled it while we waited
-                return p
-            return self._write(url, writer)
+            data = self.get(url)  # another process filled it while we waited
+            if data is not None:
+                return data
+            data = produce()
+            self.put(url, data)
+            return data
 
-    def _write(self, url: str, writer: Callable[[BinaryIO], object]) -> Path:
+    def _write(self, url: str | tuple, data: bytes | bytearray | memoryview) -> None:
         p = self.path(url)
         if p.parent not in self._dirs:
-            p.parent.mkdir(exist_ok=True)
+            p.parent.mkdir(exist_ok=True, mode=0o700)
             self._dirs.add(p.parent)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                writer(f)
+                f.write(data)
+                f.write(seal(data))
+                f.flush()
+                os.fsync(f.fileno())  # on disk before it has its name: no torn entry
                 size = f.tell()
             os.replace(tmp, p)  # readers see the whole entry or none
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        self._account(size)
-        return p
+        self._account(size, keep=p)
 
     # ------------------------------------------------------------ eviction
 
-    def _account(self, size: int) -> None:
+    def _account(self, size: int, keep: Path | None = None) -> None:
         # Bytes written are added to the shared ledger in bulk (every 1% of the
         # limit, or every second), not per entry: a lock and a ledger rewrite
         # per small item would cost more than the item. The cache may so
@@ -187,7 +257,7 @@ class Cache:
         with self._global:
             total = self._read_ledger() + self._unaccounted
             if total > self.max_bytes:
-                total = self._evict_locked(int(self.max_bytes * _LOW_WATER))
+                total = self._evict_locked(int(self.max_bytes * _LOW_WATER), keep)
             self._ledger.write_text(f"{total}\n")
         self._unaccounted = 0
         self._flushed_at = now
@@ -214,13 +284,15 @@ class Cache:
     def _scan_total(self) -> int:
         return sum(size for _, size, _ in self._scan())
 
-    def _evict_locked(self, target: int) -> int:
+    def _evict_locked(self, target: int, keep: Path | None = None) -> int:
         entries = sorted(self._scan(), key=lambda e: e[0])  # oldest use first
         total = sum(size for _, size, _ in entries)
         evicted = 0
         for _, size, p in entries:
             if total <= target:
                 break
+            if p == keep:  # the entry just written is what its writer is about to use
+                continue
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 evicted += 1
@@ -238,7 +310,7 @@ class Cache:
             return total
 
     def size(self) -> int:
-        """Bytes held by entries now (an exact count)."""
+        """Bytes held by entries now, trailers included (an exact count)."""
         return self._scan_total()
 
     def clear(self) -> None:

@@ -1,16 +1,22 @@
-"""The Fetcher: one asyncio event loop in a background thread that gets item bytes.
+"""The Fetcher: one asyncio event loop in a background thread that reads the world.
 
-http(s) goes through one ``aiohttp.ClientSession`` (keep-alive, at most
-``pool_size`` requests in flight, a timeout per attempt, retries with
-exponential backoff and jitter on connection errors, timeouts, 5xx/429 and
-truncated bodies; never on other 4xx). ``file://`` and plain paths are read
-directly; any other scheme goes through fsspec. ``(url, offset, length)``
-sources become HTTP Range requests or seek+read.
+Every read goes through it, with one policy: items, and also index, meta and
+``.pt`` files (:func:`read_bytes`) and part files. http(s) goes through one
+``aiohttp.ClientSession`` (keep-alive, at most ``pool_size`` requests in
+flight, a timeout per attempt, retries with exponential backoff and jitter on
+connection errors, timeouts, 5xx/429 and truncated bodies; never on other 4xx:
+404/410 mean "no such file"). ``file://`` and plain paths are read directly;
+any other scheme goes through fsspec. ``(url, offset, length)`` sources become
+HTTP Range requests or seek+read. After the last try the error names the URL.
+
+Bounds, because a server is not trusted: a body larger than ``max_item_bytes``
+is refused (by its Content-Length, or once that many bytes arrived); a server
+that ignores Range is read only up to the record's end, never to the file's;
+redirects are followed only to the same host unless ``redirects="any"``.
 
 A cache plugs in with ``Fetcher(cache=obj)``: ``obj.get(key) -> bytes | None``
-before fetching and ``obj.put(key, data)`` after, where key is the source
-(a URL, or a ``(url, offset, length)`` tuple). Both are called on the loop
-thread, so they should be quick (local disk).
+before fetching and ``obj.put(key, data)`` after (on a thread: a put syncs to
+disk), where key is the source (a URL, or a ``(url, offset, length)`` tuple).
 """
 
 from __future__ import annotations
@@ -22,24 +28,78 @@ import os
 import random
 import threading
 import time
-from collections.abc import Coroutine
-from typing import Any
+import urllib.parse
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import aiohttp
 
 from . import sources as src
+from .errors import FetchError, IndexNotFound
+
+__all__ = ["FetchError", "Fetcher", "RateLimitedLog", "Stats", "read_bytes", "with_retries"]
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+MISSING_STATUS = frozenset({404, 410})
+REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
+MAX_REDIRECTS = 10
+REDIRECT_POLICIES = ("same-host", "any", "none")
+DEFAULT_MAX_ITEM_BYTES = 1 << 30
+
+T = TypeVar("T")
 
 
-class FetchError(Exception):
-    """An item could not be fetched; ``url`` and ``cause`` say which and why."""
+def backoff_delay(attempt: int, backoff: float, max_backoff: float) -> float:
+    """Seconds to wait before retry `attempt` (1-based): exponential, capped, with jitter."""
+    return min(max_backoff, backoff * 2 ** (attempt - 1)) * (0.5 + random.random())
 
-    def __init__(self, url: str, cause: str, retryable: bool = False):
-        super().__init__(f"{url}: {cause}")
-        self.url, self.cause, self.retryable = url, cause, retryable
+
+def with_retries(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    retries: int = 3,
+    backoff: float = 0.05,
+    max_backoff: float = 2.0,
+    final: tuple[type[BaseException], ...] = (FileNotFoundError,),
+) -> T:
+    """``fn()``, retried like a fetch for a synchronous read (an fsspec listing, a download).
+
+    Exceptions of the ``final`` types are not retried (a missing file stays
+    missing); any other is retried ``retries`` times, then raised as a
+    :class:`FetchError` naming `what` and the number of tries.
+    """
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except final:
+            raise
+        except FetchError as err:
+            if not err.retryable or attempt >= retries:
+                raise _after(err, attempt) from None
+            cause = err.cause
+        except Exception as err:
+            if attempt >= retries:
+                raise FetchError(what, _tries(f"{type(err).__name__}: {err}", attempt)) from err
+            cause = f"{type(err).__name__}: {err}"
+        attempt += 1
+        delay = backoff_delay(attempt, backoff, max_backoff)
+        log.debug("retry %d of %s in %.3fs: %s", attempt, what, delay, cause)
+        time.sleep(delay)
+
+
+def _tries(cause: str, attempt: int) -> str:
+    return f"{cause} (after {attempt + 1} tries)" if attempt else cause
+
+
+def _after(err: FetchError, attempt: int) -> FetchError:
+    """`err` with the number of tries in its message (when it was retried)."""
+    if not attempt:
+        return err
+    return FetchError(err.url, _tries(err.cause, attempt), err.retryable, err.missing)
 
 
 class Stats(dict):
@@ -81,30 +141,48 @@ class Fetcher:
     """Fetches sources concurrently on its own event loop thread (started lazily).
 
     ``await fetcher.fetch(source)`` from coroutines on ``fetcher.loop``;
-    ``fetcher.submit(coro)`` from any thread gives a ``concurrent.futures.Future``.
+    ``fetcher.submit(coro)`` from any thread gives a ``concurrent.futures.Future``;
+    ``fetcher.read(url)`` is the blocking form for one whole file.
+
+    ``timeout`` bounds one attempt (``idle_timeout``, when given, bounds the
+    wait for each chunk instead, for large files); ``retries``/``backoff``/
+    ``max_backoff`` the retry policy; ``max_item_bytes`` the size of one body;
+    ``redirects``: ``"same-host"`` (default), ``"any"`` or ``"none"``.
     """
 
     def __init__(
         self,
         pool_size: int = 64,
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         retries: int = 3,
         backoff: float = 0.05,
         max_backoff: float = 2.0,
         cache: Any = None,
         headers: dict[str, str] | None = None,
+        redirects: str = "same-host",
+        max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+        idle_timeout: float | None = None,
     ):
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if redirects not in REDIRECT_POLICIES:
+            raise ValueError(f"redirects must be one of {REDIRECT_POLICIES}, got {redirects!r}")
+        if max_item_bytes < 1:
+            raise ValueError(f"max_item_bytes must be >= 1, got {max_item_bytes}")
         self.pool_size, self.timeout, self.retries = pool_size, timeout, retries
         self.backoff, self.max_backoff = backoff, max_backoff
         self.cache, self.headers = cache, headers or {}
+        self.redirects, self.max_item_bytes = redirects, max_item_bytes
+        self.idle_timeout = idle_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._no_range_hosts: set[str] = set()
 
     # -- loop management -------------------------------------------------------------
 
@@ -131,6 +209,10 @@ class Fetcher:
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         """Run `coro` on the fetcher's loop; returns a thread-safe future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def read(self, source: Any) -> bytes:
+        """The bytes of one source, blocking (retried; FetchError naming it when it fails)."""
+        return self.submit(self.fetch(source)).result()
 
     def close(self) -> None:
         """Close the HTTP session and stop the loop thread (idempotent)."""
@@ -178,9 +260,9 @@ class Fetcher:
             connector = aiohttp.TCPConnector(limit=self.pool_size, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(
                 connector=connector,
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_read=self.idle_timeout),
                 headers=self.headers,
-                auto_decompress=False,  # item bytes as stored, never re-encoded
+                auto_decompress=False,  # item bytes as stored, never re-encoded (nor inflated)
             )
         return self._session
 
@@ -189,11 +271,16 @@ class Fetcher:
 
         Counts ``fetched``, ``retried``, ``bytes`` into `stats` (``failed`` is the
         caller's to count, since a list of joined sources fails as one item).
+        A payload already in memory (a record of a part file, a tensor row)
+        counts as fetched too, with its size.
         """
         if isinstance(source, bytes | bytearray | memoryview) or not isinstance(
             source, str | tuple
         ):
-            return source  # already in memory: a tensor row or a record's payload
+            if stats is not None:  # already in memory: a tensor row or a record's payload
+                stats["fetched"] += 1
+                stats["bytes"] += _payload_size(source)
+            return source
         if isinstance(source, src.Joined):
             return [await self.fetch(s, stats) for s in source]
         key = source
@@ -210,7 +297,8 @@ class Fetcher:
             stats["fetched"] += 1
             stats["bytes"] += len(data)
         if self.cache is not None:
-            self.cache.put(key, data)
+            # off the loop: a put writes and syncs a file
+            await asyncio.get_running_loop().run_in_executor(None, self.cache.put, key, data)
         return data
 
     async def _fetch_with_retries(self, url, offset, length, stats) -> bytes:
@@ -220,24 +308,28 @@ class Fetcher:
                 return await self._fetch_once(url, offset, length)
             except FetchError as err:
                 if not err.retryable or attempt >= self.retries:
-                    raise
+                    raise _after(err, attempt) from None
                 cause = err.cause
             attempt += 1
             if stats is not None:
                 stats["retried"] += 1
-            delay = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+            delay = backoff_delay(attempt, self.backoff, self.max_backoff)
             log.debug("retry %d of %s in %.3fs: %s", attempt, url, delay, cause)
-            await asyncio.sleep(delay * (0.5 + random.random()))
+            await asyncio.sleep(delay)
 
     async def _fetch_once(self, url: str, offset: int | None, length: int | None) -> bytes:
         path = src.local_path(url)
         if path is not None:
-            return _read(path, offset, length, _open_local, remote=False)
-        if src.is_http(url):
+            data = _read(path, offset, length, _open_local, remote=False)
+        elif src.is_http(url):
             return await self._fetch_http(url, offset, length)
-        return await asyncio.get_running_loop().run_in_executor(
-            None, _read, url, offset, length, _open_fsspec, True
-        )
+        else:
+            data = await asyncio.get_running_loop().run_in_executor(
+                None, _read, url, offset, length, _open_fsspec, True
+            )
+        if len(data) > self.max_item_bytes:
+            raise FetchError(url, f"{len(data)} bytes exceed max_item_bytes={self.max_item_bytes}")
+        return data
 
     async def _fetch_http(self, url: str, offset: int | None, length: int | None) -> bytes:
         session = self._get_session()
@@ -247,15 +339,25 @@ class Fetcher:
             if length == 0:
                 return b""
             headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        current = url
         try:
-            async with self._sem, session.get(url, headers=headers) as resp:
-                if resp.status >= 400:
-                    raise FetchError(
-                        url, f"HTTP {resp.status} {resp.reason}", resp.status in RETRY_STATUS
-                    )
-                body = await resp.read()
-                expected = resp.content_length
-                status = resp.status
+            for _ in range(MAX_REDIRECTS + 1):
+                async with (
+                    self._sem,
+                    session.get(current, headers=headers, allow_redirects=False) as resp,
+                ):
+                    if resp.status in REDIRECT_STATUS:
+                        current = self._redirect(url, current, resp)
+                        continue
+                    if resp.status >= 400:
+                        raise FetchError(
+                            url,
+                            f"HTTP {resp.status} {resp.reason}",
+                            resp.status in RETRY_STATUS,
+                            resp.status in MISSING_STATUS,
+                        )
+                    return await self._body(url, resp, offset, length)
+            raise FetchError(url, f"more than {MAX_REDIRECTS} redirects")
         except FetchError:
             raise
         except asyncio.TimeoutError:
@@ -263,14 +365,96 @@ class Fetcher:
         except aiohttp.ClientError as err:
             # connection refused/reset, server disconnected, payload cut short
             raise FetchError(url, f"{type(err).__name__}: {err}", True) from None
-        if expected is not None and len(body) != expected:
-            raise FetchError(url, f"truncated body: {len(body)} of {expected} bytes", True)
-        if headers is not None:
-            if status == 200:  # the server ignored Range: cut the record out ourselves
-                body = body[offset : offset + length]
-            if len(body) != length:
-                raise FetchError(url, f"short range read: {len(body)} of {length} bytes", True)
+
+    def _redirect(self, url: str, current: str, resp: aiohttp.ClientResponse) -> str:
+        """Where a redirect leads, if the policy allows following it."""
+        location = resp.headers.get("Location")
+        if not location:
+            raise FetchError(url, f"HTTP {resp.status} redirect without a Location")
+        target = urllib.parse.urljoin(current, location)
+        if self.redirects == "none":
+            raise FetchError(url, f"HTTP {resp.status} redirect to {target} (redirects='none')")
+        if not src.is_http(target):
+            raise FetchError(url, f"redirect to {target} refused: not http(s)")
+        if self.redirects == "same-host":
+            here = urllib.parse.urlsplit(url).hostname
+            there = urllib.parse.urlsplit(target).hostname
+            if here != there:
+                raise FetchError(
+                    url,
+                    f"redirect to {target} refused: another host than {here} "
+                    "(redirects='any' follows it)",
+                )
+        return target
+
+    async def _body(
+        self, url: str, resp: aiohttp.ClientResponse, offset: int | None, length: int | None
+    ) -> bytes:
+        """The body of a successful response, within the size bounds."""
+        expected = resp.content_length
+        if offset is None or resp.status == 206:
+            cap = self.max_item_bytes if offset is None else length
+            if expected is not None and expected > cap:
+                raise FetchError(url, _too_big(expected, cap, offset is None))
+            body = await (resp.read() if expected is not None else _read_capped(resp, cap))
+            if len(body) > cap:
+                raise FetchError(url, _too_big(len(body), cap, offset is None))
+            if expected is not None and len(body) != expected:
+                raise FetchError(url, f"truncated body: {len(body)} of {expected} bytes", True)
+        else:
+            # The server ignored Range (200, the whole file): read up to the record's
+            # end only, then drop the connection instead of downloading the rest.
+            end = offset + length
+            if end > self.max_item_bytes:
+                raise FetchError(
+                    url,
+                    f"the server ignores Range requests, and the record ends at byte {end}, "
+                    f"beyond max_item_bytes={self.max_item_bytes}",
+                )
+            self._warn_no_range(url)
+            head = await _read_capped(resp, end, exact=True)
+            resp.close()
+            body = head[offset:end]
+        if offset is not None and len(body) != length:
+            raise FetchError(url, f"short range read: {len(body)} of {length} bytes", True)
         return body
+
+    def _warn_no_range(self, url: str) -> None:
+        host = urllib.parse.urlsplit(url).netloc
+        if host not in self._no_range_hosts:
+            self._no_range_hosts.add(host)
+            log.warning(
+                "%s ignores HTTP Range requests: each record reads its file up to the "
+                "record's end (serve the files with Range support, or as separate items)",
+                host,
+            )
+
+
+def _too_big(size: int, cap: int, whole: bool) -> str:
+    if whole:
+        return f"body of {size} bytes exceeds max_item_bytes={cap}"
+    return f"range answer of {size} bytes for a {cap}-byte record"
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int, exact: bool = False) -> bytes:
+    """At most ``cap + 1`` bytes of the body (``cap`` with ``exact``), in chunks."""
+    limit = cap if exact else cap + 1
+    buf = bytearray()
+    while len(buf) < limit:
+        chunk = await resp.content.read(min(1 << 20, limit - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+def _payload_size(payload: Any) -> int:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return len(payload)
+    if isinstance(payload, dict):  # a tar sample: member extension -> bytes
+        return sum(len(v) for v in payload.values() if isinstance(v, bytes | bytearray))
+    nbytes = getattr(payload, "nbytes", None)  # a tensor row
+    return int(nbytes) if isinstance(nbytes, int) else 0
 
 
 def _read(name: str, offset: int | None, length: int | None, opener: Any, remote: bool) -> bytes:
@@ -286,7 +470,9 @@ def _read(name: str, offset: int | None, length: int | None, opener: Any, remote
             f.seek(offset)
             data = f.read(length)
     except FileNotFoundError:
-        raise FetchError(name, "no such file") from None
+        raise FetchError(name, "no such file", missing=True) from None
+    except IsADirectoryError:
+        raise FetchError(name, "is a directory") from None
     except Exception as err:
         if not (remote or isinstance(err, OSError)):
             raise  # a local read fails with OSError; anything else is a bug to see
@@ -306,3 +492,54 @@ def _open_fsspec(url: str) -> Any:
     import fsspec
 
     return fsspec.open(url, "rb")
+
+
+# ----------------------------------------------------------------------------- whole files
+
+
+def read_bytes(
+    location: str,
+    missing_ok: bool = False,
+    cache: Any = None,
+    fetcher: Fetcher | None = None,
+    **policy: Any,
+) -> bytes | None:
+    """Read a whole file (an index, a meta file, a .pt) with the fetch policy.
+
+    Plain paths and ``file://`` are opened directly; anything else goes
+    through a :class:`Fetcher` (`fetcher`, or one made from `policy` for this
+    read), so it is retried like an item. A missing file raises
+    :class:`IndexNotFound` (a ``FileNotFoundError``) naming it, or gives None
+    with ``missing_ok``; any other failure is a :class:`FetchError` naming the
+    URL. With a :class:`dataset.cache.Cache`, a remote file is read from it
+    when present and kept in it once read (local files are never copied).
+    """
+    path = src.local_path(location)
+    if cache is not None and path is None:
+        data = cache.get(location)
+        if data is None:
+            # An optional file (a meta file) that was absent is remembered as absent,
+            # so a cached index opens with the store out of reach.
+            absent = (location, "absent")
+            if missing_ok and cache.get(absent) is not None:
+                return None
+            data = read_bytes(location, missing_ok, None, fetcher, **policy)
+            cache.put(absent if data is None else location, b"" if data is None else data)
+        return data
+    try:
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                raise FetchError(location, "no such file", missing=True) from None
+        if fetcher is not None:
+            return fetcher.read(location)
+        with Fetcher(pool_size=1, **policy) as own:
+            return own.read(location)
+    except FetchError as err:
+        if not err.missing:
+            raise
+        if missing_ok:
+            return None
+        raise IndexNotFound(str(err)) from None

@@ -14,18 +14,26 @@ background threads while the current one is read, and at most
 by the part size, not by the dataset size.
 
 How many records an epoch holds is not known until every part has been read
-once: ``len(index)`` is an estimate (records seen so far, plus the mean part
-size for each part not read yet) that becomes exact after the first epoch.
+once: ``len(index)`` is an estimate that becomes exact after the first epoch.
+Before any part is read it reads this partition's first part and scales its
+record count by the part sizes of the listing (records per byte); then the
+parts read so far stand for the rest, by size when sizes are known.
+
+Every read is retried with the fetch policy (``timeout``, ``retries``,
+``backoff``...); a part that still fails, or that decompresses to more than
+``max_part_bytes``, is logged, counted in ``failed_parts`` and read as empty.
+A part loader that finishes nothing within ``part_timeout`` raises PartError.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import os
 import re
 import threading
-import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,19 +41,19 @@ from typing import Any
 
 import numpy as np
 
+from . import sources as src
 from .batcher import Record
 from .cache import Cache
-from .records import ReadStats, read_part
+from .errors import FetchError, PartError
+from .fetch import Fetcher, with_retries
+from .options import PARTS
+from .records import DEFAULT_MAX_PART_BYTES, ReadStats, TooLarge, read_part
 from .sampler import register_sampler
 
 log = logging.getLogger(__name__)
 
 _PART_NAME = re.compile(r"(\.tar|\.tgz|\.tfrecords?|\.gz)$|^part-", re.IGNORECASE)
 _BRACES = re.compile(r"\{([^{}]*)\}")
-
-
-class PartError(ValueError):
-    """A part-file dataset that cannot be read as asked (no parts, too few for the partitions)."""
 
 
 # ---------------------------------------------------------------- finding parts
@@ -97,41 +105,88 @@ def is_part_source(index: Any) -> bool:
     return all(_PART_NAME.search(e.name) for e in names)
 
 
-def list_parts(url: str, storage_options: dict | None = None) -> list[str]:
-    """The part files of a folder URL (any fsspec store) or brace pattern, sorted by name.
+_INDEX_FILE = re.compile(r"\.(csv|tsv|pt)$", re.IGNORECASE)
+DEFAULT_PART_TIMEOUT = 600.0
+
+
+def _read_local(path: str, url: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FetchError(url, "no such file", missing=True) from None
+    except OSError as err:
+        raise FetchError(url, f"{type(err).__name__}: {err}") from None
+
+
+def _retry_policy(fetch: dict | None) -> dict:
+    """The retry options of a fetch policy, for :func:`dataset.fetch.with_retries`."""
+    keys = ("retries", "backoff", "max_backoff")
+    return {k: v for k, v in (fetch or {}).items() if k in keys}
+
+
+def list_parts(
+    url: str, storage_options: dict | None = None, fetch: dict | None = None
+) -> list[str]:
+    """The part files of a folder URL (any fsspec store) or brace pattern, sorted by name."""
+    return [name for name, _ in list_part_sizes(url, storage_options, fetch)]
+
+
+def list_part_sizes(
+    url: str, storage_options: dict | None = None, fetch: dict | None = None
+) -> list[tuple[str, int | None]]:
+    """``(part, size in bytes or None)`` for the parts of a folder URL or brace pattern.
 
     Hidden files and markers (names starting with ``.`` or ``_``, e.g.
-    Hadoop's ``_SUCCESS``) are skipped; sub-folders are not descended into.
+    Hadoop's ``_SUCCESS``) are skipped; sub-folders are not descended into. A
+    listing is retried like a fetch (``fetch``: the policy); a missing folder is not.
     """
     import fsspec
 
     url = os.fspath(url)
     if _BRACES.search(url):
-        return sorted(expand_braces(url))
+        return [(name, None) for name in sorted(expand_braces(url))]
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     hint = (
         "; for a server without folder listings, name the parts with a brace pattern "
-        "such as 'http://host/train/shard-{000..099}.tar'"
-        if url.startswith(("http://", "https://"))
+        "such as 'http://host/train/shard-{000..099}.tar', or name the index file "
+        f"itself, such as {url.rstrip('/') + '/train.csv'!r}"
+        if src.is_http(url)
         else ""
     )
     try:
-        entries = fs.ls(path, detail=True)
+        entries = with_retries(
+            lambda: fs.ls(path, detail=True), f"{url} (listing)", **_retry_policy(fetch)
+        )
     except FileNotFoundError:
         raise PartError(f"{url}: no such folder{hint}") from None
     except Exception as err:  # an HTTP server without listings, a denied bucket, ...
-        raise PartError(f"{url}: cannot list part files ({err!r}){hint}") from err
+        raise PartError(f"{url}: cannot list part files ({err}){hint}") from err
     parts = []
     for e in entries:
         name = e["name"].rstrip("/").rsplit("/", 1)[-1]
         if e.get("type") == "directory" or name.startswith((".", "_")):
             continue
-        parts.append(e["name"])
+        size = e.get("size")
+        parts.append((e["name"], int(size) if isinstance(size, int) else None))
     if not parts:
         raise PartError(f"{url}: no part files found{hint}")
     if _has_scheme(url) and not url.startswith("file://"):
-        parts = [fs.unstrip_protocol(p) if not _has_scheme(p) else p for p in parts]
+        parts = [(fs.unstrip_protocol(p) if not _has_scheme(p) else p, n) for p, n in parts]
     return sorted(parts)
+
+
+def _refuse_index_files(url: str, parts: Sequence[str]) -> None:
+    """A folder that holds index files is not a folder of part files: say which to open."""
+    found = [p.rsplit("/", 1)[-1] for p in parts if _INDEX_FILE.search(p)]
+    found.sort(key=lambda name: (name.lower().endswith(".pt"), name))  # CSV/TSV first
+    if found:
+        folder = url if url.endswith("/") else url + "/"
+        raise PartError(
+            f"{url} is a folder that holds index files ({', '.join(found[:5])}): open one, "
+            f"such as Dataset({folder + found[0]!r}); to read its files as part files "
+            "instead, pass record_format="
+        )
 
 
 # ---------------------------------------------------------------- the index
@@ -164,6 +219,10 @@ class PartIndex:
         part_retries: int = 3,
         partition: int = 0,
         partitions: int = 1,
+        sizes: Sequence[int | None] | None = None,
+        max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
+        part_timeout: float | None = DEFAULT_PART_TIMEOUT,
+        fetch: dict | None = None,
     ):
         if resident_parts < 2:
             raise ValueError(
@@ -171,7 +230,11 @@ class PartIndex:
             )
         self.parts = list(parts)
         self.sources = self.parts
+        self.sizes = list(sizes) if sizes is not None else [None] * len(self.parts)
         self.origin = origin
+        self.max_part_bytes, self.part_timeout = max_part_bytes, part_timeout
+        self.fetch = dict(fetch or {})
+        self._own_fetcher: Fetcher | None = None
         self.record_format = record_format
         self.resident_parts = resident_parts
         self.cache = cache
@@ -184,6 +247,7 @@ class PartIndex:
         self.retries = part_retries
         self.partition_id, self.partitions = partition, partitions
         self.counts: dict[int, int] = {}  # part number -> records read from it
+        self.failed: set[int] = set()  # parts whose last read failed (read as empty)
         self.stats = ReadStats()
         self.failed_parts = 0
         self.resident = 0  # parsed parts held now (loaded, not yet released by the reader)
@@ -200,6 +264,9 @@ class PartIndex:
             check_crc=self.check_crc,
             storage_options=self.storage_options,
             part_retries=self.retries,
+            max_part_bytes=self.max_part_bytes,
+            part_timeout=self.part_timeout,
+            fetch=self.fetch,
         )
 
     def __repr__(self) -> str:
@@ -209,17 +276,43 @@ class PartIndex:
         )
 
     def __len__(self) -> int:
-        """Records in this partition: exact once every part was read, else an estimate."""
+        """Records in this partition: exact once every part was read, else an estimate.
+
+        With nothing read yet, the first part is read to count its records
+        (what a record weighs is unknown before); the parts read stand for the
+        unread ones, scaled by size when the listing gave sizes.
+        """
+        for n in range(len(self.parts)):
+            if self.counts:
+                break
+            if n not in self.failed:
+                self.load_part(n)
         with self._lock:
-            known = sum(self.counts.values())
-            unread = len(self.parts) - len(self.counts)
-            mean = known / len(self.counts) if self.counts else 1
-        return known + round(unread * mean)
+            counts, failed = dict(self.counts), set(self.failed)
+        known = sum(counts.values())
+        unread = [n for n in range(len(self.parts)) if n not in counts and n not in failed]
+        if not unread or not counts:
+            return known
+        read_bytes = sum(self.sizes[n] or 0 for n in counts)
+        if read_bytes and all(self.sizes[n] is not None for n in (*counts, *unread)):
+            unread_bytes = sum(self.sizes[n] or 0 for n in unread)
+            return known + round(unread_bytes * known / read_bytes)
+        return known + round(len(unread) * known / len(counts))
+
+    def read_counters(self) -> dict[str, int]:
+        """What reading the parts produced so far, for ``batcher.stats``."""
+        with self._lock:
+            return {
+                "parts": self.stats.parts,
+                "part_bytes": self.stats.bytes,
+                "corrupt": self.stats.corrupt,
+                "failed_parts": self.failed_parts,
+            }
 
     @property
     def exact(self) -> bool:
-        """Whether ``len()`` is exact (every part has been read once)."""
-        return len(self.counts) == len(self.parts)
+        """Whether ``len()`` is exact (every part has been read once, or failed)."""
+        return len(self.counts) + len(self.failed) == len(self.parts)
 
     def partition(self, partition: int, partitions: int) -> PartIndex:
         """The parts of one partition: file i goes to partition ``i % partitions``."""
@@ -231,9 +324,13 @@ class PartIndex:
                 "partitions (each partition reads whole files; use fewer partitions or "
                 "split the data into more part files)"
             )
-        mine = self.parts[partition::partitions]
         return PartIndex(
-            mine, self.origin, partition=partition, partitions=partitions, **self._options()
+            self.parts[partition::partitions],
+            self.origin,
+            partition=partition,
+            partitions=partitions,
+            sizes=self.sizes[partition::partitions],
+            **self._options(),
         )
 
     def by_label(self) -> list[np.ndarray]:
@@ -254,57 +351,84 @@ class PartIndex:
 
     # ------------------------------------------------------------ loading
 
-    def _download(self, url: str) -> bytes:
+    def _read_remote(self, url: str) -> bytes:
+        """One part file, whole, retried with the fetch policy; FetchError when it fails."""
+        if src.is_http(url):
+            return self._fetcher().read(url)
+        path = src.local_path(url)
+        if path is not None:  # read here, in the loader's thread: a large file must not
+            data = _read_local(path, url)  # hold the fetcher's loop
+            if len(data) > self.max_part_bytes:
+                raise FetchError(url, f"{len(data)} bytes exceed max_part_bytes")
+            return data
         import fsspec
 
         def read() -> bytes:
             fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
-            return fs.cat_file(path)  # one GET for http(s), not ranged reads
+            try:
+                data = fs.cat_file(path)
+            except FileNotFoundError:
+                raise FetchError(url, "no such file", missing=True) from None
+            if len(data) > self.max_part_bytes:
+                raise FetchError(url, f"{len(data)} bytes exceed max_part_bytes")
+            return data
 
+        policy = _retry_policy(self.fetch)
+        policy["retries"] = self.retries
+        return with_retries(read, url, **policy)
+
+    def _fetcher(self) -> Fetcher:
+        """This index's Fetcher for http(s) parts: one session, kept alive."""
+        with self._lock:
+            if self._own_fetcher is None:
+                policy = {k: v for k, v in self.fetch.items() if k != "timeout"}
+                policy.update(retries=self.retries, max_item_bytes=self.max_part_bytes)
+                # a part is large: the fetch timeout bounds each wait for data (idle),
+                # part_timeout a whole download
+                self._own_fetcher = Fetcher(
+                    pool_size=self.resident_parts,
+                    timeout=self.part_timeout,
+                    idle_timeout=self.fetch.get("timeout", 30.0),
+                    **policy,
+                )
+                weakref.finalize(self, self._own_fetcher.close)
+            return self._own_fetcher
+
+    def _download(self, url: str) -> bytes:
         if self.cache is None or not _has_scheme(url) or url.startswith(("file://", "memory://")):
-            return read()
-        fetched: list[bytes] = []
-
-        def download_into(out) -> None:
-            fetched.append(read())
-            out.write(fetched[0])
-
-        path = self.cache.fill(url, download_into)
-        if fetched:  # this process downloaded it: no need to read it back
-            return fetched[0]
-        with open(path, "rb") as f:
-            return f.read()
+            return self._read_remote(url)
+        return self.cache.fill(url, lambda: self._read_remote(url))
 
     def load_part(self, number: int) -> list[tuple[int, Any]]:
         """Download and parse part ``number`` of this partition: ``[(offset, record)]``.
 
-        Download errors are retried with backoff; a part that still fails is
-        logged, counted in ``failed_parts`` and read as empty.
+        Download errors are retried with the fetch policy; a part that still
+        fails, is missing or is too large is logged, counted in
+        ``failed_parts`` and read as empty.
         """
         url = self.parts[number]
-        for attempt in range(self.retries + 1):
-            try:
-                data = self._download(url)
-                break
-            except FileNotFoundError:
-                log.error("%s: part file not found; skipping it", url)
-                self._count_failed()
-                return []
-            except Exception as err:
-                if attempt == self.retries:
-                    log.error("%s: giving up after %d tries: %r", url, attempt + 1, err)
-                    self._count_failed()
-                    return []
-                log.warning("%s: download failed (%r); retrying", url, err)
-                time.sleep(0.1 * 2**attempt)
         stats = ReadStats()
-        recs = list(
-            read_part(
-                data, url, record_format=self.record_format, stats=stats, check_crc=self.check_crc
+        try:
+            data = self._download(url)
+            records = read_part(
+                data,
+                url,
+                record_format=self.record_format,
+                stats=stats,
+                check_crc=self.check_crc,
+                max_bytes=self.max_part_bytes,
             )
-        )
+            recs = list(records)
+        except (FetchError, TooLarge) as err:
+            log.error("%s: skipping this part file: %s", url, err)
+            with self._lock:
+                self.failed_parts += 1
+                self.failed.add(number)
+                self.counts.pop(number, None)
+            return []
         with self._lock:
             self.counts[number] = len(recs)
+            self.failed.discard(number)
             self.stats.add(stats)
         return recs
 
@@ -316,10 +440,6 @@ class PartIndex:
             with self._lock:
                 self.resident += 1
                 self.max_resident_seen = max(self.max_resident_seen, self.resident)
-
-    def _count_failed(self) -> None:
-        with self._lock:
-            self.failed_parts += 1
 
     def _release(self) -> None:
         with self._lock:
@@ -340,8 +460,15 @@ class PartIndex:
             for n in itertools.islice(todo, self.resident_parts):
                 pending.append((n, pool.submit(self._load_resident, n)))
             while pending:
-                n, fut = pending.popleft()
-                recs = fut.result()
+                n, fut = pending[0]
+                try:
+                    recs = fut.result(timeout=self.part_timeout)
+                except concurrent.futures.TimeoutError:
+                    raise PartError(
+                        f"{self.parts[n]}: the part loader finished nothing in "
+                        f"part_timeout={self.part_timeout}s (a stuck download or parse)"
+                    ) from None
+                pending.popleft()
                 try:
                     yield n, recs
                 finally:
@@ -442,8 +569,21 @@ for _name, _fn in SAMPLERS.items():
 
 
 def default_sampler(index: Any, sampler: Any) -> Any:
-    """``linear`` (the batcher's default) means ``part-linear`` for part files."""
-    return "part-linear" if sampler == "linear" and isinstance(index, PartIndex) else sampler
+    """``linear`` (the batcher's default) means ``part-linear`` for part files.
+
+    Any other named sampler of items by position is refused at once for part
+    files (torch-dataset refused them too): their records have no positions.
+    """
+    if not isinstance(index, PartIndex):
+        return sampler
+    if sampler == "linear":
+        return "part-linear"
+    if isinstance(sampler, str) and sampler not in SAMPLERS:
+        raise TypeError(
+            f"{index.origin}: part-file records cannot be addressed by position, so "
+            f"sampler {sampler!r} cannot draw them; use one of {', '.join(SAMPLERS)}"
+        )
+    return sampler
 
 
 def open_parts(
@@ -453,35 +593,35 @@ def open_parts(
     max_cache_bytes: int | None = None,
     cache_parts: bool = True,
     storage_options: dict | None = None,
+    fetch: dict | None = None,
     **opts: Any,
 ) -> PartIndex:
     """A :class:`PartIndex` over every part file of ``index`` (unpartitioned)."""
     url = os.fspath(index)
-    parts = list_parts(url, storage_options)
+    listed = list_part_sizes(url, storage_options, fetch)
+    if opts.get("record_format") is None:
+        _refuse_index_files(url, [name for name, _ in listed])
     cache = Cache(cache_dir, max_cache_bytes) if cache_parts else None
-    return PartIndex(parts, url, cache=cache, storage_options=storage_options, **opts)
+    return PartIndex(
+        [name for name, _ in listed],
+        url,
+        cache=cache,
+        storage_options=storage_options,
+        sizes=[size for _, size in listed],
+        fetch=fetch,
+        **opts,
+    )
 
 
-PART_OPTIONS = (
-    "record_format",
-    "resident_parts",
-    "label_key",
-    "labels",
-    "check_crc",
-    "storage_options",
-    "part_retries",
-    "cache_parts",
-)
-
-
-def dataset_index(index: Any, opts: dict) -> PartIndex | None:
+def dataset_index(index: Any, opts: dict, fetch: dict | None = None) -> PartIndex | None:
     """For :class:`dataset.Dataset`: a PartIndex when ``index`` names part files, else None.
 
-    Takes the part options out of ``opts`` (they are not batcher options);
-    ``cache_dir`` and ``max_cache_bytes`` stay, for the item cache. Passing a
-    part option (``record_format=``, ...) makes any folder URL a part source.
+    Takes the part options (``options.PARTS``) out of ``opts`` (they are not
+    batcher options); ``cache_dir`` and ``max_cache_bytes`` stay, for the item
+    cache. Passing a part option (``record_format=``, ...) makes any folder URL
+    a part source. ``fetch`` is the read policy (``timeout``, ``retries``...).
     """
-    mine = {k: opts.pop(k) for k in PART_OPTIONS if k in opts}
+    mine = {k: opts.pop(k) for k in PARTS if k in opts}
     if not (is_part_source(index) or (mine and isinstance(index, str | os.PathLike))):
         if mine:
             raise TypeError(f"{sorted(mine)} apply to part files only, not to {index!r}")
@@ -490,6 +630,7 @@ def dataset_index(index: Any, opts: dict) -> PartIndex | None:
         index,
         cache_dir=opts.get("cache_dir"),
         max_cache_bytes=opts.get("max_cache_bytes"),
+        fetch=fetch,
         **mine,
     )
 

@@ -32,6 +32,9 @@ class Image:
     channel count of ``input_dims``. ``size``: resize to ``(height, width)`` (or an
     int for a square) first; without it an image must already match ``input_dims``.
     ``mean``/``std``: per-channel normalisation applied after scaling to [0, 1].
+    ``max_pixels``: larger images raise ``PIL.Image.DecompressionBombError``
+    before they are decoded (default: Pillow's ``Image.MAX_IMAGE_PIXELS``, which
+    Pillow itself only warns about below twice that size).
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class Image:
         mean: float | Sequence[float] | None = None,
         std: float | Sequence[float] | None = None,
         resample: int = _PIL.BILINEAR,
+        max_pixels: int | None = None,
     ):
         self.mode = mode
         self.size = (size, size) if isinstance(size, int) else (tuple(size) if size else None)
@@ -52,12 +56,20 @@ class Image:
         self._mean = None if self.mean is None else self.mean[:, None, None]
         self._std = None if self.std is None else self.std[:, None, None]
         self.resample = resample
+        self.max_pixels = max_pixels
 
     def __repr__(self) -> str:
         return f"Image(mode={self.mode!r}, size={self.size}, mean={self.mean}, std={self.std})"
 
     def __call__(self, data: bytes, opt: Any, out: torch.Tensor) -> bool:
         img = _PIL.open(io.BytesIO(data))
+        limit = self.max_pixels if self.max_pixels is not None else _PIL.MAX_IMAGE_PIXELS
+        if limit and img.size[0] * img.size[1] > limit:
+            raise _PIL.DecompressionBombError(
+                f"image of {img.size[0]}x{img.size[1]} = {img.size[0] * img.size[1]} pixels "
+                f"exceeds the limit of {limit} "
+                "(Image(max_pixels=...) or PIL.Image.MAX_IMAGE_PIXELS)"
+            )
         channels = out.shape[0] if out.dim() == 3 else 1
         mode = self.mode or _MODES.get(channels, "RGB")
         if self.size is not None:
@@ -79,16 +91,38 @@ class Image:
         elif dst.ndim == 3:
             arr = arr[None]
         if arr.shape != dst.shape:
-            raise ValueError(
-                f"image of shape {arr.shape} (C,H,W) does not fit input_dims "
-                f"{tuple(out.shape)}; pass Image(size=(H, W)) to resize"
-            )
+            raise ValueError(_mismatch(tuple(arr.shape), tuple(dst.shape), img.mode))
         np.multiply(arr, _SCALE, out=dst)
         if self._mean is not None:
             dst -= self._mean if dst.ndim == 3 else self._mean[0]
         if self._std is not None:
             dst /= self._std if dst.ndim == 3 else self._std[0]
         return True
+
+
+def _mismatch(got: tuple[int, ...], want: tuple[int, ...], mode: str) -> str:
+    """Why a decoded image does not fit its batch row, and the option that fixes it."""
+    image = f"a mode-{mode} image of shape {got} ({'C,H,W' if len(got) == 3 else 'H,W'})"
+    if len(want) <= 1:
+        chw = got if len(got) == 3 else (1, *got)
+        return (
+            f"{image} does not fit the flat input_dims {want}: give input_dims={chw} "
+            "(channels, height, width), or flatten in your own processor"
+        )
+    if len(want) == 3 and len(got) == 3 and got[0] != want[0]:
+        fix = f"Image(mode={_MODES.get(want[0], '...')!r})"
+        if got[1:] != want[1:]:
+            fix = fix[:-1] + f", size={want[1:]})"
+        return f"{image} has {got[0]} channels, input_dims {want} has {want[0]}: pass {fix}"
+    if len(got) != len(want):
+        return (
+            f"{image} does not fit input_dims {want}: pass Image(mode='L') for one channel, "
+            f"or input_dims=(C, H, W) such as {(got[0], *want[-2:]) if len(got) == 3 else got}"
+        )
+    return (
+        f"{image} is {got[-2]}x{got[-1]} (HxW), input_dims {want} wants "
+        f"{want[-2]}x{want[-1]}: pass Image(size={want[-2:]}) to resize"
+    )
 
 
 class Raw:

@@ -29,6 +29,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 FORMATS = ("tar", "tfrecord", "lines")
+# A part decompresses to at most this much (max_part_bytes): it is held in memory whole.
+DEFAULT_MAX_PART_BYTES = 4 << 30
 
 # Log the first few corrupt records of a part file one by one; the rest are
 # summed up once the part is done, so a badly damaged file cannot flood logs.
@@ -105,8 +107,12 @@ def read_part(
     record_format: str | None = None,
     stats: ReadStats | None = None,
     check_crc: bool = True,
+    max_bytes: int = DEFAULT_MAX_PART_BYTES,
 ) -> Iterator[tuple[int, Any]]:
     """Yield ``(offset, record)`` for every intact record of the part file ``name``.
+
+    A ``.gz`` part that decompresses to more than ``max_bytes`` raises
+    :class:`TooLarge` before any record is yielded.
 
     ``offset`` is the record's byte offset in the (decompressed) file. Tar
     records are WebDataset samples: a dict of lower-cased extension to bytes
@@ -118,7 +124,7 @@ def read_part(
     stats.parts += 1
     truncated = False
     if gz:
-        data, truncated = gunzip(data, name, stats)
+        data, truncated = gunzip(data, name, stats, max_bytes)
     stats.bytes += len(data)
     try:
         if fmt == "tar":
@@ -137,27 +143,59 @@ def _count(records: Iterator[tuple[int, Any]], stats: ReadStats) -> Iterator[tup
         yield rec
 
 
-def gunzip(data: bytes | memoryview, name: str, stats: ReadStats) -> tuple[bytes, bool]:
+class TooLarge(ValueError):
+    """A part file that decompresses to more than its size limit."""
+
+
+def gunzip(
+    data: bytes | memoryview, name: str, stats: ReadStats, limit: int = DEFAULT_MAX_PART_BYTES
+) -> tuple[bytes, bool]:
     """Decompress (possibly multi-member) gzip; a cut-off stream keeps what was readable.
 
-    Returns ``(data, truncated)``.
+    Returns ``(data, truncated)``. More than `limit` bytes of output raises
+    :class:`TooLarge` (a decompression bomb). Each member is fed in pieces that
+    start small and double, so the cost is linear in the input whatever the
+    number of members (a stream of a million tiny members included).
     """
-    out = []
-    rest = bytes(data)
-    while rest:
+    view = memoryview(data)
+    end = len(view)
+    out: list[bytes] = []
+    total = 0
+    pos = _skip_zeros(view, 0)  # some writers pad members with zeros
+    while pos < end:
         dec = zlib.decompressobj(wbits=31)
-        try:
-            out.append(dec.decompress(rest))
-        except zlib.error as err:
-            log.warning("%s: corrupt gzip stream, keeping what came before it: %s", name, err)
-            stats.truncated_files += 1
-            return b"".join(out), True
-        if not dec.eof:
-            log.warning("%s: gzip stream cut off; keeping the complete records before it", name)
-            stats.truncated_files += 1
-            return b"".join(out), True
-        rest = dec.unused_data.lstrip(b"\0")  # some writers pad members with zeros
+        step = 256
+        while not dec.eof:
+            if pos >= end:
+                log.warning("%s: gzip stream cut off; keeping the complete records before it", name)
+                stats.truncated_files += 1
+                return b"".join(out), True
+            piece = view[pos : pos + step]
+            pos += len(piece)
+            step = min(step * 2, 1 << 20)
+            try:
+                chunk = dec.decompress(piece, limit - total + 1)
+            except zlib.error as err:
+                log.warning("%s: corrupt gzip stream, keeping what came before it: %s", name, err)
+                stats.truncated_files += 1
+                return b"".join(out), True
+            total += len(chunk)
+            if total > limit or dec.unconsumed_tail:
+                raise TooLarge(f"{name}: decompresses to more than {limit} bytes (max_part_bytes)")
+            out.append(chunk)
+        pos = _skip_zeros(view, pos - len(dec.unused_data))
     return b"".join(out), False
+
+
+def _skip_zeros(view: memoryview, pos: int) -> int:
+    """The first offset at or after `pos` that is not a zero byte (or the end)."""
+    while pos < len(view):
+        block = bytes(view[pos : pos + 65536])
+        rest = block.lstrip(b"\0")
+        if rest:
+            return pos + len(block) - len(rest)
+        pos += len(block)
+    return pos
 
 
 # ---------------------------------------------------------------- lines
@@ -278,17 +316,26 @@ def _resync_tfrecord(data: bytes, off: int) -> int:
 
 # ---------------------------------------------------------------- tar
 
-_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+_MAX_NAME = 4096  # PATH_MAX: a longer member name is damage, not a sample
 _SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset skips __meta__ members
 _BLOCK = 512
 _ADLER_MOD = 65521
 
 
-def _tar_number(field: bytes) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
+def _tar_number(field: bytes) -> int | None:
+    """A size field: octal text, or GNU base-256 (first byte 0x80) for sizes >= 8 GiB.
+
+    None for anything else (not octal; base-256 with the sign bit set, 0xff, is
+    negative): the header is damaged or crafted, and its member cannot be read.
+    """
+    if field[:1] == b"\x80":
         return int.from_bytes(field[1:], "big")
     text = field.split(b"\0", 1)[0].strip(b" ")
-    return int(text, 8) if text else 0
+    if not text:
+        return 0
+    if text.strip(b"01234567"):
+        return None
+    return int(text, 8)
 
 
 def _header_ok(data: bytes, off: int) -> bool:
@@ -341,10 +388,19 @@ def _tar_members(data: bytes, damage: _Damage) -> Iterator[tuple[int, str | None
         size = _tar_number(data[off + 124 : off + 136])
         kind = data[off + 156 : off + 157]
         start = off + _BLOCK
-        stop = start + size
-        if stop > end:
-            yield first, long_name or pax_path or _cstr(data, off, off + 100), None
-            return
+        stop = start + (size or 0)
+        if size is None or stop > end:
+            later = _resync_tar(data, off + _BLOCK)
+            if size is not None and later >= end:  # a member cut off by the end of the file
+                yield first, long_name or pax_path or _cstr(data, off, off + 100), None
+                return
+            # a size that is not a size, or that runs past a header further on: drop
+            # this member and go on from the next header
+            damage.record(off, "bad tar size field" if size is None else "tar size past a header")
+            yield off, None, None
+            off = first = later
+            long_name = pax_path = None
+            continue
         if kind == b"0" or kind == b"\0" or kind == b"7":
             name = long_name or pax_path
             if name is None:
@@ -366,6 +422,26 @@ def _tar_members(data: bytes, damage: _Damage) -> Iterator[tuple[int, str | None
             first = off
     if off < end and data[off:].strip(b"\0"):
         yield first, "", None  # a header cut off: whose member it was is unknown
+
+
+def key_ext(name: str) -> tuple[str, str] | None:
+    """webdataset's ``base_plus_ext``: (path up to the first dot of the file name, the rest).
+
+    The same answer as the regex ``^((?:.*/|)[^.]+)[.]([^/]*)$`` (None where it
+    does not match), in linear time on any name: the regex backtracks
+    quadratically on a long name with many slashes.
+    """
+    last = name.rfind("/")
+    dot = name.find(".", last + 1)
+    if dot < 0:
+        return None
+    if dot > last + 1:
+        return name[:dot], name[dot + 1 :]
+    # The file name starts with a dot: the regex's key reaches back over the last
+    # slash, through the previous folder name if that has no dot.
+    if last < 0 or "." in name[name.rfind("/", 0, last) + 1 : last]:
+        return None
+    return name[:dot], name[dot + 1 :]
 
 
 def _pax_path(block: bytes) -> str | None:
@@ -417,20 +493,23 @@ def read_tar(data: bytes | memoryview, damage: _Damage) -> Iterator[tuple[int, d
             continue
         if content is None:
             # The sample this member belongs to is incomplete: drop it (one count).
-            damage.record(off, f"tar member {name or '(header)'!r} cut off by the end of the file")
-            m = _KEY_EXT.match(name)
-            if sample is not None and (m is None or m.group(1) == sample["__key__"]):
+            damage.record(off, f"tar member {name[:200] or '(header)'!r} cut off by the end")
+            ke = key_ext(name)
+            if sample is not None and (ke is None or ke[0] == sample["__key__"]):
                 sample = None  # it may have lost members: never deliver it half
             break
+        if len(name) > _MAX_NAME:
+            damage.record(off, f"tar member name of {len(name)} characters")
+            continue
         if "__" in name and (
             ("/" not in name and name.startswith("__") and name.endswith("__"))
             or _SKIP_META.match(name)
         ):
             continue
-        m = _KEY_EXT.match(name)
-        if m is None:
+        ke = key_ext(name)
+        if ke is None:
             continue
-        key, ext = m.group(1), m.group(2).lower()
+        key, ext = ke[0], ke[1].lower()
         if key == lost_key:
             continue
         if sample is None or key != sample["__key__"]:

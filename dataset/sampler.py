@@ -13,12 +13,15 @@ an epoch's order is the same on every machine and a resumed job can regenerate
 it and skip what it already saw.
 
 Samplers that draw with replacement (``uniform``, ``label-*``) draw
-``len(index)`` items per epoch.
+``len(index)`` examples per epoch, or ``num_samples``. ``linear``,
+``permutation`` and ``uniform`` take ``label=`` (a label name) to walk one
+label's examples only, as torch-dataset's samplers did.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -87,19 +90,54 @@ def endless(
             raise ValueError(f"{index.origin}: sampler {name!r} drew no item (epoch {epoch})")
 
 
-def linear(index, epoch: int, rng: np.random.Generator) -> np.ndarray:
-    """Every item once, in index order."""
-    return np.arange(len(index), dtype=np.int64)
+def _label_id(index, label: str | int) -> int:
+    name = str(label)
+    try:
+        return index.labels.index(name)
+    except ValueError:
+        raise ValueError(
+            f"{index.origin}: no label {name!r}; labels are {index.labels[:20]}"
+        ) from None
 
 
-def permutation(index, epoch: int, rng: np.random.Generator) -> np.ndarray:
-    """Every item once, in a new random order each epoch."""
-    return rng.permutation(len(index)).astype(np.int64)
+def _positions(index, label: str | int | None) -> np.ndarray:
+    """Every example, or the examples of one `label` (a name, as torch-dataset's samplers)."""
+    if label is None:
+        return np.arange(len(index), dtype=np.int64)
+    return index.by_label()[_label_id(index, label)]
 
 
-def uniform(index, epoch: int, rng: np.random.Generator) -> np.ndarray:
-    """Items drawn uniformly with replacement."""
-    return rng.integers(0, len(index), size=len(index), dtype=np.int64)
+def linear(index, epoch: int, rng: np.random.Generator, label: str | None = None) -> np.ndarray:
+    """Every example once, in index order (only those of `label` when given)."""
+    return _positions(index, label)
+
+
+def permutation(
+    index, epoch: int, rng: np.random.Generator, label: str | None = None
+) -> np.ndarray:
+    """Every example once, in a new random order each epoch (only those of `label` when given)."""
+    return rng.permutation(_positions(index, label)).astype(np.int64)
+
+
+def uniform(
+    index,
+    epoch: int,
+    rng: np.random.Generator,
+    label: str | None = None,
+    num_samples: int | None = None,
+) -> np.ndarray:
+    """Examples drawn uniformly with replacement (of `label` when given)."""
+    pool = _positions(index, label)
+    return pool[rng.integers(0, len(pool), size=_draws(index, num_samples))]
+
+
+def _draws(index, num_samples: int | None) -> int:
+    """How many draws an epoch of a sampler with replacement makes: ``len(index)`` by default."""
+    if num_samples is None:
+        return len(index)
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    return int(num_samples)
 
 
 def _members(index) -> tuple[list[np.ndarray], np.ndarray]:
@@ -120,21 +158,52 @@ def _draw_members(members, labels: np.ndarray, rng: np.random.Generator) -> np.n
     return out
 
 
-def label_uniform(index, epoch: int, rng: np.random.Generator) -> np.ndarray:
-    """A label uniformly at random, then an item of that label uniformly at random."""
+def label_uniform(
+    index, epoch: int, rng: np.random.Generator, num_samples: int | None = None
+) -> np.ndarray:
+    """A label uniformly at random, then an example of that label uniformly at random."""
     members, present = _members(index)
-    labels = present[rng.integers(0, len(present), size=len(index))]
+    labels = present[rng.integers(0, len(present), size=_draws(index, num_samples))]
     return _draw_members(members, labels, rng)
 
 
-def label_permutation(index, epoch: int, rng: np.random.Generator) -> np.ndarray:
-    """A label uniformly at random, then that label's next item in a per-label permutation.
+def label_cycles(n: int, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """`n` labels drawn in cycles: each run of ``len(labels)`` holds every label once.
 
-    Each label walks through a shuffled list of its items, reshuffling when it
-    wraps, so within a label no item repeats before all have been seen.
+    Each cycle is a fresh permutation, never in the same order as the cycle
+    before it (torch-dataset's rule), so with two labels cycles alternate.
+    """
+    k = len(labels)
+    cycles = -(-n // k)
+    if k == 1:
+        return np.repeat(labels, n)
+    perms = np.argsort(rng.random((cycles, k)), axis=1)
+    if k == 2:
+        perms[1::2] = perms[0, ::-1]  # the only other order
+        perms[0::2] = perms[0]
+    else:  # redraw a cycle equal to the one before (1 in k!); that can only affect the next
+        todo = deque((np.nonzero((perms[1:] == perms[:-1]).all(axis=1))[0] + 1).tolist())
+        while todo:
+            c = todo.popleft()
+            while (perms[c] == perms[c - 1]).all():
+                perms[c] = rng.permutation(k)
+            nxt = c + 1
+            if nxt < cycles and (perms[nxt] == perms[c]).all() and (not todo or todo[0] != nxt):
+                todo.appendleft(nxt)
+    return labels[perms.reshape(-1)[:n]]
+
+
+def label_permutation(
+    index, epoch: int, rng: np.random.Generator, num_samples: int | None = None
+) -> np.ndarray:
+    """Labels in balanced cycles, then each label's next example in a per-label permutation.
+
+    Every run of L draws (L labels) holds each label once; each label walks
+    through a shuffled list of its examples, reshuffled when it wraps, so within
+    a label no example repeats before all have been seen.
     """
     members, present = _members(index)
-    labels = present[rng.integers(0, len(present), size=len(index))]
+    labels = label_cycles(_draws(index, num_samples), present, rng)
     out = np.empty(len(labels), dtype=np.int64)
     for lab in np.unique(labels):
         where = np.nonzero(labels == lab)[0]
@@ -151,9 +220,10 @@ def label_distribution(
     rng: np.random.Generator,
     weights: Mapping[str, float] | None = None,
     default_weight: float = 0.0,
+    num_samples: int | None = None,
 ) -> np.ndarray:
     """A label drawn with probability proportional to ``weights[name]`` (``default_weight``
-    for labels not named), then an item of that label uniformly at random."""
+    for labels not named), then an example of that label uniformly at random."""
     if weights is None:
         raise ValueError("sampler 'label-distribution' needs sampler_opt={'weights': {...}}")
     unknown = set(weights) - set(index.labels)
@@ -165,7 +235,8 @@ def label_distribution(
     )
     if (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"label-distribution: weights must be >= 0 with a positive sum, got {w}")
-    labels = present[rng.choice(len(present), size=len(index), p=w / w.sum())]
+    size = _draws(index, num_samples)
+    labels = present[rng.choice(len(present), size=size, p=w / w.sum())]
     return _draw_members(members, labels, rng)
 
 

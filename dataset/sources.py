@@ -12,10 +12,7 @@ picklable because it travels to process workers once per item:
 from __future__ import annotations
 
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
-from typing import Any
 
 Source = "str | tuple[str, int, int] | bytes | torch.Tensor"
 
@@ -81,56 +78,55 @@ def join_prefix(prefix: str, name: str) -> str:
     return prefix.rstrip("/") + "/" + name.lstrip("/")
 
 
-def add_params(url: str, params: str | dict | None) -> str:
-    """Append a query string (``"a=1&b=2"`` or a dict) to an http(s) URL."""
-    if not params:
-        return url
-    if isinstance(params, dict):
-        params = urllib.parse.urlencode(params)
-    params = params.lstrip("?&")
-    return url + ("&" if "?" in url else "?") + params
+def query_string(params: str | dict | None) -> str:
+    """``url_params`` as a query string: a string as given, a dict with sorted keys.
 
-
-def read_bytes(
-    location: str, missing_ok: bool = False, timeout: float = 60.0, cache: Any = None
-) -> bytes | None:
-    """Read a whole small file (an index, a meta file, a .pt) synchronously.
-
-    Plain paths and ``file://`` are opened directly, http(s) goes through urllib
-    (no event loop needed for a one-off read), anything else through fsspec.
-    With ``missing_ok``, a missing file gives None instead of an error. With a
-    :class:`dataset.cache.Cache`, a remote file is read from it when present and
-    kept in it once read (local files are never copied).
+    As torch-dataset wrote it: ``{"b": 2, "a": 1, "d": True}`` is ``a=1&b=2&d=true``
+    (sorted keys, lower-case booleans), values URL-encoded.
     """
-    path = local_path(location)
-    if cache is not None and path is None:
-        data = cache.get(location)
-        if data is None:
-            # An optional file (a meta file) that was absent is remembered as absent,
-            # so a cached index opens with the store out of reach.
-            absent = (location, "absent")
-            if missing_ok and absent in cache:
-                return None
-            data = read_bytes(location, missing_ok, timeout)
-            cache.put(absent if data is None else location, b"" if data is None else data)
-        return data
-    try:
-        if path is not None:
-            with open(path, "rb") as f:
-                return f.read()
-        if is_http(location):
-            try:
-                with urllib.request.urlopen(location, timeout=timeout) as resp:
-                    return resp.read()
-            except urllib.error.HTTPError as err:
-                if err.code in (404, 410):
-                    raise FileNotFoundError(f"{location}: HTTP {err.code}") from err
-                raise OSError(f"{location}: HTTP {err.code} {err.reason}") from err
-        import fsspec
+    if not params:
+        return ""
+    if isinstance(params, dict):
+        items = []
+        for key in sorted(params, key=str):
+            value = params[key]
+            items.append((str(key), str(value).lower() if isinstance(value, bool) else str(value)))
+        return urllib.parse.urlencode(items)
+    return params.lstrip("?&")
 
-        with fsspec.open(location, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise
+
+def add_params(url: str, query: str) -> str:
+    """Append a query string (from :func:`query_string`) to an http(s) URL."""
+    if not query:
+        return url
+    return url + ("&" if "?" in url else "?") + query
+
+
+def scheme(location: str) -> str:
+    """The scheme of a URL (``"http"``, ``"s3"``...), ``"file"`` for local paths."""
+    if not is_url(location):
+        return "file"
+    name = location.split("://", 1)[0].lower()
+    return "http" if name == "https" else name
+
+
+def check_scheme(index: str, item: str, allow: frozenset[str]) -> str | None:
+    """Why `item` may not be read for a remote `index`, or None when it may.
+
+    An index read from a store may only name items on stores of its own kind:
+    an http(s) index names http(s) items, an s3:// index s3:// items. So an
+    index served by someone else cannot send the trainer to read its local
+    files (``file://``, ``/etc/...``) or another store with its credentials.
+    A local index may name anything. Schemes in `allow` are always accepted.
+    """
+    home = scheme(index)
+    if home == "file":
+        return None
+    there = scheme(item)
+    if there == home or there in allow:
+        return None
+    what = "a local path" if there == "file" else f"a {there}:// URL"
+    return (
+        f"names {item!r}, {what}, but the index was read from {home}://; an index may "
+        f"only name items on its own kind of store (allow_schemes=[{there!r}] allows it)"
+    )

@@ -27,6 +27,8 @@ import os
 import pickle
 import signal
 import tempfile
+import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing import reduction
@@ -34,7 +36,10 @@ from typing import Any
 
 import torch
 
-from .fetch import Fetcher, FetchError, Stats
+from .errors import FetchError, WorkerDied
+from .failures import FETCH, PROCESS, ItemFailure
+from .fetch import Fetcher, Stats
+from .seeding import call_with_item, seed_worker
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,12 @@ class BatchResult:
 
     ok: list[bool]
     extras: dict[int, Any] = field(default_factory=dict)
-    errors: list[tuple[int, str]] = field(default_factory=list)  # (row, cause)
+    errors: list[ItemFailure] = field(default_factory=list)
     stats: dict = field(default_factory=Stats)
+
+
+# What a batch is decoded under: (seed, partition, epoch, position of its first item)
+Context = tuple[int, int, int, int]
 
 
 async def fill(
@@ -56,38 +65,52 @@ async def fill(
     processor: Any,
     opt: Any,
     executor: concurrent.futures.Executor | None = None,
+    ctx: Context | None = None,
 ) -> BatchResult:
-    """Fetch every source and let `processor` decode item i into ``out[i]``, concurrently."""
+    """Fetch every source and let `processor` decode item i into ``out[i]``, concurrently.
+
+    With `ctx`, item i is decoded as item ``ctx[3] + i`` of its epoch (what
+    :func:`dataset.seeding.item_rng` derives its generator from).
+    """
     res = BatchResult(ok=[False] * len(sources))
     stats = res.stats
     loop = asyncio.get_running_loop()
+    seed, partition, epoch, first = ctx if ctx is not None else (0, 0, 0, 0)
 
     async def one(i: int, source: Any) -> None:
         try:
             data = await fetcher.fetch(source, stats)
         except FetchError as err:
             stats["failed"] += 1
-            res.errors.append((i, err.cause))
+            res.errors.append(ItemFailure(i, FETCH, err.cause, type(err).__name__, err))
             return
         except Exception as err:  # a bug or an odd backend error: still only this item
             stats["failed"] += 1
-            res.errors.append((i, f"{type(err).__name__}: {err}"))
+            kind = type(err).__name__
+            res.errors.append(
+                ItemFailure(i, FETCH, f"{kind}: {err}", kind, err, traceback.format_exc())
+            )
             return
+        key = (seed, partition, epoch, first + i)
         try:
             if executor is None:
-                ret = processor(data, opt, out[i])
+                ret = call_with_item(key, processor, data, opt, out[i])
             else:
-                ret = await loop.run_in_executor(executor, processor, data, opt, out[i])
+                ret = await loop.run_in_executor(
+                    executor, call_with_item, key, processor, data, opt, out[i]
+                )
         except Exception as err:
             stats["dropped"] += 1
-            res.errors.append((i, f"processor raised {type(err).__name__}: {err}"))
+            kind = type(err).__name__
+            cause = f"processor raised {kind}: {err}"
+            res.errors.append(ItemFailure(i, PROCESS, cause, kind, err, traceback.format_exc()))
             return
         extra = None
         if isinstance(ret, tuple):
             ret, extra = ret
         if ret is False:
             stats["dropped"] += 1
-            res.errors.append((i, "processor returned False"))
+            res.errors.append(ItemFailure(i, PROCESS, "processor returned False"))
             return
         res.ok[i] = True
         if extra is not None:
@@ -97,15 +120,22 @@ async def fill(
     return res
 
 
+def _stuck(what: str, timeout: float) -> WorkerDied:
+    return WorkerDied(
+        f"{what} finished no batch in worker_timeout={timeout}s: it is stuck (a processor or "
+        "read that hangs, a stopped process); raise worker_timeout if a batch takes longer"
+    )
+
+
 class ThreadWorkers:
     """Fetch on one event loop thread, decode on `num_workers` threads, all in this process."""
 
     kind = "thread"
 
     def __init__(self, slots: torch.Tensor, processor: Any, opt: Any, fetch_kw: dict,
-                 num_workers: int = 1):  # fmt: skip
+                 num_workers: int = 1, timeout: float | None = None):  # fmt: skip
         self.slots = slots
-        self.processor, self.opt = processor, opt
+        self.processor, self.opt, self.timeout = processor, opt, timeout
         self.fetcher = Fetcher(**fetch_kw)
         self.executor = (
             concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="dataset-decode")
@@ -113,14 +143,19 @@ class ThreadWorkers:
             else None
         )
 
-    def submit(self, slot: int, sources: list[Any]) -> concurrent.futures.Future:
+    def submit(
+        self, slot: int, sources: list[Any], ctx: Context | None = None
+    ) -> concurrent.futures.Future:
         out = self.slots[slot]
         return self.fetcher.submit(
-            fill(self.fetcher, sources, out, self.processor, self.opt, self.executor)
+            fill(self.fetcher, sources, out, self.processor, self.opt, self.executor, ctx)
         )
 
     def result(self, job: concurrent.futures.Future) -> BatchResult:
-        return job.result()
+        try:
+            return job.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise _stuck("the thread workers", self.timeout) from None
 
     def close(self) -> None:
         self.fetcher.close()
@@ -166,10 +201,6 @@ def _attach_ring(dup: Any, nbytes: int) -> RingMemory:
     return RingMemory(nbytes, dup.detach())
 
 
-class WorkerDied(RuntimeError):
-    """A process worker exited while batches were in flight."""
-
-
 class ProcessWorkers:
     """`num_workers` processes filling a ring of batch slots in shared memory."""
 
@@ -183,6 +214,7 @@ class ProcessWorkers:
         fetch_kw: dict,
         num_workers: int,
         mp_context: str | None = None,
+        timeout: float | None = None,
     ):
         try:
             payload = pickle.dumps((processor, opt), protocol=pickle.HIGHEST_PROTOCOL)
@@ -207,8 +239,11 @@ class ProcessWorkers:
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._outstanding: list[deque] = []
+        self._answers: dict[int, Any] = {}  # received, not yet taken (an interrupted result())
         self._next_job = 0
         self._closed = False
+        self._pid = os.getpid()  # a forked copy (a DataLoader worker) must not close them
+        self.timeout = timeout
         try:
             for w in range(num_workers):
                 parent, child = ctx.Pipe(duplex=True)
@@ -231,31 +266,40 @@ class ProcessWorkers:
             self.close()
             raise
 
-    def submit(self, slot: int, sources: list[Any]) -> tuple[int, int]:
+    def submit(self, slot: int, sources: list[Any], ctx: Context | None = None) -> tuple[int, int]:
         # least loaded worker; ties go to the lowest index
         w = min(range(len(self._procs)), key=lambda i: len(self._outstanding[i]))
         job = self._next_job
         self._next_job += 1
         try:
-            self._conns[w].send((job, slot, sources))
+            self._conns[w].send((job, slot, sources, ctx))
         except (BrokenPipeError, ConnectionResetError, OSError) as err:
             raise self._died(w, err) from None
         self._outstanding[w].append(job)
         return w, job
 
     def result(self, handle: tuple[int, int]) -> BatchResult:
+        """The answer to job `handle`; safe to call again after an interruption (Ctrl-C)."""
         w, job = handle
         # each worker answers its jobs in order, and jobs are consumed in global
-        # order, so the next answer on this worker's pipe is this job's
+        # order, so the answers on this worker's pipe come in its jobs' order
         conn, proc = self._conns[w], self._procs[w]
-        while not conn.poll(1.0):
-            if not proc.is_alive():
-                raise self._died(w, None)
-        try:
-            got, res = conn.recv()
-        except (EOFError, ConnectionResetError, OSError) as err:
-            raise self._died(w, err) from None
-        assert got == job == self._outstanding[w].popleft(), (got, job)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while job not in self._answers:
+            while not conn.poll(0.5):
+                if not proc.is_alive():
+                    raise self._died(w, None)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise _stuck(f"dataset worker process {w} (pid {proc.pid})", self.timeout)
+            try:
+                got, res = conn.recv()
+            except (EOFError, ConnectionResetError, OSError) as err:
+                raise self._died(w, err) from None
+            expected = self._outstanding[w].popleft()
+            if got != expected:
+                raise WorkerDied(f"dataset worker process {w} answered job {got}, not {expected}")
+            self._answers[got] = res
+        res = self._answers.pop(job)
         if isinstance(res, BaseException):
             raise res
         return res
@@ -269,7 +313,7 @@ class ProcessWorkers:
         )
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed or self._pid != os.getpid():
             return
         self._closed = True
         for conn in self._conns:
@@ -308,7 +352,7 @@ def _worker_main(
     processor, opt = pickle.loads(payload)
     slots = torch.frombuffer(ring.buf, dtype=torch.float32, count=math.prod(shape)).view(shape)
     try:
-        asyncio.run(_worker_loop(conn, slots, processor, opt, fetch_kw))
+        asyncio.run(_worker_loop(conn, slots, processor, opt, fetch_kw, rank))
     finally:
         del slots
         ring.close()
@@ -316,16 +360,19 @@ def _worker_main(
         os._exit(0)  # skip atexit (the resource tracker, torch) in a worker
 
 
-async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict) -> None:
+async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict, rank: int):
     loop = asyncio.get_running_loop()
     fetcher = Fetcher(**fetch_kw)
     done = asyncio.Event()
     previous: asyncio.Future | None = None
     tasks: set[asyncio.Task] = set()
+    seeded: list[Any] = [None]  # the (seed, partition, epoch) the globals were seeded for
 
-    async def run(job: int, slot: int, sources: list, before: asyncio.Future | None) -> None:
+    async def run(job: int, slot: int, sources: list, ctx, before) -> None:
         try:
-            res: Any = await fill(fetcher, sources, slots[slot], processor, opt)
+            res: Any = await fill(fetcher, sources, slots[slot], processor, opt, None, ctx)
+            for failure in res.errors:
+                _keep_if_picklable(failure)
         except BaseException as err:  # report, so the main process raises it
             res = RuntimeError(f"worker failed on a batch: {type(err).__name__}: {err}")
         if before is not None:
@@ -342,8 +389,11 @@ async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict
             loop.remove_reader(conn.fileno())
             done.set()
             return
-        job, slot, sources = msg
-        task = loop.create_task(run(job, slot, sources, previous))
+        job, slot, sources, ctx = msg
+        if ctx is not None and ctx[:3] != seeded[0]:
+            seeded[0] = ctx[:3]  # a new epoch: this worker's own random streams
+            seed_worker(*ctx[:3], rank)
+        task = loop.create_task(run(job, slot, sources, ctx, previous))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         previous = task
@@ -355,3 +405,13 @@ async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict
             await asyncio.wait(tasks, timeout=5)
     finally:
         await fetcher.aclose()
+
+
+def _keep_if_picklable(failure: ItemFailure) -> None:
+    """Drop an exception that cannot cross to the main process (its type and traceback stay)."""
+    if failure.error is None:
+        return
+    try:
+        pickle.dumps(failure.error)
+    except Exception:
+        failure.error = None

@@ -2,13 +2,17 @@
 
     python tests/faulty_server.py ROOT PLAN.json --port-file F [--stall 5]
 
-PLAN maps a path (relative to ROOT, no leading slash) to the list of what the
-server does on successive requests for it; the last entry repeats forever:
-``"ok"`` (serve the file), ``"500"``/``"503"``/``"404"``/``"403"`` (that status),
+PLAN maps a path (relative to ROOT, no leading slash; "" for the root) to the
+list of what the server does on successive requests for it; the last entry
+repeats forever: ``"ok"`` (serve the file, with Range support, or an HTML
+listing of a folder), ``"500"``/``"503"``/``"404"``/``"403"`` (that status),
 ``"stall"`` (sleep --stall seconds, then serve), ``"cut"`` (announce the full
-length, send half the body, drop the connection). Paths not in the plan are
-served normally. Request counts per path are written to ROOT/../hits.json on
-SIGTERM so tests can check retries really happened.
+length, send half the body, drop the connection), ``"norange"`` (ignore Range:
+the whole file, in 64 KiB writes), ``"endless"`` (a chunked body that never
+ends), ``"redirect:URL"`` (a 302 to URL; ``{port}`` is this server's port).
+Paths not in the plan are served normally. Request counts per path, and the
+bytes written for ``norange``/``endless`` answers (key ``PATH#sent``), are
+written to ROOT/../hits.json on SIGTERM so tests can check what happened.
 """
 
 from __future__ import annotations
@@ -36,11 +40,27 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
         path = (root / rel).resolve()
         if action.isdigit():
             return web.Response(status=int(action), text=f"injected {action} for /{rel}\n")
+        if action.startswith("redirect:"):
+            target = action.split(":", 1)[1].replace("{port}", str(request.url.port))
+            raise web.HTTPFound(target)
+        if action == "endless":
+            return await _stream(request, rel, hits, iter(lambda: bytes(65536), None))
+        if path.is_dir():
+            links = "".join(
+                f'<a href="{e.name}{"/" if e.is_dir() else ""}">{e.name}</a>\n'
+                for e in sorted(path.iterdir())
+            )
+            return web.Response(text=f"<html><body>{links}</body></html>", content_type="text/html")
         if not path.is_file():
             raise web.HTTPNotFound(text=f"not found: /{rel}\n")
-        body = path.read_bytes()
         if action == "stall":
             await asyncio.sleep(stall)
+        if action == "ok":
+            return web.FileResponse(path)
+        body = path.read_bytes()
+        if action == "norange":
+            chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
+            return await _stream(request, rel, hits, chunks, len(body))
         if action == "cut":
             resp = web.StreamResponse(status=200)
             resp.content_length = len(body)
@@ -52,8 +72,28 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
         return web.Response(body=body, content_type="application/octet-stream")
 
     app = web.Application()
-    app.router.add_get("/{path:.+}", handle)
+    app.router.add_get("/{path:.*}", handle)
     return app
+
+
+async def _stream(request, rel: str, hits: Counter, chunks, length: int | None = None):
+    """Write `chunks` until they end or the client hangs up (at most 1 GiB); count bytes."""
+    resp = web.StreamResponse(status=200)
+    if length is not None:
+        resp.content_length = length
+    await resp.prepare(request)
+    sent = 0
+    try:
+        for chunk in chunks:
+            if sent >= 1 << 30:
+                break
+            await resp.write(chunk)
+            sent += len(chunk)
+    except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        hits[rel + "#sent"] = sent
+    return resp
 
 
 async def serve(root: Path, plan: dict, stall: float, port_file: str, hits_file: Path) -> None:

@@ -8,15 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import distlearn.dataset.cache
+from distlearn.dataset import DatasetError
 from distlearn.dataset.cache import Cache
 from tests.conftest import repo_env, wait_for_file
 
 CACHE_PY = distlearn.dataset.cache.__file__
+TRAILER = 16  # length + CRC-32 after each entry
 
 
 def body(url: str, size: int) -> bytes:
@@ -32,10 +33,10 @@ def test_put_get_keyed_by_url(tmp_path):
     cache.put("http://h/b", b"B" * 10)
     assert cache.get("http://h/a") == b"A" and cache.get("http://h/b") == b"B" * 10
     assert "http://h/a" in cache and "http://h/c" not in cache
-    assert cache.hits == 2 and cache.size() == 11
+    assert cache.hits == 2 and cache.size() == 11 + 2 * TRAILER  # each entry: payload, trailer
     cache.put("http://h/a", b"AA")  # overwrite replaces
     assert cache.get("http://h/a") == b"AA"
-    assert cache.get_path("http://h/b").read_bytes() == b"B" * 10
+    assert cache.get(("http://h/b", 0, 10)) is None  # a byte range is its own key
     cache.clear()
     assert cache.size() == 0 and cache.get("http://h/a") is None
 
@@ -52,38 +53,40 @@ def test_default_dir_and_bad_limit(tmp_path, monkeypatch):
 
 
 def test_lru_eviction(tmp_path):
+    entry = 300 - TRAILER  # 300 bytes on disk
     cache = Cache(tmp_path, max_cache_bytes=1000)
     for i, name in enumerate("abc"):
-        cache.put(name, bytes(300))
+        cache.put(name, bytes(entry))
         os.utime(cache.path(name), (100 + i, 100 + i))  # a, b, c from old to new
     assert cache.get("a") is not None  # a becomes the most recently used
-    cache.put("d", bytes(300))  # 1200 > 1000: evict the least recently used (b) down to 900
+    cache.put("d", bytes(entry))  # 1200 > 1000: evict the least recently used (b) down to 900
     assert [n for n in "abcd" if n in cache] == ["a", "c", "d"]
     assert cache.size() == 900
 
 
-def test_failed_writer_leaves_nothing(tmp_path):
+def test_failed_producer_leaves_nothing(tmp_path):
     cache = Cache(tmp_path)
 
-    def broken(f):
-        f.write(b"partial")
+    def broken():
         raise ConnectionError("server went away")
 
     with pytest.raises(ConnectionError):
         cache.fill("u", broken)
     assert "u" not in cache
     assert not [p for p in cache.objects.rglob("*") if p.is_file()]
-    assert cache.fill("u", lambda f: f.write(b"ok")).read_bytes() == b"ok"
+    assert cache.fill("u", lambda: b"ok") == b"ok"
+    assert cache.fill("u", broken) == b"ok"  # a hit: the producer is not called
 
 
 CHILD = r"""
-import os, sys, time, random, hashlib, importlib.util
-# Load dataset/cache.py on its own: importing the package would import torch,
-# which takes seconds per child on a busy machine and is not what is tested.
-spec = importlib.util.spec_from_file_location("cache", os.environ["CACHE_PY"])
-cache_mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cache_mod)
-Cache = cache_mod.Cache
+import os, sys, time, random, hashlib, importlib, types
+# Load dataset/cache.py (and the errors module it imports) without the package:
+# importing the package would import torch, which takes seconds per child on a
+# busy machine and is not what is tested.
+pkg = types.ModuleType("dlcache")
+pkg.__path__ = [os.path.dirname(os.environ["CACHE_PY"])]
+sys.modules["dlcache"] = pkg
+Cache = importlib.import_module("dlcache.cache").Cache
 
 def body(url, size):
     seed = hashlib.sha256(url.encode()).digest()
@@ -94,19 +97,21 @@ if mode == "fill":
     cache = Cache(root)
     for i in range(n):
         url = f"http://host/part-{i:03d}"
-        def writer(f, url=url):
+        def download(url=url):
             with open(log, "a") as lf:
                 lf.write(url + "\n")
             time.sleep(0.01)  # a slow download: the others must wait, not repeat it
-            f.write(body(url, 200_000))
-        p = cache.fill(url, writer)
-        assert p.read_bytes() == body(url, 200_000), url
+            return body(url, 200_000)
+        assert cache.fill(url, download) == body(url, 200_000), url
 elif mode == "churn":
     cache = Cache(root, max_cache_bytes=400_000)
     rng = random.Random(os.getpid())
     seen = 0
-    for _ in range(n):
+    for i in range(n):
         url = f"item-{rng.randrange(40)}"
+        if i % 2:  # as part files are read: the entry, whoever evicts what meanwhile
+            assert cache.fill(url, lambda url=url: body(url, 50_000)) == body(url, 50_000)
+            continue
         got = cache.get(url)
         if got is None:
             cache.put(url, body(url, 50_000))
@@ -117,12 +122,11 @@ elif mode == "churn":
         lf.write(f"{seen}\n")
 elif mode == "hang":
     cache = Cache(root)
-    def writer(f):
-        f.write(b"half")
-        f.flush()
+    def download():
         open(log, "w").write("started\n")
         time.sleep(60)
-    cache.fill("http://host/stuck", writer)
+        return b"never"
+    cache.fill("http://host/stuck", download)
 """
 
 
@@ -153,7 +157,7 @@ def run_children(tmp_path, mode, n, procs=4, timeout=120):
 def test_processes_download_each_url_once(tmp_path):
     fills = run_children(tmp_path, "fill", 12)
     assert sorted(fills) == [f"http://host/part-{i:03d}" for i in range(12)]
-    assert Cache(tmp_path / "cache").size() == 12 * 200_000
+    assert Cache(tmp_path / "cache").size() == 12 * (200_000 + TRAILER)
 
 
 def test_processes_churning_a_small_cache(tmp_path):
@@ -183,9 +187,8 @@ def test_killed_filler_releases_the_lock(tmp_path):
     cache = Cache(tmp_path / "cache")
     assert "http://host/stuck" not in cache  # the half-written entry never appeared
     t0 = time.monotonic()
-    p = cache.fill("http://host/stuck", lambda f: f.write(b"whole"))
-    assert p.read_bytes() == b"whole" and time.monotonic() - t0 < 5
-    assert isinstance(p, Path)
+    assert cache.fill("http://host/stuck", lambda: b"whole") == b"whole"
+    assert time.monotonic() - t0 < 5
 
 
 def _child_put(cache: Cache, q) -> None:
@@ -212,3 +215,54 @@ def test_usable_after_fork(tmp_path):
             proc.kill()
             proc.join()
     assert cache.get("from-child") == b"child"
+
+
+def test_damaged_entries_read_as_misses_and_are_removed(tmp_path, caplog):
+    cache = Cache(tmp_path)
+    for name in ("cut", "flipped", "foreign"):
+        cache.put(name, body(name, 1000))
+    p = cache.path("cut")
+    p.write_bytes(p.read_bytes()[:600])  # a crash or a full disk mid-write
+    p = cache.path("flipped")
+    raw = bytearray(p.read_bytes())
+    raw[10] ^= 0xFF  # a bad sector
+    p.write_bytes(bytes(raw))
+    cache.path("foreign").write_bytes(body("foreign", 1000))  # no trailer at all
+    for name in ("cut", "flipped", "foreign"):
+        assert cache.get(name) is None and name not in cache
+    assert cache.corrupt == 3 and "damaged" in caplog.text
+    assert cache.fill("cut", lambda: b"fresh") == b"fresh" and cache.get("cut") == b"fresh"
+
+
+def test_oversized_entry_is_not_stored_and_a_large_one_survives_its_own_write(tmp_path):
+    cache = Cache(tmp_path, max_cache_bytes=1000)
+    cache.put("small", bytes(100))
+    assert cache.put("huge", bytes(2000)) is False and "huge" not in cache
+    assert cache.fill("huge", lambda: bytes(2000)) == bytes(2000)  # served, not stored
+    # 950 bytes: past the 90% low-water mark on its own, so eviction must not take it
+    assert cache.put("large", bytes(950))
+    assert cache.get("large") == bytes(950) and "small" not in cache
+
+
+def test_entries_are_synced_before_they_get_their_name(tmp_path, monkeypatch):
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append("rename"), real_replace(a, b))[1])
+    Cache(tmp_path).put("u", b"data")
+    assert calls == ["fsync", "rename"]
+
+
+def test_the_cache_directory_must_be_private(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # whoever can write here chooses what the trainer reads
+    with pytest.raises(DatasetError, match="writable by other users"):
+        Cache(shared)
+    if os.geteuid() == 0:  # only root can give a folder away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 4321, 4321)
+        with pytest.raises(DatasetError, match="belongs to uid 4321"):
+            Cache(theirs)
+    assert Cache(tmp_path / "new").root.stat().st_mode & 0o777 == 0o700

@@ -29,16 +29,17 @@ def test_csv_relative_absolute_quoted_and_multilabel(tmp_path):
     )
     ix = open_index(str(idx))
     base = str(tmp_path / "data")
-    assert ix.sources == [
-        os.path.join(base, "a.png"),
-        os.path.join(base, "b, with comma.png"),
-        os.path.join(base, "sub", "c.png"),
-        "/abs/d.png",
-        "http://cdn.example/e.png",
-    ]
+    a, b, c = (os.path.join(base, n) for n in ("a.png", "b, with comma.png", "sub/c.png"))
+    # rows, in file order
+    assert [ix.row_source(r) for r in range(ix.num_rows)] == [
+        a, b, c, "/abs/d.png", "http://cdn.example/e.png"
+    ]  # fmt: skip
     assert ix.labels == ["bird", "cat", "dog"]
-    assert [ix.item_labels(i) for i in range(5)] == [(1,), (2, 1), (), (2,), (0,)]
-    assert ix.targets.tolist() == [1, 2, -1, 2, 0]  # primary label; -1 unlabeled
+    # examples: one per label of each row, by label then filename; the unlabeled last
+    assert ix.sources == ["http://cdn.example/e.png", a, b, "/abs/d.png", b, c]
+    assert ix.targets.tolist() == [0, 1, 1, 2, 2, -1]
+    assert ix.rows.tolist() == [4, 0, 1, 3, 1, 2]
+    assert [ix.item_labels(i) for i in range(6)] == [(0,), (1,), (2, 1), (2,), (2, 1), ()]
     assert [len(m) for m in ix.by_label()] == [1, 2, 2]  # the two-label item is in both
 
 
@@ -49,9 +50,9 @@ def test_tsv_offset_length_and_numeric_label_order(tmp_path):
     )
     ix = open_index(str(idx))
     shard = str(tmp_path / "shard.bin")
-    assert ix.sources == [(shard, 0, 5), (shard, 5, 7), (shard, 12, 1)]
     assert ix.labels == ["2", "9", "10"]  # integers sort numerically
-    assert ix.targets.tolist() == [2, 1, 0]
+    assert ix.sources == [(shard, 12, 1), (shard, 5, 7), (shard, 0, 5)]  # by label
+    assert ix.targets.tolist() == [0, 1, 2]
 
 
 def test_http_index_resolves_against_its_url_and_meta_prefix(tmp_path, serve_dir):
@@ -134,12 +135,12 @@ def test_tensor_dict_and_pt(tmp_path):
     assert ix.labels == ["1", "3", "10"] and ix.targets.tolist() == [1, 0, 1, 2, 0, 1]
     torch.save({"x": x, "y": y}, tmp_path / "d.pt")
     ds = Dataset(str(tmp_path / "d.pt"), partition=1, partitions=2)
-    assert len(ds.index) == 2
     with ds.sampled_batcher(batch_size=4, input_dims=(2,)) as b:
         batch = b.next_batch()
-    # label 3 rows 0,2,5 -> partition 1 gets row 2; label 1 rows 1,4 -> row 4; label 10 row 3 -> p0
-    assert batch.input.tolist() == [[4.0, 5.0], [8.0, 9.0]]
-    assert batch.labels == [("3",), ("1",)]
+    assert len(ds.index) == 3
+    # tensors partition by row (torch-dataset's IndexTensor): rows 1, 3, 5 for partition 1
+    assert batch.input.tolist() == [[2.0, 3.0], [6.0, 7.0], [10.0, 11.0]]
+    assert batch.labels == [("1",), ("10",), ("3",)]
     assert open_index(x).labels == []
 
 
@@ -181,10 +182,11 @@ def test_partitions_cover_index_once_per_label(tmp_path):
         for key in (-1, 0, 1, 2):
             sizes = [int((whole.partition(r, parts).targets == key).sum()) for r in range(parts)]
             assert max(sizes) - min(sizes) <= 1
-    # the rule itself: within a label, the i-th item goes to partition i % partitions
+    # the rule itself: within a label, the k-th example (from 1) goes to partition k % partitions
     p1 = whole.partition(1, 3)
     label_a = [s for s, t in zip(whole.sources, whole.targets, strict=True) if t == 0]
-    assert [s for s, t in zip(p1.sources, p1.targets, strict=True) if t == 0] == label_a[1::3]
+    assert label_a == sorted(label_a), "a label's examples are in filename order"
+    assert [s for s, t in zip(p1.sources, p1.targets, strict=True) if t == 0] == label_a[0::3]
 
 
 def test_partition_auto_reads_env(tmp_path, monkeypatch):
@@ -192,7 +194,7 @@ def test_partition_auto_reads_env(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
     ds = Dataset(str(idx), partition="auto")
-    assert (ds.partition, ds.partitions, len(ds.index)) == (2, 4, 2)
+    assert (ds.partition, ds.partitions, len(ds.index)) == (2, 4, 3)  # examples 2, 6, 10
 
 
 @pytest.mark.parametrize(
@@ -201,7 +203,9 @@ def test_partition_auto_reads_env(tmp_path, monkeypatch):
         ("", r"i\.csv: empty index \(no header"),
         ("filename,label\n", r"i\.csv: empty index \(a header but no items"),
         ("name,label\na,b\n", r"i\.csv:1: no 'filename' column"),
-        ("filename,label\na,b\nc,d,e\n", r"i\.csv:3: expected 2 fields"),
+        ("filename,label\na,b\nc,d,e\n", r"i\.csv:3: 3 fields for a header of 2"),
+        ("filename,offset,length\na,1\n", r"i\.csv:2: missing fields \['length'\]"),
+        ("filename,filename\na,b\n", r"i\.csv:1: more than one 'filename' column"),
         ("filename,label\n,b\n", r"i\.csv:2: empty filename"),
         ("filename,offset,length\na,x,1\n", r"i\.csv:2: offset/length must be integers"),
         ("filename,offset\na,1\n", r"i\.csv:1: 'offset' and 'length' columns go together"),
@@ -220,8 +224,8 @@ def test_bad_arguments(tmp_path):
         Dataset(str(idx), partition=2, partitions=2)
     with pytest.raises(ValueError, match="partition -1 out of range"):
         Dataset(str(idx), partition=-1, partitions=2)
-    with pytest.raises(BadIndex, match="partition 2 of 3 is empty"):
-        Dataset(str(idx), partition=2, partitions=3)
+    with pytest.raises(BadIndex, match="partition 0 of 3 is empty"):  # a, b: partitions 1, 2
+        Dataset(str(idx), partition=0, partitions=3)
     with pytest.raises(FileNotFoundError, match=r"index not found: .*nope\.csv"):
         Dataset(str(tmp_path / "nope.csv"))
     (tmp_path / "empty").mkdir()

@@ -85,7 +85,7 @@ def test_default_sampler_is_part_linear_and_order(tmp_path):
     truth = write_shards(tmp_path / "s", 3, 5)
     ds = Dataset(tmp_path / "s", label_key="cls")
     b = ds.sampled_batcher(batch_size=4, input_dims=(1, 4, 4), processor=PROC, workers="thread")
-    assert b.num_batches() == 1  # three parts, nothing read yet: one record each
+    assert b.num_batches() == 4  # 15 records: the first part's count, scaled by part sizes
     _, _, pixels = read_epoch(b)
     assert pixels == [float(v) for v in truth.values()]
     assert b.num_batches() == 4 and ds.index.labels == ["0", "1", "2"]
@@ -165,7 +165,8 @@ def test_cache_items_second_epoch_reads_from_disk(tmp_path):
             retries=0,
         )
         first = read_epoch(b)[2]
-        assert first == [float(i) for i in range(20)]
+        # linear: label by label, then by filename ("10.png" < "2.png")
+        assert first == [float(i) for i in sorted(range(20), key=lambda i: (i % 2, f"{i}.png"))]
         server.terminate()
         server.wait(timeout=10)  # epoch 2 can only come from the cache now
         assert read_epoch(b)[2] == first
@@ -173,8 +174,8 @@ def test_cache_items_second_epoch_reads_from_disk(tmp_path):
         # cache_index: the index itself comes from disk too, so a restarted job still opens it
         again = Dataset(base + "index.csv", **opts)
         assert again.index.sources == ds.index.sources
-        with pytest.raises(OSError):
-            Dataset(base + "index.csv", cache_dir=tmp_path / "cache")
+        with pytest.raises(OSError, match=r"127\.0\.0\.1:\d+/index\.csv: .* \(after 4 tries\)"):
+            Dataset(base + "index.csv", cache_dir=tmp_path / "cache", backoff=0.01)
     finally:
         if server.poll() is None:
             server.kill()

@@ -48,7 +48,7 @@ def test_jpeg_resize_and_normalise():
 
 
 def test_size_mismatch_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"does not fit input_dims \(1, 4, 4\).*size="):
+    with pytest.raises(ValueError, match=r"input_dims \(1, 4, 4\).*Image\(size=\(4, 4\)\)"):
         Image()(encode(np.zeros((8, 8), np.uint8)), None, torch.empty(1, 4, 4))
     with pytest.raises(OSError):  # Pillow: cannot identify image file
         Image()(b"not an image", None, torch.empty(1, 4, 4))
@@ -78,3 +78,40 @@ def test_default_processor():
     assert img.eq(1).all()
     with pytest.raises(TypeError, match="default processor"):
         default_processor([b"a", b"b"], None, out)
+
+
+@pytest.mark.parametrize(
+    "image, dims, hint",
+    [
+        (np.zeros((8, 8, 3), np.uint8), (1, 8, 8), r"3 channels, input_dims \(1, 8, 8\) has 1: "
+         r"pass Image\(mode='L'\)"),
+        (np.zeros((8, 8, 3), np.uint8), (1, 4, 4), r"pass Image\(mode='L', size=\(4, 4\)\)"),
+        (np.zeros((28, 28), np.uint8), (784,), r"flat input_dims \(784,\): give "
+         r"input_dims=\(1, 28, 28\)"),
+        (np.zeros((6, 8), np.uint8), (1, 8, 6), r"is 6x8 \(HxW\), input_dims \(1, 8, 6\) "
+         r"wants 8x6: pass Image\(size=\(8, 6\)\)"),
+        (np.zeros((8, 8, 3), np.uint8), (8, 8), r"input_dims \(8, 8\): pass Image\(mode='L'\) "
+         r"for one channel, or input_dims=\(C, H, W\) such as \(3, 8, 8\)"),
+    ],
+)  # fmt: skip
+def test_mismatch_hint_names_the_dimension_that_differs(image, dims, hint):
+    mode = "RGB" if image.ndim == 3 else "L"
+    with pytest.raises(ValueError, match=hint):
+        Image(mode=mode)(encode(image), None, torch.empty(dims))
+
+
+def test_max_image_pixels_is_an_error_not_a_warning(monkeypatch):
+    import warnings
+
+    from PIL import Image as PILImage
+
+    data = encode(np.zeros((40, 40), np.uint8))
+    with pytest.raises(PILImage.DecompressionBombError, match="1600 pixels exceeds the limit"):
+        Image(max_pixels=1000)(data, None, torch.empty(1, 40, 40))
+    # Pillow only warns between MAX_IMAGE_PIXELS and twice that: we refuse
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+        with pytest.raises(PILImage.DecompressionBombError, match="limit of 1000"):
+            Image()(data, None, torch.empty(1, 40, 40))
+        assert Image(max_pixels=0)(data, None, torch.empty(1, 40, 40))  # 0: no limit of ours

@@ -256,3 +256,97 @@ def test_logging_is_rate_limited(tmp_path, caplog):
     assert got == [] and stats.corrupt == 50
     assert len(caplog.records) == records._LOG_PER_PART + 1
     assert "45 more corrupt records" in caplog.text
+
+
+# ----------------------------------------------------------------------------- hostile input
+
+
+def _patch_size(data: bytearray, header: int, field: bytes) -> None:
+    """Give the tar header at `header` this size field, with a checksum that matches."""
+    data[header + 124 : header + 136] = field.ljust(12, b"\0")
+    data[header + 148 : header + 156] = b" " * 8
+    data[header + 148 : header + 156] = f"{sum(data[header : header + 512]):06o}\0 ".encode()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "field, reason",
+    [
+        (b"1234567x123", "bad tar size field"),  # not octal: used to raise out of the reader
+        (b"\xff" * 12, "bad tar size field"),  # GNU base-256, negative
+        (b"77777777777", "tar size past a header"),  # 8 GiB: used to end the part there
+    ],
+)
+def test_tar_crafted_size_drops_that_sample_and_reads_on(tmp_path, field, reason):
+    path = tmp_path / "s.tar"
+    write_shard(path, 10)
+    full, _ = ours(path)
+    with tarfile.open(path) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith("s000004.")]
+    data = bytearray(path.read_bytes())
+    _patch_size(data, members[1].offset_data - 512, field)
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(bytes(data))
+    got, stats = ours(bad)
+    assert [s for _, s in got] == [s for i, (_, s) in enumerate(full) if i != 4]
+    assert stats.reasons == {reason: 1}
+
+
+@pytest.mark.timeout(60)
+def test_member_names_split_in_linear_time_as_webdataset_does(tmp_path):
+    import re
+
+    theirs = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+    rng = random.Random(0)
+    for _ in range(20_000):
+        name = "".join(rng.choice("ab./") for _ in range(rng.randrange(0, 9)))
+        m = theirs.match(name)
+        assert records.key_ext(name) == (m.groups() if m else None), name
+    # the regex backtracks quadratically here (minutes); the split takes microseconds
+    assert records.key_ext("a/" * 500_000 + "x.png") == ("a/" * 500_000 + "x", "png")
+    # in a tar, a 100,000-character pax name is damage, not a sample
+    path = tmp_path / "long.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ["s0.bin", "a/" * 50_000 + "s1.bin", "s2.bin"]:
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    got, stats = ours(path)
+    assert [s["__key__"] for _, s in got] == ["s0", "s2"] and stats.corrupt == 1
+
+
+def test_gzip_bomb_is_refused(tmp_path):
+    bomb = tmp_path / "part-00000.gz"
+    bomb.write_bytes(gzip.compress(bytes(64 << 20)))  # 64 MiB of zeros in ~64 KiB
+    assert bomb.stat().st_size < 200_000
+    with pytest.raises(records.TooLarge, match=r"more than 1048576 bytes"):
+        ours(bomb, max_bytes=1 << 20)
+
+
+@pytest.mark.timeout(60)
+def test_gzip_of_many_tiny_members_reads_in_linear_time(tmp_path):
+    # each member used to copy the rest of the file: 100,000 members, ~115 GB of copies
+    path = tmp_path / "part-00000.gz"
+    member = gzip.compress(b"x\n")
+    path.write_bytes(member * 100_000)
+    got, stats = ours(path)
+    assert len(got) == 100_000 and stats.truncated_files == 0
+
+
+def test_a_bomb_part_is_skipped_by_the_dataset(tmp_path, caplog):
+    from distlearn.dataset import Dataset
+
+    (tmp_path / "part-00000.gz").write_bytes(gzip.compress(bytes(8 << 20)))
+    (tmp_path / "part-00001.gz").write_bytes(gzip.compress(b"1\n2\n3\n"))
+    ds = Dataset(str(tmp_path), max_part_bytes=1 << 20)
+
+    def number(data, opt, out):
+        out.fill_(int(data))
+        return True
+
+    with ds.sampled_batcher(batch_size=4, input_dims=(1,), processor=number,
+                            workers="thread") as b:  # fmt: skip
+        got = [int(v) for batch in b for v in batch.input.view(-1).tolist()]
+        stats = b.stats
+    assert got == [1, 2, 3] and stats["failed_parts"] == 1
+    assert "part-00000.gz: skipping this part file" in caplog.text

@@ -153,3 +153,97 @@ def test_fsspec_urls_and_a_plugged_in_cache():
     # a missing fsspec file is a FetchError naming it
     with Fetcher() as f, pytest.raises(FetchError, match="memory://ds/none: no such file"):
         f.submit(f.fetch("memory://ds/none")).result(timeout=10)
+
+
+class Augment:
+    """Writes what each generator gives this item: torch, numpy, random, and item_rng()."""
+
+    def __call__(self, data, opt, out):
+        import random
+
+        import numpy as np
+
+        from distlearn.dataset import item_rng
+
+        out[0] = float(torch.rand(1))
+        out[1] = float(np.random.random())
+        out[2] = random.random()
+        out[3] = float(item_rng().random())
+        out[4] = float(data[0])  # which item
+        return True
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    root = tmp_path_factory.mktemp("numbered")
+    for i in range(256):
+        (root / f"{i:03d}.bin").write_bytes(bytes([i]))
+    (root / "index.csv").write_text("filename\n" + "".join(f"{i:03d}.bin\n" for i in range(256)))
+    return str(root / "index.csv")
+
+
+def draws(index, epochs=1, **kw):
+    opts = dict(batch_size=16, input_dims=(5,), processor=Augment(), sampler="permutation",
+                seed=7)  # fmt: skip
+    opts.update(kw)
+    with Dataset(index).sampled_batcher(**opts) as b:
+        return [row for _ in range(epochs) for batch in b for row in batch.input.tolist()]
+
+
+@pytest.mark.timeout(180)
+def test_process_workers_draw_their_own_random_numbers(numbered):
+    """Two workers used to inherit one RNG state: every random crop was made twice."""
+    rows = draws(numbered, epochs=2, workers="process", num_workers=2)
+    for col in range(3):  # torch, numpy, random
+        values = [r[col] for r in rows]
+        assert len(set(values)) == len(values) == 512, f"column {col} repeats"
+    # the per-item generator does not depend on the workers, and is exact on resume
+    item = {int(r[4]): r[3] for r in rows[:256]}
+    for kw in (dict(workers="thread"), dict(workers="process", num_workers=1)):
+        assert {int(r[4]): r[3] for r in draws(numbered, **kw)} == item
+    assert len(set(item.values())) == 256
+    opts = dict(batch_size=16, input_dims=(5,), processor=Augment(), sampler="permutation",
+                seed=7, workers="thread")  # fmt: skip
+    with Dataset(numbered).sampled_batcher(**opts) as b:
+        for _ in range(5):
+            b.next_batch()
+        state = b.state_dict()
+    with Dataset(numbered).sampled_batcher(**opts) as b:
+        b.load_state_dict(state)
+        rest = [row for batch in b for row in batch.input.tolist()]
+    assert {int(r[4]): r[3] for r in rest} == {int(r[4]): r[3] for r in rows[80:256]}
+
+
+DATALOADER = textwrap.dedent("""
+    import sys, torch
+    from distlearn.dataset import Dataset
+    from distlearn.dataset.processors import Image
+    workers, context = sys.argv[1], sys.argv[2]
+    b = Dataset(sys.argv[3]).sampled_batcher(batch_size=8, input_dims=(1, 8, 8),
+        processor=Image(), workers=workers, num_workers=1)
+    loader = torch.utils.data.DataLoader(b.as_torch(), batch_size=None, num_workers=2,
+                                         multiprocessing_context=context)
+    try:
+        next(iter(loader))
+    except Exception as err:
+        print("RAISED", type(err).__name__, str(err).replace(chr(10), " "), flush=True)
+    else:
+        print("NO ERROR", flush=True)
+    x, y = next(iter(torch.utils.data.DataLoader(b.as_torch(), batch_size=None)))
+    print("WITHOUT WORKERS", tuple(x.shape), flush=True)
+    b.close()
+""")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_get_a_clear_error_at_once(pngs, workers, context):
+    proc = subprocess.run(
+        [sys.executable, "-c", DATALOADER, workers, context, str(pngs)],
+        env=repo_env(), capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "RAISED" in proc.stdout and "num_workers=0" in proc.stdout, proc.stdout + proc.stderr
+    assert "WITHOUT WORKERS (8, 1, 8, 8)" in proc.stdout, "the batcher still works after it"
+    assert "Exception ignored" not in proc.stderr and "AssertionError" not in proc.stderr

@@ -1,0 +1,64 @@
+"""The package's exceptions, below every module that raises them.
+
+Every error a user may catch derives from :class:`DatasetError`, and keeps the
+standard base a caller would also expect (``BadIndex`` is a ``ValueError``,
+``AllFailed`` a ``RuntimeError``...). Messages name the file, line or URL at fault.
+"""
+
+from __future__ import annotations
+
+
+class DatasetError(Exception):
+    """Base of every error raised by ``distlearn.dataset``."""
+
+
+class BadIndex(DatasetError, ValueError):
+    """A malformed or unusable index; the message names the file and line at fault."""
+
+
+class IndexNotFound(DatasetError, FileNotFoundError):
+    """An index, meta or ``.pt`` file that does not exist (a missing file or HTTP 404/410)."""
+
+
+class FetchError(DatasetError, OSError):
+    """A read failed; ``url`` and ``cause`` say which and why (an ``OSError``, as I/O errors are).
+
+    ``retryable``: the fault may pass (a connection error, a 5xx); ``missing``:
+    the store says there is no such file (404/410, ``FileNotFoundError``).
+    """
+
+    def __init__(self, url: str, cause: str, retryable: bool = False, missing: bool = False):
+        super().__init__(f"{url}: {cause}")
+        self.url, self.cause = url, cause
+        self.retryable, self.missing = retryable, missing
+
+    def __reduce__(self):
+        # pickled from process workers to the main process: rebuild from the fields
+        return type(self), (self.url, self.cause, self.retryable, self.missing)
+
+
+class AllFailed(DatasetError, RuntimeError):
+    """Every item of several consecutive batches failed: the source is down, not flaky."""
+
+
+class WorkerDied(DatasetError, RuntimeError):
+    """A process worker exited, or stopped answering, while batches were in flight."""
+
+
+class PartError(DatasetError, ValueError):
+    """A part-file dataset that cannot be read as asked (no parts, too few for the partitions)."""
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in a worker process.
+
+    Set as the ``__cause__`` of the re-raised exception, so the worker's frames
+    print above the main process's (as ``concurrent.futures`` does).
+    """
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
