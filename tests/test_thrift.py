@@ -202,3 +202,11 @@ def test_freshly_generated_classes_agree(tmp_path):
             == rec
         )
     load_generated(IDL / "gen")  # leave the committed module imported for other tests
+
+
+def test_thrift_errors_are_dataset_errors():
+    """One base exception for the package: `except DatasetError` catches a bad record too."""
+    from distlearn.dataset import DatasetError
+
+    with pytest.raises(DatasetError):
+        decode(b"\x0b\x00\x01\xff\xff\xff\xff", "binary")

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import DatasetError
+
 Schema = Any  # str | tuple | Mapping[int, Schema]
 
 STOP, BOOL, BYTE, DOUBLE, I16, I32, I64, STRING, STRUCT, MAP, SET, LIST, UUID = (
@@ -51,7 +53,7 @@ MAX_DEPTH = 64
 could otherwise recurse until Python's stack gives out)."""
 
 
-class ThriftError(ValueError):
+class ThriftError(DatasetError, ValueError):
     """A record that is not valid Thrift, or a value that does not fit its schema."""
 
 
