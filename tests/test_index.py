@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distlearn.dataset import BadIndex, Dataset
-from distlearn.dataset.index import open_index
+from distlearn.dataset import open_index
 
 
 def write(path, text: str):
