@@ -197,9 +197,12 @@ def _from_fields(fields: Fields, index: str, sep: str, resolver: Resolver):
     header = cols.header
     rows = np.arange(1, len(fields), dtype=np.int64)
     cnt = fields.counts[1:]
-    s0, e0 = fields.column(0, rows)
-    keep = ~((cnt == 1) & (s0 == e0))  # blank lines
-    rows, cnt = rows[keep], cnt[keep]
+    one = np.flatnonzero(cnt == 1)  # a blank line is one empty field
+    if len(one):
+        s0, e0 = fields.column(0, rows[one])
+        keep = np.ones(len(rows), dtype=bool)
+        keep[one[s0 == e0]] = False
+        rows, cnt = rows[keep], cnt[keep]
     if not len(rows):
         raise BadIndex(f"{index}: empty index (a header but no items)")
     over = np.flatnonzero(cnt > len(header))

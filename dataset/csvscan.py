@@ -56,7 +56,7 @@ class Fields:
         return np.diff(self.row_seps) + 1
 
     def column(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(start, end)`` of field `k` of each of `rows` (which have it), unquoted and stripped."""
+        """``(start, end)`` of field `k` of each of `rows` (that have it), unquoted, stripped."""
         first = self.row_seps[rows]
         cnt = self.row_seps[rows + 1] - first
         if k == 0:
@@ -77,10 +77,30 @@ class Fields:
         return int(np.count_nonzero(self.buf[:start] == NL)) + 1
 
 
+# Bytes that need a closer look at a field's edge: whitespace, a quote, a CR, non-ASCII.
+_ODD = _SPACE.copy()
+_ODD[[QUOTE, CR]] = True
+_ODD[128:] = True
+
+
 def _clean(buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Field ranges without the row's ``\\r``, their quotes and surrounding whitespace."""
+    """Field ranges without the row's ``\\r``, their quotes and surrounding whitespace.
+
+    Most fields need none of it: one look at their first and last bytes picks
+    the few that do.
+    """
     n = len(buf)
     start, end = start.copy(), end.copy()
+    first = buf[np.minimum(start, n - 1)]
+    last = buf[np.clip(end - 1, 0, n - 1)]
+    odd = np.flatnonzero((end > start) & (_ODD[first] | _ODD[last]))
+    if len(odd):
+        start[odd], end[odd] = _clean_some(buf, start[odd], end[odd])
+    return start, end
+
+
+def _clean_some(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
+    n = len(buf)
     last = np.maximum(end - 1, 0)
     cr = (end > start) & (buf[last] == CR) & (end < n) & (buf[np.minimum(end, n - 1)] == NL)
     end[cr] -= 1
@@ -95,9 +115,8 @@ def _clean(buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndar
                 break
             edge[m] += step
     # str.strip() also removes non-ASCII whitespace (NBSP, U+3000...): rare, done in Python
-    odd = np.flatnonzero((start < end) & ((buf[np.minimum(start, n - 1)] >= 128)
-                                          | (buf[np.maximum(end - 1, 0)] >= 128)))  # fmt: skip
-    for i in odd.tolist():
+    high = (buf[np.minimum(start, n - 1)] >= 128) | (buf[np.maximum(end - 1, 0)] >= 128)
+    for i in np.flatnonzero((start < end) & high).tolist():
         raw = bytes(buf[start[i] : end[i]])
         try:
             text = raw.decode("utf-8")

@@ -73,18 +73,26 @@ def fixed_width(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.nd
 
     numpy compares, sorts and finds unique values of those without a Python
     object per string (a string is padded with NUL bytes, which no name holds).
+    Each string is copied as a row of a strided window over `buf`: no index
+    array per byte.
     """
     w = max(1, int(length.max()) if len(length) else 1)
-    out = np.empty(len(start), dtype=f"S{w}")
-    view = out.view(np.uint8).reshape(len(start), w)
-    j = np.arange(w)
-    step = max(1, (1 << 24) // w)  # bounded temporaries for long strings
-    for c in range(0, len(start), step):
-        first = start[c : c + step].astype(np.int64)[:, None]
-        v = buf[np.minimum(first + j, len(buf) - 1)]
-        v[j >= length[c : c + step, None]] = 0
-        view[c : c + step] = v
-    return out
+    out = np.zeros((len(start), w), dtype=np.uint8)
+    if not len(start):
+        return out.view(f"S{w}").ravel()
+    start = start.astype(np.int64, copy=False)
+    fits = start <= len(buf) - w
+    if len(buf) >= w:
+        window = np.lib.stride_tricks.as_strided(
+            buf, (len(buf) - w + 1, w), (1, 1), writeable=False
+        )
+        out[fits] = window[start[fits]]
+    tail = np.flatnonzero(~fits)  # the last few strings of the buffer
+    if len(tail):
+        j = np.arange(w)
+        out[tail] = buf[np.minimum(start[tail, None] + j, len(buf) - 1)]
+    out[np.arange(w) >= length[:, None]] = 0
+    return out.view(f"S{w}").ravel()
 
 
 class Resolver:
@@ -116,8 +124,14 @@ class NameRows:
 
     in_memory = False
 
-    def __init__(self, buf: np.ndarray, start: np.ndarray, length: np.ndarray,
-                 resolver: Resolver, ranges: tuple[np.ndarray, np.ndarray] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        buf: np.ndarray,
+        start: np.ndarray,
+        length: np.ndarray,
+        resolver: Resolver,
+        ranges: tuple[np.ndarray, np.ndarray] | None = None,
+    ):
         self.buf, self.start, self.length = buf, start, length
         self.resolver, self.ranges = resolver, ranges
 

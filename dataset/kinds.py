@@ -309,8 +309,9 @@ def _unpack(view: memoryview) -> Index:
         ranges = (arrays["range_offset"], arrays["range_length"])
     table = NameRows(arrays["buf"], arrays["start"], arrays["length"],
                      Resolver(**meta["resolver"]), ranges)  # fmt: skip
-    return Index(table, RowLabels(arrays["ptr"], arrays["ids"]), meta["labels"], meta["origin"],
-                 rows=arrays["rows"], targets=arrays["targets"], multi_hot=meta["multi_hot"])  # fmt: skip
+    labels = RowLabels(arrays["ptr"], arrays["ids"])
+    return Index(table, labels, meta["labels"], meta["origin"], rows=arrays["rows"],
+                 targets=arrays["targets"], multi_hot=meta["multi_hot"])  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the registry

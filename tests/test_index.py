@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from distlearn.dataset import BadIndex, Dataset
-from distlearn.dataset import open_index
+from distlearn.dataset import BadIndex, Dataset, open_index
 
 
 def write(path, text: str):

@@ -7,8 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from distlearn.dataset import BadIndex, Dataset, Record
-from distlearn.dataset import open_index
+from distlearn.dataset import BadIndex, Dataset, Record, open_index
 from distlearn.dataset.index import JoinedIndex
 from distlearn.dataset.sampler import epoch_rng
 
