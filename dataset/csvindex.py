@@ -288,13 +288,19 @@ def _ints(fields: Fields, index: str, col: int, rows: np.ndarray) -> np.ndarray:
 def _labels(fields: Fields, cols: Columns, rows: np.ndarray, cnt: np.ndarray):
     """``(ptr, ids, names)``: each row's non-empty labels, in column order, as ids into names."""
     where, starts, ends = [], [], []
+    width = max(1, len(cols.labels))
     for rank, c in enumerate(cols.labels):
-        has = np.flatnonzero(cnt > c)
-        s, e = fields.column(c, rows[has])
+        has = cnt > c
+        every = has.all()
+        s, e = fields.column(c, rows if every else rows[has])
         some = e > s
-        where.append(has[some] * max(1, len(cols.labels)) + rank)
-        starts.append(s[some])
-        ends.append(e[some])
+        if every and some.all():
+            where.append(np.arange(len(rows), dtype=np.int64) * width + rank)
+        else:
+            where.append(np.flatnonzero(has)[some] * width + rank)
+            s, e = s[some], e[some]
+        starts.append(s)
+        ends.append(e)
     if not where or not sum(len(w) for w in where):
         return np.zeros(len(rows) + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
     key, start, end = (np.concatenate(x) for x in (where, starts, ends))
@@ -309,7 +315,7 @@ def _labels(fields: Fields, cols: Columns, rows: np.ndarray, cnt: np.ndarray):
             values[i] = bytes(fields.buf[start[i] : end[i]]).replace(b'""', b'"')
         values = values.astype(bytes)
     names, ids = _factorize(values)
-    row = key // max(1, len(cols.labels))
+    row = key // width
     ptr = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(np.bincount(row, minlength=len(rows)), out=ptr[1:])
     return ptr, ids, names

@@ -76,22 +76,25 @@ def fixed_width(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.nd
     Each string is copied as a row of a strided window over `buf`: no index
     array per byte.
     """
-    w = max(1, int(length.max()) if len(length) else 1)
-    out = np.zeros((len(start), w), dtype=np.uint8)
-    if not len(start):
-        return out.view(f"S{w}").ravel()
+    n = len(start)
+    w = max(1, int(length.max()) if n else 1)
     start = start.astype(np.int64, copy=False)
     fits = start <= len(buf) - w
-    if len(buf) >= w:
+    if n and len(buf) >= w and fits.all():
         window = np.lib.stride_tricks.as_strided(
             buf, (len(buf) - w + 1, w), (1, 1), writeable=False
         )
-        out[fits] = window[start[fits]]
-    tail = np.flatnonzero(~fits)  # the last few strings of the buffer
-    if len(tail):
+        out = window[start]
+    else:  # the last strings of the buffer, or a buffer shorter than one string
         j = np.arange(w)
-        out[tail] = buf[np.minimum(start[tail, None] + j, len(buf) - 1)]
-    out[np.arange(w) >= length[:, None]] = 0
+        out = (
+            buf[np.minimum(start[:, None] + j, len(buf) - 1)]
+            if len(buf)
+            else np.zeros((n, w), np.uint8)
+        )
+    short = np.flatnonzero(length < w)
+    if len(short):  # NUL after each string's end
+        out[short] *= np.arange(w) < length[short, None]
     return out.view(f"S{w}").ravel()
 
 
@@ -437,16 +440,17 @@ def labelled(
     """
     n = len(table)
     labels = sort_labels(names)
-    remap = np.asarray([labels.index(x) for x in names] if len(names) < 64 else
-                       _remap(names, labels), dtype=np.int64)  # fmt: skip
-    ids = remap[ids] if len(ids) else ids.astype(np.int64)
-    ptr = ptr.astype(np.int64)
+    label_dt = small_int(len(labels) + 1)
+    ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids] if len(ids) else ids
+    ids = ids.astype(label_dt, copy=False)
+    ptr = ptr.astype(np.int64, copy=False)
     cnt = np.diff(ptr)
     if len(cnt) and cnt.max() > 1:
         ptr, ids, cnt = _dedupe(ptr, ids, cnt)
-    label_dt = small_int(len(labels))
     row_dt = small_int(n)
-    if multi_hot:
+    if len(ids) == n and (cnt == 1).all():  # one label per row: an example per row
+        ex_rows, targets = np.arange(n, dtype=row_dt), ids
+    elif multi_hot:
         ex_rows = np.arange(n, dtype=row_dt)
         targets = np.full(n, -1, dtype=label_dt)
         has = cnt > 0
@@ -457,17 +461,17 @@ def labelled(
         targets = np.full(len(ex_rows), -1, dtype=label_dt)
         ex_start = np.cumsum(k) - k
         targets[np.repeat(ex_start - ptr[:-1], cnt) + np.arange(len(ids))] = ids
-    group = np.where(targets < 0, len(labels), targets).astype(small_int(len(labels) + 1))
+    group = np.where(targets < 0, len(labels), targets).astype(label_dt, copy=False)
     order = np.argsort(group, kind="stable")  # rows ascending within each label
-    seq = ex_rows[order]
-    g = group[order]
+    seq, g = ex_rows[order], group[order]
     if not table.in_order(seq, g[1:] == g[:-1]):
         rank = np.empty(n, dtype=np.int64)
         rank[table.rank()] = np.arange(n)
         order = np.lexsort((rank[ex_rows], group))
-    row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False)), ids.astype(label_dt))
-    return Index(table, row_labels, labels, origin, rows=ex_rows[order],
-                 targets=targets[order], multi_hot=multi_hot)  # fmt: skip
+        seq = ex_rows[order]
+    row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False)), ids)
+    return Index(table, row_labels, labels, origin, rows=seq, targets=targets[order],
+                 multi_hot=multi_hot)  # fmt: skip
 
 
 def _remap(names: Sequence[str], labels: list[str]) -> list[int]:

@@ -15,8 +15,7 @@ import random
 import numpy as np
 import pytest
 
-from distlearn.dataset import BadIndex, open_index
-from distlearn.dataset import csvindex, csvscan
+from distlearn.dataset import BadIndex, csvindex, csvscan, open_index
 
 ALPHABET = ["a", "b", "z", "0", "9", ",", '"', "\n", "\r\n", " ", "\t", "é", "\u00a0", "\u3000",
             "/", ".", ";", "'", "x y"]  # fmt: skip
