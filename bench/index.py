@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -225,10 +226,16 @@ def run_child(args: list[str], timeout: float = 900) -> dict:
 
 def share(path: Path, cache_dir: str, world: int, mapped: bool) -> list[dict]:
     sync = tempfile.mkdtemp()
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.index", "--share", str(path),
-                               cache_dir, str(r), str(world), sync, str(int(mapped))],
-                              stdout=subprocess.PIPE, text=True, cwd=REPO)  # fmt: skip
-             for r in range(world)]  # fmt: skip
+    cmd = [sys.executable, "-m", "bench.index", "--share", str(path), cache_dir]
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(r), str(world), sync, str(int(mapped))],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        for r in range(world)
+    ]
     out = []
     for p in procs:
         stdout, _ = p.communicate(timeout=900)
@@ -346,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.kill()
         server.wait()
+        shutil.rmtree(cache_dir, ignore_errors=True)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "RESULTS-index.md").write_text("\n".join(lines) + "\n")

@@ -93,7 +93,7 @@ def index_rows(rng: random.Random, n: int) -> list[list[str]]:
         name = "".join(rng.choice(["a", "b", ",", '"', " ", "é", "\n", "/", "x"]) for _ in range(5))
         labels = [rng.choice(["cat", "dog", 'say "hi"', "a,b", "  x  ", "10", ""])
                   for _ in range(rng.randrange(0, 3))]  # fmt: skip
-        rows.append([f"n{name}z"] + labels)  # ragged: 0 to 2 labels
+        rows.append([f"n{name}z", *labels])  # ragged: 0 to 2 labels
     return rows
 
 
