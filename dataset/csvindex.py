@@ -195,42 +195,69 @@ def _from_fields(fields: Fields, index: str, sep: str, resolver: Resolver):
         raise BadIndex(f"{index}: empty index (no header line)")
     cols = Columns(_row_values(fields, 0), index)
     header = cols.header
-    rows = np.arange(1, len(fields), dtype=np.int64)
-    cnt = fields.counts[1:]
-    one = np.flatnonzero(cnt == 1)  # a blank line is one empty field
-    if len(one):
-        s0, e0 = fields.column(0, rows[one])
-        keep = np.ones(len(rows), dtype=bool)
-        keep[one[s0 == e0]] = False
-        rows, cnt = rows[keep], cnt[keep]
-    if not len(rows):
+    body = _Body(fields)
+    if not body.count:
         raise BadIndex(f"{index}: empty index (a header but no items)")
-    over = np.flatnonzero(cnt > len(header))
+    over = np.flatnonzero(body.cnt > len(header))
     if len(over):
-        r = int(rows[over[0]])
+        r = body.row(over[0])
         raise BadIndex(
-            f"{index}:{fields.line_of(r)}: {int(cnt[over[0]])} fields for a header of "
+            f"{index}:{fields.line_of(r)}: {int(fields.counts[r])} fields for a header of "
             f"{len(header)} {header}: {_row_values(fields, r)} (quote a field that holds {sep!r})"
         )
-    short = np.flatnonzero(cnt < cols.needed)
+    short = np.flatnonzero(body.cnt < cols.needed)
     if len(short):
-        r = int(rows[short[0]])
+        r = body.row(short[0])
         got = _row_values(fields, r)
         raise BadIndex(f"{index}:{fields.line_of(r)}: missing fields {header[len(got) :]}: {got}")
-    start, end = fields.column(cols.file, rows)
+    start, end = fields.column(cols.file, body.rows)
     empty = np.flatnonzero(start == end)
     if len(empty):
-        raise BadIndex(f"{index}:{fields.line_of(int(rows[empty[0]]))}: empty filename")
+        raise BadIndex(f"{index}:{fields.line_of(body.row(empty[0]))}: empty filename")
     buf, start, length = _names(fields, start, end)
     ranges = None
     if cols.offset is not None:
-        ranges = (_ints(fields, index, cols.offset, rows), _ints(fields, index, cols.length, rows))
+        ranges = (_ints(fields, index, cols.offset, body), _ints(fields, index, cols.length, body))
         bad = np.flatnonzero((ranges[0] < 0) | (ranges[1] < 0))
         if len(bad):
-            raise BadIndex(f"{index}:{fields.line_of(int(rows[bad[0]]))}: negative offset/length")
+            raise BadIndex(f"{index}:{fields.line_of(body.row(bad[0]))}: negative offset/length")
     table = NameRows(buf, start, length, resolver, ranges)
-    ptr, ids, names = _labels(fields, cols, rows, cnt)
-    return table, ptr, ids, names, lambda r: fields.line_of(int(rows[r]))
+    ptr, ids, names = _labels(fields, cols, body)
+    return table, ptr, ids, names, lambda r: fields.line_of(body.row(r))
+
+
+class _Body:
+    """The rows after the header that hold items (blank lines left out).
+
+    ``rows``: their numbers, or None for all of them when every row has the
+    same fields (then ``cnt`` is one number); ``row(i)``: the i-th one's number.
+    """
+
+    def __init__(self, fields: Fields):
+        self.rows: np.ndarray | None = None
+        if fields.per_row:  # two fields or more: no row is a blank line
+            self.cnt: Any = np.asarray(fields.per_row + 1)
+            self.count = len(fields) - 1
+            return
+        rows = np.arange(1, len(fields), dtype=np.int64)
+        cnt = fields.counts[1:]
+        one = np.flatnonzero(cnt == 1)  # a blank line is one empty field
+        if len(one):
+            s0, e0 = fields.column(0, rows[one])
+            keep = np.ones(len(rows), dtype=bool)
+            keep[one[s0 == e0]] = False
+            rows, cnt = rows[keep], cnt[keep]
+        self.rows, self.cnt, self.count = rows, cnt, len(rows)
+
+    def row(self, i: int) -> int:
+        return int(i) + 1 if self.rows is None else int(self.rows[i])
+
+    def having(self, k: int) -> np.ndarray | None:
+        """Which of the rows have field k (None: all of them)."""
+        has = self.cnt > k
+        if has.ndim == 0:
+            return None if has else np.zeros(self.count, dtype=bool)
+        return None if has.all() else has
 
 
 def _escaped(fields: Fields, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -265,8 +292,8 @@ def _names(fields: Fields, start: np.ndarray, end: np.ndarray):
     )
 
 
-def _ints(fields: Fields, index: str, col: int, rows: np.ndarray) -> np.ndarray:
-    start, end = fields.column(col, rows)
+def _ints(fields: Fields, index: str, col: int, body: _Body) -> np.ndarray:
+    start, end = fields.column(col, body.rows)
     values = fixed_width(fields.buf, start, end - start)
     try:
         return values.astype(np.int64)
@@ -277,7 +304,7 @@ def _ints(fields: Fields, index: str, col: int, rows: np.ndarray) -> np.ndarray:
         try:
             out[i] = int(v.decode())
         except ValueError:
-            r = int(rows[i])
+            r = body.row(i)
             got = _row_values(fields, r)
             raise BadIndex(
                 f"{index}:{fields.line_of(r)}: offset/length must be integers, got {got}"
@@ -285,28 +312,21 @@ def _ints(fields: Fields, index: str, col: int, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _labels(fields: Fields, cols: Columns, rows: np.ndarray, cnt: np.ndarray):
+def _labels(fields: Fields, cols: Columns, body: _Body):
     """``(ptr, ids, names)``: each row's non-empty labels, in column order, as ids into names."""
-    where, starts, ends = [], [], []
     width = max(1, len(cols.labels))
-    for rank, c in enumerate(cols.labels):
-        has = cnt > c
-        every = has.all()
-        s, e = fields.column(c, rows if every else rows[has])
-        some = e > s
-        if every and some.all():
-            where.append(np.arange(len(rows), dtype=np.int64) * width + rank)
-        else:
-            where.append(np.flatnonzero(has)[some] * width + rank)
-            s, e = s[some], e[some]
-        starts.append(s)
-        ends.append(e)
-    if not where or not sum(len(w) for w in where):
-        return np.zeros(len(rows) + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
-    key, start, end = (np.concatenate(x) for x in (where, starts, ends))
-    if len(cols.labels) > 1:
-        order = np.argsort(key, kind="stable")
-        key, start, end = key[order], start[order], end[order]
+    none = np.zeros(body.count + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
+    if not cols.labels:
+        return none
+    if len(cols.labels) == 1 and body.having(cols.labels[0]) is None:
+        start, end = fields.column(cols.labels[0], body.rows)
+        key = None if (end > start).all() else np.flatnonzero(end > start)
+        if key is not None:
+            start, end = start[key], end[key]
+    else:
+        key, start, end = _label_fields(fields, cols, body)
+    if not len(start):
+        return none
     values = fixed_width(fields.buf, start, end - start)
     esc = np.flatnonzero(_escaped(fields, start, end))
     if len(esc):
@@ -315,10 +335,37 @@ def _labels(fields: Fields, cols: Columns, rows: np.ndarray, cnt: np.ndarray):
             values[i] = bytes(fields.buf[start[i] : end[i]]).replace(b'""', b'"')
         values = values.astype(bytes)
     names, ids = _factorize(values)
-    row = key // width
-    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(row, minlength=len(rows)), out=ptr[1:])
+    if key is None:  # one label on every row
+        return np.arange(body.count + 1, dtype=np.int64), ids, names
+    ptr = np.zeros(body.count + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key // width, minlength=body.count), out=ptr[1:])
     return ptr, ids, names
+
+
+def _label_fields(fields: Fields, cols: Columns, body: _Body):
+    """``(key, start, end)`` of every non-empty label: key is row * columns + column rank."""
+    where, starts, ends = [], [], []
+    width = max(1, len(cols.labels))
+    for rank, c in enumerate(cols.labels):
+        has = body.having(c)
+        if has is None:
+            s, e = fields.column(c, body.rows)
+            present = np.arange(body.count, dtype=np.int64)
+        else:
+            present = np.flatnonzero(has)
+            rows = present + 1 if body.rows is None else body.rows[present]
+            s, e = fields.column(c, rows)
+        some = e > s
+        if not some.all():
+            present, s, e = present[some], s[some], e[some]
+        where.append(present * width + rank)
+        starts.append(s)
+        ends.append(e)
+    key, start, end = (np.concatenate(x) for x in (where, starts, ends))
+    if len(cols.labels) > 1:
+        order = np.argsort(key, kind="stable")
+        key, start, end = key[order], start[order], end[order]
+    return key, start, end
 
 
 def _factorize(values: np.ndarray) -> tuple[list[str], np.ndarray]:

@@ -32,31 +32,55 @@ _SPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
 
 @dataclass
 class Fields:
-    """The rows of a CSV file: field k of row r is ``buf[start:end]`` of :meth:`column`.
+    """The rows of a CSV file; :meth:`column` gives where field k of each row is.
 
     ``nl`` are the row ends (a newline, or the end of the data), ``seps`` the
-    separators outside quotes, ``row_seps`` where each row's separators begin
-    in ``seps``. ``drop``: positions of the second quote of each ``""`` escape
-    (quoted fields only), which is not part of the field's value.
+    separators outside quotes. ``per_row``: the number of separators of every
+    row when all rows have the same (most files), so row r's are ``seps[m *
+    r : m * (r + 1)]`` with no search; else None. ``drop``: positions of the
+    second quote of each ``""`` escape (quoted fields only), which is not part
+    of the field's value.
     """
 
     buf: np.ndarray
     body: int  # where the first row starts (after a UTF-8 byte order mark)
     nl: np.ndarray
     seps: np.ndarray
-    row_seps: np.ndarray
+    per_row: int | None
     drop: np.ndarray
+    _row_seps: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.nl)
+
+    @property
+    def row_seps(self) -> np.ndarray:
+        """Where each row's separators begin in ``seps`` (one more entry: the end)."""
+        if self._row_seps is None:
+            if self.per_row is not None:
+                self._row_seps = np.arange(len(self.nl) + 1, dtype=np.int64) * self.per_row
+            else:
+                found = np.searchsorted(self.seps, self.nl)
+                self._row_seps = np.concatenate([[0], found]).astype(np.int64)
+        return self._row_seps
 
     @property
     def counts(self) -> np.ndarray:
         """Fields per row."""
         return np.diff(self.row_seps) + 1
 
-    def column(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(start, end)`` of field `k` of each of `rows` (that have it), unquoted, stripped."""
+    def column(self, k: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, end)`` of field `k` of each of `rows` (that have it), unquoted, stripped.
+
+        ``rows=None``: every row after the header, which must all have field k.
+        """
+        m = self.per_row
+        if rows is None and m is not None and k <= m:  # strided views, no gathers
+            start = self.nl[:-1] + 1 if k == 0 else self.seps[k - 1 + m :: m] + 1
+            end = self.seps[k + m :: m] if k < m else self.nl[1:]
+            return _clean(self.buf, start, end)
+        if rows is None:
+            rows = np.arange(1, len(self.nl), dtype=np.int64)
         first = self.row_seps[rows]
         cnt = self.row_seps[rows + 1] - first
         if k == 0:
@@ -68,13 +92,43 @@ class Fields:
         else:
             sep_end = np.zeros(len(rows), dtype=np.int64)
         end = np.where(k < cnt, sep_end, self.nl[rows])
-        end = end.astype(np.int64, copy=False)
-        return _clean(self.buf, start, end)
+        return _clean(self.buf, start, end.astype(np.int64, copy=False))
 
     def line_of(self, row: int) -> int:
         """The 1-based line of the file on which `row` (0 is the header) starts."""
         start = self.body if row == 0 else int(self.nl[row - 1]) + 1
         return int(np.count_nonzero(self.buf[:start] == NL)) + 1
+
+
+def find(a: np.ndarray, *values: int, chunk: int = 1 << 22) -> list[np.ndarray]:
+    """Positions of each of `values` in `a`, found a few MiB at a time.
+
+    One mask the size of a chunk, reused, stays in the CPU's cache: three times
+    faster than comparing the whole buffer at once (a mask as large as the file).
+    """
+    found: list[list[np.ndarray]] = [[] for _ in values]
+    mask = np.empty(min(chunk, len(a)), dtype=bool)
+    for lo in range(0, len(a), chunk):
+        part = a[lo : lo + chunk]
+        m = mask[: len(part)]
+        for out, v in zip(found, values, strict=True):
+            np.equal(part, v, out=m)
+            out.append(np.flatnonzero(m) + lo)
+    return [np.concatenate(f) if f else np.empty(0, dtype=np.int64) for f in found]
+
+
+def _per_row(seps: np.ndarray, nl: np.ndarray, body: int) -> int | None:
+    """The separators of every row when all rows have the same number, else None."""
+    if not len(nl) or len(seps) % len(nl):
+        return None
+    m = len(seps) // len(nl)
+    if m == 0:
+        return 0
+    # sorted separators, m per row: the first of each row after the row before it ends,
+    # the last before its own row ends
+    if seps[0] < body or not (seps[m - 1 :: m] < nl).all() or not (seps[m::m] > nl[:-1]).all():
+        return None
+    return m
 
 
 # Bytes that need a closer look at a field's edge: whitespace, a quote, a CR, non-ASCII.
@@ -90,11 +144,12 @@ def _clean(buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndar
     the few that do.
     """
     n = len(buf)
-    start, end = start.copy(), end.copy()
     first = buf[np.minimum(start, n - 1)]
-    last = buf[np.clip(end - 1, 0, n - 1)]
-    odd = np.flatnonzero((end > start) & (_ODD[first] | _ODD[last]))
+    last = buf[end - 1]  # end >= 1 where the field is not empty (-1 reads a byte, unused)
+    odd = np.flatnonzero(_ODD[first] | _ODD[last])
+    odd = odd[end[odd] > start[odd]]
     if len(odd):
+        start, end = start.copy(), end.copy()
         start[odd], end[odd] = _clean_some(buf, start[odd], end[odd])
     return start, end
 
@@ -136,10 +191,9 @@ def scan(data: bytes, sep: str) -> Fields | None:
         return None  # csv.reader raises on NUL: let it say so
     a = np.frombuffer(data, dtype=np.uint8)
     body = 3 if data.startswith(codecs.BOM_UTF8) else 0
-    seps = np.flatnonzero(a == ord(sep))
-    nl = np.flatnonzero(a == NL)
+    seps, nl = find(a, ord(sep), NL)
     drop = np.empty(0, dtype=np.int64)
-    quotes = np.flatnonzero(a == QUOTE) if b'"' in data else None
+    quotes = find(a, QUOTE)[0] if b'"' in data else None
     if quotes is not None:
         found = _quotes(a, quotes, body, ord(sep))
         if found is None:
@@ -148,7 +202,7 @@ def scan(data: bytes, sep: str) -> Fields | None:
         seps = seps[np.searchsorted(quotes, seps) % 2 == 0]  # outside quotes
         nl = nl[np.searchsorted(quotes, nl) % 2 == 0]
     if b"\r" in data:  # a CR outside quotes must end a line with the LF after it
-        cr = np.flatnonzero(a == CR)
+        cr = find(a, CR)[0]
         if quotes is not None:
             cr = cr[np.searchsorted(quotes, cr) % 2 == 0]
         if len(cr) and (
@@ -157,9 +211,8 @@ def scan(data: bytes, sep: str) -> Fields | None:
             return None
     if len(a) > body and (not len(nl) or nl[-1] != len(a) - 1):
         nl = np.append(nl, len(a))  # a last row without a newline
-    row_seps = np.searchsorted(seps, nl)
-    row_seps = np.concatenate([[0], row_seps]).astype(np.int64)
-    return Fields(a, body, nl.astype(np.int64), seps.astype(np.int64), row_seps, drop)
+    seps, nl = seps.astype(np.int64, copy=False), nl.astype(np.int64, copy=False)
+    return Fields(a, body, nl, seps, _per_row(seps, nl, body), drop)
 
 
 def _quotes(a: np.ndarray, quotes: np.ndarray, body: int, sep: int) -> np.ndarray | None:

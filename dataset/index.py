@@ -396,11 +396,21 @@ def partition_positions(targets: np.ndarray, partition: int, partitions: int, sp
     """
     if split == BY_ROW:
         return np.arange(partition, len(targets), partitions, dtype=np.int64)
-    order = np.argsort(targets, kind="stable")
-    sorted_targets = targets[order]
-    starts = np.searchsorted(sorted_targets, sorted_targets, side="left")
-    k = np.arange(1, len(order) + 1) - starts  # 1-based rank within the label
-    return np.sort(order[k % partitions == partition])
+    group = np.where(targets < 0, np.iinfo(targets.dtype).max, targets)
+    order = None
+    if len(group) and not (group[1:] >= group[:-1]).all():  # not in label order: sort
+        order = np.argsort(group, kind="stable")
+        group = group[order]
+    # each label is a run [lo, hi); its k-th example (from 1) is at lo + k - 1, so the
+    # picks of a run are lo + first, lo + first + partitions, ... (no pass per example)
+    lo = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    hi = np.r_[lo[1:], len(group)]
+    first = (partition - 1) % partitions  # k = first + 1 is the first k with k % partitions == p
+    count = np.maximum(0, (hi - lo - first + partitions - 1) // partitions)
+    base = np.repeat(lo + first, count)
+    step = np.arange(len(base)) - np.repeat(np.cumsum(count) - count, count)
+    picked = base + step * partitions
+    return picked if order is None else np.sort(order[picked])
 
 
 def _display(s: Any, i: int = 0) -> str:

@@ -324,7 +324,13 @@ def _is_list(index: Any, opening: Opening) -> bool:
 def _open_list(index: list, opening: Opening) -> Index:
     if not index:
         raise BadIndex("empty list of indexes")
-    return join([opening.open(i) for i in index])
+    members = [opening.open(i) for i in index]
+    for m in members:
+        if not isinstance(m, Index):  # a part source: its records have no rows to line up
+            raise BadIndex(
+                f"{m.origin}: part files cannot be joined item by item with other indexes"
+            )
+    return join(members)
 
 
 def _is_parts(index: Any, opening: Opening) -> bool:

@@ -93,3 +93,23 @@ def test_partitions_are_index_arrays_over_one_table(tmp_path):
     rows = np.sort(np.concatenate([p.rows for p in parts]))
     assert (rows == np.arange(300)).all()
     assert whole.nbytes / whole.num_rows < 100
+
+
+def test_partition_positions_match_the_definition():
+    """The k-th example of each label (from 1) goes to partition k % n, whatever the order."""
+    from distlearn.dataset.index import BY_LABEL, partition_positions
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        targets = rng.integers(-1, int(rng.integers(1, 6)), int(rng.integers(1, 60)))
+        if trial % 2:  # label order, unlabeled last, as an opened index holds them
+            targets = np.asarray(sorted(targets.tolist(), key=lambda t: (t < 0, t)))
+        targets = targets.astype(np.int16)
+        for n in (1, 2, 3, 8):
+            seen = {}
+            want = {p: [] for p in range(n)}
+            for i, t in enumerate(targets.tolist()):
+                seen[t] = seen.get(t, 0) + 1
+                want[seen[t] % n].append(i)
+            for p in range(n):
+                assert partition_positions(targets, p, n, BY_LABEL).tolist() == want[p]
