@@ -224,18 +224,16 @@ class Cache:
         p = self.path(url)
         try:
             with open(p, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < _TRAILER.size:
-                    raise ValueError("short")
-                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+                st = os.fstat(f.fileno())
+                mm = None
+                if st.st_size >= _TRAILER.size:
+                    mm = mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ)
         except FileNotFoundError:
             self.misses += 1
             return None
-        except (ValueError, OSError):
-            mm = None
         if mm is not None:
-            magic, length, _ = _TRAILER.unpack(mm[size - _TRAILER.size :])
-            if magic == _MAGIC and length == size - _TRAILER.size:
+            magic, length, _ = _TRAILER.unpack(mm[st.st_size - _TRAILER.size :])
+            if magic == _MAGIC and length == st.st_size - _TRAILER.size:
                 self._touch(p)
                 self.hits += 1
                 return memoryview(mm)[:length]
@@ -243,8 +241,7 @@ class Cache:
         self.corrupt += 1
         self.misses += 1
         log.warning("cache %s: mapped entry for %s is damaged; rebuilding", self.root, url)
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
+        self._remove_damaged(p, st)
         return None
 
     def map_fill(self, url: str | tuple, produce: Callable[[], list]) -> memoryview:

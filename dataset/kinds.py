@@ -259,7 +259,7 @@ def _cached_csv(index: str, opening: Opening, kw: dict) -> Index:
         identity = local_identity(path)
     else:
         if index not in cache:  # the bytes, fetched (and kept) once
-            from_csv(index, **kw)
+            read_bytes(index, cache=cache, fetcher=opening.fetcher)
         identity = local_identity(str(cache.path(index)))
     if identity is None:
         return from_csv(index, **kw)  # a missing file: its error

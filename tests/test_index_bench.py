@@ -7,6 +7,7 @@ import pytest
 from bench import index as bench_index
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_index_writes_every_row(tmp_path):
     argv = ["--rows", "20000", "--reps", "1", "--share-rows", "20000", "--world", "2",
