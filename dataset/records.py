@@ -26,8 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-# A part decompresses to at most this much (max_part_bytes): it is held in memory whole.
-from .options import DEFAULT_MAX_PART_BYTES
+from .options import DEFAULT_MAX_PART_BYTES  # a part decompresses to at most this (held whole)
 
 log = logging.getLogger(__name__)
 
