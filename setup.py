@@ -35,8 +35,16 @@ extras = {
     # TFRecord CRC32C in C; without it dataset.records falls back to pure Python (~1000x slower)
     "tfrecord": ["google-crc32c>=1.5"],
     "examples": ["matplotlib>=3.7"],
-    # bench/thrift.py compares dataset.thrift with thrift's own (C-accelerated) decoder
-    "bench": ["matplotlib>=3.7", "requests>=2.28", "webdataset>=0.2.90", "thrift>=0.16"],
+    # bench/thrift.py compares dataset.thrift with thrift's own (C-accelerated) decoder;
+    # bench/index.py opening an index with pandas' and pyarrow's CSV readers
+    "bench": [
+        "matplotlib>=3.7",
+        "requests>=2.28",
+        "webdataset>=0.2.90",
+        "thrift>=0.16",
+        "pandas>=2.0",
+        "pyarrow>=14",
+    ],
     "test": [
         "pytest>=7.4",
         "pytest-timeout>=2.1",
@@ -47,6 +55,8 @@ extras = {
         "webdataset>=0.2.90",
         "thrift>=0.16",
         "google-crc32c>=1.5",
+        "pandas>=2.0",
+        "pyarrow>=14",
     ],
 }
 extras["all"] = sorted({req for reqs in extras.values() for req in reqs})

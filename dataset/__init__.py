@@ -49,6 +49,7 @@ __all__ = [
     "item_rng",
     "item_seed",
     "open_index",
+    "register_index_kind",
     "register_sampler",
 ]
 
@@ -62,12 +63,13 @@ _LAZY = {
     "IndexNotFound": "errors",
     "PartError": "errors",
     "WorkerDied": "errors",
-    "Batch": "batcher",
-    "Record": "batcher",
+    "Batch": "items",
+    "Record": "items",
     "SampledBatcher": "batcher",
     "Fetcher": "fetch",
     "Index": "index",
-    "open_index": "index",
+    "open_index": "kinds",
+    "register_index_kind": "kinds",
     "register_sampler": "sampler",
     "item_rng": "seeding",
     "item_seed": "seeding",
@@ -87,7 +89,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .batcher import Batch, Record, SampledBatcher
+    from .batcher import SampledBatcher
     from .errors import (
         AllFailed,
         BadIndex,
@@ -98,7 +100,9 @@ if TYPE_CHECKING:
         WorkerDied,
     )
     from .fetch import Fetcher
-    from .index import Index, open_index
+    from .index import Index
+    from .items import Batch, Record
+    from .kinds import open_index, register_index_kind
     from .sampler import register_sampler
     from .seeding import item_rng, item_seed
 
@@ -143,20 +147,21 @@ class Dataset:
 
     ``index``: a .csv/.tsv path or URL (local, http(s)://, any fsspec URL), a
     directory (labels = sub-folder names), a tensor, ``dict(x=, y=)``, a .pt file,
-    or a list of these joined item by item (see :mod:`dataset.index`).
-    ``partition`` is 0-based like a torch rank; ``"auto"`` reads RANK/WORLD_SIZE,
-    and so does a Dataset given neither under torchrun (``WORLD_SIZE`` > 1).
-    ``sep``, ``meta`` (a meta file location), ``url_params`` (a query string
-    for every http(s) URL), ``multi_hot`` (one example per item, a multi-hot
-    target) and ``allow_schemes`` tune CSV indexes. A folder or fsspec URL of
-    part files (or a brace pattern) takes the options of :mod:`dataset.parts`
-    (``record_format``, ``resident_parts``, ``label_key``, ``storage_options``...).
-    ``cache_items=True`` caches fetched items on disk (``cache_dir``,
-    ``max_cache_bytes``), and ``cache_index=True`` the remote index files, so a
-    restarted job or the other ranks of a host read them from local disk.
-    The fetch options (``timeout``, ``retries``, ``backoff``...) apply to every
-    read, the index's included; they and the other batcher options become
-    defaults for :meth:`sampled_batcher`. A misspelt option raises TypeError.
+    a folder/URL of part files, or a list of these joined item by item (see
+    :mod:`dataset.kinds`). ``partition`` is 0-based like a torch rank;
+    ``"auto"`` reads RANK/WORLD_SIZE, and so does a Dataset given neither
+    under torchrun (``WORLD_SIZE`` > 1).
+
+    Options are flat keywords, sorted into typed groups and checked here,
+    before anything is read (see :mod:`dataset.options`): the index group
+    (``sep``, ``meta``, ``url_params``, ``multi_hot``, ``allow_schemes``,
+    ``cache_index``), the read policy of every read (``timeout``,
+    ``retries``...), the disk cache (``cache_items``, ``cache_dir``...), part
+    files (``record_format``, ``resident_parts``...), and the batcher's
+    workers and sampling options, which become defaults for
+    :meth:`sampled_batcher`. ``cache_index=True`` keeps index files, and CSV
+    indexes parsed, in the cache: a restarted job or the other ranks of a host
+    map the same file (one copy per host). A misspelt option raises TypeError.
     """
 
     def __init__(
@@ -164,51 +169,24 @@ class Dataset:
         index: Any,
         partition: int | str | None = None,
         partitions: int | None = None,
-        *,
-        sep: str | None = None,
-        meta: str | None = None,
-        url_params: str | dict | None = None,
-        multi_hot: bool = False,
-        allow_schemes: Sequence[str] = (),
         **opts: Any,
     ):
-        from . import parts
-        from .cache import Cache, item_cache
         from .errors import BadIndex
-        from .index import open_index
+        from .kinds import open_index
+        from .parts import PartIndex
 
-        _options.check(
-            "Dataset()",
-            opts,
-            _options.INDEX,
-            _options.FETCH,
-            _options.CACHE,
-            _options.PARTS,
-            _options.BATCHER,
-        )
+        for name in ("pool_size", "prefetch"):  # the batcher's own arguments
+            if name in opts:
+                raise TypeError(f"Dataset() got {name!r}: pass it to sampled_batcher()")
+        self.options = _options.split("Dataset()", opts)
         self.partition, self.partitions, source = choose_partition(partition, partitions)
-        fetch = {k: opts[k] for k in _options.FETCH if k in opts}
-        index_cache = None
-        if opts.pop("cache_index", False):  # remote index/meta/.pt files kept on local disk
-            index_cache = Cache(opts.get("cache_dir"), opts.get("max_cache_bytes"))
-        whole = parts.dataset_index(index, opts, fetch)  # a folder/URL of part files
-        if whole is None:
-            whole = open_index(
-                index,
-                sep=sep,
-                meta=meta,
-                url_params=url_params,
-                cache=index_cache,
-                multi_hot=multi_hot,
-                allow_schemes=allow_schemes,
-                fetch=fetch,
-            )
-        cache = item_cache(opts)  # cache_items=True, cache_dir=, max_cache_bytes=
-        if cache is not None:
-            opts.setdefault("cache", cache)
+        whole = open_index(index, options=self.options)
+        parts_given = self.options.parts.given()
+        if parts_given and not isinstance(whole, PartIndex):
+            raise TypeError(f"{sorted(parts_given)} apply to part files only, not to {index!r}")
         self.index: Index = whole.partition(self.partition, self.partitions)
         # (part files: a partition has at least one part; len() would read one to count)
-        if not isinstance(self.index, parts.PartIndex) and len(self.index) == 0:
+        if not isinstance(self.index, PartIndex) and len(self.index) == 0:
             raise BadIndex(
                 f"{whole.origin}: partition {self.partition} of {self.partitions} is empty "
                 f"(the index has {len(whole)} items)"
@@ -221,7 +199,6 @@ class Dataset:
                 self.partitions,
                 source,
             )
-        self.opts = opts
 
     def __repr__(self) -> str:
         return (
@@ -263,13 +240,12 @@ class Dataset:
         further options (see the README).
         """
         from .batcher import SampledBatcher
-        from .parts import default_sampler
 
-        _options.check(
-            "sampled_batcher()", opts, _options.FETCH, _options.BATCHER, _options.BATCHER_ARGS
-        )
-        kw = {**self.opts, **opts}
-        sampler = default_sampler(self.index, sampler)
+        groups = ("fetch", "cache", "workers", "sampling")
+        _options.check("sampled_batcher()", opts, *(_options.GROUPS[g].names() for g in groups),
+                       _options.BATCHER_ARGS)  # fmt: skip
+        opts.update(pool_size=pool_size, prefetch=prefetch)
+        options = self.options.update("sampled_batcher()", opts, groups)
         return SampledBatcher(
             self.index,
             batch_size=batch_size,
@@ -277,9 +253,7 @@ class Dataset:
             sampler=sampler,
             processor=processor,
             processor_opt=processor_opt,
-            pool_size=pool_size,
-            prefetch=prefetch,
             seed=seed,
             partition=self.partition,
-            **kw,
+            options=options,
         )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import os
 import stat
 import struct
@@ -84,7 +85,15 @@ def _private_dir(path: Path) -> None:
 
 def seal(data: bytes | bytearray | memoryview) -> bytes:
     """The trailer that makes `data` a cache entry."""
-    return _TRAILER.pack(_MAGIC, len(data), zlib.crc32(data))
+    return _seal_chunks([data])
+
+
+def _seal_chunks(chunks: list) -> bytes:
+    crc, size = 0, 0
+    for c in chunks:
+        crc = zlib.crc32(c, crc)
+        size += memoryview(c).nbytes
+    return _TRAILER.pack(_MAGIC, size, crc)
 
 
 def intact(payload: bytes, trailer: bytes) -> bool:
@@ -205,6 +214,55 @@ class Cache:
         self._write(url, data)
         return True
 
+    def mapped(self, url: str | tuple) -> memoryview | None:
+        """The entry of ``url`` memory-mapped read-only (its payload), or None on a miss.
+
+        Every process that maps an entry shares its pages (one copy per host).
+        The trailer's magic and length are checked, not its CRC, which would
+        read every page; an entry is written whole before it has its name.
+        """
+        p = self.path(url)
+        try:
+            with open(p, "rb") as f:
+                st = os.fstat(f.fileno())
+                mm = None
+                if st.st_size >= _TRAILER.size:
+                    mm = mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ)
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        if mm is not None:
+            magic, length, _ = _TRAILER.unpack(mm[st.st_size - _TRAILER.size :])
+            if magic == _MAGIC and length == st.st_size - _TRAILER.size:
+                self._touch(p)
+                self.hits += 1
+                return memoryview(mm)[:length]
+            mm.close()
+        self.corrupt += 1
+        self.misses += 1
+        log.warning("cache %s: mapped entry for %s is damaged; rebuilding", self.root, url)
+        self._remove_damaged(p, st)
+        return None
+
+    def map_fill(self, url: str | tuple, produce: Callable[[], list]) -> memoryview:
+        """:meth:`mapped`, where on a miss ``produce()`` writes the entry (once per host).
+
+        ``produce`` returns the payload as a list of buffers, written one after
+        the other (no copy into one). Other processes wanting the same entry
+        wait for it, then map it too.
+        """
+        view = self.mapped(url)
+        if view is not None:
+            return view
+        with FileLock(str(self.locks / (self.path(url).name + ".lock"))):
+            view = self.mapped(url)
+            if view is None:
+                self._write(url, produce())
+                view = self.mapped(url)
+        if view is None:
+            raise DatasetError(f"cache {self.root}: cannot map the entry just written for {url}")
+        return view
+
     def fill(self, url: str | tuple, produce: Callable[[], bytes]) -> bytes:
         """The bytes of ``url``'s entry; on a miss ``produce()`` makes them, once per host.
 
@@ -223,7 +281,8 @@ class Cache:
             self.put(url, data)
             return data
 
-    def _write(self, url: str | tuple, data: bytes | bytearray | memoryview) -> None:
+    def _write(self, url: str | tuple, data: bytes | bytearray | memoryview | list) -> None:
+        chunks = data if isinstance(data, list) else [data]
         p = self.path(url)
         if p.parent not in self._dirs:
             p.parent.mkdir(exist_ok=True, mode=0o700)
@@ -231,8 +290,9 @@ class Cache:
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.write(seal(data))
+                for c in chunks:
+                    f.write(c)
+                f.write(_seal_chunks(chunks))
                 f.flush()
                 os.fsync(f.fileno())  # on disk before it has its name: no torn entry
                 size = f.tell()
@@ -316,17 +376,3 @@ class Cache:
     def clear(self) -> None:
         """Remove every entry."""
         self.evict(0)
-
-
-def item_cache(opts: dict) -> Cache | None:
-    """For :class:`dataset.Dataset`: pop ``cache_items``, ``cache_dir``, ``max_cache_bytes``.
-
-    Returns the cache for fetched items when ``cache_items=True`` (so a second
-    epoch over HTTP reads from local disk), else None.
-    """
-    cache_items = opts.pop("cache_items", False)
-    cache_dir = opts.pop("cache_dir", None)
-    max_cache_bytes = opts.pop("max_cache_bytes", None)
-    if not cache_items:
-        return None
-    return Cache(cache_dir, max_cache_bytes)

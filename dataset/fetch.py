@@ -36,6 +36,7 @@ import aiohttp
 
 from . import sources as src
 from .errors import FetchError, IndexNotFound
+from .options import DEFAULT_MAX_ITEM_BYTES, REDIRECT_POLICIES
 
 __all__ = ["FetchError", "Fetcher", "RateLimitedLog", "Stats", "read_bytes", "with_retries"]
 
@@ -45,8 +46,6 @@ RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 MISSING_STATUS = frozenset({404, 410})
 REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 10
-REDIRECT_POLICIES = ("same-host", "any", "none")
-DEFAULT_MAX_ITEM_BYTES = 1 << 30
 
 T = TypeVar("T")
 

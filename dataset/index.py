@@ -1,10 +1,17 @@
 """Indexes: the ordered list of examples a Dataset draws from, and their labels.
 
-Every kind of index (CSV/TSV, directory, tensors, ``.pt`` file, a list of
-indexes) is read by :func:`open_index`, the one place that dispatches on the
-kind of index, into the same :class:`Index`: rows (per row of the file a
-*source*, see :mod:`dataset.sources`, and its label ids into ``index.labels``)
-and the *examples* drawn from them.
+Every kind of index (CSV/TSV, directory, tensors, ``.pt`` file, part files, a
+list of indexes) is opened by :func:`dataset.kinds.open_index`, the one
+dispatch on the kind of index, into an :class:`Index`: per row of the file
+a *source* (see :mod:`dataset.sources`) and its label ids into
+``index.labels``, and the *examples* drawn from the rows.
+
+An index of tens of millions of rows holds no Python object per row: rows are
+a table of numpy arrays (for CSV files and folders, offsets into one bytes
+buffer of names, see :class:`NameRows`), labels a compressed sparse row of
+integer ids (:class:`RowLabels`), examples two arrays (``rows``, ``targets``).
+A partition is an index array into those. Sources are made one at a time,
+when an item is dispatched.
 
 Label semantics, torch-dataset's (tested on its own fixtures in
 ``tests/test_torch_dataset.py``):
@@ -34,28 +41,210 @@ Label semantics, torch-dataset's (tested on its own fixtures in
 
 from __future__ import annotations
 
-import csv
-import functools
-import io
-import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from . import sources as src
-from .errors import BadIndex, IndexNotFound
-from .fetch import Fetcher, read_bytes
+from .errors import BadIndex
 from .sources import Joined
 
-__all__ = ["BadIndex", "Index", "JoinedIndex", "open_index"]
-
-log = logging.getLogger(__name__)
+__all__ = ["BadIndex", "Index", "JoinedIndex", "NameRows", "RowLabels", "labelled"]
 
 # How an index partitions: by label (CSV, folders) or by row (tensors).
 BY_LABEL, BY_ROW = "label", "row"
+
+
+def small_int(top: int, signed: bool = True) -> np.dtype:
+    """The smallest integer dtype that holds values up to `top` (and -1 when `signed`)."""
+    for dt in (np.int16, np.int32, np.int64) if signed else (np.uint32, np.int64):
+        if top <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.int64)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def fixed_width(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The byte strings ``buf[start:start + length]`` as one fixed-width bytes array.
+
+    numpy compares, sorts and finds unique values of those without a Python
+    object per string (a string is padded with NUL bytes, which no name holds).
+    Each string is copied as a row of a strided window over `buf`: no index
+    array per byte.
+    """
+    n = len(start)
+    w = max(1, int(length.max()) if n else 1)
+    start = start.astype(np.int64, copy=False)
+    fits = start <= len(buf) - w
+    if n and len(buf) >= w and fits.all():
+        window = np.lib.stride_tricks.as_strided(
+            buf, (len(buf) - w + 1, w), (1, 1), writeable=False
+        )
+        out = window[start]
+    else:  # the last strings of the buffer, or a buffer shorter than one string
+        j = np.arange(w)
+        out = (
+            buf[np.minimum(start[:, None] + j, len(buf) - 1)]
+            if len(buf)
+            else np.zeros((n, w), np.uint8)
+        )
+    short = np.flatnonzero(length < w)
+    if len(short):  # NUL after each string's end
+        out[short] *= np.arange(w) < length[short, None]
+    return out.view(f"S{w}").ravel()
+
+
+def byte_order(values: np.ndarray, *minor: np.ndarray) -> np.ndarray:
+    """The stable argsort of fixed-width bytes `values` (then of `minor` keys, major first).
+
+    numpy sorts a bytes array by comparing strings, about 2.5x slower than
+    sorting the same bytes read as big-endian 64-bit words, major word first
+    (NUL padding sorts first, as the shorter string does), which this does.
+    """
+    w = values.dtype.itemsize
+    pad = -w % 8
+    padded = values.astype(f"S{w + pad}") if pad else np.ascontiguousarray(values)
+    words = padded.view(">u8").reshape(len(values), (w + pad) // 8)
+    return np.lexsort((*minor[::-1], *words.T[::-1]))
+
+
+class Resolver:
+    """How a name written in an index becomes a source: its folder, URL prefix and query."""
+
+    def __init__(self, base: str, prefix: str = "", query: str = ""):
+        self.base, self.prefix, self.query = base, prefix, query
+
+    def __call__(self, name: str) -> str:
+        if self.prefix and not src.is_url(name) and not os.path.isabs(name):
+            url = src.join_prefix(self.prefix, name)
+        else:
+            url = src.resolve(self.base, name)
+        if self.query and src.is_http(url):
+            url = src.add_params(url, self.query)
+        return url
+
+    def state(self) -> dict:
+        return {"base": self.base, "prefix": self.prefix, "query": self.query}
+
+
+class NameRows:
+    """Rows that name their items: name r is ``buf[start[r]:start[r] + length[r]]`` (UTF-8).
+
+    ``buf`` is one bytes buffer (the index file itself, or names packed
+    together), so a row costs its name's bytes and a few integers. With
+    ``ranges`` (offset, length arrays) a row is a record inside a larger file.
+    """
+
+    in_memory = False
+
+    def __init__(
+        self,
+        buf: np.ndarray,
+        start: np.ndarray,
+        length: np.ndarray,
+        resolver: Resolver,
+        ranges: tuple[np.ndarray, np.ndarray] | None = None,
+    ):
+        self.buf, self.start, self.length = buf, start, length
+        self.resolver, self.ranges = resolver, ranges
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def raw(self, r: int) -> str:
+        s = int(self.start[r])
+        return bytes(self.buf[s : s + int(self.length[r])]).decode("utf-8")
+
+    def source(self, r: int) -> Any:
+        url = self.resolver(self.raw(r))
+        if self.ranges is None:
+            return url
+        return (url, int(self.ranges[0][r]), int(self.ranges[1][r]))
+
+    def name(self, r: int) -> str:
+        return _display(self.source(r))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"buf": self.buf, "start": self.start, "length": self.length}
+        if self.ranges is not None:
+            out["range_offset"], out["range_length"] = self.ranges
+        return out
+
+    def fixed(self, rows: np.ndarray) -> np.ndarray:
+        """The names of `rows` as a fixed-width bytes array (numpy compares and sorts those)."""
+        return fixed_width(self.buf, self.start[rows], self.length[rows])
+
+    def in_order(self, seq: np.ndarray, same: np.ndarray) -> bool:
+        """Whether the rows of `seq` are in (name, offset, length) order wherever ``same``."""
+        step = 1 << 16  # an unsorted file is found out in its first step
+        for c in range(0, max(len(seq) - 1, 0), step):
+            part = seq[c : c + step + 1]
+            names = self.fixed(part)
+            lo, hi, want = names[:-1], names[1:], same[c : c + step]
+            if (want & (lo > hi)).any():
+                return False
+            if self.ranges is not None:
+                tie = want & (lo == hi)
+                if tie.any():
+                    key = np.stack([self.ranges[0][part], self.ranges[1][part]], axis=1)
+                    a, b = key[:-1][tie], key[1:][tie]
+                    if ((a[:, 0] > b[:, 0]) | ((a[:, 0] == b[:, 0]) & (a[:, 1] > b[:, 1]))).any():
+                        return False
+        return True
+
+    def rank(self) -> np.ndarray:
+        """Rows sorted by (name, offset, length, row): the full sort, for unsorted files."""
+        rows = np.arange(len(self), dtype=np.int64)
+        names = self.fixed(rows)
+        if self.ranges is None:
+            return byte_order(names)
+        return byte_order(names, self.ranges[0], self.ranges[1])
+
+
+class TensorRows:
+    """Rows of a tensor, in memory: nothing to fetch."""
+
+    in_memory = True
+
+    def __init__(self, x: Any):
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def source(self, r: int) -> Any:
+        return self.x[r]
+
+    def name(self, r: int) -> str:
+        return f"<row {r}>"
+
+
+class RowLabels:
+    """The label ids of each row, compressed: row r has ``ids[ptr[r]:ptr[r + 1]]``."""
+
+    def __init__(self, ptr: np.ndarray, ids: np.ndarray):
+        self.ptr, self.ids = ptr, ids
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    def of(self, r: int) -> tuple[int, ...]:
+        return tuple(self.ids[int(self.ptr[r]) : int(self.ptr[r + 1])].tolist())
+
+    @classmethod
+    def single(cls, ids: np.ndarray) -> RowLabels:
+        """One label per row (-1: none)."""
+        has = ids >= 0
+        ptr = np.zeros(len(ids) + 1, dtype=small_int(len(ids), signed=False))
+        np.cumsum(has, out=ptr[1:])
+        return cls(ptr, ids[has])
+
+
+# ----------------------------------------------------------------------------- the index
 
 
 class Index:
@@ -66,42 +255,32 @@ class Index:
     the label id it stands for (-1: unlabeled); ``index.item_labels(i)`` all
     label ids of its item; ``index.rows[i]`` the item's row in the file.
 
-    Built from per-row data (``sources``, ``item_labels``, ``names``), shared by
-    every partition taken from it, and per-example arrays ``rows`` and
-    ``targets`` (by default one example per row, standing for its first label).
+    Built from per-row tables (``table``: sources and names; ``row_labels``:
+    label ids), shared by every partition taken from it, and per-example
+    arrays ``rows`` and ``targets``.
     """
 
     def __init__(
         self,
-        sources: Sequence[Any],
-        item_labels: Sequence[tuple[int, ...]],
+        table: Any,
+        row_labels: RowLabels,
         labels: Sequence[str],
         origin: str,
-        names: Sequence[str] | None = None,
         *,
-        rows: np.ndarray | None = None,
-        targets: np.ndarray | None = None,
+        rows: np.ndarray,
+        targets: np.ndarray,
         multi_hot: bool = False,
         split: str = BY_LABEL,
     ):
-        if len(sources) != len(item_labels):
-            raise ValueError(f"{origin}: {len(sources)} sources but {len(item_labels)} label rows")
-        self.row_sources = sources
-        self._row_labels = list(item_labels)
-        self._row_names = names
+        if len(table) != len(row_labels):
+            raise ValueError(f"{origin}: {len(table)} rows but {len(row_labels)} label rows")
+        if len(rows) != len(targets):
+            raise ValueError(f"{origin}: {len(rows)} rows but {len(targets)} targets")
+        self.table, self.row_labels = table, row_labels
         self.labels: list[str] = list(labels)
         self.origin = origin
-        self.multi_hot = multi_hot
-        self.split = split
-        if rows is None:
-            rows = np.arange(len(self._row_labels), dtype=np.int64)
-        if targets is None:
-            firsts = (self._row_labels[r][0] if self._row_labels[r] else -1 for r in rows.tolist())
-            targets = np.fromiter(firsts, dtype=np.int64, count=len(rows))
-        self.rows = np.asarray(rows, dtype=np.int64)
-        self.targets = np.asarray(targets, dtype=np.int64)
-        if len(self.rows) != len(self.targets):
-            raise ValueError(f"{origin}: {len(self.rows)} rows but {len(self.targets)} targets")
+        self.multi_hot, self.split = multi_hot, split
+        self.rows, self.targets = rows, targets
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -112,18 +291,17 @@ class Index:
     @property
     def num_rows(self) -> int:
         """Rows (items) of the whole file this index was read from."""
-        return len(self._row_labels)
+        return len(self.table)
 
-    @functools.cached_property
-    def _lists(self) -> tuple[list[int], list[int]]:
-        # python ints index python lists ~10x faster than numpy scalars (the dispatch loop)
-        return self.rows.tolist(), self.targets.tolist()
+    @property
+    def in_memory(self) -> bool:
+        """Whether the items are in memory already (tensor rows): nothing to fetch."""
+        return self.table.in_memory
 
     def _row(self, i: int) -> int:
-        rows = self._lists[0]
-        if not 0 <= i < len(rows):
-            raise IndexError(f"{self.origin}: example {i} out of range [0, {len(rows)})")
-        return rows[i]
+        if not 0 <= i < len(self.rows):
+            raise IndexError(f"{self.origin}: example {i} out of range [0, {len(self.rows)})")
+        return int(self.rows[i])
 
     def row(self, i: int) -> int:
         """The row (in the file) of example i's item."""
@@ -131,35 +309,51 @@ class Index:
 
     def source(self, i: int) -> Any:
         """What to fetch for example i."""
-        return self.row_sources[self._row(i)]
+        return self.table.source(self._row(i))
 
     def target(self, i: int) -> int:
         """The label id example i stands for (-1: unlabeled)."""
         self._row(i)
-        return self._lists[1][i]
+        return int(self.targets[i])
 
     def item_labels(self, i: int) -> tuple[int, ...]:
         """Every label id of example i's item."""
-        return self._row_labels[self._row(i)]
+        return self.row_labels.of(self._row(i))
 
     def name(self, i: int) -> str:
         """A human-readable name for example i (its URL or path), for logs and ``batch.urls``."""
-        return self.row_name(self._row(i))
+        return self.table.name(self._row(i))
+
+    def describe(self, positions: np.ndarray) -> tuple[list, list[str], list, list[int]]:
+        """``(sources, names, labels, targets)`` of the examples at `positions` (one batch)."""
+        table, row_labels = self.table, self.row_labels
+        rows = self.rows[positions].tolist()
+        sources = [table.source(r) for r in rows]
+        names = [_display(s, r) for s, r in zip(sources, rows, strict=True)]
+        return sources, names, [row_labels.of(r) for r in rows], self.targets[positions].tolist()
 
     def row_source(self, r: int) -> Any:
-        return self.row_sources[r]
+        return self.table.source(r)
 
     def row_name(self, r: int) -> str:
-        if self._row_names is not None:
-            return self._row_names[r]
-        return _display(self.row_sources[r], r)
+        return self.table.name(r)
 
     @property
     def sources(self) -> Any:
         """What to fetch for every example, in order (a list, or a tensor of rows)."""
-        if isinstance(self.row_sources, torch.Tensor):
-            return self.row_sources[torch.from_numpy(self.rows)]
-        return [self.row_sources[r] for r in self._lists[0]]
+        if isinstance(self.table, TensorRows):
+            import torch
+
+            return self.table.x[torch.from_numpy(self.rows.astype(np.int64))]
+        return [self.table.source(r) for r in self.rows.tolist()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this index's arrays (its rows' tables included)."""
+        arrays = [self.rows, self.targets, self.row_labels.ptr, self.row_labels.ids]
+        if isinstance(self.table, NameRows):
+            arrays += list(self.table.arrays().values())
+        return sum(a.nbytes for a in arrays)
 
     def by_label(self) -> list[np.ndarray]:
         """Positions of the examples of each label (label samplers draw from these).
@@ -167,14 +361,17 @@ class Index:
         With ``multi_hot`` an example (an item) is in every one of its labels.
         """
         if not self.multi_hot:
-            order = np.argsort(self.targets, kind="stable")
-            bounds = np.searchsorted(self.targets[order], np.arange(len(self.labels) + 1))
-            return [order[bounds[k] : bounds[k + 1]] for k in range(len(self.labels))]
-        members: list[list[int]] = [[] for _ in self.labels]
-        for pos in range(len(self)):
-            for lab in self.item_labels(pos):
-                members[lab].append(pos)
-        return [np.asarray(m, dtype=np.int64) for m in members]
+            targets = self.targets
+            positions = np.arange(len(targets), dtype=np.int64)
+        else:
+            ptr = self.row_labels.ptr.astype(np.int64)
+            cnt = (ptr[1:] - ptr[:-1])[self.rows]
+            positions = np.repeat(np.arange(len(self.rows), dtype=np.int64), cnt)
+            starts = np.repeat(ptr[:-1][self.rows] - np.cumsum(cnt) + cnt, cnt)
+            targets = self.row_labels.ids[starts + np.arange(len(positions))]
+        order = np.argsort(targets, kind="stable")
+        bounds = np.searchsorted(targets[order], np.arange(len(self.labels) + 1))
+        return [positions[order[bounds[k] : bounds[k + 1]]] for k in range(len(self.labels))]
 
     def partition(self, partition: int, partitions: int) -> Index:
         """The examples of `partition` (0-based) out of `partitions` (see the module docstring)."""
@@ -190,14 +387,13 @@ class Index:
         )
 
     def take(self, positions: Sequence[int] | np.ndarray, origin: str | None = None) -> Index:
-        """A new Index of the examples at `positions`, sharing this one's rows and labels."""
+        """A new Index of the examples at `positions`, sharing this one's tables and labels."""
         positions = np.asarray(positions, dtype=np.int64)
         return Index(
-            self.row_sources,
-            self._row_labels,
+            self.table,
+            self.row_labels,
             self.labels,
             origin or self.origin,
-            self._row_names,
             rows=self.rows[positions],
             targets=self.targets[positions],
             multi_hot=self.multi_hot,
@@ -214,14 +410,24 @@ def partition_positions(targets: np.ndarray, partition: int, partitions: int, sp
     """
     if split == BY_ROW:
         return np.arange(partition, len(targets), partitions, dtype=np.int64)
-    order = np.argsort(targets, kind="stable")
-    sorted_targets = targets[order]
-    starts = np.searchsorted(sorted_targets, sorted_targets, side="left")
-    k = np.arange(1, len(order) + 1) - starts  # 1-based rank within the label
-    return np.sort(order[k % partitions == partition])
+    group = np.where(targets < 0, np.iinfo(targets.dtype).max, targets)
+    order = None
+    if len(group) and not (group[1:] >= group[:-1]).all():  # not in label order: sort
+        order = np.argsort(group, kind="stable")
+        group = group[order]
+    # each label is a run [lo, hi); its k-th example (from 1) is at lo + k - 1, so the
+    # picks of a run are lo + first, lo + first + partitions, ... (no pass per example)
+    lo = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    hi = np.r_[lo[1:], len(group)]
+    first = (partition - 1) % partitions  # k = first + 1 is the first k with k % partitions == p
+    count = np.maximum(0, (hi - lo - first + partitions - 1) // partitions)
+    base = np.repeat(lo + first, count)
+    step = np.arange(len(base)) - np.repeat(np.cumsum(count) - count, count)
+    picked = base + step * partitions
+    return picked if order is None else np.sort(order[picked])
 
 
-def _display(s: Any, i: int) -> str:
+def _display(s: Any, i: int = 0) -> str:
     if isinstance(s, str):
         return s
     if isinstance(s, tuple) and len(s) == 3:
@@ -241,397 +447,74 @@ def sort_labels(names) -> list[str]:
 
 
 def labelled(
-    sources: Sequence[Any],
-    raw_labels: list[list[str]],
+    table: Any,
+    ptr: np.ndarray,
+    ids: np.ndarray,
+    names: Sequence[str],
     origin: str,
-    sort_keys: Sequence[Any],
-    names: Sequence[str] | None = None,
     multi_hot: bool = False,
 ) -> Index:
-    """An Index of rows with label names, in torch-dataset's example order.
+    """An Index of rows with labels, in torch-dataset's example order.
 
-    Each row with k labels becomes k examples (one with ``multi_hot``);
-    examples are ordered by label (unlabeled last), then by ``sort_keys[row]``
-    (the filename, offset, length), then by row.
+    Row r has the labels ``names[ids[j]]`` for j in ``ptr[r]:ptr[r + 1]`` (in
+    column order; a label repeated in a row counts once). Each row with k
+    labels becomes k examples (one with ``multi_hot``); examples are ordered by
+    label (unlabeled last), then by the row's name (then offset, length), then
+    by row.
     """
-    labels = sort_labels(lab for labs in raw_labels for lab in labs)
-    ids = {name: i for i, name in enumerate(labels)}
-    # dict.fromkeys drops a label repeated in two columns of one row, keeping order
-    row_labels = [tuple(ids[lab] for lab in dict.fromkeys(labs)) for labs in raw_labels]
-    ex_rows: list[int] = []
-    ex_targets: list[int] = []
-    for r, labs in enumerate(row_labels):
-        if multi_hot or not labs:
-            ex_rows.append(r)
-            ex_targets.append(labs[0] if labs else -1)
-        else:
-            ex_rows.extend([r] * len(labs))
-            ex_targets.extend(labs)
-    rank = np.empty(len(row_labels), dtype=np.int64)
-    rank[sorted(range(len(row_labels)), key=sort_keys.__getitem__)] = np.arange(len(row_labels))
-    rows = np.asarray(ex_rows, dtype=np.int64)
-    targets = np.asarray(ex_targets, dtype=np.int64)
-    group = np.where(targets < 0, len(labels), targets)  # unlabeled after every label
-    order = np.lexsort((rank[rows], group))
-    return Index(
-        sources,
-        row_labels,
-        labels,
-        origin,
-        names,
-        rows=rows[order],
-        targets=targets[order],
-        multi_hot=multi_hot,
-    )
-
-
-# ----------------------------------------------------------------------------- dispatch
-
-
-def open_index(
-    index: Any,
-    *,
-    sep: str | None = None,
-    meta: str | None = None,
-    url_params: str | dict | None = None,
-    cache: Any = None,
-    multi_hot: bool = False,
-    allow_schemes: Iterable[str] = (),
-    fetch: dict | None = None,
-) -> Index:
-    """Read any kind of index into an :class:`Index` (the whole index, unpartitioned).
-
-    This is the single dispatch point on the kind of index: add new kinds here.
-    ``cache`` (a :class:`dataset.cache.Cache`) keeps remote index files on local
-    disk; ``fetch`` holds the read policy (``timeout``, ``retries``...), the
-    same as for items; ``allow_schemes`` lets a remote CSV index name items on
-    other kinds of store (see :func:`dataset.sources.check_scheme`).
-    """
-    with Fetcher(pool_size=4, **(fetch or {})) as fetcher:
-        reader = _Reader(
-            sep=sep,
-            meta=meta,
-            url_params=url_params,
-            cache=cache,
-            multi_hot=multi_hot,
-            allow=frozenset(s.lower() for s in allow_schemes),
-            fetcher=fetcher,
-        )
-        return reader.open(index)
-
-
-class _Reader:
-    """The options of one :func:`open_index` call, and the fetcher its reads share."""
-
-    def __init__(self, **kw: Any):
-        self.__dict__.update(kw)
-
-    def open(self, index: Any) -> Index:
-        if isinstance(index, Index):
-            return index
-        if isinstance(index, torch.Tensor | dict):
-            return from_tensors(index, origin="<tensor>")
-        if isinstance(index, list | tuple):
-            if not index:
-                raise BadIndex("empty list of indexes")
-            return join([self.open(i) for i in index])
-        if isinstance(index, os.PathLike):
-            index = os.fspath(index)
-        if not isinstance(index, str):
-            raise TypeError(
-                f"unsupported index {type(index).__name__}: expected a path, URL, "
-                "tensor, dict(x=, y=) or a list of those"
-            )
-        path = src.local_path(index)
-        if path is not None and os.path.isdir(path):
-            return from_directory(path, multi_hot=self.multi_hot)
-        if index.lower().endswith(".pt"):
-            return from_pt(index, cache=self.cache, fetcher=self.fetcher)
-        return from_csv(
-            index,
-            sep=self.sep,
-            meta=self.meta,
-            url_params=self.url_params,
-            cache=self.cache,
-            multi_hot=self.multi_hot,
-            allow_schemes=self.allow,
-            fetcher=self.fetcher,
-        )
-
-
-# ----------------------------------------------------------------------------- CSV / TSV
-
-# Columns of a meta file we know by name; any other single column is the URL prefix.
-PREFIX_COLUMNS = ("url_prefix", "urlPrefix")
-PARAMS_COLUMNS = ("url_params", "urlParams")
-
-
-def _meta_candidates(index: str) -> list[str]:
-    """Where a meta file may sit beside `index`: ``<stem>-meta.csv`` (torch-dataset's
-    name, e.g. ``train-meta.csv`` for ``train.csv``), then ``index-meta.csv``."""
-    folder = src.parent_of(index)
-    name = index.rsplit("/", 1)[-1].split("?", 1)[0]
-    stem = name.rsplit(".", 1)[0] if "." in name else name
-    names = [f"{stem}-meta.csv", "index-meta.csv"]
-    return [src.resolve(folder, n) for n in dict.fromkeys(names)]
-
-
-def read_meta(
-    index: str, meta: str | None, cache: Any = None, fetcher: Fetcher | None = None
-) -> tuple[str, str]:
-    """``(url_prefix, url_params)`` from the meta file beside the index (or `meta`).
-
-    torch-dataset's meta file is one column of any name (``hostname``,
-    ``prefix``...) with the URL prefix on line 2, taken as it is. Ours may
-    instead have ``url_prefix`` and ``url_params`` columns. No meta file: ("", "").
-    """
-    if meta is not None:
-        location, data = meta, read_bytes(meta, cache=cache, fetcher=fetcher)
+    n = len(table)
+    labels = sort_labels(names)
+    label_dt = small_int(len(labels) + 1)
+    ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids] if len(ids) else ids
+    ids = ids.astype(label_dt, copy=False)
+    ptr = ptr.astype(np.int64, copy=False)
+    cnt = np.diff(ptr)
+    if len(cnt) and cnt.max() > 1:
+        ptr, ids, cnt = _dedupe(ptr, ids, cnt)
+    row_dt = small_int(n)
+    if len(ids) == n and (cnt == 1).all():  # one label per row: an example per row
+        ex_rows, targets = np.arange(n, dtype=row_dt), ids
+    elif multi_hot:
+        ex_rows = np.arange(n, dtype=row_dt)
+        targets = np.full(n, -1, dtype=label_dt)
+        has = cnt > 0
+        targets[has] = ids[ptr[:-1][has]]
     else:
-        for location in _meta_candidates(index):
-            data = read_bytes(location, missing_ok=True, cache=cache, fetcher=fetcher)
-            if data is not None:
-                break
-    if data is None:
-        return "", ""
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise BadIndex(f"{location}: meta file is not UTF-8 text ({err})") from err
-    lines = [line for line in text.splitlines() if line.strip()]
-    if len(lines) < 2:
-        raise BadIndex(f"{location}: a meta file holds a header and, on line 2, the URL prefix")
-    rows = list(csv.reader(lines[:2]))
-    header = [h.strip() for h in rows[0]]
-    values = dict(zip(header, (v.strip() for v in rows[1]), strict=False))
-    known = [h for h in header if h in PREFIX_COLUMNS + PARAMS_COLUMNS]
-    if known:
-        for h in header:
-            if h not in known:
-                log.warning("%s: unknown meta column %r (ignored)", location, h)
-        prefix = next((values.get(h, "") for h in PREFIX_COLUMNS if h in values), "")
-        params = next((values.get(h, "") for h in PARAMS_COLUMNS if h in values), "")
-        return prefix, params
-    if len(header) == 1:  # torch-dataset: line 2 is the prefix, whatever the column's name
-        value = rows[1][0] if len(rows[1]) == 1 else lines[1]  # a prefix holding a comma
-        return value.strip(), ""
-    raise BadIndex(
-        f"{location}: cannot tell the URL prefix among columns {header}; a meta file is one "
-        "column (any name) with the prefix on line 2, or url_prefix and url_params columns"
-    )
+        k = np.maximum(cnt, 1)
+        ex_rows = np.repeat(np.arange(n, dtype=row_dt), k)
+        targets = np.full(len(ex_rows), -1, dtype=label_dt)
+        ex_start = np.cumsum(k) - k
+        targets[np.repeat(ex_start - ptr[:-1], cnt) + np.arange(len(ids))] = ids
+    group = np.where(targets < 0, len(labels), targets).astype(label_dt, copy=False)
+    order = np.argsort(group, kind="stable")  # rows ascending within each label
+    seq, g = ex_rows[order], group[order]
+    if not table.in_order(seq, g[1:] == g[:-1]):
+        rank = np.empty(n, dtype=np.int64)
+        rank[table.rank()] = np.arange(n)
+        order = np.lexsort((rank[ex_rows], group))
+        seq = ex_rows[order]
+    row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False)), ids)
+    return Index(table, row_labels, labels, origin, rows=seq, targets=targets[order],
+                 multi_hot=multi_hot)  # fmt: skip
 
 
-class _Columns:
-    """Where the known columns of a CSV header are; unknown ones are logged and ignored."""
-
-    def __init__(self, header: list[str], where: str):
-        self.file: int | None = None
-        self.offset: int | None = None
-        self.length: int | None = None
-        self.labels: list[int] = []
-        for pos, name in enumerate(header):
-            if name in ("filename", "offset", "length"):
-                if getattr(self, "file" if name == "filename" else name) is not None:
-                    raise BadIndex(f"{where}:1: more than one {name!r} column")
-                setattr(self, "file" if name == "filename" else name, pos)
-            elif name.startswith("label"):
-                self.labels.append(pos)
-            else:
-                log.warning("%s:1: unknown column %r (ignored)", where, name)
-        if self.file is None:
-            raise BadIndex(f"{where}:1: no 'filename' column in header {header}")
-        if (self.offset is None) != (self.length is None):
-            raise BadIndex(f"{where}:1: 'offset' and 'length' columns go together")
-        # a row must reach every column it cannot do without; labels may be left out
-        self.needed = 1 + max(p for p in (self.file, self.offset, self.length) if p is not None)
+def _remap(names: Sequence[str], labels: list[str]) -> list[int]:
+    where = {name: i for i, name in enumerate(labels)}
+    return [where[x] for x in names]
 
 
-def from_csv(
-    index: str,
-    *,
-    sep: str | None = None,
-    meta: str | None = None,
-    url_params: str | dict | None = None,
-    cache: Any = None,
-    multi_hot: bool = False,
-    allow_schemes: frozenset[str] = frozenset(),
-    fetcher: Fetcher | None = None,
-) -> Index:
-    """A CSV/TSV index: columns ``filename``, ``label*``, optional ``offset``/``length``.
-
-    Rows may stop after their last label (ragged rows). Relative filenames join
-    the URL prefix of the meta file beside the index (see :func:`read_meta`)
-    when there is one, else resolve against the index's own folder. Absolute
-    URLs and paths are used as they are, within :func:`dataset.sources.check_scheme`.
-    """
-    try:
-        data = read_bytes(index, cache=cache, fetcher=fetcher)
-    except IndexNotFound as err:
-        raise IndexNotFound(f"index not found: {err}") from None
-    assert data is not None
-    if sep is None:
-        sep = "\t" if index.lower().split("?", 1)[0].endswith(".tsv") else ","
-    prefix, meta_params = read_meta(index, meta, cache, fetcher)
-    query = src.query_string(url_params if url_params is not None else meta_params)
-    base = src.parent_of(index)
-    remote = src.scheme(index) != "file"
-
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise BadIndex(f"{index}: not UTF-8 text ({err})") from err
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=sep, strict=True)
-    try:
-        header = [h.strip() for h in next(reader)]
-    except StopIteration:
-        raise BadIndex(f"{index}: empty index (no header line)") from None
-    except csv.Error as err:
-        raise BadIndex(f"{index}:1: {err}") from err
-    cols = _Columns(header, index)
-
-    sources: list[Any] = []
-    raw_labels: list[list[str]] = []
-    keys: list[tuple] = []
-    try:
-        for row in reader:
-            line = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue  # blank line
-            if len(row) > len(header):
-                raise BadIndex(
-                    f"{index}:{line}: {len(row)} fields for a header of {len(header)} "
-                    f"{header}: {row} (quote a field that holds {sep!r})"
-                )
-            if len(row) < cols.needed:
-                raise BadIndex(f"{index}:{line}: missing fields {header[len(row) :]}: {row}")
-            name = row[cols.file].strip()
-            if not name:
-                raise BadIndex(f"{index}:{line}: empty filename")
-            if prefix and not src.is_url(name) and not os.path.isabs(name):
-                url = src.join_prefix(prefix, name)
-            else:
-                url = src.resolve(base, name)
-            if src.is_http(url):
-                url = src.add_params(url, query)
-            if remote:
-                refused = src.check_scheme(index, url, allow_schemes)
-                if refused:
-                    raise BadIndex(f"{index}:{line}: {refused}")
-            if cols.offset is not None:
-                try:
-                    off, length = int(row[cols.offset]), int(row[cols.length])
-                except ValueError:
-                    raise BadIndex(
-                        f"{index}:{line}: offset/length must be integers, got "
-                        f"{row[cols.offset]!r}/{row[cols.length]!r}"
-                    ) from None
-                if off < 0 or length < 0:
-                    raise BadIndex(f"{index}:{line}: negative offset/length")
-                sources.append((url, off, length))
-                keys.append((name, off, length))
-            else:
-                sources.append(url)
-                keys.append((name,))
-            raw_labels.append([row[c].strip() for c in cols.labels if c < len(row)])
-            raw_labels[-1] = [lab for lab in raw_labels[-1] if lab]
-    except csv.Error as err:
-        raise BadIndex(f"{index}:{reader.line_num}: {err}") from err
-    if not sources:
-        raise BadIndex(f"{index}: empty index (a header but no items)")
-    return labelled(sources, raw_labels, index, keys, multi_hot=multi_hot)
-
-
-# ----------------------------------------------------------------------------- directory
-
-
-def from_directory(root: str, multi_hot: bool = False) -> Index:
-    """Files under sub-folders are labelled by the (top) sub-folder name; top files unlabeled.
-
-    Hidden files and folders (leading dot) are skipped; examples are in label,
-    then path order, so every machine sees the same order.
-    """
-    root = os.path.abspath(root)
-    found: list[tuple[str, str | None]] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        rel_dir = os.path.relpath(dirpath, root)
-        label = None if rel_dir == "." else rel_dir.split(os.sep)[0]
-        for f in filenames:
-            if not f.startswith("."):
-                found.append((os.path.join(rel_dir, f) if label else f, label))
-    if not found:
-        raise BadIndex(f"{root}: empty directory index (no visible files)")
-    found.sort()
-    sources = [os.path.join(root, rel) for rel, _ in found]
-    raw = [[lab] if lab else [] for _, lab in found]
-    return labelled(sources, raw, root, [rel for rel, _ in found], multi_hot=multi_hot)
-
-
-# ----------------------------------------------------------------------------- tensors
-
-
-def from_tensors(data: torch.Tensor | dict, origin: str) -> Index:
-    """Items are rows of a tensor, or of ``x`` in ``dict(x=..., y=...)`` (y: one label per row).
-
-    As torch-dataset's IndexTensor: examples in row order, row j in partition
-    ``j % partitions``.
-    """
-    if isinstance(data, torch.Tensor):
-        x, y = data, None
-    else:
-        if "x" not in data:
-            raise BadIndex(f"{origin}: a tensor index dict needs an 'x' entry, has {list(data)}")
-        x, y = data["x"], data.get("y")
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) == 0:
-        raise BadIndex(f"{origin}: 'x' must be a non-empty tensor with one item per row")
-    if y is None:
-        return Index(x, [()] * len(x), [], origin, split=BY_ROW)
-    y = torch.as_tensor(y)
-    if y.dim() != 1 or len(y) != len(x):
-        raise BadIndex(
-            f"{origin}: 'y' must be 1-D with one label per row of 'x' ({len(x)}), "
-            f"got shape {tuple(y.shape)}"
-        )
-    if y.is_floating_point():
-        raise BadIndex(f"{origin}: 'y' must hold integer labels, got {y.dtype}")
-    values = sorted(set(y.tolist()))
-    ids = {v: i for i, v in enumerate(values)}
-    return Index(x, [(ids[v],) for v in y.tolist()], [str(v) for v in values], origin, split=BY_ROW)
-
-
-# torch.load(weights_only=True) could run code before 2.6 (CVE-2025-32434)
-SAFE_TORCH_LOAD = (2, 6)
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+", 1)[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-def from_pt(location: str, cache: Any = None, fetcher: Fetcher | None = None) -> Index:
-    """A ``.pt`` file (local or remote) holding a tensor or ``dict(x=..., y=...)``.
-
-    Loaded with ``weights_only=True`` (tensors and plain containers only, no
-    code). A remote one needs a torch whose ``weights_only`` loading is safe
-    (2.6 or later); with an older torch it is refused.
-    """
-    if src.local_path(location) is None and _torch_version() < SAFE_TORCH_LOAD:
-        raise BadIndex(
-            f"{location}: a remote .pt index needs torch >= 2.6, whose weights_only loading "
-            f"cannot run code (this is torch {torch.__version__}); upgrade torch, or download "
-            "the file, check it and open the local copy"
-        )
-    try:
-        data = read_bytes(location, cache=cache, fetcher=fetcher)
-    except IndexNotFound as err:
-        raise IndexNotFound(f"index not found: {err}") from None
-    try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise BadIndex(f"{location}: not a loadable tensor file ({err})") from err
-    if not isinstance(obj, torch.Tensor | dict):
-        raise BadIndex(f"{location}: expected a tensor or dict(x=, y=), got {type(obj)}")
-    return from_tensors(obj, location)
+def _dedupe(ptr: np.ndarray, ids: np.ndarray, cnt: np.ndarray):
+    """Drop a label repeated within a row (the first occurrence stays, in column order)."""
+    row = np.repeat(np.arange(len(cnt)), cnt)
+    order = np.lexsort((np.arange(len(ids)), ids, row))
+    dup = np.zeros(len(ids), dtype=bool)
+    dup[order[1:]] = (row[order[1:]] == row[order[:-1]]) & (ids[order[1:]] == ids[order[:-1]])
+    if not dup.any():
+        return ptr, ids, cnt
+    keep = ~dup
+    cnt = np.bincount(row[keep], minlength=len(cnt))
+    ptr = np.concatenate([[0], np.cumsum(cnt)])
+    return ptr, ids[keep], cnt
 
 
 # ----------------------------------------------------------------------------- joined
@@ -677,14 +560,18 @@ class JoinedIndex(Index):
         self.labels = first.labels
         self.origin = origin or " + ".join(m.origin for m in self.members)
         self.multi_hot, self.split = first.multi_hot, first.split
+        self.table, self.row_labels = first.table, first.row_labels
         self.rows = first.rows[self.positions]
         self.targets = first.targets[self.positions]
-        self._row_labels = first._row_labels
         # members whose rows line up with the first's
         self._alignable = [m for m in self.members if m.num_rows == first.num_rows]
 
     def __repr__(self) -> str:
         return f"JoinedIndex({self.origin!r}, examples={len(self)}, members={len(self.members)})"
+
+    @property
+    def in_memory(self) -> bool:
+        return False
 
     @property
     def sources(self) -> list[Joined]:  # type: ignore[override]
@@ -697,6 +584,13 @@ class JoinedIndex(Index):
     def name(self, i: int) -> str:
         r = self._row(i)
         return " + ".join(m.row_name(r) for m in self._alignable)
+
+    def describe(self, positions: np.ndarray) -> tuple[list, list[str], list, list[int]]:
+        rows = self.rows[positions].tolist()
+        sources = [Joined(m.row_source(r) for m in self._alignable) for r in rows]
+        names = [" + ".join(m.row_name(r) for m in self._alignable) for r in rows]
+        labels = [self.row_labels.of(r) for r in rows]
+        return sources, names, labels, self.targets[positions].tolist()
 
     def take(self, positions: Sequence[int] | np.ndarray, origin: str | None = None):
         """The examples at `positions`; members stay whole (only the driver's positions change)."""

@@ -1,35 +1,244 @@
-"""The option names each stage takes, and the check that a misspelt one fails at once.
+"""The options of each stage, as typed groups checked where they are given.
 
-``Dataset(...)`` and ``sampled_batcher(...)`` take flat keywords; each name
-belongs to one group below (the stage that reads it). :func:`check` runs where
-the options are given, so ``Dataset(url, num_worker=4)`` raises ``TypeError``
-naming ``num_workers`` instead of failing late, or never.
+``Dataset(...)`` and ``sampled_batcher(...)`` take flat keywords, the
+convenient surface; each name belongs to one group below, the stage that
+reads it. :func:`split` sorts flat keywords into their groups, so
+``Dataset(url, num_worker=4)`` raises ``TypeError`` naming ``num_workers``,
+and building a group checks its values (``retries=-1`` raises at once, naming
+the option), before any file is read or any worker started.
+
+    fetch     every read of the world: items, index/meta/.pt files, parts
+    index     CSV/TSV and other index files
+    cache     the local disk cache of items and index files
+    parts     folders of part files
+    workers   who fetches and decodes, how much is in flight, what a failure does
+    sampling  the batcher's sampler options and epoch shape
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-# CSV/TSV and other index files (dataset.index, dataset.sources)
-INDEX = ("sep", "meta", "url_params", "multi_hot", "allow_schemes", "cache_index")
-# every read of the world: items, index/meta/.pt files, part files (dataset.fetch)
-FETCH = ("timeout", "retries", "backoff", "max_backoff", "headers", "redirects", "max_item_bytes")
-# the local disk cache (dataset.cache)
-CACHE = ("cache_items", "cache_dir", "max_cache_bytes")
-# folders of part files (dataset.parts)
-PARTS = (
-    "record_format",
-    "resident_parts",
-    "label_key",
-    "labels",
-    "check_crc",
-    "storage_options",
-    "part_retries",
-    "cache_parts",
-    "max_part_bytes",
-    "part_timeout",
-)
+DEFAULT_MAX_ITEM_BYTES = 1 << 30
+DEFAULT_MAX_PART_BYTES = 4 << 30
+DEFAULT_WORKER_TIMEOUT = 600.0
+DEFAULT_PART_TIMEOUT = 600.0
+REDIRECT_POLICIES = ("same-host", "any", "none")
+ERROR_POLICIES = (None, "drop", "raise")
+
+
+def _positive(name: str, value: Any, allow_none: bool = False, zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be {'>= 0' if zero else '> 0'}, got {value!r}")
+
+
+class Group:
+    """A typed option group: a frozen dataclass whose fields are the flat keywords."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+
+    def given(self) -> dict[str, Any]:
+        """The options that differ from the defaults (what a user passed)."""
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            default = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
+            value = getattr(self, f.name)
+            if value is not default and value != default:
+                out[f.name] = value
+        return out
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes) if changes else self  # type: ignore
+
+
+@dataclass(frozen=True)
+class FetchOptions(Group):
+    """Every read: ``timeout`` per attempt, ``retries`` with exponential ``backoff`` up to
+    ``max_backoff``, extra ``headers``, which ``redirects`` to follow, ``max_item_bytes``."""
+
+    timeout: float | None = 30.0
+    retries: int = 3
+    backoff: float = 0.05
+    max_backoff: float = 2.0
+    headers: Mapping[str, str] | None = None
+    redirects: str = "same-host"
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
+
+    def __post_init__(self) -> None:
+        _positive("timeout", self.timeout, allow_none=True)
+        _positive("retries", self.retries, zero=True)
+        _positive("backoff", self.backoff, zero=True)
+        _positive("max_backoff", self.max_backoff, zero=True)
+        _positive("max_item_bytes", self.max_item_bytes)
+        if self.redirects not in REDIRECT_POLICIES:
+            raise ValueError(
+                f"redirects must be one of {REDIRECT_POLICIES}, got {self.redirects!r}"
+            )
+        if self.headers is not None and not isinstance(self.headers, Mapping):
+            raise TypeError(f"headers must be a dict, got {self.headers!r}")
+
+    def fetcher_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`dataset.fetch.Fetcher`."""
+        return {
+            "timeout": self.timeout,
+            "retries": self.retries,
+            "backoff": self.backoff,
+            "max_backoff": self.max_backoff,
+            "headers": dict(self.headers or {}),
+            "redirects": self.redirects,
+            "max_item_bytes": self.max_item_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class IndexOptions(Group):
+    """CSV/TSV indexes: ``sep``, ``meta`` file, ``url_params``, ``multi_hot`` targets,
+    ``allow_schemes`` a remote index may name; ``cache_index`` keeps index files on disk."""
+
+    sep: str | None = None
+    meta: str | None = None
+    url_params: str | Mapping | None = None
+    multi_hot: bool = False
+    allow_schemes: Sequence[str] = ()
+    cache_index: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sep is not None and (not isinstance(self.sep, str) or len(self.sep) != 1):
+            raise ValueError(f"sep must be one character, got {self.sep!r}")
+        if isinstance(self.allow_schemes, str):
+            raise TypeError(f"allow_schemes is a list of schemes, got {self.allow_schemes!r}")
+        object.__setattr__(self, "allow_schemes", tuple(s.lower() for s in self.allow_schemes))
+
+
+@dataclass(frozen=True)
+class CacheOptions(Group):
+    """The local disk cache (``cache_dir``, ``max_cache_bytes``): of fetched items with
+    ``cache_items=True``; ``cache`` an explicit cache object for items."""
+
+    cache_items: bool = False
+    cache_dir: str | os.PathLike | None = None
+    max_cache_bytes: int | None = None
+    cache: Any = None
+
+    def __post_init__(self) -> None:
+        _positive("max_cache_bytes", self.max_cache_bytes, allow_none=True)
+
+    def disk(self):
+        """A :class:`dataset.cache.Cache` at ``cache_dir``."""
+        from .cache import Cache
+
+        return Cache(self.cache_dir, self.max_cache_bytes)
+
+    def item_cache(self):
+        """The cache for fetched items: ``cache``, or a disk cache with ``cache_items``."""
+        if self.cache is not None:
+            return self.cache
+        return self.disk() if self.cache_items else None
+
+
+@dataclass(frozen=True)
+class PartOptions(Group):
+    """Folders of part files (see :mod:`dataset.parts`)."""
+
+    record_format: str | None = None
+    resident_parts: int = 3
+    label_key: str | None = None
+    labels: Sequence[str] | None = None
+    check_crc: bool = True
+    storage_options: Mapping[str, Any] | None = None
+    part_retries: int = 3
+    cache_parts: bool = True
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES
+    part_timeout: float | None = DEFAULT_PART_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.record_format not in (None, "tar", "tfrecord", "lines"):
+            raise ValueError(
+                f"record_format must be 'tar', 'tfrecord' or 'lines', got {self.record_format!r}"
+            )
+        if not isinstance(self.resident_parts, int) or self.resident_parts < 2:
+            raise ValueError(
+                f"resident_parts must be >= 2 (one read, one loading), got {self.resident_parts}"
+            )
+        _positive("part_retries", self.part_retries, zero=True)
+        _positive("max_part_bytes", self.max_part_bytes)
+        _positive("part_timeout", self.part_timeout, allow_none=True)
+
+
+@dataclass(frozen=True)
+class WorkerOptions(Group):
+    """Who fetches and decodes (``workers``, ``num_workers``, ``pool_size`` fetches each),
+    ``prefetch`` batches in flight, ``worker_timeout``, ``mp_context``, the failure policy
+    (``on_error``, ``max_failed_batches``) and a ``progress`` bar."""
+
+    workers: str | None = None
+    num_workers: int | None = None
+    pool_size: int | None = None
+    prefetch: int = 2
+    worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT
+    mp_context: str | None = None
+    on_error: str | Callable[[BaseException], Any] | None = None
+    max_failed_batches: int = 3
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers not in (None, "thread", "process"):
+            raise ValueError(f"workers must be 'thread' or 'process', got {self.workers!r}")
+        if self.num_workers is not None:
+            _positive("num_workers", self.num_workers, zero=True)
+        _positive("pool_size", self.pool_size, allow_none=True)
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.worker_timeout is not None and not self.worker_timeout > 0:
+            raise ValueError(f"worker_timeout must be > 0 or None, got {self.worker_timeout}")
+        if self.on_error not in ERROR_POLICIES and not callable(self.on_error):
+            raise ValueError(
+                f"on_error must be 'drop', 'raise', None or a callable, got {self.on_error!r}"
+            )
+        if not isinstance(self.max_failed_batches, int) or self.max_failed_batches < 1:
+            raise ValueError(f"max_failed_batches must be >= 1, got {self.max_failed_batches}")
+
+
+@dataclass(frozen=True)
+class SamplingOptions(Group):
+    """The sampler's options (``sampler_opt``: a dict, or one per joined index) and
+    ``drop_last`` (an epoch ends before a short last batch)."""
+
+    sampler_opt: Any = None
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        opt = self.sampler_opt
+        if opt is not None and not isinstance(opt, Mapping | list | tuple):
+            raise TypeError(f"sampler_opt must be a dict (or a list, one per index), got {opt!r}")
+
+
+GROUPS: dict[str, type[Group]] = {
+    "fetch": FetchOptions,
+    "index": IndexOptions,
+    "cache": CacheOptions,
+    "parts": PartOptions,
+    "workers": WorkerOptions,
+    "sampling": SamplingOptions,
+}
+# flat names, for messages and the README
+FETCH = FetchOptions.names()
+INDEX = IndexOptions.names()
+CACHE = CacheOptions.names()
+PARTS = PartOptions.names()
 # the batcher's own arguments (Dataset.sampled_batcher's signature)
 BATCHER_ARGS = (
     "batch_size",
@@ -40,20 +249,6 @@ BATCHER_ARGS = (
     "pool_size",
     "prefetch",
     "seed",
-)
-# the batcher's keyword options: sampling, workers, failure policy (dataset.batcher);
-# given to Dataset(...), they become defaults for its batchers
-BATCHER = (
-    "sampler_opt",
-    "workers",
-    "num_workers",
-    "drop_last",
-    "cache",
-    "max_failed_batches",
-    "progress",
-    "mp_context",
-    "on_error",
-    "worker_timeout",
 )
 
 
@@ -68,3 +263,30 @@ def check(where: str, given: Iterable[str], *groups: Iterable[str]) -> None:
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else f"; valid options: {', '.join(valid)}"
         raise TypeError(f"{where} got an unknown option {name!r}{hint}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """One typed group per stage, built from flat keywords by :func:`split`."""
+
+    fetch: FetchOptions = field(default_factory=FetchOptions)
+    index: IndexOptions = field(default_factory=IndexOptions)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    parts: PartOptions = field(default_factory=PartOptions)
+    workers: WorkerOptions = field(default_factory=WorkerOptions)
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+    def update(self, where: str, flat: Mapping[str, Any], groups: Sequence[str]) -> Options:
+        """These options with `flat` keywords of `groups` laid over them (checked)."""
+        check(where, flat, *(GROUPS[g].names() for g in groups))
+        changes = {}
+        for g in groups:
+            mine = {k: v for k, v in flat.items() if k in GROUPS[g].names()}
+            if mine:
+                changes[g] = getattr(self, g).replace(**mine)
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def split(where: str, flat: Mapping[str, Any], groups: Sequence[str] = tuple(GROUPS)) -> Options:
+    """Flat keywords sorted into typed groups: an unknown name or a bad value raises here."""
+    return Options().update(where, flat, groups)

@@ -23,6 +23,19 @@ Every read is retried with the fetch policy (``timeout``, ``retries``,
 ``backoff``...); a part that still fails, or that decompresses to more than
 ``max_part_bytes``, is logged, counted in ``failed_parts`` and read as empty.
 A part loader that finishes nothing within ``part_timeout`` raises PartError.
+
+A :class:`PartIndex` is a *part source*, not an :class:`dataset.index.Index`:
+its records have no positions, so nothing addresses them one by one. Its
+contract, all the batcher and the ``part-*`` samplers of
+:mod:`dataset.sampler` use:
+
+- ``origin``, ``labels`` (grow as ``label_key`` values are read, unless given),
+  ``multi_hot`` (False);
+- ``partition(p, n)``: the part source of one partition (file i to ``i % n``);
+- ``len()``: records, an estimate until ``exact``;
+- ``stream(rng, parts, items)``: one epoch of :class:`dataset.items.Record`
+  objects, parts and records each ``"linear"`` or ``"permutation"``;
+- ``read_counters()``: what reading produced, for ``batcher.stats``.
 """
 
 from __future__ import annotations
@@ -42,13 +55,15 @@ from typing import Any
 import numpy as np
 
 from . import sources as src
-from .batcher import Record
 from .cache import Cache
 from .errors import FetchError, PartError
 from .fetch import Fetcher, with_retries
-from .options import PARTS
-from .records import DEFAULT_MAX_PART_BYTES, ReadStats, TooLarge, read_part
-from .sampler import register_sampler
+from .items import Record
+from .options import CacheOptions, FetchOptions, Options, PartOptions
+from .records import ReadStats, TooLarge, read_part
+from .sampler import PART_SAMPLERS as SAMPLERS
+
+__all__ = ["SAMPLERS", "PartIndex", "SampleMember", "is_part_source", "list_parts", "open_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +121,6 @@ def is_part_source(index: Any) -> bool:
 
 
 _INDEX_FILE = re.compile(r"\.(csv|tsv|pt)$", re.IGNORECASE)
-DEFAULT_PART_TIMEOUT = 600.0
 
 
 def _read_local(path: str, url: str) -> bytes:
@@ -119,21 +133,21 @@ def _read_local(path: str, url: str) -> bytes:
         raise FetchError(url, f"{type(err).__name__}: {err}") from None
 
 
-def _retry_policy(fetch: dict | None) -> dict:
+def _retry_policy(fetch: FetchOptions | None) -> dict:
     """The retry options of a fetch policy, for :func:`dataset.fetch.with_retries`."""
-    keys = ("retries", "backoff", "max_backoff")
-    return {k: v for k, v in (fetch or {}).items() if k in keys}
+    fetch = fetch or FetchOptions()
+    return {"retries": fetch.retries, "backoff": fetch.backoff, "max_backoff": fetch.max_backoff}
 
 
 def list_parts(
-    url: str, storage_options: dict | None = None, fetch: dict | None = None
+    url: str, storage_options: dict | None = None, fetch: FetchOptions | None = None
 ) -> list[str]:
     """The part files of a folder URL (any fsspec store) or brace pattern, sorted by name."""
     return [name for name, _ in list_part_sizes(url, storage_options, fetch)]
 
 
 def list_part_sizes(
-    url: str, storage_options: dict | None = None, fetch: dict | None = None
+    url: str, storage_options: dict | None = None, fetch: FetchOptions | None = None
 ) -> list[tuple[str, int | None]]:
     """``(part, size in bytes or None)`` for the parts of a folder URL or brace pattern.
 
@@ -195,56 +209,48 @@ def _refuse_index_files(url: str, parts: Sequence[str]) -> None:
 class PartIndex:
     """The part files of one partition and what is known so far about their records.
 
-    Options: ``record_format`` ("tar", "tfrecord", "lines"; default from the
-    extension), ``resident_parts`` (parsed parts in memory at most, >= 2),
-    ``cache`` (a :class:`dataset.cache.Cache` for downloaded parts, or None),
-    ``label_key`` (tar samples: the member whose text is the label, e.g.
-    "cls"), ``labels`` (label names; without them ``label_key`` values must be
-    integer class ids), ``check_crc``, ``storage_options`` (for fsspec),
-    ``part_retries`` (per part download).
+    A part source (see the module docstring). ``options`` (a
+    :class:`dataset.options.PartOptions`): ``record_format`` ("tar",
+    "tfrecord", "lines"; default from the extension), ``resident_parts``
+    (parsed parts in memory at most, >= 2), ``label_key`` (tar samples: the
+    member whose text is the label, e.g. "cls"), ``labels`` (label names;
+    without them ``label_key`` values must be integer class ids),
+    ``check_crc``, ``storage_options`` (for fsspec), ``part_retries`` (per
+    part download). ``cache``: a :class:`dataset.cache.Cache` for downloaded
+    parts, or None; ``fetch``: the read policy.
     """
+
+    multi_hot = False
 
     def __init__(
         self,
         parts: Sequence[str],
         origin: str,
         *,
-        record_format: str | None = None,
-        resident_parts: int = 3,
+        options: PartOptions | None = None,
+        fetch: FetchOptions | None = None,
         cache: Cache | None = None,
-        label_key: str | None = None,
-        labels: Sequence[str] | None = None,
-        check_crc: bool = True,
-        storage_options: dict | None = None,
-        part_retries: int = 3,
         partition: int = 0,
         partitions: int = 1,
         sizes: Sequence[int | None] | None = None,
-        max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
-        part_timeout: float | None = DEFAULT_PART_TIMEOUT,
-        fetch: dict | None = None,
     ):
-        if resident_parts < 2:
-            raise ValueError(
-                f"resident_parts must be >= 2 (one read, one loading), got {resident_parts}"
-            )
+        self.options = options = options or PartOptions()
         self.parts = list(parts)
-        self.sources = self.parts
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.parts)
         self.origin = origin
-        self.max_part_bytes, self.part_timeout = max_part_bytes, part_timeout
-        self.fetch = dict(fetch or {})
+        self.max_part_bytes, self.part_timeout = options.max_part_bytes, options.part_timeout
+        self.fetch = fetch or FetchOptions()
         self._own_fetcher: Fetcher | None = None
-        self.record_format = record_format
-        self.resident_parts = resident_parts
+        self.record_format = options.record_format
+        self.resident_parts = options.resident_parts
         self.cache = cache
-        self.label_key = label_key
-        self._fixed_labels = labels is not None
-        self.labels: list[str] = list(labels) if labels is not None else []
+        self.label_key = options.label_key
+        self._fixed_labels = options.labels is not None
+        self.labels: list[str] = list(options.labels) if options.labels is not None else []
         self._label_ids = {name: i for i, name in enumerate(self.labels)}
-        self.check_crc = check_crc
-        self.storage_options = storage_options or {}
-        self.retries = part_retries
+        self.check_crc = options.check_crc
+        self.storage_options = dict(options.storage_options or {})
+        self.retries = options.part_retries
         self.partition_id, self.partitions = partition, partitions
         self.counts: dict[int, int] = {}  # part number -> records read from it
         self.failed: set[int] = set()  # parts whose last read failed (read as empty)
@@ -253,21 +259,6 @@ class PartIndex:
         self.resident = 0  # parsed parts held now (loaded, not yet released by the reader)
         self.max_resident_seen = 0
         self._lock = threading.Lock()
-
-    def _options(self) -> dict:
-        return dict(
-            record_format=self.record_format,
-            resident_parts=self.resident_parts,
-            cache=self.cache,
-            label_key=self.label_key,
-            labels=self.labels if self._fixed_labels else None,
-            check_crc=self.check_crc,
-            storage_options=self.storage_options,
-            part_retries=self.retries,
-            max_part_bytes=self.max_part_bytes,
-            part_timeout=self.part_timeout,
-            fetch=self.fetch,
-        )
 
     def __repr__(self) -> str:
         return (
@@ -327,26 +318,12 @@ class PartIndex:
         return PartIndex(
             self.parts[partition::partitions],
             self.origin,
+            options=self.options,
+            fetch=self.fetch,
+            cache=self.cache,
             partition=partition,
             partitions=partitions,
             sizes=self.sizes[partition::partitions],
-            **self._options(),
-        )
-
-    def by_label(self) -> list[np.ndarray]:
-        raise TypeError(
-            f"{self.origin}: part files are read as a stream, so label samplers cannot "
-            "pick items by label; use part-linear, part-linear-permutation or "
-            "part-permutation-permutation"
-        )
-
-    def item_labels(self, i: int) -> tuple[int, ...]:
-        raise TypeError(f"{self.origin}: part-file records are reached through part-* samplers")
-
-    def source(self, i: int) -> Any:
-        raise TypeError(
-            f"{self.origin}: part-file records cannot be addressed by position; "
-            "use sampler='part-linear' (or part-linear-permutation, part-permutation-permutation)"
         )
 
     # ------------------------------------------------------------ loading
@@ -381,16 +358,12 @@ class PartIndex:
         """This index's Fetcher for http(s) parts: one session, kept alive."""
         with self._lock:
             if self._own_fetcher is None:
-                policy = {k: v for k, v in self.fetch.items() if k != "timeout"}
+                policy = self.fetch.fetcher_kwargs()
                 policy.update(retries=self.retries, max_item_bytes=self.max_part_bytes)
                 # a part is large: the fetch timeout bounds each wait for data (idle),
                 # part_timeout a whole download
-                self._own_fetcher = Fetcher(
-                    pool_size=self.resident_parts,
-                    timeout=self.part_timeout,
-                    idle_timeout=self.fetch.get("timeout", 30.0),
-                    **policy,
-                )
+                policy.update(timeout=self.part_timeout, idle_timeout=self.fetch.timeout)
+                self._own_fetcher = Fetcher(pool_size=self.resident_parts, **policy)
                 weakref.finalize(self, self._own_fetcher.close)
             return self._own_fetcher
 
@@ -528,110 +501,38 @@ class PartIndex:
                 yield Record(rec, self._labels_of(rec, name), name)
 
 
-# ---------------------------------------------------------------- samplers
-
-
-def _need_parts(index: Any, kind: str) -> PartIndex:
-    if not isinstance(index, PartIndex):
-        raise TypeError(
-            f"sampler {kind!r} reads part files; the index {getattr(index, 'origin', index)!r} "
-            "is not a folder of part files"
-        )
-    return index
-
-
-def part_linear(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Record]:
-    """Parts in order, records of each part in order."""
-    return _need_parts(index, "part-linear").stream(rng, "linear", "linear")
-
-
-def part_linear_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Record]:
-    """Parts in order, records of each part in a new random order each epoch."""
-    return _need_parts(index, "part-linear-permutation").stream(rng, "linear", "permutation")
-
-
-def part_permutation_permutation(
-    index: Any, epoch: int, rng: np.random.Generator
-) -> Iterator[Record]:
-    """Parts in a new random order each epoch, records of each part permuted too."""
-    return _need_parts(index, "part-permutation-permutation").stream(
-        rng, "permutation", "permutation"
-    )
-
-
-SAMPLERS = {
-    "part-linear": part_linear,
-    "part-linear-permutation": part_linear_permutation,
-    "part-permutation-permutation": part_permutation_permutation,
-}
-for _name, _fn in SAMPLERS.items():
-    register_sampler(_name, _fn)
-
-
-def default_sampler(index: Any, sampler: Any) -> Any:
-    """``linear`` (the batcher's default) means ``part-linear`` for part files.
-
-    Any other named sampler of items by position is refused at once for part
-    files (torch-dataset refused them too): their records have no positions.
-    """
-    if not isinstance(index, PartIndex):
-        return sampler
-    if sampler == "linear":
-        return "part-linear"
-    if isinstance(sampler, str) and sampler not in SAMPLERS:
-        raise TypeError(
-            f"{index.origin}: part-file records cannot be addressed by position, so "
-            f"sampler {sampler!r} cannot draw them; use one of {', '.join(SAMPLERS)}"
-        )
-    return sampler
+# ---------------------------------------------------------------- opening
 
 
 def open_parts(
     index: Any,
     *,
-    cache_dir: str | os.PathLike | None = None,
-    max_cache_bytes: int | None = None,
-    cache_parts: bool = True,
-    storage_options: dict | None = None,
-    fetch: dict | None = None,
-    **opts: Any,
+    options: PartOptions | None = None,
+    fetch: FetchOptions | None = None,
+    cache: CacheOptions | None = None,
+    **flat: Any,
 ) -> PartIndex:
-    """A :class:`PartIndex` over every part file of ``index`` (unpartitioned)."""
+    """A :class:`PartIndex` over every part file of ``index`` (unpartitioned).
+
+    Options as typed groups, or flat keywords (``record_format=``,
+    ``cache_dir=``, ``retries=``...). Downloaded parts are cached on local
+    disk (``cache_dir``) unless ``cache_parts=False``.
+    """
+    given = Options(
+        fetch=fetch or FetchOptions(), cache=cache or CacheOptions(), parts=options or PartOptions()
+    )
+    o = given.update("open_parts()", flat, ("parts", "cache", "fetch"))
     url = os.fspath(index)
-    listed = list_part_sizes(url, storage_options, fetch)
-    if opts.get("record_format") is None:
+    listed = list_part_sizes(url, o.parts.storage_options, o.fetch)
+    if o.parts.record_format is None:
         _refuse_index_files(url, [name for name, _ in listed])
-    cache = Cache(cache_dir, max_cache_bytes) if cache_parts else None
     return PartIndex(
         [name for name, _ in listed],
         url,
-        cache=cache,
-        storage_options=storage_options,
+        options=o.parts,
+        fetch=o.fetch,
+        cache=o.cache.disk() if o.parts.cache_parts else None,
         sizes=[size for _, size in listed],
-        fetch=fetch,
-        **opts,
-    )
-
-
-def dataset_index(index: Any, opts: dict, fetch: dict | None = None) -> PartIndex | None:
-    """For :class:`dataset.Dataset`: a PartIndex when ``index`` names part files, else None.
-
-    Takes the part options (``options.PARTS``) out of ``opts`` (they are not
-    batcher options); ``cache_dir`` and ``max_cache_bytes`` stay, for the item
-    cache. Passing a part option (``record_format=``, ...) makes any folder URL
-    a part source. ``fetch`` is the read policy (``timeout``, ``retries``...).
-    """
-    mine = {k: opts.pop(k) for k in PARTS if k in opts}
-    if not (is_part_source(index) or (mine and isinstance(index, str | os.PathLike))):
-        if mine:
-            raise TypeError(f"{sorted(mine)} apply to part files only, not to {index!r}")
-        return None
-    return open_parts(
-        index,
-        cache_dir=opts.get("cache_dir"),
-        max_cache_bytes=opts.get("max_cache_bytes"),
-        fetch=fetch,
-        **mine,
     )
 
 

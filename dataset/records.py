@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .options import DEFAULT_MAX_PART_BYTES  # a part decompresses to at most this (held whole)
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("tar", "tfrecord", "lines")
-# A part decompresses to at most this much (max_part_bytes): it is held in memory whole.
-DEFAULT_MAX_PART_BYTES = 4 << 30
 
 # Log the first few corrupt records of a part file one by one; the rest are
 # summed up once the part is done, so a badly damaged file cannot flood logs.

@@ -2,11 +2,12 @@
 
 A sampler is a function ``sampler(index, epoch, rng, **opts) -> Iterable`` run in
 the main process only. It yields, for one epoch, either positions into
-``index`` (ints, usually as one numpy array) or *records*: objects with
-``source`` (the payload in memory, or something to fetch), ``labels`` (label
-ids) and ``name``, which is how part-file readers feed items that need no fetch
-(see :class:`dataset.batcher.Record`). A result with ``len()`` gives the epoch
-its length; a plain generator is a stream of unknown length.
+``index`` (ints, best as one numpy array: the batcher slices it batch by
+batch, with no Python object per item) or *records*: objects with ``source``
+(the payload in memory, or something to fetch), ``labels`` (label ids) and
+``name``, which is how part-file readers feed items that need no fetch (see
+:class:`dataset.items.Record`). A result with ``len()`` gives the epoch its
+length; a plain generator is a stream of unknown length.
 
 ``rng`` is a ``numpy.random.Generator`` seeded by (seed, partition, epoch), so
 an epoch's order is the same on every machine and a resumed job can regenerate
@@ -149,10 +150,23 @@ def _members(index) -> tuple[list[np.ndarray], np.ndarray]:
     return members, present
 
 
+def _by_value(labels: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(label, where it is drawn)`` for each distinct label, in label order.
+
+    One sort for all labels, not a pass over the draws per label (1,000 labels
+    and 10M draws would be 10^10 comparisons).
+    """
+    order = np.argsort(labels, kind="stable")
+    ordered = labels[order]
+    bounds = np.flatnonzero(np.diff(ordered)) + 1
+    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(order)], strict=True):
+        if hi > lo:
+            yield int(ordered[lo]), order[lo:hi]
+
+
 def _draw_members(members, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     out = np.empty(len(labels), dtype=np.int64)
-    for lab in np.unique(labels):
-        where = np.nonzero(labels == lab)[0]
+    for lab, where in _by_value(labels):
         pool = members[lab]
         out[where] = pool[rng.integers(0, len(pool), size=len(where))]
     return out
@@ -205,8 +219,7 @@ def label_permutation(
     members, present = _members(index)
     labels = label_cycles(_draws(index, num_samples), present, rng)
     out = np.empty(len(labels), dtype=np.int64)
-    for lab in np.unique(labels):
-        where = np.nonzero(labels == lab)[0]
+    for lab, where in _by_value(labels):
         pool = members[lab]
         reps = -(-len(where) // len(pool))
         order = np.concatenate([rng.permutation(pool) for _ in range(reps)])
@@ -246,3 +259,58 @@ register_sampler("uniform", uniform)
 register_sampler("label-uniform", label_uniform)
 register_sampler("label-permutation", label_permutation)
 register_sampler("label-distribution", label_distribution)
+
+
+# ----------------------------------------------------------------------------- part sources
+
+
+def _stream_of(index: Any, kind: str) -> Callable[..., Iterator[Any]]:
+    stream = getattr(index, "stream", None)
+    if stream is None:
+        raise TypeError(
+            f"sampler {kind!r} reads part files; the index {getattr(index, 'origin', index)!r} "
+            "is not a folder of part files"
+        )
+    return stream
+
+
+def part_linear(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Any]:
+    """Parts in order, records of each part in order."""
+    return _stream_of(index, "part-linear")(rng, "linear", "linear")
+
+
+def part_linear_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Any]:
+    """Parts in order, records of each part in a new random order each epoch."""
+    return _stream_of(index, "part-linear-permutation")(rng, "linear", "permutation")
+
+
+def part_permutation_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Any]:
+    """Parts in a new random order each epoch, records of each part permuted too."""
+    return _stream_of(index, "part-permutation-permutation")(rng, "permutation", "permutation")
+
+
+# The samplers of part sources (dataset.parts): records read as a stream, by the
+# part source's ``stream(rng, parts, items)``.
+PART_SAMPLERS = {
+    "part-linear": part_linear,
+    "part-linear-permutation": part_linear_permutation,
+    "part-permutation-permutation": part_permutation_permutation,
+}
+for _name, _fn in PART_SAMPLERS.items():
+    register_sampler(_name, _fn)
+
+
+def for_index(index: Any, sampler: Any) -> Any:
+    """The sampler to use for `index`: ``linear`` (the default) means ``part-linear``
+    for a part source, whose records have no positions, so any other named
+    sampler of positions is refused at once (torch-dataset refused them too)."""
+    if not hasattr(index, "stream"):
+        return sampler
+    if sampler == "linear":
+        return "part-linear"
+    if isinstance(sampler, str) and sampler not in PART_SAMPLERS:
+        raise TypeError(
+            f"{index.origin}: part-file records cannot be addressed by position, so "
+            f"sampler {sampler!r} cannot draw them; use one of {', '.join(PART_SAMPLERS)}"
+        )
+    return sampler

@@ -152,7 +152,7 @@ def test_one_base_exception_for_the_package():
 @pytest.mark.timeout(120)
 def test_a_stopped_worker_is_reported_not_waited_for(base):
     b = batcher(base + "train.csv", workers="process", num_workers=1, worker_timeout=3)
-    pid = b._workers._procs[0].pid
+    pid = b.engine.workers._procs[0].pid
     try:
         b.next_batch()
         os.kill(pid, signal.SIGSTOP)

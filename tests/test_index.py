@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from distlearn.dataset import BadIndex, Dataset
-from distlearn.dataset.index import open_index
+from distlearn.dataset import BadIndex, Dataset, open_index
 
 
 def write(path, text: str):
@@ -235,3 +234,44 @@ def test_bad_arguments(tmp_path):
         Dataset(42)
     with pytest.raises(BadIndex, match="'y' must be 1-D"):
         Dataset({"x": torch.zeros(3, 2), "y": torch.zeros(2, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 16, 23])
+def test_byte_order_sorts_as_python_sorts_bytes(width):
+    """The word-wise sort of names agrees with Python's bytes order, ties by the minor keys."""
+    import random
+
+    import numpy as np
+
+    from distlearn.dataset.index import byte_order
+
+    rng = random.Random(width)
+    alphabet = [b"a", b"b", b"/", b"\x7f", b"\x80", b"\xc3\xa9", b"\xff", b"0"]
+    values = [b"".join(rng.choices(alphabet, k=rng.randrange(1, width + 1)))[:width]
+              for _ in range(3000)]  # fmt: skip
+    values += values[:500]  # ties
+    minor = [rng.randrange(3) for _ in values]
+    arr = np.array(values, dtype=f"S{width}")
+    got = byte_order(arr).tolist()
+    assert got == sorted(range(len(values)), key=lambda i: (values[i], i))
+    got = byte_order(arr, np.array(minor)).tolist()
+    assert got == sorted(range(len(values)), key=lambda i: (values[i], minor[i], i))
+    assert byte_order(np.array([], dtype="S3")).tolist() == []
+
+
+def test_an_unsorted_file_gives_the_sorted_files_index(tmp_path):
+    import random
+
+    rows = [f"d{i % 7}/{'é' if i % 5 == 0 else ''}img_{i}.jpg,c{i % 11}\n" for i in range(3000)]
+    rows += [f"d9/multi_{i}.jpg,c{i % 3},c{(i + 1) % 4}\n" for i in range(200)]
+    rng = random.Random(0)
+    shuffled = rows[:]
+    rng.shuffle(shuffled)
+    a = open_index(
+        write(tmp_path / "sorted.csv", "filename,label,label2\n" + "".join(sorted(rows)))
+    )
+    b = open_index(write(tmp_path / "shuffled.csv", "filename,label,label2\n" + "".join(shuffled)))
+    assert a.labels == b.labels
+    got = [(b.source(i), b.target(i), b.item_labels(i)) for i in range(len(b))]
+    assert got == [(a.source(i), a.target(i), a.item_labels(i))
+                   for i in range(len(a))]  # fmt: skip

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from distlearn import dataset
-from distlearn.dataset import Dataset, Record
-from distlearn.dataset.index import open_index
+from distlearn.dataset import Dataset, Record, open_index
 from distlearn.dataset.sampler import epoch_rng, get_sampler
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below

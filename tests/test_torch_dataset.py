@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from distlearn.dataset import Dataset, IndexNotFound
-from distlearn.dataset.index import open_index
+from distlearn.dataset import Dataset, IndexNotFound, open_index
 from distlearn.dataset.parts import SAMPLERS, PartIndex
 from distlearn.dataset.records import read_part
 from distlearn.dataset.sampler import epoch_rng, get_sampler

@@ -41,7 +41,7 @@ def test_killed_worker_raises_and_nothing_is_left(pngs):
     ds = Dataset(str(pngs))
     b = ds.sampled_batcher(batch_size=8, input_dims=(1, 8, 8), processor=Image(),
                            workers="process", num_workers=2)  # fmt: skip
-    procs = list(b._workers._procs)
+    procs = list(b.engine.workers._procs)
     b.next_batch()
     os.kill(procs[0].pid, signal.SIGKILL)
     with pytest.raises(WorkerDied, match=r"worker process 0 .* died"):
@@ -55,7 +55,7 @@ def test_close_stops_workers_and_frees_shared_memory(pngs):
     ds = Dataset(str(pngs.parent / "train.csv"))
     with ds.sampled_batcher(batch_size=8, input_dims=(1, 8, 8), processor=Image(),
                             workers="process", num_workers=2) as b:  # fmt: skip
-        procs = list(b._workers._procs)
+        procs = list(b.engine.workers._procs)
         kept = b.next_batch()  # closed mid-epoch, with batches in flight
     assert not any(_alive(p.pid) for p in procs)
     assert len(item_ids(kept.input)) == 8  # a batch handed out outlives the ring
@@ -75,7 +75,7 @@ def test_sigkilled_main_process_leaves_no_shared_memory(pngs, start, tmp_path):
             batch_size=8, input_dims=(1, 8, 8), processor=Image(), workers="process",
             num_workers=2, mp_context={start!r})
         b.next_batch()
-        print(" ".join(str(p.pid) for p in b._workers._procs), flush=True)
+        print(" ".join(str(p.pid) for p in b.engine.workers._procs), flush=True)
         time.sleep(600)
     """)
     before = set(os.listdir("/dev/shm"))

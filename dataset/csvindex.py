@@ -1,0 +1,453 @@
+"""CSV/TSV indexes: columns ``filename``, ``label*``, optional ``offset``/``length``.
+
+The file is split into fields by :func:`dataset.csvscan.scan` (numpy; the csv
+module for what it cannot vouch for) and read into an :class:`Index` whose
+rows are offsets into the file's own bytes (:class:`dataset.index.NameRows`):
+no Python object per row. Relative filenames join the URL prefix of the meta
+file beside the index (:func:`read_meta`) when there is one, else resolve
+against the index's own folder, when an item is fetched.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from . import sources as src
+from .csvscan import Fields, scan, scan_rows
+from .errors import BadIndex, IndexNotFound
+from .fetch import Fetcher, read_bytes
+from .index import Index, NameRows, Resolver, byte_order, fixed_width, labelled, small_int
+
+log = logging.getLogger("distlearn.dataset.index")
+
+# Columns of a meta file we know by name; any other single column is the URL prefix.
+PREFIX_COLUMNS = ("url_prefix", "urlPrefix")
+PARAMS_COLUMNS = ("url_params", "urlParams")
+# Names packed into their own buffer when they are less than this share of the file
+# (a file with wide columns we do not read); else the index keeps the file's bytes.
+PACK_BELOW = 0.5
+
+
+def _meta_candidates(index: str) -> list[str]:
+    """Where a meta file may sit beside `index`: ``<stem>-meta.csv`` (torch-dataset's
+    name, e.g. ``train-meta.csv`` for ``train.csv``), then ``index-meta.csv``."""
+    folder = src.parent_of(index)
+    name = index.rsplit("/", 1)[-1].split("?", 1)[0]
+    stem = name.rsplit(".", 1)[0] if "." in name else name
+    names = [f"{stem}-meta.csv", "index-meta.csv"]
+    return [src.resolve(folder, n) for n in dict.fromkeys(names)]
+
+
+def read_meta(
+    index: str, meta: str | None, cache: Any = None, fetcher: Fetcher | None = None
+) -> tuple[str, str]:
+    """``(url_prefix, url_params)`` from the meta file beside the index (or `meta`).
+
+    torch-dataset's meta file is one column of any name (``hostname``,
+    ``prefix``...) with the URL prefix on line 2, taken as it is. Ours may
+    instead have ``url_prefix`` and ``url_params`` columns. No meta file: ("", "").
+    """
+    if meta is not None:
+        location, data = meta, read_bytes(meta, cache=cache, fetcher=fetcher)
+    else:
+        for location in _meta_candidates(index):
+            data = read_bytes(location, missing_ok=True, cache=cache, fetcher=fetcher)
+            if data is not None:
+                break
+    if data is None:
+        return "", ""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise BadIndex(f"{location}: meta file is not UTF-8 text ({err})") from err
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) < 2:
+        raise BadIndex(f"{location}: a meta file holds a header and, on line 2, the URL prefix")
+    rows = list(csv.reader(lines[:2]))
+    header = [h.strip() for h in rows[0]]
+    values = dict(zip(header, (v.strip() for v in rows[1]), strict=False))
+    known = [h for h in header if h in PREFIX_COLUMNS + PARAMS_COLUMNS]
+    if known:
+        for h in header:
+            if h not in known:
+                log.warning("%s: unknown meta column %r (ignored)", location, h)
+        prefix = next((values.get(h, "") for h in PREFIX_COLUMNS if h in values), "")
+        params = next((values.get(h, "") for h in PARAMS_COLUMNS if h in values), "")
+        return prefix, params
+    if len(header) == 1:  # torch-dataset: line 2 is the prefix, whatever the column's name
+        value = rows[1][0] if len(rows[1]) == 1 else lines[1]  # a prefix holding a comma
+        return value.strip(), ""
+    raise BadIndex(
+        f"{location}: cannot tell the URL prefix among columns {header}; a meta file is one "
+        "column (any name) with the prefix on line 2, or url_prefix and url_params columns"
+    )
+
+
+class Columns:
+    """Where the known columns of a CSV header are; unknown ones are logged and ignored."""
+
+    def __init__(self, header: list[str], where: str):
+        self.header = header
+        self.file: int | None = None
+        self.offset: int | None = None
+        self.length: int | None = None
+        self.labels: list[int] = []
+        for pos, name in enumerate(header):
+            if name in ("filename", "offset", "length"):
+                if getattr(self, "file" if name == "filename" else name) is not None:
+                    raise BadIndex(f"{where}:1: more than one {name!r} column")
+                setattr(self, "file" if name == "filename" else name, pos)
+            elif name.startswith("label"):
+                self.labels.append(pos)
+            else:
+                log.warning("%s:1: unknown column %r (ignored)", where, name)
+        if self.file is None:
+            raise BadIndex(f"{where}:1: no 'filename' column in header {header}")
+        if (self.offset is None) != (self.length is None):
+            raise BadIndex(f"{where}:1: 'offset' and 'length' columns go together")
+        # a row must reach every column it cannot do without; labels may be left out
+        self.needed = 1 + max(p for p in (self.file, self.offset, self.length) if p is not None)
+
+
+def from_csv(
+    index: str,
+    *,
+    sep: str | None = None,
+    meta: str | None = None,
+    url_params: str | dict | None = None,
+    cache: Any = None,
+    multi_hot: bool = False,
+    allow_schemes: frozenset[str] = frozenset(),
+    fetcher: Fetcher | None = None,
+) -> Index:
+    """A CSV/TSV index: columns ``filename``, ``label*``, optional ``offset``/``length``.
+
+    Rows may stop after their last label (ragged rows). Relative filenames join
+    the URL prefix of the meta file beside the index (see :func:`read_meta`)
+    when there is one, else resolve against the index's own folder. Absolute
+    URLs and paths are used as they are, within :func:`dataset.sources.check_scheme`.
+    """
+    try:
+        data = read_bytes(index, cache=cache, fetcher=fetcher)
+    except IndexNotFound as err:
+        raise IndexNotFound(f"index not found: {err}") from None
+    assert data is not None
+    if sep is None:
+        sep = "\t" if index.lower().split("?", 1)[0].endswith(".tsv") else ","
+    prefix, meta_params = read_meta(index, meta, cache, fetcher)
+    query = src.query_string(url_params if url_params is not None else meta_params)
+    resolver = Resolver(src.parent_of(index), prefix, query)
+    if not data.isascii():
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadIndex(f"{index}: not UTF-8 text ({err})") from err
+    fields = scan(data, sep)
+    if fields is not None:
+        table, ptr, ids, names, line_of = _from_fields(fields, index, sep, resolver)
+    else:
+        table, ptr, ids, names, line_of = _from_rows(data, index, sep, resolver)
+    if src.scheme(index) != "file":
+        _check_schemes(table, index, allow_schemes, line_of)
+    return labelled(table, ptr, ids, names, index, multi_hot=multi_hot)
+
+
+def _check_schemes(table: NameRows, index: str, allow: frozenset[str], line_of) -> None:
+    """Refuse a remote index whose rows name items on another kind of store.
+
+    Every other row resolves as the first does (the URL prefix or the index's
+    folder, then its name), so only the first row and the names with a scheme
+    or an absolute path are resolved here.
+    """
+    buf = table.buf
+    colon = np.flatnonzero(buf == ord(":"))
+    start = table.start.astype(np.int64)
+    hits = np.searchsorted(colon, start + table.length) > np.searchsorted(colon, start)
+    slash = buf[np.minimum(start, len(buf) - 1)] == ord("/")
+    hits[0] = True
+    for r in np.flatnonzero(hits | slash).tolist():
+        url = table.source(r)
+        refused = src.check_scheme(index, url[0] if isinstance(url, tuple) else url, allow)
+        if refused:
+            raise BadIndex(f"{index}:{line_of(r)}: {refused}")
+
+
+def _value(fields: Fields, start: int, end: int) -> str:
+    """One field's value (its ``""`` escapes undone), for headers and messages."""
+    text = bytes(fields.buf[start:end]).decode("utf-8", "replace")
+    return text.replace('""', '"') if len(fields.drop) else text
+
+
+def _row_values(fields: Fields, r: int) -> list[str]:
+    one = np.asarray([r])
+    return [_value(fields, *(int(x[0]) for x in fields.column(k, one)))
+            for k in range(int(fields.counts[r]))]  # fmt: skip
+
+
+def _from_fields(fields: Fields, index: str, sep: str, resolver: Resolver):
+    """The rows of a scanned file: its name table and label ids (CSR), checked."""
+    if len(fields) == 0:
+        raise BadIndex(f"{index}: empty index (no header line)")
+    cols = Columns(_row_values(fields, 0), index)
+    header = cols.header
+    body = _Body(fields)
+    if not body.count:
+        raise BadIndex(f"{index}: empty index (a header but no items)")
+    over = np.flatnonzero(body.cnt > len(header))
+    if len(over):
+        r = body.row(over[0])
+        raise BadIndex(
+            f"{index}:{fields.line_of(r)}: {int(fields.counts[r])} fields for a header of "
+            f"{len(header)} {header}: {_row_values(fields, r)} (quote a field that holds {sep!r})"
+        )
+    short = np.flatnonzero(body.cnt < cols.needed)
+    if len(short):
+        r = body.row(short[0])
+        got = _row_values(fields, r)
+        raise BadIndex(f"{index}:{fields.line_of(r)}: missing fields {header[len(got) :]}: {got}")
+    start, end = fields.column(cols.file, body.rows)
+    empty = np.flatnonzero(start == end)
+    if len(empty):
+        raise BadIndex(f"{index}:{fields.line_of(body.row(empty[0]))}: empty filename")
+    buf, start, length = _names(fields, start, end)
+    ranges = None
+    if cols.offset is not None:
+        ranges = (_ints(fields, index, cols.offset, body), _ints(fields, index, cols.length, body))
+        bad = np.flatnonzero((ranges[0] < 0) | (ranges[1] < 0))
+        if len(bad):
+            raise BadIndex(f"{index}:{fields.line_of(body.row(bad[0]))}: negative offset/length")
+    table = NameRows(buf, start, length, resolver, ranges)
+    ptr, ids, names = _labels(fields, cols, body)
+    return table, ptr, ids, names, lambda r: fields.line_of(body.row(r))
+
+
+class _Body:
+    """The rows after the header that hold items (blank lines left out).
+
+    ``rows``: their numbers, or None for all of them when every row has the
+    same fields (then ``cnt`` is one number); ``row(i)``: the i-th one's number.
+    """
+
+    def __init__(self, fields: Fields):
+        self.rows: np.ndarray | None = None
+        if fields.per_row:  # two fields or more: no row is a blank line
+            self.cnt: Any = np.asarray(fields.per_row + 1)
+            self.count = len(fields) - 1
+            return
+        rows = np.arange(1, len(fields), dtype=np.int64)
+        cnt = fields.counts[1:]
+        one = np.flatnonzero(cnt == 1)  # a blank line is one empty field
+        if len(one):
+            s0, e0 = fields.column(0, rows[one])
+            keep = np.ones(len(rows), dtype=bool)
+            keep[one[s0 == e0]] = False
+            rows, cnt = rows[keep], cnt[keep]
+        self.rows, self.cnt, self.count = rows, cnt, len(rows)
+
+    def row(self, i: int) -> int:
+        return int(i) + 1 if self.rows is None else int(self.rows[i])
+
+    def having(self, k: int) -> np.ndarray | None:
+        """Which of the rows have field k (None: all of them)."""
+        has = self.cnt > k
+        if has.ndim == 0:
+            return None if has else np.zeros(self.count, dtype=bool)
+        return None if has.all() else has
+
+
+def _escaped(fields: Fields, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Which of the fields hold a ``""`` escape."""
+    if not len(fields.drop):
+        return np.zeros(len(start), dtype=bool)
+    return np.searchsorted(fields.drop, start) < np.searchsorted(fields.drop, end)
+
+
+def _names(fields: Fields, start: np.ndarray, end: np.ndarray):
+    """``(buf, start, length)`` of the names: the file's bytes, or packed when much smaller."""
+    buf = fields.buf
+    length = end - start
+    esc = np.flatnonzero(_escaped(fields, start, end))
+    if int(length.sum()) < PACK_BELOW * len(buf):
+        mark = np.zeros(len(buf) + 1, dtype=np.int8)
+        mark[start] += 1
+        mark[end] -= 1
+        inside = np.cumsum(mark[:-1], dtype=np.int8).view(bool)
+        buf = buf[inside]
+        start = np.cumsum(length) - length
+    if len(esc):  # an escaped quote: the value, unescaped, after the other names
+        tail = [bytes(buf[start[i] : start[i] + length[i]]).replace(b'""', b'"') for i in esc]
+        at = len(buf) + np.cumsum([0] + [len(t) for t in tail[:-1]])
+        buf = np.concatenate([buf, np.frombuffer(b"".join(tail), dtype=np.uint8)])
+        start, length = start.copy(), length.copy()
+        start[esc], length[esc] = at, [len(t) for t in tail]
+    return (
+        buf,
+        start.astype(small_int(len(buf), signed=False)),
+        length.astype(small_int(length.max())),
+    )
+
+
+def _ints(fields: Fields, index: str, col: int, body: _Body) -> np.ndarray:
+    start, end = fields.column(col, body.rows)
+    values = fixed_width(fields.buf, start, end - start)
+    try:
+        return values.astype(np.int64)
+    except ValueError:
+        pass
+    out = np.empty(len(values), dtype=np.int64)
+    for i, v in enumerate(values.tolist()):
+        try:
+            out[i] = int(v.decode())
+        except ValueError:
+            r = body.row(i)
+            got = _row_values(fields, r)
+            raise BadIndex(
+                f"{index}:{fields.line_of(r)}: offset/length must be integers, got {got}"
+            ) from None
+    return out
+
+
+def _labels(fields: Fields, cols: Columns, body: _Body):
+    """``(ptr, ids, names)``: each row's non-empty labels, in column order, as ids into names."""
+    width = max(1, len(cols.labels))
+    none = np.zeros(body.count + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
+    if not cols.labels:
+        return none
+    if len(cols.labels) == 1 and body.having(cols.labels[0]) is None:
+        start, end = fields.column(cols.labels[0], body.rows)
+        key = None if (end > start).all() else np.flatnonzero(end > start)
+        if key is not None:
+            start, end = start[key], end[key]
+    else:
+        key, start, end = _label_fields(fields, cols, body)
+    if not len(start):
+        return none
+    values = fixed_width(fields.buf, start, end - start)
+    esc = np.flatnonzero(_escaped(fields, start, end))
+    if len(esc):
+        values = values.astype(object)
+        for i in esc.tolist():
+            values[i] = bytes(fields.buf[start[i] : end[i]]).replace(b'""', b'"')
+        values = values.astype(bytes)
+    names, ids = _factorize(values)
+    if key is None:  # one label on every row
+        return np.arange(body.count + 1, dtype=np.int64), ids, names
+    ptr = np.zeros(body.count + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key // width, minlength=body.count), out=ptr[1:])
+    return ptr, ids, names
+
+
+def _label_fields(fields: Fields, cols: Columns, body: _Body):
+    """``(key, start, end)`` of every non-empty label: key is row * columns + column rank."""
+    where, starts, ends = [], [], []
+    width = max(1, len(cols.labels))
+    for rank, c in enumerate(cols.labels):
+        has = body.having(c)
+        if has is None:
+            s, e = fields.column(c, body.rows)
+            present = np.arange(body.count, dtype=np.int64)
+        else:
+            present = np.flatnonzero(has)
+            rows = present + 1 if body.rows is None else body.rows[present]
+            s, e = fields.column(c, rows)
+        some = e > s
+        if not some.all():
+            present, s, e = present[some], s[some], e[some]
+        where.append(present * width + rank)
+        starts.append(s)
+        ends.append(e)
+    key, start, end = (np.concatenate(x) for x in (where, starts, ends))
+    if len(cols.labels) > 1:
+        order = np.argsort(key, kind="stable")
+        key, start, end = key[order], start[order], end[order]
+    return key, start, end
+
+
+def _factorize(values: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """``(distinct names, id of each value)``; runs of one value (a sorted file) cost one."""
+    heads = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    runs = values[heads]
+    order = byte_order(runs)
+    ordered = runs[order]
+    new = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+    distinct = ordered[new]
+    run_ids = np.empty(len(runs), dtype=np.int64)
+    run_ids[order] = np.cumsum(new) - 1
+    ids = np.repeat(run_ids.astype(np.int64), np.diff(np.append(heads, len(values))))
+    return [v.decode("utf-8") for v in distinct.tolist()], ids
+
+
+def _from_rows(data: bytes, index: str, sep: str, resolver: Resolver):
+    """What :func:`scan` leaves to it: rows from ``csv.reader``, the same table after."""
+    text = data.decode("utf-8-sig")
+    try:
+        header, rows = scan_rows(text, sep, index)
+    except csv.Error as err:
+        raise BadIndex(f"{index}:{err.line}: {err}") from err  # type: ignore[attr-defined]
+    if not header:
+        raise BadIndex(f"{index}: empty index (no header line)")
+    cols = Columns([h.strip() for h in header], index)
+    header = cols.header
+    names: list[bytes] = []
+    lines: list[int] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    label_rows: list[list[str]] = []
+    for line, row in rows:
+        if not row or (len(row) == 1 and not row[0].strip()):
+            continue  # blank line
+        if len(row) > len(header):
+            raise BadIndex(
+                f"{index}:{line}: {len(row)} fields for a header of {len(header)} "
+                f"{header}: {row} (quote a field that holds {sep!r})"
+            )
+        if len(row) < cols.needed:
+            raise BadIndex(f"{index}:{line}: missing fields {header[len(row) :]}: {row}")
+        name = row[cols.file].strip()
+        if not name:
+            raise BadIndex(f"{index}:{line}: empty filename")
+        names.append(name.encode("utf-8"))
+        lines.append(line)
+        if cols.offset is not None:
+            try:
+                off, length = int(row[cols.offset]), int(row[cols.length])
+            except ValueError:
+                raise BadIndex(
+                    f"{index}:{line}: offset/length must be integers, got "
+                    f"{row[cols.offset]!r}/{row[cols.length]!r}"
+                ) from None
+            if off < 0 or length < 0:
+                raise BadIndex(f"{index}:{line}: negative offset/length")
+            offsets.append(off)
+            lengths.append(length)
+        labs = (row[c].strip() for c in cols.labels if c < len(row))
+        label_rows.append([lab for lab in labs if lab])
+    if not names:
+        raise BadIndex(f"{index}: empty index (a header but no items)")
+    size = np.asarray([len(n) for n in names], dtype=np.int64)
+    buf = np.frombuffer(b"".join(names), dtype=np.uint8)
+    start = np.cumsum(size) - size
+    ranges = None
+    if cols.offset is not None:
+        ranges = (np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64))
+    table = NameRows(buf, start, size, resolver, ranges)
+    distinct = sorted({lab for labs in label_rows for lab in labs})
+    where = {lab: i for i, lab in enumerate(distinct)}
+    ids = np.asarray([where[lab] for labs in label_rows for lab in labs], dtype=np.int64)
+    ptr = np.zeros(len(label_rows) + 1, dtype=np.int64)
+    np.cumsum([len(labs) for labs in label_rows], out=ptr[1:])
+    return table, ptr, ids, distinct, lines.__getitem__
+
+
+def local_identity(path: str) -> tuple | None:
+    """What identifies the version of a local file (for a cached, parsed index)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)

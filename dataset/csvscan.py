@@ -1,0 +1,263 @@
+"""CSV/TSV text split into fields with numpy, as ``csv.reader(strict=True)`` splits it.
+
+An index of tens of millions of rows cannot afford a Python object per field:
+:func:`scan` finds the rows and fields of a whole file in a few vectorized
+passes over its bytes and describes each field as a ``[start, end)`` range of
+the buffer (RFC 4180 quotes, ``""`` escapes, quoted separators and newlines,
+``\\r\\n`` line ends). What it cannot vouch for, it leaves to the csv module:
+:func:`scan` returns None for a file with NUL bytes, a lone ``\\r`` line end,
+or a quote that RFC 4180 does not allow where it stands (``ab"c``, ``"a"b``,
+an unterminated quote), and :func:`scan_rows` then reads it with ``csv.reader``
+so its results and its errors are exactly the csv module's.
+
+Fields are not stripped here: :meth:`Fields.column` strips them as ``str.strip``
+would (``tests/test_csvscan.py`` checks both against ``csv.reader`` on
+generated files).
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+QUOTE, NL, CR = 34, 10, 13
+# Bytes str.strip() removes that are ASCII (the other whitespace is not ASCII).
+_SPACE = np.zeros(256, dtype=bool)
+_SPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
+
+
+@dataclass
+class Fields:
+    """The rows of a CSV file; :meth:`column` gives where field k of each row is.
+
+    ``nl`` are the row ends (a newline, or the end of the data), ``seps`` the
+    separators outside quotes. ``per_row``: the number of separators of every
+    row when all rows have the same (most files), so row r's are ``seps[m *
+    r : m * (r + 1)]`` with no search; else None. ``drop``: positions of the
+    second quote of each ``""`` escape (quoted fields only), which is not part
+    of the field's value.
+    """
+
+    buf: np.ndarray
+    body: int  # where the first row starts (after a UTF-8 byte order mark)
+    nl: np.ndarray
+    seps: np.ndarray
+    per_row: int | None
+    drop: np.ndarray
+    _row_seps: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.nl)
+
+    @property
+    def row_seps(self) -> np.ndarray:
+        """Where each row's separators begin in ``seps`` (one more entry: the end)."""
+        if self._row_seps is None:
+            if self.per_row is not None:
+                self._row_seps = np.arange(len(self.nl) + 1, dtype=np.int64) * self.per_row
+            else:
+                found = np.searchsorted(self.seps, self.nl)
+                self._row_seps = np.concatenate([[0], found]).astype(np.int64)
+        return self._row_seps
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Fields per row."""
+        return np.diff(self.row_seps) + 1
+
+    def column(self, k: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, end)`` of field `k` of each of `rows` (that have it), unquoted, stripped.
+
+        ``rows=None``: every row after the header, which must all have field k.
+        """
+        m = self.per_row
+        if rows is None and m is not None and k <= m:  # strided views, no gathers
+            start = self.nl[:-1] + 1 if k == 0 else self.seps[k - 1 + m :: m] + 1
+            end = self.seps[k + m :: m] if k < m else self.nl[1:]
+            return _clean(self.buf, start, end)
+        if rows is None:
+            rows = np.arange(1, len(self.nl), dtype=np.int64)
+        first = self.row_seps[rows]
+        cnt = self.row_seps[rows + 1] - first
+        if k == 0:
+            start = np.where(rows == 0, self.body, self.nl[np.maximum(rows - 1, 0)] + 1)
+        else:
+            start = self.seps[first + k - 1] + 1
+        if len(self.seps):
+            sep_end = self.seps[np.minimum(first + k, len(self.seps) - 1)]
+        else:
+            sep_end = np.zeros(len(rows), dtype=np.int64)
+        end = np.where(k < cnt, sep_end, self.nl[rows])
+        return _clean(self.buf, start, end.astype(np.int64, copy=False))
+
+    def line_of(self, row: int) -> int:
+        """The 1-based line of the file on which `row` (0 is the header) starts."""
+        start = self.body if row == 0 else int(self.nl[row - 1]) + 1
+        return int(np.count_nonzero(self.buf[:start] == NL)) + 1
+
+
+def find(a: np.ndarray, *values: int, chunk: int = 1 << 22) -> list[np.ndarray]:
+    """Positions of each of `values` in `a`, found a few MiB at a time.
+
+    One mask the size of a chunk, reused, stays in the CPU's cache: three times
+    faster than comparing the whole buffer at once (a mask as large as the file).
+    """
+    found: list[list[np.ndarray]] = [[] for _ in values]
+    mask = np.empty(min(chunk, len(a)), dtype=bool)
+    for lo in range(0, len(a), chunk):
+        part = a[lo : lo + chunk]
+        m = mask[: len(part)]
+        for out, v in zip(found, values, strict=True):
+            np.equal(part, v, out=m)
+            out.append(np.flatnonzero(m) + lo)
+    return [np.concatenate(f) if f else np.empty(0, dtype=np.int64) for f in found]
+
+
+def _per_row(seps: np.ndarray, nl: np.ndarray, body: int) -> int | None:
+    """The separators of every row when all rows have the same number, else None."""
+    if not len(nl) or len(seps) % len(nl):
+        return None
+    m = len(seps) // len(nl)
+    if m == 0:
+        return 0
+    # sorted separators, m per row: the first of each row after the row before it ends,
+    # the last before its own row ends
+    if seps[0] < body or not (seps[m - 1 :: m] < nl).all() or not (seps[m::m] > nl[:-1]).all():
+        return None
+    return m
+
+
+# Bytes that need a closer look at a field's edge: whitespace, a quote, a CR, non-ASCII.
+_ODD = _SPACE.copy()
+_ODD[[QUOTE, CR]] = True
+_ODD[128:] = True
+
+
+def _clean(buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Field ranges without the row's ``\\r``, their quotes and surrounding whitespace.
+
+    Most fields need none of it: one look at their first and last bytes picks
+    the few that do.
+    """
+    n = len(buf)
+    first = buf[np.minimum(start, n - 1)]
+    last = buf[end - 1]  # end >= 1 where the field is not empty (-1 reads a byte, unused)
+    odd = np.flatnonzero(_ODD[first] | _ODD[last])
+    odd = odd[end[odd] > start[odd]]
+    if len(odd):
+        start, end = start.copy(), end.copy()
+        start[odd], end[odd] = _clean_some(buf, start[odd], end[odd])
+    return start, end
+
+
+def _clean_some(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
+    n = len(buf)
+    last = np.maximum(end - 1, 0)
+    cr = (end > start) & (buf[last] == CR) & (end < n) & (buf[np.minimum(end, n - 1)] == NL)
+    end[cr] -= 1
+    quoted = (end > start) & (buf[np.minimum(start, n - 1)] == QUOTE)
+    start[quoted] += 1
+    end[quoted] -= 1
+    for edge, step in ((start, 1), (end, -1)):
+        while True:
+            at = edge if step == 1 else edge - 1
+            m = (start < end) & _SPACE[buf[np.clip(at, 0, n - 1)]]
+            if not m.any():
+                break
+            edge[m] += step
+    # str.strip() also removes non-ASCII whitespace (NBSP, U+3000...): rare, done in Python
+    high = (buf[np.minimum(start, n - 1)] >= 128) | (buf[np.maximum(end - 1, 0)] >= 128)
+    for i in np.flatnonzero((start < end) & high).tolist():
+        raw = bytes(buf[start[i] : end[i]])
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # the caller's UTF-8 check names the file
+        start[i] += len(raw) - len(text.lstrip().encode("utf-8"))
+        end[i] -= len(raw) - len(text.rstrip().encode("utf-8"))
+        end[i] = max(end[i], start[i])
+    return start, end
+
+
+def scan(data: bytes, sep: str) -> Fields | None:
+    """The fields of `data` (a header row first), or None where ``csv.reader`` must decide."""
+    if len(sep) != 1 or ord(sep) > 127 or sep in '"\r\n':
+        return None
+    if b"\0" in data:
+        return None  # csv.reader raises on NUL: let it say so
+    a = np.frombuffer(data, dtype=np.uint8)
+    body = 3 if data.startswith(codecs.BOM_UTF8) else 0
+    seps, nl = find(a, ord(sep), NL)
+    drop = np.empty(0, dtype=np.int64)
+    quotes = find(a, QUOTE)[0] if b'"' in data else None
+    if quotes is not None:
+        found = _quotes(a, quotes, body, ord(sep))
+        if found is None:
+            return None
+        drop = found
+        seps = seps[np.searchsorted(quotes, seps) % 2 == 0]  # outside quotes
+        nl = nl[np.searchsorted(quotes, nl) % 2 == 0]
+    if b"\r" in data:  # a CR outside quotes must end a line with the LF after it
+        cr = find(a, CR)[0]
+        if quotes is not None:
+            cr = cr[np.searchsorted(quotes, cr) % 2 == 0]
+        if len(cr) and (
+            (cr + 1 >= len(a)).any() or (a[np.minimum(cr + 1, len(a) - 1)] != NL).any()
+        ):
+            return None
+    if len(a) > body and (not len(nl) or nl[-1] != len(a) - 1):
+        nl = np.append(nl, len(a))  # a last row without a newline
+    seps, nl = seps.astype(np.int64, copy=False), nl.astype(np.int64, copy=False)
+    return Fields(a, body, nl, seps, _per_row(seps, nl, body), drop)
+
+
+def _quotes(a: np.ndarray, quotes: np.ndarray, body: int, sep: int) -> np.ndarray | None:
+    """Check the quotes are RFC 4180's; the positions of the escape quotes to drop, or None.
+
+    Quotes alternate open/close. An opening quote starts a field, or is the
+    second quote of a ``""`` escape (right after a closing one); a closing
+    quote ends a field (a separator, a newline, ``\\r\\n`` or the end follows) or
+    is the first of an escape.
+    """
+    n = len(a)
+    if len(quotes) % 2:
+        return None  # unterminated: csv.reader raises
+    opens, closes = quotes[0::2], quotes[1::2]
+    escape = np.zeros(len(opens), dtype=bool)
+    escape[1:] = opens[1:] == closes[:-1] + 1
+    prev = a[np.maximum(opens - 1, 0)]
+    ok_open = (opens == body) | (prev == sep) | (prev == NL) | escape
+    nxt = a[np.minimum(closes + 1, n - 1)]
+    after = a[np.minimum(closes + 2, n - 1)]
+    ends = (
+        (closes + 1 >= n)
+        | (nxt == sep)
+        | (nxt == NL)
+        | ((nxt == CR) & (closes + 2 < n) & (after == NL))
+    )
+    ok_close = ends | np.append(escape[1:], False)
+    if not (ok_open.all() and ok_close.all()):
+        return None
+    return opens[escape]
+
+
+def scan_rows(text: str, sep: str, where: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """``(header, [(line, row)])`` by ``csv.reader(strict=True)``: the exact csv semantics.
+
+    For what :func:`scan` leaves to the csv module. Raises ``csv.Error`` with
+    the reader's line number in ``err.line``.
+    """
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=sep, strict=True)
+    rows: list[tuple[int, list[str]]] = []
+    try:
+        header = next(reader, None)
+        for row in reader:
+            rows.append((reader.line_num, row))
+    except csv.Error as err:
+        err.line = reader.line_num  # type: ignore[attr-defined]
+        raise
+    return header or [], rows

@@ -1,0 +1,147 @@
+"""The numpy CSV splitter against the csv module: same fields, same rows, same index.
+
+Files are written by ``csv.writer`` (minimal and full quoting, LF and CRLF
+line ends) from fields full of separators, quotes, newlines, whitespace and
+non-ASCII text, then read back by ``csv.reader`` (the reference) and by
+:func:`dataset.csvscan.scan`. Malformed files must be left to the csv module.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import random
+
+import numpy as np
+import pytest
+
+from distlearn.dataset import BadIndex, csvindex, csvscan, open_index
+
+ALPHABET = ["a", "b", "z", "0", "9", ",", '"', "\n", "\r\n", " ", "\t", "é", "\u00a0", "\u3000",
+            "/", ".", ";", "'", "x y"]  # fmt: skip
+
+
+def random_field(rng: random.Random) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 8)))
+
+
+def write_rows(rows, quoting, terminator, sep=",") -> bytes:
+    out = io.StringIO(newline="")
+    csv.writer(out, quoting=quoting, lineterminator=terminator, delimiter=sep).writerows(rows)
+    return out.getvalue().encode("utf-8")
+
+
+def reference(data: bytes, sep: str) -> list[list[str]]:
+    text = data.decode("utf-8-sig")
+    rows = csv.reader(io.StringIO(text, newline=""), delimiter=sep, strict=True)
+    rows = [[f.strip() for f in row] for row in rows]
+    return [row for row in rows if row and row != [""]]  # blank lines, as an index skips them
+
+
+def scanned(data: bytes, sep: str) -> list[list[str]] | None:
+    fields = csvscan.scan(data, sep)
+    if fields is None:
+        return None
+    out = []
+    counts = fields.counts
+    for r in range(len(fields)):
+        one = np.asarray([r])
+        row = []
+        for k in range(int(counts[r])):
+            s, e = (int(x[0]) for x in fields.column(k, one))
+            raw = bytes(fields.buf[s:e])
+            escaped = np.searchsorted(fields.drop, s) < np.searchsorted(fields.drop, e)
+            row.append((raw.replace(b'""', b'"') if escaped else raw).decode("utf-8"))
+        if row != [""]:
+            out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("quoting", [csv.QUOTE_MINIMAL, csv.QUOTE_ALL])
+@pytest.mark.parametrize("terminator", ["\n", "\r\n"])
+@pytest.mark.parametrize("sep", [",", "\t"])
+def test_fields_match_the_csv_module(quoting, terminator, sep):
+    rng = random.Random(f"{quoting}{terminator!r}{sep}")
+    for _ in range(60):
+        rows = [[random_field(rng) for _ in range(rng.randrange(1, 5))] for _ in range(30)]
+        data = write_rows(rows, quoting, terminator, sep)
+        if rng.random() < 0.3:
+            data = b"\xef\xbb\xbf" + data  # a byte order mark
+        if rng.random() < 0.3 and data.endswith(terminator.encode()):
+            data = data[: -len(terminator)]  # no newline at the end
+        assert scanned(data, sep) == reference(data, sep), data
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'a,b\nab"c,d\n',  # a quote inside an unquoted field: literal for csv
+        b'a,b\n"x"y,d\n',  # text after a closing quote: csv.Error in strict mode
+        b'a,b\n"unterminated,d\n',
+        b"a,b\nx\ry,d\n",  # a lone CR ends a line for csv
+        b"a,b\nx,\0\n",  # NUL: csv.Error
+        b'a,b\n "x",d\n',  # a quote after a space is not an opening quote
+    ],
+)
+def test_what_numpy_cannot_vouch_for_is_left_to_the_csv_module(data):
+    assert csvscan.scan(data, ",") is None
+
+
+def index_rows(rng: random.Random, n: int) -> list[list[str]]:
+    rows = [["filename", "label1", "label2"]]
+    for _ in range(n):
+        name = "".join(rng.choice(["a", "b", ",", '"', " ", "é", "\n", "/", "x"]) for _ in range(5))
+        labels = [rng.choice(["cat", "dog", 'say "hi"', "a,b", "  x  ", "10", ""])
+                  for _ in range(rng.randrange(0, 3))]  # fmt: skip
+        rows.append([f"n{name}z", *labels])  # ragged: 0 to 2 labels
+    return rows
+
+
+def summary(index) -> list:
+    return [(index.source(i), index.target(i), index.item_labels(i)) for i in range(len(index))]
+
+
+@pytest.mark.parametrize("quoting", [csv.QUOTE_MINIMAL, csv.QUOTE_ALL])
+def test_index_is_the_same_read_by_numpy_or_by_the_csv_module(tmp_path, monkeypatch, quoting):
+    rng = random.Random(quoting)
+    path = tmp_path / "index.csv"
+    for trial in range(5):
+        rows = index_rows(rng, 200)
+        if trial % 2:
+            rows[1:] = sorted(rows[1:])  # the sorted-file shortcut
+        path.write_bytes(write_rows(rows, quoting, "\r\n" if trial == 3 else "\n"))
+        assert csvscan.scan(path.read_bytes(), ",") is not None
+        fast = open_index(path)
+        with monkeypatch.context() as m:
+            m.setattr(csvindex, "scan", lambda data, sep: None)
+            slow = open_index(path)
+        assert fast.labels == slow.labels
+        assert summary(fast) == summary(slow)
+        want = {r[0].strip() for r in rows[1:]}
+        assert {fast.table.raw(r) for r in range(fast.num_rows)} == want
+
+
+def test_malformed_rows_name_their_line(tmp_path):
+    path = tmp_path / "i.csv"
+    path.write_bytes(b"filename,label\na.png,x\nb.png,y,z\n")
+    with pytest.raises(BadIndex, match=r"i\.csv:3: 3 fields for a header of 2"):
+        open_index(path)
+    path.write_bytes(b'filename,label\na.png,x\n"b\nc.png",y\nd.png,x,\n')
+    with pytest.raises(BadIndex, match=r"i\.csv:5: 3 fields"):  # a quoted newline is a line
+        open_index(path)
+    path.write_bytes(b'filename,label\na.png,x\n"x"y,d\n')  # the csv module's own error
+    with pytest.raises(BadIndex, match=r"i\.csv:3: .*','"):
+        open_index(path)
+    path.write_bytes(b"filename,offset,length\na.bin,1,2\nb.bin,x,2\n")
+    with pytest.raises(BadIndex, match=r"i\.csv:3: offset/length must be integers"):
+        open_index(path)
+
+
+def test_names_much_smaller_than_the_file_are_packed(tmp_path):
+    path = tmp_path / "wide.csv"
+    rows = [["filename", "caption", "label"]]
+    rows += [[f"{i}.png", "a long caption that we do not read " * 4, str(i % 3)] for i in range(50)]
+    path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
+    index = open_index(path)
+    assert len(index.table.buf) == sum(len(f"{i}.png") for i in range(50))
+    assert sorted(index.table.raw(r) for r in range(50)) == sorted(f"{i}.png" for i in range(50))

@@ -1,0 +1,32 @@
+"""bench/index.py end to end on small indexes: every row runs, pandas and pyarrow beside us."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import index as bench_index
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_index_writes_every_row(tmp_path):
+    argv = ["--rows", "20000", "--reps", "1", "--share-rows", "20000", "--world", "2",
+            "--data", str(tmp_path / "data"), "--out-dir", str(tmp_path)]  # fmt: skip
+    assert bench_index.main(argv) == 0
+    text = (tmp_path / "RESULTS-index.md").read_text()
+    for row in bench_index.ROW_LABELS.values():
+        assert f"| 20,000 | {row} |" in text, row
+    assert "(rows shuffled)" in text and "label-permutation" in text
+    assert "| cached (memory-mapped, shared) |" in text
+
+
+def test_the_generated_index_is_imagenet_like(tmp_path):
+    path = tmp_path / "i.csv"
+    bench_index.make_csv(path, 5000)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "filename,label" and len(lines) == 5001
+    assert lines[1:] == sorted(lines[1:])  # sorted by filename, as ImageNet's lists are
+    labels = {line.split(",")[1] for line in lines[1:]}
+    assert len(labels) == 1000 and all(
+        line.startswith(line.split(",")[1] + "/") for line in lines[1:]
+    )
