@@ -6,11 +6,12 @@ PLAN maps a path (relative to ROOT, no leading slash; "" for the root) to the
 list of what the server does on successive requests for it; the last entry
 repeats forever: ``"ok"`` (serve the file, with Range support, or an HTML
 listing of a folder), ``"500"``/``"503"``/``"404"``/``"403"`` (that status),
-``"stall"`` (sleep --stall seconds, then serve), ``"cut"`` (announce the full
-length, send half the body, drop the connection), ``"norange"`` (ignore Range:
-the whole file, in 64 KiB writes), ``"endless"`` (a chunked body that never
-ends), ``"redirect:URL"`` (a 302 to URL; ``{port}`` is this server's port).
-Paths not in the plan are served normally. Request counts per path, and the
+``"stall"`` (sleep --stall seconds, then serve), ``"hold"`` (wait until the file
+ROOT/../release exists, then serve: a stall the test ends, whatever the load),
+``"cut"`` (announce the full length, send half the body, drop the connection),
+``"norange"`` (ignore Range: the whole file, in 64 KiB writes), ``"endless"``
+(a chunked body that never ends), ``"redirect:URL"`` (a 302 to URL; ``{port}``
+is this server's port). Paths not in the plan are served normally. Request counts per path, and the
 bytes written for ``norange``/``endless`` answers (key ``PATH#sent``), are
 written to ROOT/../hits.json on SIGTERM so tests can check what happened.
 """
@@ -55,6 +56,12 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
             raise web.HTTPNotFound(text=f"not found: /{rel}\n")
         if action == "stall":
             await asyncio.sleep(stall)
+        if action == "hold":
+            release = root.parent / "release"
+            for _ in range(2400):  # two minutes at most: a test that dies cannot hang us
+                if release.exists():
+                    break
+                await asyncio.sleep(0.05)
         if action == "ok":
             return web.FileResponse(path)
         body = path.read_bytes()

@@ -203,16 +203,19 @@ def _interrupt_soon(delay: float = 0.5) -> threading.Timer:
 def test_ctrl_c_in_next_batch_leaves_the_batcher_usable(pngs, workers):
     order = sorted(range(N), key=lambda i: (i % 2, i))
     stalled = order[16]  # the second batch waits on this item
-    plan = {f"c{stalled % 2}/{stalled:05d}.png": ["stall", "ok"]}
+    plan = {f"c{stalled % 2}/{stalled:05d}.png": ["hold", "ok"]}
+    release = pngs.parent / "release"  # held until the interrupt has landed, however slow
+    release.unlink(missing_ok=True)
     with (
-        running(pngs, plan, stall=4) as (url, _),
-        batcher(url + "train.csv", workers=workers, num_workers=1, timeout=30) as b,
+        running(pngs, plan) as (url, _),
+        batcher(url + "train.csv", workers=workers, num_workers=1, timeout=60) as b,
     ):
         seen = item_ids(b.next_batch().input)
         with pytest.raises(KeyboardInterrupt):
             timer = _interrupt_soon()
             b.next_batch()
         timer.join()
+        release.touch()
         for _ in range(len(b) - 1):
             seen += item_ids(b.next_batch().input)
     assert seen == order, "the interrupted batch came next; nothing lost, nothing twice"
