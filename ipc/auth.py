@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils import z85
 
 from .errors import IPCError
 from .runtime import read_secret_file
@@ -75,7 +76,7 @@ class Secret:
 
         def pair(label: bytes) -> tuple[bytes, bytes]:
             raw = hmac.new(self._key, PROTOCOL + b" curve " + label, hashlib.sha256).digest()
-            sk = zmq.utils.z85.encode(raw)
+            sk = z85.encode(raw)
             return zmq.curve_public(sk), sk
 
         sp, ss = pair(b"server")

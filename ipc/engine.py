@@ -492,7 +492,11 @@ class Engine:
 
     def _laggards(self) -> tuple[int, list[int]] | None:
         """(collective, nodes) of the nodes furthest behind, if any is behind us."""
-        views = [v for v in (self._root_view, self._subtree_min()) if v is not None]
+        # The root's view as reported down the tree (a second or so old per level), and
+        # our own subtree's, fresh; the root has only the latter.
+        views = [self._subtree_min()]
+        if self.parent is not None and self._root_view is not None:
+            views.insert(0, self._root_view)
         for m, nodes in views:
             if m < self.seq and nodes:
                 return m, nodes

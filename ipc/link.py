@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from . import runtime, wire
@@ -277,7 +278,8 @@ class Endpoint:
         self._probe_until = 0.0  # probe accepted links on every poll until then
         self._next_probe = 0.0
         self._dropped = 0
-        self._dropped_logged = 0.0
+        self._dropped_logged = -1e9
+        self._unlogged = 0
         self._closed = False
         try:
             if bind:
@@ -338,7 +340,7 @@ class Endpoint:
     def _zap_check(self, mechanism: bytes, creds: list[bytes], address: str) -> bool:
         if self._curve is not None:
             ok = mechanism == b"CURVE" and len(creds) == 1
-            ok = ok and creds[0] == zmq.utils.z85.decode(self._curve.client_public)
+            ok = ok and creds[0] == z85.decode(self._curve.client_public)
         else:
             ok = mechanism == b"PLAIN" and len(creds) == 2 and creds[0] == PLAIN_USER
             ok = ok and hmac.compare_digest(creds[1], self._password)
@@ -708,8 +710,12 @@ class Endpoint:
     def _note_stranger(self, what: str) -> None:
         now = time.monotonic()
         if now - self._dropped_logged > 10:  # rate-limited: a stranger could flood us
+            more = f" (and {self._unlogged} more since the last report)" if self._unlogged else ""
             self._dropped_logged = now
-            log.warning("ipc %s: %s", self.name, what)
+            self._unlogged = 0
+            log.warning("ipc %s: %s%s", self.name, what, more)
+        else:
+            self._unlogged += 1
 
     # ---- leaving -----------------------------------------------------------------
 
