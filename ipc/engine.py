@@ -97,18 +97,23 @@ class Engine:
         # Progress for the stall inspector: each child's subtree minimum, and the root's view.
         self._sub: dict[int, tuple[int, list[int]]] = {}
         self._root_view: tuple[int, list[int]] | None = None
+        # Progress goes with the heartbeats: off when they are off.
         interval = endpoint.liveness.interval
-        self._progress_every = interval if interval > 0 else 1.0
+        self._progress_every = interval if interval > 0 else float("inf")
         self._next_progress = 0.0
         self._next_stall = 0.0
 
     # ---- collectives ----------------------------------------------------------
 
     def begin(self, kind: str) -> None:
-        """Enter the next collective: raises if the tree is broken or a neighbour left."""
-        if self.broken is not None:
-            raise self.broken
-        self.service()  # errors and goodbyes that came while we were away
+        """Enter the next collective: raises if the tree is broken or a neighbour left.
+
+        It does not poll the links (a small collective over shared memory costs tens of
+        microseconds, a poll several): what arrived meanwhile is seen by the
+        communication thread's service or as soon as this collective waits."""
+        failure = self._failure or self._later
+        if failure is not None and self.broken is None:
+            self.fail(failure)
         if self.broken is not None:
             raise self.broken
         self.seq += 1

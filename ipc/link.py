@@ -504,9 +504,9 @@ class Endpoint:
                 link.bye = wire.parse_control(header)
             except WireError:
                 link.bye = {}
+            self.events.append(("bye", link))  # before the ACK, which fails if it is gone
             with contextlib.suppress(PeerError, zmq.ZMQError):
                 link.send(_ACK)  # everything it sent before the BYE has been read
-            self.events.append(("bye", link))
         elif kind == Kind.ACK:
             link.acked = True
         else:

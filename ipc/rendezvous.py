@@ -454,7 +454,7 @@ class Localhost:
         note = _Note()
         refused: set[str] = set()
         addrs: list[str] | None = None
-        secret: Secret | None = self.given
+        bound: Secret | None = None  # the secret our endpoint listens with
         direct = self.port is not None and self.given is not None
         while True:
             if time.monotonic() > deadline:
@@ -482,17 +482,12 @@ class Localhost:
                 time.sleep(0.02)
                 continue
             name, rec = found[0]
-            if secret is None or self.given is None:
-                secret = self.given or Secret(rec["secret"], "the runtime directory")
-            if addrs is None:
+            secret = self.given or Secret(rec["secret"], "the runtime directory")
+            if bound is None or bound.text != secret.text:
+                # Our endpoint must answer with this node 0's secret (a node 0 of another
+                # launch may have refused us with its own).
                 addrs = listen(secret, specs)
-            elif self.given is None and secret.text != rec["secret"]:
-                # Our endpoint listens with the secret of a node 0 that refused us or left.
-                raise IPCError(
-                    f"node {self.node_index}: node 0 of {self.describe()} changed while we "
-                    "joined; start the job again",
-                    node=0,
-                )
+                bound = secret
             rv = Endpoint(
                 secret,
                 f"node {self.node_index}",

@@ -303,18 +303,18 @@ class Tree:
             self._links[p] = link
         deadline = time.monotonic() + self.timeout
         while True:
-            while ep.events:
-                what, link = ep.events.popleft()
-                if what == "accepted":
-                    self._links[link.tag] = link
-                elif what == "dead" and link.tag in self._links:
-                    raise ep.dead_error(link)
+            # Take the children's links; leave other events (a fast neighbour may already
+            # have finished collectives and said goodbye) for the engine.
+            for event in [e for e in ep.events if e[0] == "accepted"]:
+                ep.events.remove(event)
+                self._links[event[1].tag] = event[1]
             if self.parent is not None:
                 plink = self._links[self.parent]
-                if plink.failure is not None:
+                if plink.failure is not None:  # refused: says why, before its link's end
                     raise plink.failure
-                if plink.dead is not None:
-                    raise ep.dead_error(plink)
+            for what, link in ep.events:
+                if what == "dead" and link.tag in self._links and link.bye is None:
+                    raise ep.dead_error(link)
             neighbours = [*self.children, *([self.parent] if self.parent is not None else [])]
             if all(j in self._links and self._links[j].state == "up" for j in neighbours):
                 break

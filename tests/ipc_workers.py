@@ -82,12 +82,13 @@ def _failure(out: dict, exc: BaseException, start: float) -> None:
 
 @scenario
 def scatter_once(node: int, n: int, key: str) -> dict:
-    """One scatter, then close: the last collective before close() must arrive."""
-    tree = tree_from_args(node, n, key, chunk_bytes=1 << 12)
-    t = node_tensor(node, (5000,), torch.float32)
+    """One scatter of 4 MiB in 64 KiB chunks, then close: the last collective before close()
+    must arrive (the old tree lost it 19 runs in 20 at this size)."""
+    tree = tree_from_args(node, n, key, chunk_bytes=1 << 16)
+    t = node_tensor(node, (1 << 20,), torch.float32)
     tree.scatter(t)
     tree.close()
-    return {"scattered": t}
+    return {"ok": torch.equal(t, node_tensor(0, (1 << 20,), torch.float32))}
 
 
 @scenario
