@@ -266,6 +266,119 @@ def static_token(node: int, n: int, key: str) -> dict:
     return {"count": count, "sum": float(x[0]), "scattered": p, "rss_growth_mib": grew}
 
 
+@scenario
+def malformed(node: int, n: int, key: str) -> dict:
+    """Node 1 (a child of node 0) corrupts its chunks on the wire, as a buggy or hostile peer
+    that knows the secret might: MALFORM=twice sends every chunk twice, =short cuts each
+    payload by 4 bytes. Node 0 must refuse them, naming node 1."""
+    tree = tree_from_args(node, n, key, shm=False)
+    tree.all_reduce(torch.ones(100))
+    if node == 1:
+        from distlearn.ipc.wire import Kind
+
+        link = tree._links[0]
+        send = link.send
+        how = os.environ["MALFORM"]
+
+        def mangled(header, payload=None, **kw):
+            if header[0] != Kind.UP or payload is None:
+                return send(header, payload, **kw)
+            if how == "short":
+                return send(header, bytes(payload)[:-4])
+            send(header, payload, **kw)
+            return send(header, payload, **kw)
+
+        link.send = mangled
+    if node == 2:
+        time.sleep(1.0)  # node 1's chunks, all of them, reach node 0 first
+    out: dict = {"error": None}
+    start = time.monotonic()
+    try:
+        tree.all_reduce(torch.ones(100))
+    except ipc.IPCError as exc:
+        _failure(out, exc, start)
+    tree.close()
+    return out
+
+
+@scenario
+def async_many(node: int, n: int, key: str) -> dict:
+    """Several collectives in flight at once (all_reduce with ops, finished and nesting,
+    scatter, barrier), then a synchronous one that must queue behind them; handles are
+    waited for in reverse order."""
+    tree = tree_from_args(node, n, key)
+    t_sum = node_tensor(node, (3000,), torch.float32, 1)
+    t_max = node_tensor(node, (17,), torch.int64, 2)
+    t_fin = node_tensor(node, (300_000,), torch.float64, 3)  # sliced over shared memory
+    t_nest = nested(node)
+    p = node_tensor(node, (50,), torch.float32, 4)
+    handles = [
+        tree.all_reduce(t_sum, async_op=True),
+        tree.all_reduce(t_max, op="max", async_op=True),
+        tree.all_reduce(t_fin, finished=node % 2 == 1, async_op=True),
+        tree.all_reduce(t_nest, async_op=True),
+        tree.scatter(p, async_op=True),
+        tree.barrier(async_op=True),
+    ]
+    t_sync = node_tensor(node, (10,), torch.float32, 5)
+    count_sync = tree.all_reduce(t_sync)
+    results = [h.wait() for h in reversed(handles)][::-1]
+    out = {
+        "counts": results, "count_sync": count_sync, "done": [h.is_completed() for h in handles],
+        "sum": t_sum, "max": t_max, "fin": t_fin, "nest": t_nest, "scattered": p, "sync": t_sync,
+    }  # fmt: skip
+    tree.close()
+    return out
+
+
+@scenario
+def async_uneven(node: int, n: int, key: str) -> dict:
+    """Uneven step counts, each step's all_reduce started asynchronously two at a time."""
+    tree = tree_from_args(node, n, key)
+    steps = node + 1
+    counts, sums = [], []
+    step = 0
+    while True:
+        xs = [torch.tensor([float(node + 1)]) for _ in range(2)]
+        hs = [
+            tree.all_reduce(x, finished=step + k >= steps, async_op=True) for k, x in enumerate(xs)
+        ]
+        cs = [h.wait() for h in hs]
+        for c, x in zip(cs, xs, strict=True):
+            if c:
+                counts.append(c)
+                sums.append(float(x))
+        if cs[-1] == 0:
+            break
+        step += 2
+    tree.close()
+    return {"counts": counts, "sums": sums}
+
+
+@scenario
+def async_killed(node: int, n: int, key: str) -> dict:
+    """Node n-1 dies while the others have four handles in flight: every wait raises,
+    naming it."""
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(10))
+    if node == n - 1:
+        time.sleep(0.5)
+        os._exit(3)
+    start = time.monotonic()
+    handles = [tree.all_reduce(torch.ones(1000), async_op=True) for _ in range(4)]
+    out: dict = {"errors": [], "peers": [], "elapsed": None}
+    for h in handles:
+        try:
+            h.wait()
+            out["errors"].append(None)
+        except ipc.IPCError as exc:
+            out["errors"].append(type(exc).__name__)
+            out["peers"].append(exc.node)
+    out["elapsed"] = time.monotonic() - start
+    tree.close()
+    return out
+
+
 MARKER = b"DISTLEARN-PLAINTEXT-MARKER-"
 
 

@@ -134,6 +134,21 @@ def test_forked_child_cannot_use_or_hold_the_tree(tmp_path):
         assert r["elapsed"] < 5, r  # the socket closes with the parent, no heartbeat needed
 
 
+@pytest.mark.parametrize("how", ["twice", "short"])
+def test_malformed_chunks_from_a_peer_are_refused(how, tmp_path):
+    """A peer past authentication that sends a chunk twice or a payload of the wrong size:
+    node 0 raises naming it instead of reducing garbage (or crashing)."""
+    n = 3
+    env = [{"MALFORM": how}] * n
+    results, texts = run_tree("malformed", n, tmp_path, shm=False, ipc_timeout=30, extra_env=env)
+    r = results[0]
+    assert r["error"] == "PeerError", texts[0]
+    assert r["peer"] == 1
+    want = "twice" if how == "twice" else "bytes"
+    assert want in r["message"], r["message"]
+    assert results[2]["error"] == "PeerError" and results[2]["peer"] == 1
+
+
 def _unshare_available() -> bool:
     if os.geteuid() != 0 or not shutil.which("unshare"):
         return False

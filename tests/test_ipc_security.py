@@ -112,6 +112,54 @@ def test_multi_host_tree_needs_a_secret(monkeypatch, caplog):
     assert "insecure=True" in caplog.text and "any process" in caplog.text
 
 
+def test_launchers_map_to_handlers(monkeypatch):
+    """torchrun and Slurm variables: one host -> Localhost keyed by the launch (no TCP, no
+    token needed); several -> Static at MASTER_ADDR with the token."""
+    from distlearn.ipc import rendezvous
+
+    names = (
+        "RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT IPC_PORT IPC_TOKEN "
+        "IPC_TOKEN_FILE IPC_KEY TORCHELASTIC_RUN_ID SLURM_PROCID SLURM_NTASKS SLURM_NNODES "
+        "SLURM_JOB_NUM_NODES SLURM_STEP_NUM_NODES SLURM_JOB_ID SLURM_STEP_ID SLURM_NODELIST"
+    )
+    for var in names.split():
+        monkeypatch.delenv(var, raising=False)
+    env = {
+        "RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc",
+    }  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    h = rendezvous.from_env()
+    assert isinstance(h, rendezvous.Localhost) and (h.node_index, h.num_nodes) == (2, 4)
+    assert h.key == "torchrun:10.0.0.1:29500:abc:" and h.explicit and h.given is None
+    monkeypatch.setenv("MASTER_PORT", "29600")  # another launch, another key
+    assert rendezvous.from_env().key != h.key
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("IPC_TOKEN", "x" * 32)
+    h = rendezvous.from_env()
+    assert isinstance(h, rendezvous.Static)
+    assert (h.root_host, h.root_port, h.secret.text) == ("10.0.0.1", 29601, "x" * 32)
+    for k in env:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("IPC_TOKEN")
+    slurm = {
+        "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0", "SLURM_NODELIST": "gpu[03-05,07]",
+    }  # fmt: skip
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    h = rendezvous.from_env()
+    assert isinstance(h, rendezvous.Localhost) and h.key == "slurm:77:0"
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    with pytest.raises(ipc.IPCError, match="IPC_TOKEN"):
+        rendezvous.from_env()
+    monkeypatch.setenv("IPC_TOKEN", "y" * 32)
+    h = rendezvous.from_env()
+    assert isinstance(h, rendezvous.Static) and h.root_host == "gpu03"
+    assert h.root_port == 20000 + 77
+
+
 def test_secret_file_must_be_private(tmp_path, monkeypatch):
     path = tmp_path / "token"
     path.write_text("a-long-enough-secret-token\n")
