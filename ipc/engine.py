@@ -81,9 +81,6 @@ class Engine:
         self.subtree = subtree  # nodes in each child's subtree
         self.timeout = timeout
         self.stall_warning = stall_warning
-        self.poller = zmq.Poller()
-        endpoint.register(self.poller)
-        self._fds: set[int] = set()
         self.stash: deque = deque()
         self._stash_bytes = 0
         self.seq = 0  # collectives entered
@@ -296,11 +293,11 @@ class Engine:
             if now >= deadline:
                 raise self._timeout_error(waiting_on)
             wake = min(deadline, self._next_progress, self._next_stall)
-            self.ep.poll(min(wake - now, 3600), self.poller)
+            self.ep.poll(min(wake - now, 3600))
             self._absorb()
 
     def _pump(self, timeout: float) -> None:
-        self.ep.poll(timeout, self.poller)
+        self.ep.poll(timeout)
         self._absorb()
         if self._failure is not None:
             raise self._failure
@@ -366,13 +363,11 @@ class Engine:
     def wait_fd(self, fd: int, seconds: float) -> None:
         """Wait until `fd` is readable or `seconds` pass (shared memory's barrier), keeping
         the links answered; raises if a neighbour fails or dies."""
-        if fd not in self._fds:
-            self.poller.register(fd, zmq.POLLIN)  # stays registered: no per-wait cost
-            self._fds.add(fd)
+        self.ep.watch(fd)
         now = time.monotonic()
         if now >= self._next_progress:
             self._report_progress(now)
-        self.ep.poll(seconds, self.poller)
+        self.ep.poll(seconds)
         self._absorb()
         if self._failure is not None:
             raise self._failure
@@ -387,7 +382,7 @@ class Engine:
             if now >= self._next_progress:
                 self._report_progress(now)
             if self._stash_bytes < STASH_BYTES:
-                self.ep.poll(0, self.poller)
+                self.ep.poll(0)
             self._absorb()
             failure = self._failure or self._later
             if failure is not None:

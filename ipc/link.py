@@ -192,6 +192,28 @@ class Link:
     def send_control(self, kind: Kind, body: dict) -> None:
         self.send(wire.control(kind, body))
 
+    def send_frames(self, frames: list, *, copy: bool = False) -> None:
+        """Send one message of several frames (a header first, see :mod:`ipc.wire`), e.g.
+        `link.send_frames(wire.pack_value(obj))`; with `copy=False` (the default) large
+        buffers go from their own memory, which must not change until sent."""
+        if self.dead is not None:
+            raise self.endpoint.dead_error(self)
+        sock = self.sock if self.sock is not None else self.endpoint.router
+        parts = frames if self.sock is not None else [self.rid, *frames]
+        try:
+            for i, f in enumerate(parts):
+                last = i == len(parts) - 1
+                sock.send(
+                    f, zmq.NOBLOCK | (0 if last else zmq.SNDMORE), copy=copy or len(f) < 65536
+                )
+        except zmq.ZMQError as err:
+            if err.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                self.endpoint.mark_dead(self, "its connection is gone")
+                raise self.endpoint.dead_error(self) from None
+            raise
+        self.stats.msgs_sent += 1
+        self.stats.bytes_sent += sum(len(f) for f in frames)
+
 
 @dataclass
 class _Pending:
@@ -263,6 +285,7 @@ class Endpoint:
         self._curve = secret.curve_keys() if encrypt else None
         self._password = secret.mac(b"plain").hex().encode()
         self._poller = zmq.Poller()
+        self._watched: set[int] = set()
         self.router: zmq.Socket | None = None
         self._router_monitor: zmq.Socket | None = None
         self.addresses: list[str] = []
@@ -417,14 +440,20 @@ class Endpoint:
 
     # ---- the event loop ------------------------------------------------------
 
-    def poll(self, timeout: float, extra: zmq.Poller | None = None) -> list:
+    def poll(self, timeout: float) -> list:
         """Wait up to `timeout` seconds for traffic, then handle all of it: handshakes,
-        liveness, BYE/ACK, and users' messages into `inbox`. Returns the poll events
-        (so a caller that registered its own file descriptors can see them)."""
-        poller = extra or self._poller
-        events = poller.poll(max(0, int(timeout * 1000)))
+        liveness, BYE/ACK, and users' messages into `inbox`. Returns the poll events, in
+        which the file descriptors given to `watch` show up too."""
+        events = self._poller.poll(max(0, int(timeout * 1000)))
         self.process(events)
         return events
+
+    def watch(self, fd: int) -> None:
+        """Wake `poll` when `fd` is readable too (a pipe another part of the program
+        sleeps on); it stays watched."""
+        if fd not in self._watched:
+            self._poller.register(fd, zmq.POLLIN)
+            self._watched.add(fd)
 
     def process(self, events: list) -> None:
         """Handle what `events` (from a poll over our sockets) says is ready."""
@@ -444,11 +473,6 @@ class Endpoint:
             self._probe()
         if self._pending and now - next(iter(self._pending.values())).started > 5:
             self._expire_handshakes(now)
-
-    def register(self, poller: zmq.Poller) -> None:
-        """Put our sockets into `poller` too (for a caller that polls more than us)."""
-        for sock in self._poller.sockets:
-            poller.register(sock[0], zmq.POLLIN)
 
     def recv(self, deadline: float | None):
         """The next user message (link, frames) by `deadline` (monotonic), else None."""

@@ -281,6 +281,39 @@ def join_root(rv: Endpoint, link: Link, join: dict, deadline: float) -> dict:
         return body
 
 
+def serve(
+    rv: Endpoint,
+    num_nodes: int,
+    join: dict,
+    timeout: float,
+    where: str,
+    admit: Callable[[dict], str | None] | None = None,
+) -> tuple[list, list]:
+    """Node 0: `gather` on the rendezvous endpoint `rv`, then close it, waiting until every
+    node has read its roster (at once, on failure)."""
+    try:
+        hosts, addresses = gather(rv, num_nodes, join, timeout, where, admit)
+    except BaseException:
+        rv.close(linger=0)
+        raise
+    rv.close(linger=timeout)
+    return hosts, addresses
+
+
+def roster(
+    node_index: int, num_nodes: int, secret: Secret, hosts, addresses, options: dict, where: str
+) -> Roster:
+    return Roster(
+        node_index,
+        num_nodes,
+        secret,
+        tuple(hosts),
+        tuple(tuple(a) for a in addresses),
+        options,
+        where,
+    )
+
+
 # ---- handlers ------------------------------------------------------------------
 
 
@@ -333,7 +366,7 @@ class Localhost:
         if self.num_nodes == 1:
             secret = self.given or random_secret()
             addrs = listen(secret, specs)
-            return Roster(0, 1, secret, (host,), (tuple(addrs),), options, self.describe())
+            return roster(0, 1, secret, [host], [addrs], options, self.describe())
         if self.node_index == 0:
             return self._root(listen, options, timeout, host, specs)
         return self._joiner(listen, options, timeout, host, specs)
@@ -392,26 +425,17 @@ class Localhost:
         }
         try:
             runtime.create_private(directory, name, json.dumps(record).encode())
-            try:
-                join = self._join_body(addrs, options, host)
-                hosts, addresses = gather(
-                    rv, self.num_nodes, join, timeout, self.describe(), self._admit
-                )
-            finally:
-                runtime.remove(directory, name)
-            rv.close(linger=timeout)
         except BaseException:
             rv.close(linger=0)
             raise
-        return Roster(
-            0,
-            self.num_nodes,
-            secret,
-            tuple(hosts),
-            tuple(tuple(a) for a in addresses),
-            options,
-            self.describe(),
-        )
+        try:
+            join = self._join_body(addrs, options, host)
+            hosts, addresses = serve(
+                rv, self.num_nodes, join, timeout, self.describe(), self._admit
+            )
+        finally:
+            runtime.remove(directory, name)
+        return roster(0, self.num_nodes, secret, hosts, addresses, options, self.describe())
 
     def _candidates(self, refused: set[str]) -> list[tuple[str, dict]]:
         """Live node 0s of our key, nearest start time first."""
@@ -507,12 +531,12 @@ class Localhost:
                     refused.add(name)
                 continue
             rv.close(linger=2.0)
-            return Roster(
+            return roster(
                 self.node_index,
                 self.num_nodes,
                 secret,
-                tuple(body["hosts"]),
-                tuple(tuple(a) for a in body["addresses"]),
+                body["hosts"],
+                body["addresses"],
                 options,
                 self.describe(),
             )
@@ -600,7 +624,7 @@ class Static:
             "pid": os.getpid(),
         }
         if self.num_nodes == 1:
-            return Roster(0, 1, self.secret, (host,), (tuple(addrs),), options, self.describe())
+            return roster(0, 1, self.secret, [host], [addrs], options, self.describe())
         encrypt = options.get("encrypt", False)
         if self.node_index == 0:
             rv = Endpoint(
@@ -611,20 +635,9 @@ class Static:
                 encrypt=encrypt,
                 info={"name": "node 0"},
             )
-            try:
-                hosts, addresses = gather(rv, self.num_nodes, join, timeout, self.describe())
-                rv.close(linger=timeout)
-            except BaseException:
-                rv.close(linger=0)
-                raise
-            return Roster(
-                0,
-                self.num_nodes,
-                self.secret,
-                tuple(hosts),
-                tuple(tuple(a) for a in addresses),
-                options,
-                self.describe(),
+            hosts, addresses = serve(rv, self.num_nodes, join, timeout, self.describe())
+            return roster(
+                0, self.num_nodes, self.secret, hosts, addresses, options, self.describe()
             )
         deadline = time.monotonic() + timeout
         rv = Endpoint(
@@ -660,12 +673,12 @@ class Static:
         except BaseException:
             rv.close(linger=0)
             raise
-        return Roster(
+        return roster(
             self.node_index,
             self.num_nodes,
             self.secret,
-            tuple(body["hosts"]),
-            tuple(tuple(a) for a in body["addresses"]),
+            body["hosts"],
+            body["addresses"],
             options,
             self.describe(),
         )

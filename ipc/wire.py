@@ -170,10 +170,12 @@ def dtype_from_name(name: object) -> torch.dtype:
     return DTYPES[name]
 
 
-def encode(obj: object) -> tuple[dict, list]:
+def encode(obj: object, max_frame: int = 1 << 20) -> tuple[dict, list]:
     """(JSON-able description, payload buffers) of a tensor or nested list/tuple/dict of
     tensors, str, int, float, bool, None and bytes. CPU tensors are sent from their own
-    memory (made contiguous if needed); CUDA tensors are copied to the host first."""
+    memory (made contiguous if needed); CUDA tensors are copied to the host first. A
+    tensor larger than `max_frame` bytes is cut into several frames (a link refuses
+    frames above its `Limits.max_frame`)."""
     frames: list = []
 
     def walk(v: object, depth: int) -> object:
@@ -186,8 +188,15 @@ def encode(obj: object) -> tuple[dict, list]:
             if t.device.type != "cpu":
                 t = t.to("cpu")
             t = t.contiguous()
-            frames.append(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"")
-            return {"t": len(frames) - 1, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+            raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
+            first = len(frames)
+            for start in range(0, max(len(raw), 1), max_frame):
+                frames.append(raw[start : start + max_frame])
+            return {
+                "t": [first, len(frames) - first],
+                "dtype": DTYPE_NAMES[t.dtype],
+                "shape": list(t.shape),
+            }
         if isinstance(v, bytes):
             frames.append(v)
             return {"b": len(frames) - 1}
@@ -246,7 +255,18 @@ def decode(meta: Mapping, frames: list, into: object = None) -> object:
                 raise WireError(f"{path}: bad shape")
             if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
                 raise WireError(f"{path}: bad shape {shape}")
-            buf = frame(d["t"])
+            span = d["t"]
+            if (
+                not (
+                    isinstance(span, list)
+                    and len(span) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+                )
+                or not 0 < span[1] <= MAX_FRAMES
+            ):
+                raise WireError(f"{path}: bad payload span {str(span)[:40]}")
+            parts = [frame(span[0] + k) for k in range(span[1])]
+            buf = parts[0] if len(parts) == 1 else memoryview(bytearray().join(parts))
             numel = math.prod(shape)
             itemsize = torch.empty(0, dtype=dtype).element_size()
             if numel * itemsize != len(buf):
@@ -300,3 +320,20 @@ def decode(meta: Mapping, frames: list, into: object = None) -> object:
     if len(used) != len(frames):
         raise WireError(f"{len(frames) - len(used)} payload frames not described")
     return value
+
+
+def pack_value(obj: object, kind: Kind = Kind.MESSAGE) -> list:
+    """The frames of a message carrying `obj`: a header (kind and the JSON description),
+    then the payloads. For `Link.send_frames`."""
+    meta, frames = encode(obj)
+    return [control(kind, meta), *frames]
+
+
+def unpack_value(frames: list, into: object = None) -> object:
+    """The value a message of `pack_value` carries (frames as received: bytes or
+    zmq.Frame); tensors land in `into`'s tensors where it has them."""
+    if not frames:
+        raise WireError("no frames")
+    first = frames[0]
+    header = first.bytes if hasattr(first, "bytes") else bytes(first)
+    return decode(parse_control(header), list(frames[1:]), into=into)

@@ -53,27 +53,21 @@ def test_link_carries_nested_values_both_ways(encrypt):
             "x": torch.arange(12, dtype=torch.float32).view(3, 4),
             "per_dtype": [torch.ones(3, dtype=dt) for dt in wire.DTYPES.values()],
             "empty": torch.empty(0, 5),
+            # above the link's frame limit: cut into frames, sent from its own memory
+            "big": torch.arange(600_000, dtype=torch.float32),
             "meta": ("text", 3, 2.5, float("nan"), None, True, b"\x00raw"),
             7: [],
         }
-        meta, frames = wire.encode(value)
-        link.send(wire.control(Kind.MESSAGE, meta), None)
-        for f in frames:
-            link.send(bytes([Kind.MESSAGE]) + b"{}", f)
-        got = []
-        deadline = time.monotonic() + 10
-        while len(got) < 1 + len(frames) and time.monotonic() < deadline:
-            msg = listener.recv(time.monotonic() + 0.1)
-            if msg is not None:
-                got.append(msg)
-        assert all(ln is back for ln, _ in got)
-        meta_in = wire.parse_control(got[0][1][0].bytes)
+        link.send_frames(wire.pack_value(value))
+        got = listener.recv(time.monotonic() + 10)
+        assert got is not None and got[0] is back
         into = {"x": torch.zeros(3, 4)}
-        out = wire.decode(meta_in, [m[1][1] for m in got[1:]], into=into)
+        out = wire.unpack_value(got[1], into=into)
         assert out["x"] is into["x"] and torch.equal(into["x"], value["x"])
         for a, b in zip(out["per_dtype"], value["per_dtype"], strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
         assert out["empty"].shape == (0, 5)
+        assert torch.equal(out["big"], value["big"])
         assert out["meta"][:3] == ("text", 3, 2.5) and out["meta"][4:] == (None, True, b"\x00raw")
         assert out[7] == []
         # and back, through the listener's ROUTER
@@ -199,18 +193,18 @@ def test_dtype_names_go_through_an_allow_list():
     for bad in ["Tensor", "__class__", "load", "float32; import os", 5, None, "torch.float32"]:
         with pytest.raises(WireError, match="dtype"):
             wire.dtype_from_name(bad)
-    meta = {"v": {"t": 0, "dtype": "save", "shape": [1]}}
+    meta = {"v": {"t": [0, 1], "dtype": "save", "shape": [1]}}
     with pytest.raises(WireError):
         wire.decode(meta, [b"\0" * 4])
     # sizes must match the description exactly; payloads are used once
     with pytest.raises(WireError, match="bytes"):
-        wire.decode({"v": {"t": 0, "dtype": "float32", "shape": [2]}}, [b"\0" * 4])
+        wire.decode({"v": {"t": [0, 1], "dtype": "float32", "shape": [2]}}, [b"\0" * 4])
     with pytest.raises(WireError, match="twice"):
         wire.decode({"v": [{"b": 0}, {"b": 0}]}, [b"ab"])
     with pytest.raises(WireError, match="not described"):
         wire.decode({"v": 1}, [b"ab"])
     with pytest.raises(WireError, match="into"):
-        wire.decode({"v": {"t": 0, "dtype": "int32", "shape": [1]}}, [b"\0" * 4],
+        wire.decode({"v": {"t": [0, 1], "dtype": "int32", "shape": [1]}}, [b"\0" * 4],
                     into=torch.zeros(1))  # fmt: skip
 
 
