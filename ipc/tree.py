@@ -218,7 +218,8 @@ class Tree:
         self.chunk_bytes = chunk_bytes
         self._pid = os.getpid()
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the engine: one collective (or service) at a time
+        self._order = threading.Lock()  # submissions: the order every node runs them in
         self._shm: SharedMemoryGroup | None = None
         self._endpoint: Endpoint | None = None
         self._engine: Engine | None = None
@@ -476,15 +477,17 @@ class Tree:
             raise IPCError(f"node {self.node_index}: tree is closed", node=self.node_index)
 
     def _submit(self, args: tuple, async_op: bool) -> Handle | int | None:
+        """Start a collective in submission order: queued behind what is in flight, or,
+        synchronous with nothing in flight, run right here (no thread hand-off)."""
         comm = self._comm
-        if async_op:
-            return comm.submit(args)
-        if comm.idle():
-            # Nothing in flight: run here, no thread hand-off. Only this thread issues
-            # collectives, so nothing can be queued between the check and the lock.
-            with self._lock:
-                return self._collective(*args)
-        return comm.submit(args).wait()
+        with self._order:  # another thread (an autograd hook) cannot slip in between
+            if async_op:
+                return comm.submit(args)
+            if comm.idle():
+                with self._lock:
+                    return self._collective(*args)
+            handle = comm.submit(args)
+        return handle.wait()
 
     def _run_inline(self, *args) -> int | None:
         """A collective during set-up (before the communication thread exists)."""
