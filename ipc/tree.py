@@ -521,8 +521,9 @@ class Tree:
             packed.unpack()
         except BaseException as exc:
             # Whatever made us leave (a peer's failure, a custom op that raised, Ctrl-C),
-            # our neighbours hear of it now instead of waiting for us.
-            engine.fail(exc)
+            # our neighbours hear of it now instead of waiting for us (once).
+            if exc is not engine.broken:
+                engine.fail(exc)
             raise
         finally:
             engine.end()
