@@ -135,6 +135,8 @@ def _worker(a: argparse.Namespace) -> None:
         results = _time_async(a, ops, dist)
     elif a.mode == "step":
         results = _time_step(a, ops, dist)
+    elif a.mode == "idle":
+        results = _time_idle(a, ops, dist)
     else:
         results = _time_allreduce(a, ops, dist)
     for name, err in errors.items():
@@ -234,6 +236,24 @@ def _time_async(a: argparse.Namespace, ops: dict, dist) -> list[dict]:
          "iters": iters, "times_s": ts}
         for name, ts in times.items()
     ]  # fmt: skip
+
+
+def _time_idle(a: argparse.Namespace, ops: dict, dist) -> list[dict]:
+    """CPU seconds per second this process burns (every thread: the tree's communication
+    thread, libzmq's I/O thread) while it sleeps with the tree open: the background cost."""
+    import resource
+
+    import torch
+
+    ops["tree"](torch.ones(1))  # the tree has run one collective
+    times = []
+    for _ in range(a.reps):
+        dist.barrier()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(3.0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        times.append((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / 3.0)
+    return [{"impl": "tree idle", "size": "3 s", "bytes": 0, "iters": 1, "times_s": times}]
 
 
 def _time_step(a: argparse.Namespace, ops: dict, dist) -> list[dict]:
@@ -388,6 +408,12 @@ def report(a: argparse.Namespace) -> None:
         for name, env in order if rep % 2 == 0 else order[::-1]:
             recs = run(2, {}, reps=3, impls=("tree",), mode="step", env_extra=env)
             steps[name] += [t for r in recs for t in r.get("times_s", [])]
+    idle: dict[str, list[float]] = {"on": [], "off": []}
+    for rep in range(a.reps):
+        order = [("on", {}), ("off", {"IPC_HEARTBEAT_INTERVAL": "0"})]
+        for name, env in order if rep % 2 == 0 else order[::-1]:
+            recs = run(2, {}, reps=2, impls=("tree",), mode="idle", env_extra=env)
+            idle[name] += [t for r in recs for t in r.get("times_s", [])]
     lines += [
         "## Heartbeats: cost in a training-like step (2 processes)",
         "",
@@ -399,6 +425,11 @@ def report(a: argparse.Namespace) -> None:
         "|---:|---:|---:|",
         f"| {_spread(steps['on'], digits=2)} | {_spread(steps['off'], digits=2)} "
         f"| {_ratios(steps['on'], steps['off'])} |",
+        "",
+        "In the background, a rank that sleeps with its tree open burns "
+        f"{_spread(idle['on'], digits=2)} ms of CPU per second with heartbeats on and "
+        f"{_spread(idle['off'], digits=2)} ms/s with them off (every thread of the process, "
+        "getrusage over 3 s sleeps).",
         "",
         f"Reproduce: `python -m bench.allreduce --report` ({time.time() - started:.0f} s).",
         "",
@@ -420,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-s", type=float, default=0.5)
     p.add_argument("--sizes", type=json.loads, default=SIZES)
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=("gloo", "tree"))
-    p.add_argument("--mode", choices=("allreduce", "async", "step"), default="allreduce")
+    p.add_argument("--mode", choices=("allreduce", "async", "step", "idle"), default="allreduce")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if a.report:

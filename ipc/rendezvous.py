@@ -48,6 +48,7 @@ RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL, rcvhwm=16)
 # of each other; a node 0 that started further away belongs to another launch.
 LAUNCH_WINDOW_S = 30.0
 WAIT_NOTE_S = 5.0  # say what we wait for after this long, then every WAIT_REPEAT_S
+HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
 WAIT_REPEAT_S = 30.0
 
 Listen = Callable[[Secret, list[str]], list[str]]
@@ -239,11 +240,14 @@ def gather(
     return hosts, addresses
 
 
-def join_root(rv: Endpoint, link: Link, join: dict, deadline: float) -> dict:
+def join_root(
+    rv: Endpoint, link: Link, join: dict, deadline: float, link_deadline: float | None = None
+) -> dict:
     """Nodes 1..n-1: send our JOIN on `link` (to node 0) and wait for the roster.
 
-    Returns the ROSTER body; raises IPCError if refused, PeerError if node 0 left."""
-    rv.wait_up([link], deadline, "the link to node 0")
+    Returns the ROSTER body; raises IPCError if refused, PeerError if node 0 left,
+    IPCTimeoutError if the link is not up by `link_deadline` (default `deadline`)."""
+    rv.wait_up([link], min(deadline, link_deadline or deadline), "the link to node 0")
     link.send_control(Kind.JOIN, join)
     while True:
         got = rv.recv(min(deadline, time.monotonic() + 0.5))
@@ -521,7 +525,16 @@ class Localhost:
             )
             try:
                 link = rv.dial(rec["address"], tag=0)
-                body = join_root(rv, link, self._join_body(addrs, options, host), deadline)
+                # A node 0 that is up answers the handshake in milliseconds; one that just
+                # finished (another launch's, found a moment before it removed its file)
+                # never will: look again instead of waiting for the whole timeout.
+                body = join_root(
+                    rv,
+                    link,
+                    self._join_body(addrs, options, host),
+                    deadline,
+                    link_deadline=time.monotonic() + HANDSHAKE_S,
+                )
             except (IPCError, OSError) as err:
                 rv.close(linger=0)
                 if isinstance(err, AuthError) and self.given is not None:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import repo_env
@@ -147,6 +148,44 @@ def test_malformed_chunks_from_a_peer_are_refused(how, tmp_path):
     want = "twice" if how == "twice" else "bytes"
     assert want in r["message"], r["message"]
     assert results[2]["error"] == "PeerError" and results[2]["peer"] == 1
+
+
+def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_path):
+    """A rendezvous file of a live process whose socket is gone (a node 0 of another launch
+    that has just finished): a joiner that tries it first gives up on it in seconds and
+    joins the real node 0."""
+    import hashlib
+    import json
+    import time
+
+    from ipc_harness import start_worker, wait_all
+
+    from distlearn.ipc.rendezvous import _start_ticks
+
+    tmpdir = Path(f"/tmp/dlt-{uuid.uuid4().hex[:8]}")
+    rt = tmpdir / f"distlearn-ipc-{os.getuid()}"
+    rt.mkdir(parents=True, mode=0o700)
+    try:
+        key, n = f"vanished-{uuid.uuid4().hex[:6]}", 3
+        digest = hashlib.sha256(f"{key}:{n}".encode()).hexdigest()[:16]
+        fake = rt / f"rv-{digest}-{os.getpid()}.json"
+        fake.write_text(json.dumps({
+            "v": 2, "key": key, "pid": os.getpid(), "start": _start_ticks(),
+            "address": f"ipc://{rt}/gone.sock", "num_nodes": n, "secret": "f" * 64,
+        }))  # fmt: skip
+        fake.chmod(0o600)
+        env = {"TMPDIR": str(tmpdir), "TEST_IPC_TIMEOUT": "40"}
+        start = time.monotonic()
+        # The joiners come first and find only the vanished node 0; the real one later.
+        procs = [start_worker("launch", i, n, tmp_path, key=key, env=env) for i in (1, 2)]
+        time.sleep(3)
+        procs.insert(0, start_worker("launch", 0, n, tmp_path, key=key, env=env))
+        results, texts = collect(tmp_path, wait_all(procs, timeout=120))
+        assert all(r["count"] == n for r in results)
+        assert "gone.sock" in texts[1] + texts[2]  # they did try it
+        assert time.monotonic() - start < 35, texts  # well within the 40 s timeout
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _unshare_available() -> bool:
