@@ -11,7 +11,8 @@ A handler knows where node 0 can be found and what the job's secret is:
 - `from_env()`: torchrun's (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
   MASTER_PORT) or Slurm's variables, mapped to one of the two: all ranks on
   one host use `Localhost` with a key unique to the launch, several hosts
-  `Static` (the secret from $IPC_TOKEN or $IPC_TOKEN_FILE).
+  `Static` (the secret from $IPC_TOKEN or $IPC_TOKEN_FILE); no launcher, a
+  one-node `Localhost` (a single process).
 
 Each handler's `rendezvous(listen, options, timeout)` asks `listen(secret,
 specs)` to bind the node's own endpoint once it knows the secret (it returns
@@ -720,7 +721,8 @@ def from_env(
     secret is random unless $IPC_TOKEN is set. Across hosts: `Static` with node 0 at
     MASTER_ADDR:$IPC_PORT (default MASTER_PORT + 1, as torchrun's store holds
     MASTER_PORT; under Slurm without MASTER_ADDR, the first host of the node list and a
-    port from the job id), and the secret from $IPC_TOKEN or $IPC_TOKEN_FILE."""
+    port from the job id), and the secret from $IPC_TOKEN or $IPC_TOKEN_FILE. No launcher
+    at all (plain `python`): a one-node `Localhost`, logged at INFO."""
     env = os.environ
 
     def num(name: str) -> int:
@@ -762,11 +764,21 @@ def from_env(
         port = num("IPC_PORT") if "IPC_PORT" in env else 20000 + int(job) % 20000
         key = f"slurm:{job}:{env.get('SLURM_STEP_ID', '')}"
         where = f"the Slurm job's {nodes or '?'} nodes"
-    else:
+    elif launched := [v for v in ("RANK", "WORLD_SIZE", "SLURM_PROCID") if v in env]:
+        # Half a launcher's variables is a broken launch, not a single process: running
+        # alone would silently train on 1/N of the job.
         raise IPCError(
-            "Tree.from_env: set RANK and WORLD_SIZE (torchrun) or run under Slurm "
-            "(SLURM_PROCID, SLURM_NTASKS, SLURM_NODELIST)"
+            f"Tree.from_env: ${launched[0]} is set but not the rest: set RANK and WORLD_SIZE "
+            "(torchrun) or run under Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_NODELIST)"
         )
+    else:
+        # `python train.py`: no launcher. One node, collectives are identities, nothing
+        # listens on TCP (a one-node Localhost binds only its Unix socket).
+        log.info(
+            "Tree.from_env: no RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS "
+            "(Slurm): running as a single process (rank 0 of 1)"
+        )
+        return Localhost(0, 1, key=f"single:{os.getpid()}", token=token, token_file=token_file)
     if local:
         return Localhost(
             rank, world, key=env.get(KEY_ENV) or key, token=token, token_file=token_file

@@ -378,7 +378,9 @@ class Tree:
         **options,
     ) -> Tree:
         """A tree from torchrun's RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT
-        or Slurm's variables (see ipc.rendezvous.from_env); `options` as for Tree."""
+        or Slurm's variables (see ipc.rendezvous.from_env); `options` as for Tree. With
+        no launcher (plain `python`), a one-node tree: rank 0 of 1, collectives are
+        identities, logged at INFO."""
         return Tree(env_handler(token=token, token_file=token_file, insecure=insecure), **options)
 
     # ---- public API -------------------------------------------------------------

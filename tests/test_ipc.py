@@ -242,10 +242,61 @@ def test_bad_arguments():
     tree.close()
 
 
-def test_from_env_requires_variables(monkeypatch):
-    for var in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"]:
-        monkeypatch.delenv(var, raising=False)
-    with pytest.raises(ipc.IPCError, match="RANK"):
+LAUNCHER_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "IPC_PORT", "IPC_KEY", "IPC_TOKEN", "IPC_TOKEN_FILE",
+)  # fmt: skip
+
+SINGLE = """
+import logging, os, socket, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+from distlearn import ipc
+tree = ipc.Tree.from_env()
+assert (tree.node_index, tree.num_nodes, tree.parent, tree.children) == (0, 1, None, [])
+t = torch.arange(5, dtype=torch.float32)
+assert tree.all_reduce(t) == 1 and t.tolist() == [0, 1, 2, 3, 4]
+assert tree.all_reduce(t, op="max") == 1 and t.tolist() == [0, 1, 2, 3, 4]
+assert tree.all_reduce(t, finished=True) == 0 and t.tolist() == [0] * 5
+s = {"w": torch.ones(3)}
+tree.scatter(s)
+assert s["w"].tolist() == [1, 1, 1]
+tree.barrier()
+# nothing on TCP: every socket this process holds is a Unix socket
+inodes = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:  # the listing's own descriptor
+        continue
+    if target.startswith("socket:["):
+        inodes.add(target[8:-1])
+tcp = [line.split()[9] for n in ("tcp", "tcp6") for line in list(open(f"/proc/self/net/{n}"))[1:]]
+assert inodes, "the tree holds no socket at all?"
+assert not inodes & set(tcp), "a TCP socket is open"
+tree.close()
+print("SINGLE-OK")
+"""
+
+
+def test_from_env_without_a_launcher_is_a_single_process(tmp_path):
+    """Plain `python train.py` (no torchrun, no Slurm): a one-node tree whose collectives
+    are identities, said at INFO, nothing on TCP."""
+    env = repo_env(TMPDIR=str(tmp_path))
+    for var in [*LAUNCHER_VARS, *(v for v in env if v.startswith("SLURM_"))]:
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", SINGLE], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and "SINGLE-OK" in proc.stdout, proc.stderr
+    assert "INFO" in proc.stderr and "single process" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("var", ["RANK", "WORLD_SIZE", "SLURM_PROCID"])
+def test_from_env_with_half_a_launch_is_an_error(var, monkeypatch):
+    """Half a launcher's variables is a broken launch, not a single process."""
+    for v in [*LAUNCHER_VARS, "SLURM_PROCID", "SLURM_NTASKS"]:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(var, "1")
+    with pytest.raises(ipc.IPCError, match=f"\\${var} is set but not the rest"):
         ipc.Tree.from_env()
 
 
