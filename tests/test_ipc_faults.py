@@ -38,6 +38,7 @@ def test_last_collective_before_close_arrives(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 200 launches of 5 processes: minutes on a loaded machine
 def test_last_collective_before_close_arrives_200_runs(tmp_path):
     _scatter_once_runs(200, tmp_path)
 
