@@ -504,8 +504,9 @@ class Tree:
     ) -> int | None:
         engine = self._engine
         start = time.perf_counter()
-        engine.begin(kind)
         try:
+            # begin() inside: a Ctrl-C that lands as it returns is still told to the peers
+            engine.begin(kind)
             packed = Packed(leaves)
             sig = packed.signature(kind)
             total = None

@@ -162,19 +162,31 @@ def op_raises(node: int, n: int, key: str) -> dict:
 @scenario
 def interrupted(node: int, n: int, key: str) -> dict:
     """Ctrl-C (SIGINT) on node INT_NODE while it waits in the second all_reduce."""
-    victim = int(os.environ.get("INT_NODE", "1"))
+    victim = int(os.environ.get("INT_NODE", "0"))
+    mark = os.path.join(os.environ["TEST_OUTDIR"], "interrupted")
     tree = tree_from_args(node, n, key)
     tree.all_reduce(torch.ones(100))
     out: dict = {"error": None}
     if node == victim:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        # No timing: the signal comes once we are inside the second collective, which
+        # cannot finish, as the others enter it only after we were interrupted.
+        def interrupt() -> None:
+            while not (tree._engine.busy and tree._engine.seq == 2):
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
     else:
-        time.sleep(2.0)  # the victim is interrupted before we arrive
+        deadline = time.monotonic() + 60
+        while not os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(0.01)
     start = time.monotonic()
     try:
         tree.all_reduce(torch.ones(100))
     except (ipc.IPCError, KeyboardInterrupt) as exc:
         _failure(out, exc, start)
+    if node == victim:
+        open(mark, "w").close()
     tree.close()
     return out
 

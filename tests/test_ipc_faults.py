@@ -102,15 +102,20 @@ def test_custom_op_raising_on_one_node(shm, tmp_path):
 
 
 def test_ctrl_c_on_one_node(tmp_path):
-    """Ctrl-C on a node waiting in a collective: the others raise naming it."""
+    """Ctrl-C on a node waiting in a collective (node 0, waiting for its children's
+    values): the others raise naming it, at once.
+
+    Not a leaf: a leaf sends its values up as it enters, so when it is interrupted
+    while waiting for the result, the others may rightly finish that collective
+    (they hear of it at the next one)."""
     n = 3
-    env = [{"INT_NODE": "1"}] * n
+    env = [{"INT_NODE": "0"}] * n
     results, texts = run_tree("interrupted", n, tmp_path, shm=False, ipc_timeout=60,
                               extra_env=env)  # fmt: skip
-    assert results[1]["error"] == "KeyboardInterrupt"
-    for i in (0, 2):
+    assert results[0]["error"] == "KeyboardInterrupt", texts[0]
+    for i in (1, 2):
         assert results[i]["error"] == "PeerError", texts[i]
-        assert results[i]["peer"] == 1 and "KeyboardInterrupt" in results[i]["message"]
+        assert results[i]["peer"] == 0 and "KeyboardInterrupt" in results[i]["message"]
         assert results[i]["elapsed"] < 20
 
 
