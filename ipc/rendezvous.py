@@ -50,6 +50,7 @@ RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL, rcvhwm=16)
 LAUNCH_WINDOW_S = 30.0
 WAIT_NOTE_S = 5.0  # say what we wait for after this long, then every WAIT_REPEAT_S
 HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
+SILENT_RETRY_S = 30.0  # ... and how long it then tries the other candidates before that one
 WAIT_REPEAT_S = 30.0
 
 Listen = Callable[[Secret, list[str]], list[str]]
@@ -482,6 +483,7 @@ class Localhost:
         deadline = time.monotonic() + timeout
         note = _Note()
         refused: set[str] = set()
+        silent: dict[str, float] = {}  # candidates that did not answer -> when to try again
         addrs: list[str] | None = None
         bound: Secret | None = None  # the secret our endpoint listens with
         direct = self.port is not None and self.given is not None
@@ -506,7 +508,8 @@ class Localhost:
             if direct:
                 found = [("port", {"address": f"tcp://127.0.0.1:{self.port}", "secret": None})]
             else:
-                found = self._candidates(refused)
+                now = time.monotonic()
+                found = self._candidates(refused | {n for n, t in silent.items() if t > now})
             if not found:
                 time.sleep(0.02)
                 continue
@@ -543,6 +546,10 @@ class Localhost:
                 log.info("ipc node %d: %s", self.node_index, err)
                 if isinstance(err, IPCError) and "refused by node 0" in str(err):
                     refused.add(name)
+                elif isinstance(err, IPCTimeoutError):
+                    # Its socket does not answer (gone, or frozen): try the others first,
+                    # or we would knock on it forever while the real node 0 waits.
+                    silent[name] = time.monotonic() + SILENT_RETRY_S
                 continue
             rv.close(linger=2.0)
             return roster(

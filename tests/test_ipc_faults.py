@@ -182,9 +182,14 @@ def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_p
         fake.chmod(0o600)
         env = {"TMPDIR": str(tmpdir), "TEST_IPC_TIMEOUT": "40"}
         start = time.monotonic()
-        # The joiners come first and find only the vanished node 0; the real one later.
+        # The joiners come first and find only the vanished node 0; the real one starts
+        # once they have tried it (no sleep: their logs say so).
         procs = [start_worker("launch", i, n, tmp_path, key=key, env=env) for i in (1, 2)]
-        time.sleep(3)
+        logs = [tmp_path / f"log-{i}.txt" for i in (1, 2)]
+        while time.monotonic() - start < 60 and not all(
+            p.exists() and "gone.sock" in p.read_text(errors="replace") for p in logs
+        ):
+            time.sleep(0.1)
         procs.insert(0, start_worker("launch", 0, n, tmp_path, key=key, env=env))
         results, texts = collect(tmp_path, wait_all(procs, timeout=120))
         assert all(r["count"] == n for r in results)
