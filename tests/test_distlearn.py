@@ -62,6 +62,12 @@ def uneven_steps(num_nodes: int, epochs: int, seed: int, low: int, high: int) ->
     return table
 
 
+# Parameters of sim.Coefficients that do not train, per epoch of sgd_coefficients.
+FROZEN = [[], [1], [0, 4], []]
+# Parameters of sim.make_deep_model that stop training at a step of sgd_overlap's "frozen".
+DEEP_FROZEN = {1: [0, 1], 3: [6]}
+
+
 def config(num_nodes: int) -> dict:
     cfg = {
         "protocol": {},
@@ -72,6 +78,19 @@ def config(num_nodes: int) -> dict:
             "tau": 3,
             "alphas": [0.4, 0.0],
         },
+    }
+    cfg["sgd_overlap"] = {
+        "steps": 4,
+        "batch": 12,
+        "bucket_bytes": 256,
+        "first_bucket_bytes": 64,
+        "frozen": DEEP_FROZEN,
+    }
+    cfg["sgd_coefficients"] = {
+        "steps": uneven_steps(num_nodes, 4, seed=3, low=0, high=9),
+        "frozen": FROZEN,
+        "bucket_bytes": 64,
+        "first_bucket_bytes": 16,
     }
     if num_nodes == 3:
         # torch.optim costs every process seconds of imports (torch._dynamo) on first
@@ -252,6 +271,88 @@ def test_sgd_uneven_steps_end_on_the_longest_node(run, comm, num_nodes):
         )
         # The contributor count drops as nodes run out of data.
         r = res["node_index"]
+        expected = [sum(s > k for s in steps) for steps in table for k in range(steps[r])]
+        assert ours["counts"] == expected
+
+
+def _expect_overlap(comm: str) -> bool:
+    """gloo always has the asynchronous all-reduce; the tree once it takes `async_op`."""
+    if comm == "gloo":
+        return True
+    import inspect
+
+    from distlearn import ipc
+
+    return "async_op" in inspect.signature(ipc.Tree.all_reduce).parameters
+
+
+OVERLAP_RUNS = {
+    # name: (reference frozen steps, steps whose hooks found no buckets yet, resent steps)
+    "plain": (None, 0, 0),
+    "first_step": (None, 1, 0),  # hooks are set by the first sum_and_normalize_gradients
+    "no_sync": (None, 0, 0),
+    "accumulate": (None, 0, 4),  # a second backward after buckets left: sent again
+    "accumulate_node0": (None, 0, 4),  # ...even when only node 0 does it
+    "frozen": (DEEP_FROZEN, 0, 2),  # the trainable set changed twice
+    "bfloat16": (None, 0, 0),
+    "float16": (None, 0, 0),
+}
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_sgd_overlap_matches_one_process(run, comm, num_nodes):
+    """Buckets during backward give what one process gets on the whole batch, in every
+    way of using the loop, and the buckets really start during backward."""
+    results = run(comm, num_nodes)
+    cfg = config(num_nodes)["sgd_overlap"]
+    overlap = _expect_overlap(comm)
+    for name, (frozen, unhooked, resent) in OVERLAP_RUNS.items():
+        reference = sim.deep_reference(cfg["steps"], cfg["batch"], frozen)
+        compressed = name in ("bfloat16", "float16")
+        for res in results:
+            ours = res["sgd_overlap"][name]
+            what = f"{name}, node {res['node_index']}"
+            assert ours["counts"] == [num_nodes] * cfg["steps"], what
+            tol = {"atol": 2e-3, "rtol": 1e-2} if compressed else {"atol": 1e-6, "rtol": 1e-5}
+            assert_same(ours["state"], reference, what=what, **tol)
+            assert_same(ours["state"], results[0]["sgd_overlap"][name]["state"], what=what)
+            stats = ours["stats"]
+            assert stats["overlap"] == overlap, what
+            if not overlap:
+                continue
+            buckets = len(stats["bucket_bytes"])
+            assert buckets >= 3, what  # tiny buckets: several per step
+            if name != "frozen":  # (its layout changes)
+                hooked_steps = cfg["steps"] - unhooked
+                assert stats["started_in_backward"] == hooked_steps * (buckets - 1), what
+            assert stats["resent"] == resent, what
+            assert stats["steps"] == cfg["steps"], what
+        if compressed:
+            # Really sent in 16 bits: the buckets are half the size, and the result is
+            # near the float32 one, not equal to it.
+            ours = results[0]["sgd_overlap"][name]
+            exact = results[0]["sgd_overlap"]["plain"]
+            if overlap:
+                assert 2 * sum(ours["stats"]["bucket_bytes"]) == sum(exact["stats"]["bucket_bytes"])
+            assert any(not torch.equal(ours["state"][k], exact["state"][k]) for k in exact["state"])
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_sgd_overlap_random_steps(run, comm, num_nodes):
+    """torch-distlearn's random-steps test on a module with buckets on: uneven epochs (an
+    idle node, a tie), parameters unused by some nodes, a trainable set that changes."""
+    results = run(comm, num_nodes)
+    cfg = config(num_nodes)["sgd_coefficients"]
+    table = cfg["steps"]
+    reference = sim.coefficients_reference(table, cfg["frozen"])
+    for res in results:
+        ours = res["sgd_coefficients"]
+        r = res["node_index"]
+        assert ours["stats"]["overlap"] == _expect_overlap(comm)
+        assert_same(ours["synced"], results[0]["sgd_coefficients"]["synced"])
+        assert_same(ours["synced"], reference, atol=1e-12, rtol=1e-12, what=f"node {r}")
         expected = [sum(s > k for s in steps) for steps in table for k in range(steps[r])]
         assert ours["counts"] == expected
 
