@@ -3,9 +3,11 @@ as one all-reduce per average."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
+from torch import nn
 
 from .comm import Communicator, check_communicator
 from .tensors import parameters_of, state_of
@@ -23,6 +25,9 @@ class AllReduceEA:
     so the centers stay identical (up to float rounding, which `synchronize_center`
     removes) with one all-reduce per average and no parameter server. `alpha=0`
     leaves the nodes independent.
+
+    The center, not any node's own parameters, is the model the job produces: evaluate
+    and save `ea.center_model(model)`.
     """
 
     def __init__(self, comm: Communicator, tau: int = 10, alpha: float = 0.2) -> None:
@@ -44,6 +49,28 @@ class AllReduceEA:
         if self._center is None:
             raise RuntimeError("the center exists after the first AllReduceEA call")
         return self._center
+
+    def center_model(self, model: nn.Module) -> nn.Module:
+        """A copy of `model` whose parameters are the center: the model to evaluate or
+        save (after `synchronize_center`, the same on every node).
+
+        Buffers (BatchNorm statistics) are this node's: elastic averaging averages
+        parameters only. `model` itself is left as it is and keeps training.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"center_model needs an nn.Module, got {type(model).__name__}")
+        params = list(model.parameters())
+        center = self.center
+        if len(params) != len(center) or any(
+            p.shape != c.shape for p, c in zip(params, center, strict=True)
+        ):
+            raise ValueError("center_model: the model's parameters are not those being averaged")
+        out = copy.deepcopy(model)
+        out.zero_grad(set_to_none=True)  # the copy is for inference or saving, not training
+        with torch.no_grad():
+            for p, c in zip(out.parameters(), center, strict=True):
+                p.copy_(c)
+        return out
 
     def _init(self, params: list[torch.Tensor]) -> None:
         if self._center is None:
