@@ -14,6 +14,10 @@ momentum). Rows, each a fresh job of N processes per repetition:
     gloo-sync  the same with overlap=False: one all-reduce after backward
     ipc        AllReduceSGD over the ipc tree (overlapped if the tree has async_op)
     ipc-sync   the same with overlap=False
+    ea-gloo, ea-gloo-sync, ea-ipc, ea-ipc-sync
+               AllReduceEA (tau 10, alpha 0.2) with and without its average
+               overlapped with the next steps (compare their mean, not the median:
+               the average costs one step in tau)
 
 Figures: rank 0's median ms per step over the timed steps (after warm-up steps),
 then the median (min-max) over repetitions; ratios to DDP are paired per
@@ -40,7 +44,10 @@ from bench.procs import free_port, kill_group
 log = logging.getLogger("bench.step_time")
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-ROWS = ("none", "ddp", "gloo", "gloo-sync", "ipc", "ipc-sync")
+ROWS = (
+    "none", "ddp", "gloo", "gloo-sync", "ipc", "ipc-sync",
+    "ea-gloo", "ea-gloo-sync", "ea-ipc", "ea-ipc-sync",
+)  # fmt: skip
 MODELS = ("convnet", "mnist")
 _MiB = 1 << 20
 
@@ -98,14 +105,14 @@ def _worker(a: argparse.Namespace) -> None:
         (torch.randn(a.batch, *item, generator=g), torch.randint(0, 10, (a.batch,), generator=g))
         for _ in range(4)
     ]
-    sgd = tree = None
+    sgd = ea = tree = None
     net = model
     if a.row == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
     elif a.row != "none":
-        from distlearn import AllReduceSGD
+        from distlearn import AllReduceEA, AllReduceSGD
 
-        if a.row.startswith("ipc"):
+        if "ipc" in a.row:
             from distlearn import ipc
 
             comm = tree = ipc.LocalhostTree(a.rank, a.world, key=f"bench-steps-{a.port}")
@@ -113,14 +120,19 @@ def _worker(a: argparse.Namespace) -> None:
             from distlearn.backends import TorchDistributed
 
             comm = TorchDistributed()
-        sgd = AllReduceSGD(
-            comm,
-            overlap=not a.row.endswith("-sync"),
-            bucket_bytes=a.bucket_bytes,
-            first_bucket_bytes=a.first_bucket_bytes,
-            grad_dtype=a.grad_dtype,
-        )
-        sgd.synchronize_parameters(model)
+        overlap = not a.row.endswith("-sync")
+        if a.row.startswith("ea-"):
+            ea = AllReduceEA(comm, tau=10, alpha=0.2, overlap=overlap)
+            ea.synchronize_parameters(model)
+        else:
+            sgd = AllReduceSGD(
+                comm,
+                overlap=overlap,
+                bucket_bytes=a.bucket_bytes,
+                first_bucket_bytes=a.first_bucket_bytes,
+                grad_dtype=a.grad_dtype,
+            )
+            sgd.synchronize_parameters(model)
 
     def step(i: int) -> None:
         x, y = batches[i % len(batches)]
@@ -129,6 +141,8 @@ def _worker(a: argparse.Namespace) -> None:
         if sgd is not None:
             sgd.sum_and_normalize_gradients(model)
         opt.step()
+        if ea is not None:
+            ea.average_parameters(model)
 
     for i in range(a.warmup):
         step(i)
@@ -196,12 +210,13 @@ def run_job(cfg: dict, a: argparse.Namespace) -> dict:
             return {"error": f"rank {r}: " + " | ".join(logs[r].strip().splitlines()[-6:])}
         res = json.loads(out.read_text())
     res["ms"] = 1e3 * statistics.median(res["times_s"])
+    res["mean_ms"] = 1e3 * statistics.fmean(res["times_s"])
     return res
 
 
 def label(cfg: dict) -> str:
     row = cfg["row"]
-    if row in ("none", "ddp") or not cfg.get("sweep"):
+    if row in ("none", "ddp") or row.startswith("ea-") or not cfg.get("sweep"):
         return row
     return f"{row} ({cfg['bucket_bytes'] / _MiB:g}/{cfg['first_bucket_bytes'] / _MiB:g} MiB)"
 
@@ -213,7 +228,7 @@ def configs(a: argparse.Namespace) -> list[dict]:
         for nodes in a.nodes:
             for row in a.rows:
                 sizes = [(None, None)]
-                if row not in ("none", "ddp"):
+                if row not in ("none", "ddp") and not row.startswith("ea-"):
                     sizes = [(b, f) for b in a.bucket_mb for f in a.first_bucket_mb]
                 for b, f in sizes:
                     out.append({
@@ -250,8 +265,8 @@ def markdown(cfgs: list[dict], results: dict, a: argparse.Namespace, elapsed: fl
         f"median step, median (min-max) over {a.reps} repetitions in alternating order. "
         "vs DDP: median of the per-repetition ratios (below 1.00x is faster than DDP).",
         "",
-        "| model | processes | row | ms per step | vs DDP | buckets started in backward |",
-        "|---|---:|---|---:|---:|---|",
+        "| model | processes | row | ms per step | vs DDP | mean ms | buckets sent in backward |",
+        "|---|---:|---|---:|---:|---:|---|",
     ]
     for cfg in cfgs:
         key = json.dumps(cfg, sort_keys=True)
@@ -279,10 +294,11 @@ def markdown(cfgs: list[dict], results: dict, a: argparse.Namespace, elapsed: fl
             else:
                 overlap = "no overlap (synchronous)"
         cell = _fmt([r["ms"] for r in ok]) if ok else f"error: {results[key][0]['error'][:120]}"
+        mean = _fmt([r["mean_ms"] for r in ok])
         params = f" ({ok[0]['params'] / 1e6:.2f}M)" if ok else ""
         lines.append(
             f"| {cfg['model']}{params} | {cfg['nodes']} | {label(cfg)} | {cell} | {ratio} "
-            f"| {overlap} |"
+            f"| {mean} | {overlap} |"
         )
     lines += ["", f"Reproduce: `python -m bench.step_time {' '.join(a.argv)}`.", ""]
     return "\n".join(lines)

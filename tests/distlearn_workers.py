@@ -135,16 +135,23 @@ def easgd(comm, cfg) -> dict:
         ea = AllReduceEA(comm, tau=cfg["tau"], alpha=alpha)
         ea.synchronize_parameters(params)
         trajectory, centers = [], []
+        in_flight = 0  # averages still travelling when average_parameters returned
         for epoch, steps_per_node in enumerate(cfg["steps"]):
             for step in range(steps_per_node[r]):
                 noise = sim.ea_noise(epoch, r, step)
                 params["w"].add_(noise["w"])
                 params["b"].add_(noise["b"])
                 ea.average_parameters(params)
+                in_flight += ea.steps % ea.tau == 0 and ea._pending is not None
             trajectory.append({k: v.clone() for k, v in params.items()})
             ea.synchronize_center(params)
             centers.append([c.clone() for c in ea.center])
-        out[f"alpha={alpha}"] = {"params": trajectory, "centers": centers}
+        out[f"alpha={alpha}"] = {
+            "params": trajectory,
+            "centers": centers,
+            "overlap": ea.overlap,
+            "in_flight": in_flight,
+        }
     return out
 
 

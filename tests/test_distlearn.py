@@ -396,6 +396,10 @@ def test_easgd_matches_replica_simulation(run, comm, num_nodes):
                     rtol=1e-10,
                     what=f"{alpha=} {epoch=} node {r}",
                 )
+            # Averages overlap the next steps wherever the all-reduce can be asynchronous.
+            assert ours["overlap"] == _expect_overlap(comm)
+            averages = sum(s // cfg["tau"] for s in (row[r] for row in cfg["steps"]))
+            assert ours["in_flight"] == (averages if ours["overlap"] else 0)
             # The center is bitwise identical everywhere after synchronize_center.
             theirs = [list(c) for c in results[0]["easgd"][f"alpha={alpha}"]["centers"]]
             assert_same([list(c) for c in ours["centers"]], theirs)
