@@ -29,7 +29,15 @@ from torch import nn
 
 from .comm import Communicator, start_all_reduce
 
-__all__ = ["GradientBuckets", "compressed_scale"]
+__all__ = ["GradientBuckets", "compressed_scale", "wire_dtype"]
+
+
+def wire_dtype(dtype: torch.dtype, compress: torch.dtype | None) -> torch.dtype:
+    """What a gradient of `dtype` travels as: float32/64 as `compress` if given, the
+    rest (float16 and bfloat16 already, complex) as they are."""
+    if compress is not None and dtype in (torch.float32, torch.float64):
+        return compress
+    return dtype
 
 
 def compressed_scale(dtype: torch.dtype, wire: torch.dtype, num_nodes: int) -> float:
@@ -125,10 +133,7 @@ class GradientBuckets:
     # -- layout -----------------------------------------------------------------------
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
-        """What a gradient of `dtype` travels as: compressed floats, the rest as is."""
-        if self.wire_dtype is not None and dtype in (torch.float32, torch.float64):
-            return self.wire_dtype
-        return dtype
+        return wire_dtype(dtype, self.wire_dtype)
 
     def _trainable(self) -> list[tuple]:
         return [

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buckets import GradientBuckets, compressed_scale
+from .buckets import GradientBuckets, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, supports_async
 from .tensors import gradients_of, state_of
 
@@ -27,7 +27,7 @@ _WIRE_DTYPES = {
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, GradientBuckets] = weakref.WeakKeyDictionary()
 
 
-def _wire_dtype(grad_dtype: Any) -> torch.dtype | None:
+def _check_grad_dtype(grad_dtype: Any) -> torch.dtype | None:
     if grad_dtype is None or grad_dtype in (torch.bfloat16, torch.float16):
         return grad_dtype
     if isinstance(grad_dtype, str) and grad_dtype in _WIRE_DTYPES:
@@ -85,7 +85,7 @@ class AllReduceSGD:
         self.comm = check_communicator(comm)
         self.bucket_bytes = _positive_bytes("bucket_bytes", bucket_bytes)
         self.first_bucket_bytes = _positive_bytes("first_bucket_bytes", first_bucket_bytes)
-        self.grad_dtype = _wire_dtype(grad_dtype)
+        self.grad_dtype = _check_grad_dtype(grad_dtype)
         # Overlap needs a module to hook and a communicator that returns at once.
         self.overlap = bool(overlap) and supports_async(comm)
         self.steps = 0  # gradient steps this node took since the last synchronisation
@@ -181,9 +181,7 @@ class AllReduceSGD:
         return n
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
-        if self.grad_dtype is not None and dtype in (torch.float32, torch.float64):
-            return self.grad_dtype
-        return dtype
+        return wire_dtype(dtype, self.grad_dtype)
 
     def _all_reduce_plain(self, grads: list[torch.Tensor], normalize: bool) -> int:
         """Every gradient in one all-reduce, after backward (converted for `grad_dtype`)."""
