@@ -194,11 +194,13 @@ def sgd_overlap(comm, cfg) -> dict:
     buckets = {"bucket_bytes": cfg["bucket_bytes"], "first_bucket_bytes": cfg["first_bucket_bytes"]}
     out = {}
 
-    def train(name, micro=1, no_sync=False, sync_first=True, grad_dtype=None, frozen=None):
+    def train(
+        name, micro=1, no_sync=False, sync_first=True, grad_dtype=None, frozen=None, overlap=True
+    ):
         # Every node starts from seed 100's weights when it skips synchronize_parameters.
         model = sim.make_deep_model(seed=100 + (r if sync_first else 0)).to(dev)
         opt = sim.MomentumSGD(model)
-        sgd = AllReduceSGD(comm, grad_dtype=grad_dtype, **buckets)
+        sgd = AllReduceSGD(comm, grad_dtype=grad_dtype, overlap=overlap, **buckets)
         if sync_first:
             sgd.synchronize_parameters(model)
         counts = []
@@ -225,6 +227,7 @@ def sgd_overlap(comm, cfg) -> dict:
         out[name] = {"state": model.state_dict(), "counts": counts, "stats": _overlap_stats(sgd)}
 
     train("plain")
+    train("overlap_off", overlap=False)
     train("first_step", sync_first=False)
     train("no_sync", micro=3, no_sync=True)
     train("accumulate", micro=3)
@@ -269,9 +272,43 @@ def sgd_coefficients(comm, cfg) -> dict:
     return {"synced": synced, "counts": counts, "stats": _overlap_stats(sgd)}
 
 
+def peer_dies(comm, cfg) -> dict:
+    """The last node kills itself in the middle of a backward pass, with buckets in
+    flight; the others must get an error from AllReduceSGD, not hang."""
+    import signal
+    import time
+
+    r, last = comm.node_index, comm.num_nodes - 1
+    model = sim.make_deep_model(seed=100)
+    sgd = AllReduceSGD(comm, bucket_bytes=256, first_bucket_bytes=64)
+    sgd.synchronize_parameters(model)
+    t0 = time.monotonic()
+    try:
+        for step in range(cfg["steps"]):
+            x, y = sim.batch(step, 8)
+            x = x.requires_grad_()
+            if r == last and step == cfg["die_at"]:
+                # Runs once backward reaches the input: buckets have left by then.
+                x.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+            nn.functional.cross_entropy(model(x), y).backward()
+            sgd.sum_and_normalize_gradients(model)
+    except Exception as exc:  # what the survivors must see
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in (protocol, sgd_equivalence, sgd_uneven, easgd, state, sgd_overlap, sgd_coefficients)
+    for f in (
+        protocol,
+        sgd_equivalence,
+        sgd_uneven,
+        easgd,
+        state,
+        sgd_overlap,
+        sgd_coefficients,
+        peer_dies,
+    )
 }
 
 
