@@ -2,11 +2,11 @@
 
     python -m bench.step_time                        # both models, 2 and 4 processes
     python -m bench.step_time --models convnet --nodes 2 --reps 5
-    python -m bench.step_time --rows gloo --bucket-mb 4 25 --first-bucket-mb 0.25 1
+    python -m bench.step_time --rows ddp gloo gloo@4/0.25 gloo+bf16   # variants side by side
 
 A step is what a user's loop does: `zero_grad`, forward, `backward`, then for
 AllReduceSGD `sum_and_normalize_gradients(model)`, then `opt.step()` (SGD with
-momentum). Rows, each a fresh job of N processes per repetition:
+momentum). Rows:
 
     none       no communication (each process trains alone): the compute floor
     ddp        torch DistributedDataParallel over gloo (its defaults: 25 MiB buckets)
@@ -19,11 +19,17 @@ momentum). Rows, each a fresh job of N processes per repetition:
                overlapped with the next steps (compare their mean, not the median:
                the average costs one step in tau)
 
-Figures: rank 0's median ms per step over the timed steps (after warm-up steps),
-then the median (min-max) over repetitions; ratios to DDP are paired per
-repetition (the same round of the alternating order) and their median is shown.
-Models: `convnet`, 9.5M parameters (two 3x3 convolutions, three linear layers, on
-3x32x32 inputs) and `mnist`, examples/mnist_lib.py's Net; batch 32 per process.
+An AllReduceSGD row takes `@BUCKET_MB/FIRST_MB` (bucket sizes) and `+bfloat16` or
+`+float16` (grad_dtype), e.g. `gloo@4/0.25+bfloat16`.
+
+Every row of a job runs in the same N processes, each on its own copy of the
+model, in blocks of `--block` timed steps (after one untimed step), the rows in
+alternating order round after round, so a noisy neighbour slows every row alike.
+A row's figure in a job is rank 0's median step; the table shows the median
+(min-max) over `--reps` jobs, each a fresh set of processes, and the median of
+the per-job ratios to DDP. Models: `convnet`, 9.5M parameters (two 3x3
+convolutions, three linear layers, on 3x32x32 inputs) and `mnist`,
+examples/mnist_lib.py's Net; batch 32 per process.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,12 +51,32 @@ from bench.procs import free_port, kill_group
 log = logging.getLogger("bench.step_time")
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-ROWS = (
+KINDS = (
     "none", "ddp", "gloo", "gloo-sync", "ipc", "ipc-sync",
     "ea-gloo", "ea-gloo-sync", "ea-ipc", "ea-ipc-sync",
 )  # fmt: skip
 MODELS = ("convnet", "mnist")
 _MiB = 1 << 20
+_ROW = re.compile(r"^(?P<kind>[a-z-]+)(@(?P<bucket>[\d.]+)/(?P<first>[\d.]+))?(\+(?P<dtype>\w+))?$")
+
+
+def parse_row(row: str) -> dict:
+    """`gloo@4/0.25+bfloat16` -> kind, bucket sizes in bytes, grad_dtype."""
+    m = _ROW.match(row)
+    if not m or m["kind"] not in KINDS:
+        raise argparse.ArgumentTypeError(f"{row!r}: a row is KIND[@BUCKET_MB/FIRST_MB][+DTYPE], "
+                                         f"KIND one of {', '.join(KINDS)}")  # fmt: skip
+    sgd = m["kind"] not in ("none", "ddp") and not m["kind"].startswith("ea-")
+    if (m["bucket"] or m["dtype"]) and not sgd:
+        raise argparse.ArgumentTypeError(f"{row!r}: bucket sizes and dtypes are AllReduceSGD's")
+    if m["dtype"] not in (None, "bfloat16", "float16"):
+        raise argparse.ArgumentTypeError(f"{row!r}: the dtype is bfloat16 or float16")
+    return {
+        "kind": m["kind"],
+        "bucket_bytes": int(float(m["bucket"] or 25) * _MiB),
+        "first_bucket_bytes": int(float(m["first"] or 1) * _MiB),
+        "grad_dtype": m["dtype"],
+    }
 
 
 # ----------------------------------------------------------------------------- models
@@ -93,94 +120,100 @@ def _worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from distlearn import AllReduceEA, AllReduceSGD
+    from distlearn.backends import TorchDistributed
+
     torch.set_num_threads(a.threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
     )
-    model, item = make_model(a.model)
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    comms = {"gloo": TorchDistributed()}
+    if any("ipc" in row for row in a.rows):
+        from distlearn import ipc
+
+        comms["ipc"] = ipc.LocalhostTree(a.rank, a.world, key=f"bench-steps-{a.port}")
     g = torch.Generator().manual_seed(a.rank)
+    item = make_model(a.model)[1]
     batches = [
         (torch.randn(a.batch, *item, generator=g), torch.randint(0, 10, (a.batch,), generator=g))
         for _ in range(4)
     ]
-    sgd = ea = tree = None
-    net = model
-    if a.row == "ddp":
-        net = torch.nn.parallel.DistributedDataParallel(model)
-    elif a.row != "none":
-        from distlearn import AllReduceEA, AllReduceSGD
 
-        if "ipc" in a.row:
-            from distlearn import ipc
-
-            comm = tree = ipc.LocalhostTree(a.rank, a.world, key=f"bench-steps-{a.port}")
-        else:
-            from distlearn.backends import TorchDistributed
-
-            comm = TorchDistributed()
-        overlap = not a.row.endswith("-sync")
-        if a.row.startswith("ea-"):
-            ea = AllReduceEA(comm, tau=10, alpha=0.2, overlap=overlap)
+    def make_step(row: str):
+        spec = parse_row(row)
+        kind = spec["kind"]
+        model = make_model(a.model)[0]
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        net, sgd, ea = model, None, None
+        comm = comms["ipc" if "ipc" in kind else "gloo"]
+        if kind == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        elif kind.startswith("ea-"):
+            ea = AllReduceEA(comm, tau=10, alpha=0.2, overlap=not kind.endswith("-sync"))
             ea.synchronize_parameters(model)
-        else:
+        elif kind != "none":
             sgd = AllReduceSGD(
                 comm,
-                overlap=overlap,
-                bucket_bytes=a.bucket_bytes,
-                first_bucket_bytes=a.first_bucket_bytes,
-                grad_dtype=a.grad_dtype,
+                overlap=not kind.endswith("-sync"),
+                bucket_bytes=spec["bucket_bytes"],
+                first_bucket_bytes=spec["first_bucket_bytes"],
+                grad_dtype=spec["grad_dtype"],
             )
             sgd.synchronize_parameters(model)
 
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        opt.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-        if sgd is not None:
-            sgd.sum_and_normalize_gradients(model)
-        opt.step()
-        if ea is not None:
-            ea.average_parameters(model)
+        def step(i: int) -> None:
+            x, y = batches[i % len(batches)]
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            if sgd is not None:
+                sgd.sum_and_normalize_gradients(model)
+            opt.step()
+            if ea is not None:
+                ea.average_parameters(model)
 
-    for i in range(a.warmup):
-        step(i)
-    dist.barrier()
-    times = []
-    for i in range(a.steps):
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
+        return step, sgd, sum(p.numel() for p in model.parameters())
+
+    steps = {row: make_step(row) for row in a.rows}
+    times: dict[str, list[float]] = {row: [] for row in a.rows}
+    i = 0
+    for rnd in range(a.rounds):
+        for row in a.rows if rnd % 2 == 0 else a.rows[::-1]:
+            step = steps[row][0]
+            step(i)  # untimed: the other rows' blocks cooled the caches
+            dist.barrier()
+            for _ in range(a.block):
+                i += 1
+                t0 = time.perf_counter()
+                step(i)
+                times[row].append(time.perf_counter() - t0)
     dist.barrier()
     if a.rank == 0:
-        result = {"times_s": times, "params": params}
-        if sgd is not None:
-            result["sgd"] = sgd.stats
+        result = {
+            row: {"times_s": times[row], "params": params, "sgd": sgd.stats if sgd else None}
+            for row, (_, sgd, params) in steps.items()
+        }
         Path(a.out).write_text(json.dumps(result))
-    if tree is not None:
-        tree.close()
+    if "ipc" in comms:
+        comms["ipc"].close()
     dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- the runner
 
 
-def run_job(cfg: dict, a: argparse.Namespace) -> dict:
-    """One repetition of one configuration: N fresh processes; rank 0's step times."""
+def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
+    """One job: N fresh processes running every row; per row, rank 0's step times."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    threads = a.threads or max(1, (os.cpu_count() or 1) // cfg["nodes"])
+    threads = a.threads or max(1, (os.cpu_count() or 1) // nodes)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
         out = Path(tmp, "rank0.json")
         args = [
-            "--worker", "--row", cfg["row"], "--model", cfg["model"], "--world",
-            str(cfg["nodes"]), "--port", str(port), "--steps", str(a.steps), "--warmup",
-            str(a.warmup), "--batch", str(a.batch), "--threads", str(threads),
-            "--bucket-bytes", str(cfg["bucket_bytes"]), "--first-bucket-bytes",
-            str(cfg["first_bucket_bytes"]), "--out", str(out),
-        ] + (["--grad-dtype", a.grad_dtype] if a.grad_dtype else [])  # fmt: skip
+            "--worker", "--model", model, "--world", str(nodes), "--port", str(port),
+            "--rounds", str(a.rounds), "--block", str(a.block), "--batch", str(a.batch),
+            "--threads", str(threads), "--out", str(out), "--rows", *a.rows,
+        ]  # fmt: skip
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "bench.step_time", "--rank", str(r), *args],
@@ -190,7 +223,7 @@ def run_job(cfg: dict, a: argparse.Namespace) -> dict:
                 text=True,
                 start_new_session=True,
             )
-            for r in range(cfg["nodes"])
+            for r in range(nodes)
         ]
         deadline = time.monotonic() + a.timeout
         try:
@@ -209,34 +242,10 @@ def run_job(cfg: dict, a: argparse.Namespace) -> dict:
             r = bad[0] if bad else 0
             return {"error": f"rank {r}: " + " | ".join(logs[r].strip().splitlines()[-6:])}
         res = json.loads(out.read_text())
-    res["ms"] = 1e3 * statistics.median(res["times_s"])
-    res["mean_ms"] = 1e3 * statistics.fmean(res["times_s"])
+    for rec in res.values():
+        rec["ms"] = 1e3 * statistics.median(rec["times_s"])
+        rec["mean_ms"] = 1e3 * statistics.fmean(rec["times_s"])
     return res
-
-
-def label(cfg: dict) -> str:
-    row = cfg["row"]
-    if row in ("none", "ddp") or row.startswith("ea-") or not cfg.get("sweep"):
-        return row
-    return f"{row} ({cfg['bucket_bytes'] / _MiB:g}/{cfg['first_bucket_bytes'] / _MiB:g} MiB)"
-
-
-def configs(a: argparse.Namespace) -> list[dict]:
-    sweep = len(a.bucket_mb) > 1 or len(a.first_bucket_mb) > 1
-    out = []
-    for model in a.models:
-        for nodes in a.nodes:
-            for row in a.rows:
-                sizes = [(None, None)]
-                if row not in ("none", "ddp") and not row.startswith("ea-"):
-                    sizes = [(b, f) for b in a.bucket_mb for f in a.first_bucket_mb]
-                for b, f in sizes:
-                    out.append({
-                        "model": model, "nodes": nodes, "row": row, "sweep": sweep,
-                        "bucket_bytes": int((b or 25) * _MiB),
-                        "first_bucket_bytes": int((f or 1) * _MiB),
-                    })  # fmt: skip
-    return out
 
 
 def _fmt(values: list[float], digits: int = 1) -> str:
@@ -246,7 +255,17 @@ def _fmt(values: list[float], digits: int = 1) -> str:
     return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def markdown(cfgs: list[dict], results: dict, a: argparse.Namespace, elapsed: float) -> str:
+def _overlap(stats: dict | None) -> str:
+    if stats is None:
+        return "-"
+    if not stats["modules"]:
+        return "none (one all-reduce after backward)"
+    mod = stats["modules"][0]
+    per_step = mod["started_in_backward"] / max(1, mod["steps"])
+    return f"{per_step:.1f} of {len(mod['bucket_bytes'])}"
+
+
+def markdown(jobs: dict, a: argparse.Namespace, elapsed: float) -> str:
     from bench.report import machine
 
     m = machine()
@@ -260,46 +279,30 @@ def markdown(cfgs: list[dict], results: dict, a: argparse.Namespace, elapsed: fl
         f"{m['python']}, load average at start {m['loadavg_start'][0]:.2f}. torch "
         f"{m['versions'].get('torch', '?')}.",
         "",
-        f"Each process: batch {a.batch}, {a.steps} timed steps after {a.warmup} warm-up "
-        f"steps, {a.threads or 'cores / processes'} torch thread(s). ms per step: rank 0's "
-        f"median step, median (min-max) over {a.reps} repetitions in alternating order. "
-        "vs DDP: median of the per-repetition ratios (below 1.00x is faster than DDP).",
+        f"Each process: batch {a.batch}, {a.threads or 'cores / processes'} torch thread(s). "
+        f"All rows of a job run in the same processes, {a.rounds} rounds of {a.block} timed "
+        f"steps per row in alternating order. ms per step: rank 0's median step in a job, "
+        f"median (min-max) over {a.reps} jobs. vs DDP: median over the jobs of the ratio "
+        "to DDP in the same job (below 1.00x is faster than DDP). mean ms: the mean step "
+        "(what AllReduceEA's rows are compared on).",
         "",
         "| model | processes | row | ms per step | vs DDP | mean ms | buckets sent in backward |",
         "|---|---:|---|---:|---:|---:|---|",
     ]
-    for cfg in cfgs:
-        key = json.dumps(cfg, sort_keys=True)
-        ok = [r for r in results[key] if "error" not in r]
-        ddp_key = json.dumps(
-            {**cfg, "row": "ddp", "bucket_bytes": 25 * _MiB, "first_bucket_bytes": _MiB},
-            sort_keys=True,
-        )
-        ratio = "-"
-        if cfg["row"] != "ddp" and ddp_key in results:
-            pairs = [
-                ours["ms"] / theirs["ms"]
-                for ours, theirs in zip(results[key], results[ddp_key], strict=False)
-                if "error" not in ours and "error" not in theirs
-            ]
-            if pairs:
-                ratio = f"{statistics.median(pairs):.2f}x"
-        overlap = "-"
-        if ok and "sgd" in ok[0]:
-            stats = ok[0]["sgd"]
-            mods = stats["modules"]
-            if mods:
-                per_step = mods[0]["started_in_backward"] / max(1, mods[0]["steps"])
-                overlap = f"{per_step:.1f} of {len(mods[0]['bucket_bytes'])}"
-            else:
-                overlap = "no overlap (synchronous)"
-        cell = _fmt([r["ms"] for r in ok]) if ok else f"error: {results[key][0]['error'][:120]}"
-        mean = _fmt([r["mean_ms"] for r in ok])
-        params = f" ({ok[0]['params'] / 1e6:.2f}M)" if ok else ""
-        lines.append(
-            f"| {cfg['model']}{params} | {cfg['nodes']} | {label(cfg)} | {cell} | {ratio} "
-            f"| {mean} | {overlap} |"
-        )
+    for (model, nodes), results in jobs.items():
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            lines.append(f"| {model} | {nodes} | error: {results[0]['error'][:160]} | | | | |")
+            continue
+        for row in a.rows:
+            ratio = "-"
+            if row != "ddp" and "ddp" in a.rows:
+                ratio = f"{statistics.median(r[row]['ms'] / r['ddp']['ms'] for r in ok):.2f}x"
+            lines.append(
+                f"| {model} ({ok[0][row]['params'] / 1e6:.2f}M) | {nodes} | {row} "
+                f"| {_fmt([r[row]['ms'] for r in ok])} | {ratio} "
+                f"| {_fmt([r[row]['mean_ms'] for r in ok])} | {_overlap(ok[0][row]['sgd'])} |"
+            )
     lines += ["", f"Reproduce: `python -m bench.step_time {' '.join(a.argv)}`.", ""]
     return "\n".join(lines)
 
@@ -310,45 +313,43 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--rows", nargs="+", choices=ROWS, default=["none", "ddp", "gloo", "ipc"])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rows", nargs="+", default=["none", "ddp", "gloo", "ipc"])
+    p.add_argument("--reps", type=int, default=3, help="jobs per (model, processes)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--block", type=int, default=5, help="timed steps per row and round")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / processes)")
-    p.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0])
-    p.add_argument("--first-bucket-mb", type=float, nargs="+", default=[1.0])
-    p.add_argument("--grad-dtype", choices=("bfloat16", "float16"))
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     p.add_argument("--out", help="markdown report (default: print only)")
     # one rank of a job (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--bucket-bytes", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--first-bucket-bytes", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    for row in a.rows:
+        try:
+            parse_row(row)
+        except argparse.ArgumentTypeError as err:
+            p.error(str(err))
     if a.worker:
         _worker(a)
         return 0
     a.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    cfgs = configs(a)
-    results: dict[str, list[dict]] = {json.dumps(c, sort_keys=True): [] for c in cfgs}
+    jobs: dict[tuple[str, int], list[dict]] = {(m, n): [] for m in a.models for n in a.nodes}
     started = time.time()
     for rep in range(a.reps):
-        for cfg in cfgs if rep % 2 == 0 else cfgs[::-1]:
-            res = run_job(cfg, a)
-            results[json.dumps(cfg, sort_keys=True)].append(res)
-            what = f"rep {rep + 1} {cfg['model']} x{cfg['nodes']} {label(cfg)}"
+        for model, nodes in jobs if rep % 2 == 0 else list(jobs)[::-1]:
+            res = run_job(model, nodes, a)
+            jobs[(model, nodes)].append(res)
+            what = f"job {rep + 1} {model} x{nodes}"
             if "error" in res:
                 log.warning("%s: %s", what, res["error"])
             else:
-                log.info("%-44s %8.1f ms/step", what, res["ms"])
-    text = markdown(cfgs, results, a, time.time() - started)
+                log.info("%s: %s", what, ", ".join(f"{r} {res[r]['ms']:.1f}" for r in a.rows))
+    text = markdown(jobs, a, time.time() - started)
     print(text)
     if a.out:
         Path(a.out).write_text(text)

@@ -5,8 +5,9 @@ reverse of `module.parameters()`), into buckets of about `bucket_bytes` (the fir
 smaller, so communication starts early). Each bucket owns a flat buffer. A hook on each
 parameter (`register_post_accumulate_grad_hook`) copies its gradient into its bucket;
 a full bucket starts its all-reduce at once, in bucket order, while backward goes on.
-`finish_step` (AllReduceSGD's `sum_*_gradients`) starts what is left, waits, and copies
-the results back into `.grad`.
+`finish_step` (AllReduceSGD's `sum_*_gradients`) starts what is left, waits, and points
+each `.grad` at its slice of the bucket: one copy per step (in), like DDP's
+`gradient_as_bucket_view`, with the division by the node count riding on that copy.
 
 The contract that keeps every node in step: per step, every bucket is all-reduced
 exactly once, in bucket order, the last one always by `finish_step`. The last bucket
@@ -50,30 +51,64 @@ def compressed_scale(dtype: torch.dtype, wire: torch.dtype, num_nodes: int) -> f
 
 
 class _Bucket:
-    """Parameters whose gradients travel together, and the flat buffer they travel in."""
+    """Parameters whose gradients travel together, and the flat buffers they travel in.
 
-    __slots__ = ("flat", "handle", "params", "pending", "prescale", "ready", "views")
+    After a step the parameters' `.grad` are views of the buffer that carried them, so
+    nothing is copied back. A step fills a buffer that no `.grad` points into: the same
+    one when `zero_grad()` set them to None, else a second one (made on first need), so
+    the buffer in flight is never a `.grad` that a late backward could write into.
+    Compressed buckets (another dtype than the parameters') are copied back instead.
+    """
 
-    def __init__(
-        self, params: list[nn.Parameter], wire: torch.dtype, extra: int, num_nodes: int
-    ) -> None:
+    __slots__ = (
+        "alias", "cur", "extra", "filling", "flats", "handle", "params", "pending",
+        "ready", "scale", "views",
+    )  # fmt: skip
+
+    def __init__(self, params: list[nn.Parameter], wire: torch.dtype, extra: int) -> None:
         self.params = params
-        self.prescale = compressed_scale(params[0].dtype, wire, num_nodes)
-        numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel + extra, dtype=wire, device=params[0].device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))
+        self.extra = extra  # the last bucket's slot for the "late" flag
+        self.alias = wire == params[0].dtype
+        self.flats: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        self._add_buffer(wire)
+        self.cur = 0  # the buffer of this step (or of the last one, until `target`)
+        self.scale = 1.0  # what this step's gradients were multiplied by on the way in
+        self.handle: Any = None
+        self.reset()
+
+    def _add_buffer(self, wire: torch.dtype) -> None:
+        numel = sum(p.numel() for p in self.params)
+        flat = torch.zeros(numel + self.extra, dtype=wire, device=self.params[0].device)
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
-        self.ready = [False] * len(params)  # gradient copied in this step
-        self.pending = len(params)  # members not ready yet
-        self.handle: Any = None  # the all-reduce in flight, once started this step
+        self.flats.append(flat)
+        self.views.append(views)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.flats[self.cur]
+
+    def target(self, scale: float) -> list[torch.Tensor]:
+        """The views to fill this step: a buffer no `.grad` points into. The first call
+        of a step also sets what the gradients are multiplied by on the way in."""
+        if not self.filling:
+            self.scale = scale
+            views = self.views[self.cur]
+            if self.alias and any(p.grad is v for p, v in zip(self.params, views, strict=True)):
+                if len(self.flats) == 1:
+                    self._add_buffer(self.flats[0].dtype)
+                self.cur = 1 - self.cur
+            self.filling = True
+        return self.views[self.cur]
 
     def reset(self) -> None:
-        self.ready = [False] * len(self.params)
-        self.pending = len(self.params)
-        self.handle = None
+        self.ready = [False] * len(self.params)  # gradient copied in this step
+        self.pending = len(self.params)  # members not ready yet
+        self.handle = None  # the all-reduce in flight, once started this step
+        self.filling = False
 
 
 def _layout(
@@ -119,6 +154,7 @@ class GradientBuckets:
         self.first_bucket_bytes = first_bucket_bytes
         self.wire_dtype = wire_dtype
         self.syncing = True  # False inside AllReduceSGD.no_sync(): hooks only accumulate
+        self.expect_normalize = True  # the mean, not the sum (as the last step asked)
         self.buckets: list[_Bucket] = []
         self.launched = 0  # buckets[:launched] have started their all-reduce this step
         self.late = False
@@ -156,9 +192,9 @@ class GradientBuckets:
             raise ValueError(
                 f"AllReduceSGD: {type(self.module).__name__} has no trainable parameters"
             )
-        last, nodes = len(groups) - 1, self.comm.num_nodes
+        last = len(groups) - 1
         self.buckets = [
-            _Bucket(members, self._wire(members[0].dtype), extra=int(i == last), num_nodes=nodes)
+            _Bucket(members, self._wire(members[0].dtype), extra=int(i == last))
             for i, members in enumerate(groups)
         ]
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -214,31 +250,43 @@ class GradientBuckets:
 
     # -- copies -----------------------------------------------------------------------
 
-    @staticmethod
-    def _copy_in(bucket: _Bucket, i: int) -> None:
-        grad, view = bucket.params[i].grad, bucket.views[i]
+    def _target(self, bucket: _Bucket) -> list[torch.Tensor]:
+        # Gradients go in as each node's share of the mean when the mean is what is
+        # asked for (the division rides on the copy in, not on a pass of its own).
+        nodes = self.comm.num_nodes
+        scale = compressed_scale(bucket.params[0].dtype, bucket.flat.dtype, nodes)
+        return bucket.target(1.0 / nodes if self.expect_normalize else scale)
+
+    def _copy_in(self, bucket: _Bucket, i: int) -> None:
+        grad, view = bucket.params[i].grad, self._target(bucket)[i]
         with torch.no_grad():
             if grad is None:
                 view.zero_()
-            elif bucket.prescale != 1.0:
-                torch.mul(grad, bucket.prescale, out=view)
+            elif bucket.scale != 1.0:
+                torch.mul(grad, bucket.scale, out=view)
             else:
                 view.copy_(grad)
 
-    def _copy_out(self, count: int | None) -> None:
+    def _land(self, count: int | None) -> None:
         """Results into `.grad`: the sum, or the mean over `count` nodes."""
         with torch.no_grad():
             for bucket in self.buckets:
-                factor = 1.0 / bucket.prescale / (count or 1)
-                for p, view in zip(bucket.params, bucket.views, strict=True):
+                factor = 1.0 / bucket.scale / (count or 1)  # what is still to apply
+                views = bucket.views[bucket.cur]
+                if bucket.alias:
+                    if factor != 1.0:  # e.g. fewer contributors than nodes
+                        bucket.flat[: bucket.flat.numel() - bucket.extra].mul_(factor)
+                    for p, view in zip(bucket.params, views, strict=True):
+                        if p.grad is not view:
+                            p.grad = view
+                    continue
+                for p, view in zip(bucket.params, views, strict=True):
                     if p.grad is None:
                         p.grad = torch.empty_like(p)
-                    if factor == 1.0:
-                        p.grad.copy_(view)
-                    elif view.dtype == p.grad.dtype:
-                        torch.mul(view, factor, out=p.grad)
-                    else:  # widen first: the product in bfloat16 would round again
-                        p.grad.copy_(view).mul_(factor)
+                    # widen first: a product in bfloat16 would round again
+                    p.grad.copy_(view)
+                    if factor != 1.0:
+                        p.grad.mul_(factor)
 
     # -- the end of a step ------------------------------------------------------------
 
@@ -247,6 +295,7 @@ class GradientBuckets:
         and leaves in `self.late_nodes` how many nodes said they were late."""
         last = self.buckets[-1]
         for bucket in self.buckets[self.launched :]:
+            self._target(bucket)  # (a finished node's buffer is overwritten too)
             if contribute:
                 for i, ready in enumerate(bucket.ready):
                     if not ready:
@@ -284,8 +333,9 @@ class GradientBuckets:
                 count = self._all_buckets(contribute, late=False)
                 self.stats["resent"] += 1
             if contribute:
-                self._copy_out(count if normalize else None)
+                self._land(count if normalize else None)
                 self.stats["steps"] += 1
+                self.expect_normalize = normalize
             return count
         finally:
             self._reset()

@@ -195,7 +195,14 @@ def sgd_overlap(comm, cfg) -> dict:
     out = {}
 
     def train(
-        name, micro=1, no_sync=False, sync_first=True, grad_dtype=None, frozen=None, overlap=True
+        name,
+        micro=1,
+        no_sync=False,
+        sync_first=True,
+        grad_dtype=None,
+        frozen=None,
+        overlap=True,
+        zero_in_place=False,
     ):
         # Every node starts from seed 100's weights when it skips synchronize_parameters.
         model = sim.make_deep_model(seed=100 + (r if sync_first else 0)).to(dev)
@@ -210,7 +217,12 @@ def sgd_overlap(comm, cfg) -> dict:
                     p.requires_grad_(i not in frozen[step])
             x, y = sim.batch(step, cfg["batch"])
             x, y = x[r::n].to(dev), y[r::n].to(dev)
-            opt.zero_grad()
+            if zero_in_place:  # zero_grad(set_to_none=False): .grad is last step's bucket
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+            else:
+                opt.zero_grad()
             parts = micro(r) if callable(micro) else micro
             pieces = zip(x.tensor_split(parts), y.tensor_split(parts), strict=True)
             for k, (xs, ys) in enumerate(pieces):
@@ -231,6 +243,7 @@ def sgd_overlap(comm, cfg) -> dict:
     train("first_step", sync_first=False)
     train("no_sync", micro=3, no_sync=True)
     train("accumulate", micro=3)
+    train("accumulate_in_place", micro=3, zero_in_place=True)
     train("accumulate_node0", micro=lambda node: 2 if node == 0 else 1)
     train("frozen", frozen={int(step): ps for step, ps in cfg["frozen"].items()})
     for dtype in ("bfloat16", "float16"):

@@ -304,6 +304,7 @@ OVERLAP_RUNS = {
     "first_step": (None, 1, 0),  # hooks are set by the first sum_and_normalize_gradients
     "no_sync": (None, 0, 0),
     "accumulate": (None, 0, 4),  # a second backward after buckets left: sent again
+    "accumulate_in_place": (None, 0, 4),  # ...into a .grad that is a bucket's buffer
     "accumulate_node0": (None, 0, 4),  # ...even when only node 0 does it
     "frozen": (DEEP_FROZEN, 0, 2),  # the trainable set changed twice
     "bfloat16": (None, 0, 0),

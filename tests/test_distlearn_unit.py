@@ -255,6 +255,39 @@ def test_buckets_start_during_backward(comm):
     assert sgd.stats["modules"][0]["resent"] == 0
 
 
+def test_grads_are_views_of_the_buckets_never_of_the_one_in_flight(comm):
+    model = _deep()
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    buckets = sgd._buckets[model]
+
+    def storages():
+        return {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def flats(i):
+        return {b.flats[i].untyped_storage().data_ptr() for b in buckets.buckets}
+
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    sgd.sum_and_normalize_gradients(model)
+    assert storages() == flats(0)  # nothing copied back: .grad is the bucket
+    want = [p.grad.clone() for p in model.parameters()]
+    # zero_grad(set_to_none=False) keeps those views: the next step fills a second
+    # buffer, so a backward that lands late can never write into the one in flight.
+    for p in model.parameters():
+        p.grad.zero_()
+    model(x).sum().backward()
+    assert all(len(b.flats) == 2 and b.cur == 1 for b in buckets.buckets)
+    sgd.sum_and_normalize_gradients(model)
+    assert storages() == flats(1)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want, strict=True))
+    # set_to_none=True: a single buffer suffices, whichever it is.
+    model.zero_grad()
+    model(x).sum().backward()
+    sgd.sum_and_normalize_gradients(model)
+    assert storages() == flats(1)
+
+
 def test_sgd_follows_a_model_that_changes_dtype(comm):
     model = _deep()
     sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
