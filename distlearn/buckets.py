@@ -178,11 +178,16 @@ class GradientBuckets:
 
     def changed(self) -> bool:
         """Whether the trainable parameters (which, and their dtype, device or shape)
-        differ from those the buckets were built for."""
-        now = self._trainable()
-        return len(now) != len(self._signature) or any(
-            a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(now, self._signature, strict=True)
-        )
+        differ from those the buckets were built for (checked every step: no lists)."""
+        built, i = self._signature, 0
+        for p in self.module.parameters():
+            if p.requires_grad:
+                if i == len(built) or built[i][0] is not p:
+                    return True
+                if built[i][1:] != (p.dtype, p.device, p.shape):
+                    return True
+                i += 1
+        return i != len(built)
 
     def _build(self) -> None:
         self._signature = self._trainable()
@@ -231,7 +236,7 @@ class GradientBuckets:
             return
         if not self.syncing or p.grad is None:
             return  # no_sync(): the gradient accumulates in .grad, copied at the end
-        self._copy_in(bucket, i)
+        self._copy_in(bucket, i, bucket.views[bucket.cur] if bucket.filling else None)
         if not bucket.ready[i]:
             bucket.ready[i] = True
             bucket.pending -= 1
@@ -257,8 +262,8 @@ class GradientBuckets:
         scale = compressed_scale(bucket.params[0].dtype, bucket.flat.dtype, nodes)
         return bucket.target(1.0 / nodes if self.expect_normalize else scale)
 
-    def _copy_in(self, bucket: _Bucket, i: int) -> None:
-        grad, view = bucket.params[i].grad, self._target(bucket)[i]
+    def _copy_in(self, bucket: _Bucket, i: int, views: list | None = None) -> None:
+        grad, view = bucket.params[i].grad, (views or self._target(bucket))[i]
         with torch.no_grad():
             if grad is None:
                 view.zero_()

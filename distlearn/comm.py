@@ -14,6 +14,7 @@ A communicator offers the asynchronous form if its `all_reduce` takes `async_op`
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -106,11 +107,21 @@ def check_communicator(comm: Any) -> Communicator:
 
 def supports_async(comm: Any) -> bool:
     """Whether `comm.all_reduce` has the asynchronous form (takes `async_op`)."""
+    if "all_reduce" in getattr(comm, "__dict__", {}) or not hasattr(type(comm), "all_reduce"):
+        return _takes_async_op(comm.all_reduce)  # set on the instance: look every time
+    return _class_supports_async(type(comm))
+
+
+@functools.cache
+def _class_supports_async(cls: type) -> bool:
+    return _takes_async_op(cls.all_reduce)
+
+
+def _takes_async_op(method: Callable) -> bool:
     try:
-        params = inspect.signature(comm.all_reduce).parameters
+        return "async_op" in inspect.signature(method).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
-    return "async_op" in params
 
 
 def start_all_reduce(
