@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Communicator, start_all_reduce
+from .comm import Communicator, Completed, start_all_reduce
 
 __all__ = ["GradientBuckets", "compressed_scale", "wire_dtype"]
 
@@ -249,8 +249,14 @@ class GradientBuckets:
             self._launch(self.buckets[self.launched], contribute=True)
             self.stats["started_in_backward"] += 1
 
-    def _launch(self, bucket: _Bucket, contribute: bool) -> None:
-        bucket.handle = start_all_reduce(self.comm, bucket.flat, finished=not contribute)
+    def _launch(self, bucket: _Bucket, contribute: bool, wait: bool = False) -> None:
+        if wait:
+            # The last bucket, started when nothing is left to overlap with: the
+            # synchronous call skips the hand-off to a communication thread.
+            count = self.comm.all_reduce(bucket.flat, finished=not contribute)
+            bucket.handle = Completed(count)
+        else:
+            bucket.handle = start_all_reduce(self.comm, bucket.flat, finished=not contribute)
         self.launched += 1
 
     # -- copies -----------------------------------------------------------------------
@@ -307,7 +313,7 @@ class GradientBuckets:
                         self._copy_in(bucket, i)
             if bucket is last:
                 last.flat[-1] = 1 if (late and contribute) else 0
-            self._launch(bucket, contribute)
+            self._launch(bucket, contribute, wait=bucket is last)
         count = 0
         for bucket in self.buckets:
             count = bucket.handle.wait()
