@@ -205,6 +205,10 @@ class GradientBuckets:
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.launched = 0
         self.late = False
+        if len(self.buckets) == 1:
+            # One bucket leaves at the end anyway: hooks would only cost time.
+            self.remove_hooks()
+            return
         reducer = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
