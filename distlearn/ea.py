@@ -32,11 +32,14 @@ class AllReduceEA:
     With `overlap=True` and a communicator with the asynchronous all-reduce, an
     average's all-reduce runs while the next steps compute: nothing reads the center
     before the next average (or `center`, `synchronize_*`), which wait for it first.
-    The numbers are the same either way.
+    The numbers are the same either way. Off by default: on a CPU host whose cores all
+    compute, the all-reduce only competes with the steps for them (measured: no gain,
+    bench/RESULTS-step-time.md); it can pay where communication has resources of its
+    own (a network card, a GPU's NCCL stream).
     """
 
     def __init__(
-        self, comm: Communicator, tau: int = 10, alpha: float = 0.2, *, overlap: bool = True
+        self, comm: Communicator, tau: int = 10, alpha: float = 0.2, *, overlap: bool = False
     ) -> None:
         if not isinstance(tau, int) or tau < 1:
             raise ValueError(f"tau must be a positive int (steps between averages), got {tau!r}")

@@ -132,7 +132,8 @@ def easgd(comm, cfg) -> dict:
     for alpha in cfg["alphas"]:
         r = comm.node_index
         params = {"w": sim.ea_init(r), "b": sim.ea_init(r + 1000)[:2]}
-        ea = AllReduceEA(comm, tau=cfg["tau"], alpha=alpha)
+        # Both paths: the averages overlapped with the next steps, and not.
+        ea = AllReduceEA(comm, tau=cfg["tau"], alpha=alpha, overlap=alpha != 0)
         ea.synchronize_parameters(params)
         trajectory, centers = [], []
         in_flight = 0  # averages still travelling when average_parameters returned

@@ -424,7 +424,7 @@ def test_easgd_matches_replica_simulation(run, comm, num_nodes):
                     what=f"{alpha=} {epoch=} node {r}",
                 )
             # Averages overlap the next steps wherever the all-reduce can be asynchronous.
-            assert ours["overlap"] == _expect_overlap(comm)
+            assert ours["overlap"] == (_expect_overlap(comm) and alpha != 0)
             averages = sum(s // cfg["tau"] for s in (row[r] for row in cfg["steps"]))
             assert ours["in_flight"] == (averages if ours["overlap"] else 0)
             # The center is bitwise identical everywhere after synchronize_center.
