@@ -33,12 +33,15 @@ class TimedSGD(mnist.SGD):
     """examples/mnist.py's AllReduceSGD with timers around each phase of a step.
 
     $BENCH_OVERLAP=0 turns off the buckets during backward (AllReduceSGD's
-    overlap=False: one all-reduce after backward), for before/after figures.
+    overlap=False: one all-reduce after backward), for before/after figures;
+    $BENCH_FIRST_BUCKET_BYTES sets AllReduceSGD's first_bucket_bytes.
     """
 
     def __init__(self, **options):
-        overlap = os.environ.get("BENCH_OVERLAP", "1") != "0"
-        super().__init__(**options, overlap=overlap)
+        options["overlap"] = os.environ.get("BENCH_OVERLAP", "1") != "0"
+        if os.environ.get("BENCH_FIRST_BUCKET_BYTES"):
+            options["first_bucket_bytes"] = int(os.environ["BENCH_FIRST_BUCKET_BYTES"])
+        super().__init__(**options)
 
     def start(self, comm, model):
         self.phases = {"loading_s": 0.0, "compute_s": 0.0, "allreduce_s": 0.0}

@@ -43,7 +43,13 @@ def missing() -> str | None:
 
 
 def run_once(
-    nodes: int, backend: str, quick: bool, timeout: float, overlap: bool = True, extra=()
+    nodes: int,
+    backend: str,
+    quick: bool,
+    timeout: float,
+    overlap: bool = True,
+    extra=(),
+    first_bucket_bytes: int | None = None,
 ) -> dict:
     """One epoch as one job; the example's log plus every rank's phase totals."""
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
@@ -55,6 +61,8 @@ def run_once(
             "--backend", backend, *extra,
         ] + (["--quick"] if quick else [])  # fmt: skip
         env = dict(os.environ, BENCH_PHASES_DIR=str(phases_dir), BENCH_OVERLAP=str(int(overlap)))
+        if first_bucket_bytes:
+            env["BENCH_FIRST_BUCKET_BYTES"] = str(first_bucket_bytes)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
         proc = subprocess.Popen(
@@ -142,18 +150,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[4])
     p.add_argument("--backends", nargs="+", choices=("ipc", "gloo"), default=["ipc", "gloo"])
-    p.add_argument("--overlap", nargs="+", choices=("on", "off"), default=["on", "off"])
+    p.add_argument(
+        "--overlap",
+        nargs="+",
+        default=["on", "off"],
+        help="on, off, or on@KIB: buckets during backward with a first bucket of KIB KiB",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="to mnist.py")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    configs = [(n, b, o == "on") for n in a.nodes for b in a.backends for o in a.overlap]
+    configs = [(n, b, o) for n in a.nodes for b in a.backends for o in a.overlap]
     results: dict[tuple, list[dict]] = {c: [] for c in configs}
     for rep in range(a.reps):
         for cfg in configs if rep % 2 == 0 else configs[::-1]:
-            res = run_once(cfg[0], cfg[1], a.quick, a.timeout, overlap=cfg[2], extra=a.extra)
+            first = int(cfg[2].split("@")[1]) << 10 if "@" in cfg[2] else None
+            res = run_once(
+                cfg[0],
+                cfg[1],
+                a.quick,
+                a.timeout,
+                cfg[2] != "off",
+                a.extra,
+                first_bucket_bytes=first,
+            )
             results[cfg].append(res)
             log.info("rep %d %s: %s", rep + 1, cfg, res.get("error") or {
                 k: round(v, 1) for k, v in res.items() if k.endswith(("_pct", "_per_s"))
@@ -166,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in configs:
         ok = [r for r in results[cfg] if "error" not in r]
         if not ok:
-            print(f"| {cfg[0]} | {cfg[1]} | {'on' if cfg[2] else 'off'} | error: "
+            print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | error: "
                   f"{results[cfg][0]['error'][:100]} | | | | |")  # fmt: skip
             continue
 
@@ -175,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(vals)
             return f"{med:,.{digits}f} ({min(vals):,.{digits}f}-{max(vals):,.{digits}f})"
 
-        print(f"| {cfg[0]} | {cfg[1]} | {'on' if cfg[2] else 'off'} | {col('items_per_s')} | "
+        print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {col('items_per_s')} | "
               f"{col('allreduce_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
               f"{col('test_accuracy', 4)} |")  # fmt: skip
     return 0
