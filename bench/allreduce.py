@@ -7,6 +7,13 @@ alternating order (gloo, tree, then tree, gloo, ...) so drift on a shared
 machine hits both alike. A repetition times `iters` back-to-back ops after a
 barrier; the figure is rank 0's seconds per op. algbw = bytes / time, busbw =
 algbw * 2 (n - 1) / n (the NCCL convention: what each link carries).
+
+`python -m bench.allreduce --report` measures the ipc tree against itself
+(bench/RESULTS-ipc.md): the tree of another git ref (`--baseline main`) and of
+this checkout in alternating fresh process sets; the socket transport
+encrypted (CURVE) and not; 8 buckets of 4 MiB all-reduced asynchronously
+(in flight together) and one after the other; and a training-like step with
+the tree's heartbeats on and off.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +30,8 @@ import time
 from pathlib import Path
 
 from bench.procs import free_port, kill_group
+
+REPO = Path(__file__).resolve().parent.parent
 
 SIZES = {"1 elem": 4, "64 KiB": 64 << 10, "1 MiB": 1 << 20, "16 MiB": 16 << 20, "64 MiB": 64 << 20}
 
@@ -36,19 +47,27 @@ def run(
     target_s: float = 0.5,
     impls: tuple[str, ...] = ("gloo", "tree"),
     timeout: float = 600.0,
+    mode: str = "allreduce",
+    path_first: str | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> list[dict]:
-    """Run the allreduce rows for `world` processes; one dict per (impl, size)."""
-    repo = Path(__file__).resolve().parent.parent
+    """Run the allreduce rows for `world` processes; one dict per (impl, size).
+
+    `mode` "async" times 8 buckets in flight against 8 calls in a row, "step" a
+    training-like step; `path_first` puts another checkout's packages (see
+    `baseline_path`) ahead of this one; `env_extra` is added to the ranks' environment."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    first = [path_first] if path_first else []
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(env_extra or {})
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-allreduce-") as tmp:
         out = Path(tmp, "result.json")
         args = [
             "--world", str(world), "--port", str(port), "--reps", str(reps),
             "--target-s", str(target_s), "--sizes", json.dumps(sizes),
-            "--impls", ",".join(impls), "--out", str(out),
+            "--impls", ",".join(impls), "--out", str(out), "--mode", mode,
         ]  # fmt: skip
         procs = [
             subprocess.Popen(
@@ -92,19 +111,44 @@ def _worker(a: argparse.Namespace) -> None:
     errors = {}
     if "gloo" in a.impls:
         ops["gloo"] = lambda t: dist.all_reduce(t)
-    if "tree" in a.impls:
+    trees = []
+    for impl in [i for i in a.impls if i.startswith("tree")]:
+        # tree: the default (shared memory on one host); tree-sockets: the socket
+        # transport every multi-host link uses; tree-curve: the same, encrypted.
+        opts = {"tree-sockets": {"shm": False}, "tree-curve": {"shm": False, "encrypt": True}}
         try:
             from distlearn import ipc
 
-            tree = ipc.LocalhostTree(a.rank, a.world, key=f"bench-allreduce-{a.port}")
-            ops["tree"] = lambda t: tree.all_reduce(t)
+            key = f"bench-allreduce-{a.port}-{impl}"
+            tree = ipc.LocalhostTree(a.rank, a.world, key=key, **opts.get(impl, {}))
+            trees.append(tree)
+            ops[impl] = tree.all_reduce
         except Exception as err:  # the tree may not be built yet: report gloo alone
-            errors["tree"] = f"{type(err).__name__}: {err}"
+            errors[impl] = f"{type(err).__name__}: {err}"
     # every rank must agree on which implementations run
-    have = torch.tensor([1 if "tree" in ops else 0])
-    dist.all_reduce(have, op=dist.ReduceOp.MIN)
-    if not have.item() and "tree" in ops:
-        del ops["tree"]
+    for impl in [i for i in a.impls if i.startswith("tree")]:
+        have = torch.tensor([1 if impl in ops else 0])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if not have.item() and impl in ops:
+            del ops[impl]
+    if a.mode == "async":
+        results = _time_async(a, ops, dist)
+    elif a.mode == "step":
+        results = _time_step(a, ops, dist)
+    else:
+        results = _time_allreduce(a, ops, dist)
+    for name, err in errors.items():
+        results.append({"impl": name, "error": err})
+    if a.rank == 0:
+        Path(a.out).write_text(json.dumps(results))
+    dist.barrier()
+    for tree in trees:
+        tree.close()
+    dist.destroy_process_group()
+
+
+def _time_allreduce(a: argparse.Namespace, ops: dict, dist) -> list[dict]:
+    import torch
 
     results = []
     for label, nbytes in a.sizes.items():
@@ -141,27 +185,250 @@ def _worker(a: argparse.Namespace) -> None:
             results.append(
                 {"impl": name, "size": label, "bytes": numel * 4, "iters": iters, "times_s": ts}
             )
-    for name, err in errors.items():
-        results.append({"impl": name, "error": err})
-    if a.rank == 0:
-        Path(a.out).write_text(json.dumps(results))
-    dist.barrier()
-    if "tree" in ops:
-        tree.close()
-    dist.destroy_process_group()
+    return results
+
+
+BUCKETS, BUCKET_BYTES = 8, 4 << 20
+
+
+def _time_async(a: argparse.Namespace, ops: dict, dist) -> list[dict]:
+    """8 buckets of 4 MiB: all_reduce(async_op=True) on all, then wait, against 8 calls in
+    a row; alternating, `iters` rounds per repetition. Checked once for the right sums."""
+    import torch
+
+    tree_op = ops["tree"]
+    buckets = [torch.empty(BUCKET_BYTES // 4) for _ in range(BUCKETS)]
+
+    def in_a_row():
+        for b in buckets:
+            tree_op(b)
+
+    def in_flight():
+        for h in [tree_op(b, async_op=True) for b in buckets]:
+            h.wait()
+
+    for fn in (in_a_row, in_flight):
+        for i, b in enumerate(buckets):
+            b.fill_(float(a.rank + i))
+        fn()
+        for i, b in enumerate(buckets):
+            want = sum(r + i for r in range(a.world))
+            if not torch.all(b == want):
+                raise AssertionError(f"{fn.__name__}: bucket {i} is {b[:2].tolist()}, want {want}")
+    for b in buckets:
+        b.zero_()
+    times: dict[str, list[float]] = {"in a row": [], "in flight": []}
+    fns = {"in a row": in_a_row, "in flight": in_flight}
+    iters = 10
+    for rep in range(a.reps):
+        names = list(fns) if rep % 2 == 0 else list(fns)[::-1]
+        for name in names:
+            fns[name]()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fns[name]()
+            times[name].append((time.perf_counter() - t0) / iters)
+    return [
+        {"impl": f"tree {name}", "size": f"{BUCKETS} x 4 MiB", "bytes": BUCKETS * BUCKET_BYTES,
+         "iters": iters, "times_s": ts}
+        for name, ts in times.items()
+    ]  # fmt: skip
+
+
+def _time_step(a: argparse.Namespace, ops: dict, dist) -> list[dict]:
+    """A training-like step: about 20 ms of matrix products, then an all_reduce of 1 MiB of
+    gradients; seconds per step over `iters` steps (after a warm-up)."""
+    import torch
+
+    tree_op = ops["tree"]
+    x = torch.randn(384, 384)
+    grads = torch.zeros(1 << 18)
+
+    def step():
+        y = x
+        for _ in range(12):
+            y = torch.tanh(y @ x) * 0.01
+        grads.add_(y.view(-1)[: grads.numel()].sum() * 0)
+        tree_op(grads)
+
+    for _ in range(5):
+        step()
+    times = []
+    for _ in range(a.reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            step()
+        times.append((time.perf_counter() - t0) / 50)
+    return [{"impl": "tree step", "size": "20 ms + 1 MiB", "bytes": 1 << 20, "iters": 50,
+             "times_s": times}]  # fmt: skip
+
+
+# ---- the tree against itself: bench/RESULTS-ipc.md ----------------------------------
+
+
+def baseline_path(ref: str, tmp: Path) -> str:
+    """A folder where `distlearn.ipc` is git `ref`'s ipc/ (with its distlearn and dataset),
+    to put first on PYTHONPATH."""
+    src, path = tmp / "src", tmp / "path"
+    src.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "ipc", "distlearn", "dataset"],
+        capture_output=True, check=True,
+    )  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    shutil.copytree(src / "distlearn", path / "distlearn")
+    (path / "distlearn" / "ipc").symlink_to(src / "ipc")
+    (path / "distlearn" / "dataset").symlink_to(src / "dataset")
+    return str(path)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _spread(xs: list[float], scale: float = 1e3, digits: int = 3) -> str:
+    if not xs:
+        return "-"
+    f = f"{{:,.{digits}f}}"
+    return (
+        f"{f.format(_median(xs) * scale)} ({f.format(min(xs) * scale)}-{f.format(max(xs) * scale)})"
+    )
+
+
+def _ratios(a: list[float], b: list[float]) -> str:
+    rs = [x / y for x, y in zip(a, b, strict=False)]
+    return f"{_median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})" if rs else "-"
+
+
+def report(a: argparse.Namespace) -> None:
+    """Run the four comparisons and write `a.out_md`."""
+    started = time.time()
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    base = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.baseline],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    lines = [
+        "# The ipc tree against itself",
+        "",
+        f"`python -m bench.allreduce --report --baseline {a.baseline} --reps {a.reps}`, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit `{head}` against "
+        f"`{a.baseline}` (`{base}`); {os.cpu_count()} cores, load average at start "
+        f"{os.getloadavg()[0]:.2f}. Figures: median (min-max) of the repetitions, each in "
+        "fresh processes (rows compared within one process set alternate their order). "
+        "Ratios are taken repetition by repetition.",
+        "",
+    ]
+    with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
+        base_path = baseline_path(a.baseline, Path(tmp))
+        lines += [
+            f"## all_reduce: {a.baseline} vs this commit (float32 sum, LocalhostTree defaults)",
+            "",
+            f"| processes | size | {a.baseline} ms/op | this commit ms/op | {a.baseline}/this |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        for world in a.worlds:
+            times: dict[tuple[str, str], list[float]] = {}
+            for rep in range(a.reps):
+                order = [("base", base_path), ("this", None)]
+                for name, path in order if rep % 2 == 0 else order[::-1]:
+                    recs = run(world, SIZES, reps=1, target_s=a.target_s, impls=("tree",),
+                               path_first=path)  # fmt: skip
+                    for r in recs:
+                        if "times_s" in r:
+                            times.setdefault((name, r["size"]), []).extend(r["times_s"])
+                print(f"before/after, {world} processes, repetition {rep + 1}", flush=True)
+            for size in SIZES:
+                b, t = times.get(("base", size), []), times.get(("this", size), [])
+                lines.append(
+                    f"| {world} | {size} | {_spread(b)} | {_spread(t)} | {_ratios(b, t)} |"
+                )
+        lines.append("")
+
+    enc_sizes = {k: SIZES[k] for k in ("1 MiB", "64 MiB")}
+    recs = run(2, enc_sizes, reps=a.reps, target_s=a.target_s, impls=("tree-sockets", "tree-curve"))
+    by = {(r["impl"], r["size"]): r["times_s"] for r in recs if "times_s" in r}
+    lines += [
+        "## Encryption: the socket transport with and without CURVE (2 processes)",
+        "",
+        "`shm=False` (what links between hosts use) over Unix sockets, `encrypt=False` vs "
+        "`encrypt=True`, alternating in the same processes.",
+        "",
+        "| size | plain ms/op | CURVE ms/op | CURVE/plain | CURVE MB/s (algbw) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for size, nbytes in enc_sizes.items():
+        p, c = by.get(("tree-sockets", size), []), by.get(("tree-curve", size), [])
+        bw = f"{nbytes / _median(c) / 1e6:,.0f}" if c else "-"
+        lines.append(f"| {size} | {_spread(p)} | {_spread(c)} | {_ratios(c, p)} | {bw} |")
+    lines.append("")
+    print("encryption done", flush=True)
+
+    lines += [
+        "## Asynchronous all_reduce: 8 buckets of 4 MiB in flight vs 8 calls in a row",
+        "",
+        "`all_reduce(bucket, async_op=True)` on all 8, then `wait()` on each, against 8 "
+        "synchronous calls; alternating in the same processes, 10 rounds per repetition.",
+        "",
+        "| processes | in a row ms | in flight ms | in a row / in flight |",
+        "|---:|---:|---:|---:|",
+    ]
+    for world in a.worlds:
+        recs = run(world, {}, reps=a.reps * 2, impls=("tree",), mode="async")
+        by = {r["impl"]: r["times_s"] for r in recs if "times_s" in r}
+        row, fl = by.get("tree in a row", []), by.get("tree in flight", [])
+        lines.append(f"| {world} | {_spread(row)} | {_spread(fl)} | {_ratios(row, fl)} |")
+    lines.append("")
+    print("async done", flush=True)
+
+    steps: dict[str, list[float]] = {"on": [], "off": []}
+    for rep in range(a.reps * 2):
+        order = [("on", {}), ("off", {"IPC_HEARTBEAT_INTERVAL": "0"})]
+        for name, env in order if rep % 2 == 0 else order[::-1]:
+            recs = run(2, {}, reps=3, impls=("tree",), mode="step", env_extra=env)
+            steps[name] += [t for r in recs for t in r.get("times_s", [])]
+    lines += [
+        "## Heartbeats: cost in a training-like step (2 processes)",
+        "",
+        "A step is about 20 ms of matrix products then an all_reduce of 1 MiB; heartbeats "
+        "on (the defaults) vs off (`IPC_HEARTBEAT_INTERVAL=0`), alternating fresh process "
+        "sets, 50 steps per repetition.",
+        "",
+        "| heartbeats on ms/step | off ms/step | on/off |",
+        "|---:|---:|---:|",
+        f"| {_spread(steps['on'], digits=2)} | {_spread(steps['off'], digits=2)} "
+        f"| {_ratios(steps['on'], steps['off'])} |",
+        "",
+        f"Reproduce: `python -m bench.allreduce --report` ({time.time() - started:.0f} s).",
+        "",
+    ]
+    Path(a.out_md).write_text("\n".join(lines))
+    print(f"wrote {a.out_md}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.allreduce")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--report", action="store_true", help="measure the tree against itself")
+    p.add_argument("--baseline", default="main", help="git ref of the tree to compare against")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--out-md", default=str(REPO / "bench" / "RESULTS-ipc.md"))
+    p.add_argument("--rank", type=int)
+    p.add_argument("--world", type=int)
+    p.add_argument("--port", type=int)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--target-s", type=float, default=0.5)
     p.add_argument("--sizes", type=json.loads, default=SIZES)
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=("gloo", "tree"))
-    p.add_argument("--out", required=True)
-    _worker(p.parse_args(argv))
+    p.add_argument("--mode", choices=("allreduce", "async", "step"), default="allreduce")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if a.report:
+        report(a)
+        return 0
+    if a.rank is None or a.world is None or a.port is None or a.out is None:
+        p.error("a rank needs --rank, --world, --port and --out (or use --report)")
+    _worker(a)
     return 0
 
 

@@ -3,6 +3,11 @@
 from distlearn import ipc
 tree = ipc.LocalhostTree(node_index, num_nodes)
 n = tree.all_reduce(tensors, op="sum")   # in place; n = nodes that contributed
+
+Layers, each usable on its own: `ipc.rendezvous` (handlers that end in a
+Roster), `ipc.link` (authenticated links: Endpoint, Link), `ipc.wire` (what
+travels on them), `ipc.engine` and `ipc.shm` (the collectives), `ipc.tree`
+(the public Tree).
 """
 
 if __name__ != "distlearn.ipc":
@@ -14,18 +19,24 @@ if __name__ != "distlearn.ipc":
         "(PyPI's `ipc` is another project)"
     )
 
+from . import link, rendezvous, wire
 from .errors import AuthError, IPCError, IPCTimeoutError, MismatchError, PeerError
-from .rendezvous import LocalhostTree, StaticTree, from_env
-from .tree import Tree
+from .link import Liveness
+from .tree import Handle, LocalhostTree, StaticTree, Tree, from_env
 
 __all__ = [
     "AuthError",
+    "Handle",
     "IPCError",
     "IPCTimeoutError",
+    "Liveness",
     "LocalhostTree",
     "MismatchError",
     "PeerError",
     "StaticTree",
     "Tree",
     "from_env",
+    "link",
+    "rendezvous",
+    "wire",
 ]

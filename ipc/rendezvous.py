@@ -1,51 +1,69 @@
-"""Ways into a tree: node 0 binds and collects every node's address, then tells all of them.
+"""How the nodes of a tree find each other: handlers that end in a plain `Roster`.
 
-`LocalhostTree` finds its peers through a 0600 file keyed by the parent pid,
-`StaticTree` through a known root host and port, `from_env` through torchrun's
-or Slurm's variables. Every join carries an HMAC of the job's secret; a
-stranger is refused and logged.
+A handler knows where node 0 can be found and what the job's secret is:
+
+- `Localhost`: every node on this host. Node 0 binds a Unix socket in the
+  private runtime directory and writes its address (and a fresh random
+  secret, unless a token was given) to a 0600 file there, named after the
+  launch's key; the other nodes read it. Nothing listens on TCP at all.
+- `Static`: node 0 at a known host and port; the secret is a token or a
+  secret file (else a clear error, or `insecure=True`).
+- `from_env()`: torchrun's (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+  MASTER_PORT) or Slurm's variables, mapped to one of the two: all ranks on
+  one host use `Localhost` with a key unique to the launch, several hosts
+  `Static` (the secret from $IPC_TOKEN or $IPC_TOKEN_FILE).
+
+Each handler's `rendezvous(listen, options, timeout)` asks `listen(secret,
+specs)` to bind the node's own endpoint once it knows the secret (it returns
+the addresses peers will dial), exchanges addresses over authenticated links
+(see :mod:`ipc.link`), and returns the Roster. Node 0 checks that every node
+passes the same tree options. It knows nothing about trees or collectives.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import os
 import re
-import secrets
 import socket
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import zmq
-
-from .errors import AuthError, IPCError, IPCTimeoutError
-from .tree import DEFAULT_CHUNK, DEFAULT_TIMEOUT, Tree, runtime_dir
+from . import runtime, wire
+from .auth import Secret, given_secret, insecure_secret, missing_secret_error, random_secret
+from .errors import AuthError, IPCError, IPCTimeoutError, PeerError
+from .link import Endpoint, Limits, Link
+from .wire import Kind, WireError
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "IPC_TOKEN"
+KEY_ENV = "IPC_KEY"
+# The rendezvous endpoint carries only small JSON messages.
+RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL, rcvhwm=16)
+# Processes of one launch by a shell or a Python parent start within this many seconds
+# of each other; a node 0 that started further away belongs to another launch.
+LAUNCH_WINDOW_S = 30.0
+WAIT_NOTE_S = 5.0  # say what we wait for after this long, then every WAIT_REPEAT_S
+WAIT_REPEAT_S = 30.0
+
+Listen = Callable[[Secret, list[str]], list[str]]
 
 
-def _mac(secret: bytes, body: dict) -> str:
-    text = json.dumps(body, sort_keys=True).encode()
-    return hmac.new(secret, text, hashlib.sha256).hexdigest()
+@dataclass(frozen=True)
+class Roster:
+    """What every node knows once the rendezvous is over."""
 
-
-def _signed(secret: bytes, body: dict) -> bytes:
-    return json.dumps({**body, "mac": _mac(secret, body)}).encode()
-
-
-def _verify(secret: bytes, raw: bytes) -> dict | None:
-    """The message if its MAC matches the secret, else None. Never unpickles anything."""
-    try:
-        msg = json.loads(raw)
-        mac = msg.pop("mac")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return msg if hmac.compare_digest(str(mac), _mac(secret, msg)) else None
+    node_index: int
+    num_nodes: int
+    secret: Secret
+    hosts: tuple[str, ...]  # host identity of each node (host name and network namespace)
+    addresses: tuple[tuple[str, ...], ...]  # where each node's endpoint listens
+    options: dict  # the tree options every node agreed on
+    where: str  # how the nodes met, for messages: a key or an address
 
 
 def host_identity() -> str:
@@ -57,182 +75,27 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
-def _bind_node(
-    ctx: zmq.Context,
-    bind_host: str,
-    with_ipc: bool,
-    tag: str,
-    port: int | None = None,
-    advertise: str | None = None,
-):
-    """This node's ROUTER, on TCP (`port`, or a random one) and a Unix socket for
-    same-host peers; returns it, the addresses peers dial (TCP on `advertise`, by
-    default `bind_host`), the files to remove, and the TCP port."""
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.RCVHWM, 0)
-    router.setsockopt(zmq.LINGER, 0)
-    if port is None:
-        port = router.bind_to_random_port(f"tcp://{bind_host}")
-    else:
-        router.bind(f"tcp://{bind_host}:{port}")
-    addrs = {"tcp": f"tcp://{advertise or bind_host}:{port}"}
-    cleanup = []
-    if with_ipc:
-        path = runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock"
-        router.bind(f"ipc://{path}")
-        addrs["ipc"] = f"ipc://{path}"
-        cleanup.append(str(path))
-    return router, addrs, cleanup, port
-
-
-def _advertised_host(root_host: str, root_port: int) -> str:
-    """The local address that routes to the root: what the other nodes should dial."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(root_host), root_port))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-
-
-def _root_gather(
-    ctx: zmq.Context,
-    router: zmq.Socket,
-    secret: bytes,
-    num_nodes: int,
-    my_addrs: dict,
-    timeout: float,
-    on_complete=None,
-) -> tuple[list[str], list[dict]]:
-    """Node 0: wait for every other node's signed join, then send each the whole roster."""
-    hosts: list[str | None] = [host_identity()] + [None] * (num_nodes - 1)
-    addrs: list[dict | None] = [my_addrs] + [None] * (num_nodes - 1)
-    reply_to: dict[int, tuple[bytes, str]] = {}
-    deadline = time.monotonic() + timeout
-    while len(reply_to) < num_nodes - 1:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not router.poll(int(remaining * 1000) + 1):
-            missing = [i for i in range(1, num_nodes) if i not in reply_to]
-            raise IPCTimeoutError(
-                f"node 0: nodes {missing} did not join within {timeout}s", node=missing[0]
-            )
-        frames = router.recv_multipart()
-        ident, raw = frames[0], frames[-1]
-        msg = _verify(secret, raw)
-        if msg is None or msg.get("type") != "join":
-            log.warning("ipc node 0: refused a join with a bad token (peer %s)", ident.hex()[:16])
-            router.send_multipart([ident, json.dumps({"type": "refused"}).encode()])
-            continue
-        i = msg.get("node")
-        if not isinstance(i, int) or not 0 < i < num_nodes or msg.get("num_nodes") != num_nodes:
-            reason = (
-                f"node {i} of {msg.get('num_nodes')} does not fit a tree of {num_nodes} "
-                f"rooted at node 0"
-            )
-            log.warning("ipc node 0: refused a join: %s", reason)
-            router.send_multipart([ident, _signed(secret, {"type": "refused", "reason": reason})])
-            continue
-        if i in reply_to and reply_to[i][0] != ident:
-            log.warning("ipc node 0: node %d joined twice; keeping the latest", i)
-        hosts[i], addrs[i] = msg["host"], msg["addrs"]
-        reply_to[i] = (ident, msg["nonce"])
-    if on_complete is not None:
-        on_complete()
-    for ident, nonce in reply_to.values():
-        body = {"type": "welcome", "nonce": nonce, "hosts": hosts, "addrs": addrs}
-        router.send_multipart([ident, _signed(secret, body)])
-    return hosts, addrs  # type: ignore[return-value]
-
-
-def _join(
-    ctx: zmq.Context,
-    secret: bytes,
-    node_index: int,
-    num_nodes: int,
-    my_addrs: dict,
-    timeout: float,
-    root_address,
-) -> tuple[list[str], list[dict]]:
-    """Nodes 1..n-1: send a signed join to the root, wait for the roster.
-
-    `root_address()` returns the root's address (it may change while we wait,
-    when a rendezvous file is rewritten by a fresh root) or None if not known yet.
-    """
-    deadline = time.monotonic() + timeout
-    nonce = secrets.token_hex(8)
-    body = {
-        "type": "join",
-        "node": node_index,
-        "num_nodes": num_nodes,
-        "host": host_identity(),
-        "addrs": my_addrs,
-        "nonce": nonce,
-        "pid": os.getpid(),
-    }
-    sock = None
-    current = None
-    try:
-        while True:
-            if time.monotonic() > deadline:
-                raise IPCTimeoutError(
-                    f"node {node_index}: root (node 0) at {current or 'unknown address'} "
-                    f"did not answer within {timeout}s",
-                    node=0,
-                )
-            # The root removes its rendezvous file once everyone has joined: keep the
-            # address we have unless a different live root shows up.
-            addr = root_address() or current
-            if addr is None:
-                time.sleep(0.02)
-                continue
-            if addr != current:
-                if sock is not None:
-                    sock.close(linger=0)
-                sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(addr)
-                sock.send(_signed(secret, body))
-                current = addr
-            if not sock.poll(200):
-                continue
-            raw = sock.recv()
-            msg = _verify(secret, raw)
-            if msg is None:
-                try:
-                    refused = json.loads(raw).get("type") == "refused"
-                except (ValueError, AttributeError):
-                    refused = False
-                if refused:
-                    raise AuthError(
-                        f"node {node_index}: the root at {addr} refused our token", node=0
-                    )
-                log.warning("ipc node %d: ignored an unsigned reply from %s", node_index, addr)
-                continue
-            if msg.get("type") == "refused":
-                raise IPCError(f"node {node_index}: refused by root: {msg.get('reason')}", node=0)
-            if msg.get("type") == "welcome" and msg.get("nonce") == nonce:
-                return msg["hosts"], msg["addrs"]
-    finally:
-        if sock is not None:
-            sock.close(linger=0)
-
-
-def _abandon(router: zmq.Socket, paths: list[str]) -> None:
-    """Rendezvous failed: close our sockets (and their context) and remove the Unix socket file."""
-    router.context.destroy(linger=0)
-    for path in paths:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def _check_index(node_index: int, num_nodes: int) -> None:
-    if not isinstance(num_nodes, int) or num_nodes < 1:
+def check_index(node_index: int, num_nodes: int) -> None:
+    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
-    if not isinstance(node_index, int) or not 0 <= node_index < num_nodes:
+    if not isinstance(node_index, int) or isinstance(node_index, bool):
+        raise ValueError(f"node_index must be an int, got {node_index!r}")
+    if not 0 <= node_index < num_nodes:
         raise ValueError(f"node_index must be in [0, {num_nodes}), got {node_index!r}")
 
 
-def _pid_alive(pid: int) -> bool:
+def _start_ticks(pid: int | str = "self") -> int | None:
+    """A process's start time in clock ticks since boot (None if unknown)."""
+    try:
+        stat = open(f"/proc/{pid}/stat", "rb").read()  # noqa: SIM115
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_alive(pid: object) -> bool:
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -242,166 +105,583 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def LocalhostTree(
-    node_index: int,
+def _same_launch_argv(root: list[str], other: list[str], index: int) -> bool:
+    """True when two command lines differ only where each names its own node index.
+
+    `w.py 0 4 out` and `w.py 2 4 out` are one launch; `w.py 0 4 outA` and
+    `w.py 1 4 outB` are two. Only positions that differ are compared, after
+    the node's own index (as a whole number) is blanked in each."""
+    if len(root) != len(other):
+        return False
+    pat0 = re.compile(r"(?<!\d)0(?!\d)")
+    pati = re.compile(rf"(?<!\d){index}(?!\d)")
+    return all(
+        a == b or pat0.sub("#", a) == pati.sub("#", b) for a, b in zip(root, other, strict=True)
+    )
+
+
+def _options_match(mine: dict, theirs: object) -> str | None:
+    if not isinstance(theirs, dict):
+        return "no tree options"
+    for name, value in mine.items():
+        if theirs.get(name) != value:
+            return f"{name}={theirs.get(name)!r}, while node 0 has {name}={value!r}"
+    return None
+
+
+class _Note:
+    """Says what a node waits for after WAIT_NOTE_S, then every WAIT_REPEAT_S."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+        self.next = self.start + WAIT_NOTE_S
+
+    def due(self) -> float | None:
+        now = time.monotonic()
+        if now < self.next:
+            return None
+        self.next = now + WAIT_REPEAT_S
+        return now - self.start
+
+
+# ---- the exchange, common to every handler -------------------------------------
+
+
+def gather(
+    rv: Endpoint,
     num_nodes: int,
-    *,
-    key: str | int | None = None,
-    port: int | None = None,
-    token: str | None = None,
-    base: int = 2,
-    timeout: float = DEFAULT_TIMEOUT,
-    chunk_bytes: int = DEFAULT_CHUNK,
-    shm: bool = True,
-) -> Tree:
-    """A tree of processes on this host, bound to loopback only.
-
-    Processes started side by side (by one shell script or one Python parent)
-    share a parent pid, which keys a rendezvous file in a private temp dir;
-    node 0 writes its port and a fresh secret there. Pass `key=` to group
-    processes with different parents, `port=` to fix node 0's port, and
-    `token=` (or $IPC_TOKEN) to set the secret yourself. `shm=False` keeps
-    every collective on the ZeroMQ tree instead of shared memory.
-    """
-    _check_index(node_index, num_nodes)
-    if key is None:
-        key = f"port{port}" if port is not None else f"ppid{os.getppid()}"
-    key = re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
-    token = token if token is not None else os.environ.get(TOKEN_ENV)
-    rv_file = runtime_dir() / f"{key}.json"
-    ctx = zmq.Context()  # the tree's own: close() terminates it, which flushes
-    if num_nodes == 1:
-        router, _, cleanup, _ = _bind_node(ctx, "127.0.0.1", False, f"{key}-0")
-        return Tree(0, 1, context=ctx, router=router, cleanup=cleanup, secret=b"",
-                    hosts=[host_identity()], addresses=[{}], base=base, timeout=timeout,
-                    chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
-    if node_index == 0:
-        secret_text = token if token is not None else secrets.token_hex(16)
-        secret = secret_text.encode()
-        router, my_addrs, cleanup, bound = _bind_node(ctx, "127.0.0.1", True, f"{key}-0", port)
-        info = {"port": bound, "pid": os.getpid(), "secret": None if token else secret_text}
-        tmp = rv_file.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, rv_file)
-
-        def remove_file() -> None:
-            try:
-                if json.loads(rv_file.read_text()).get("pid") == os.getpid():
-                    rv_file.unlink()
-            except (OSError, ValueError):
-                pass
-
-        try:
-            hosts, addrs = _root_gather(
-                ctx, router, secret, num_nodes, my_addrs, timeout, on_complete=remove_file
+    join: dict,
+    timeout: float,
+    where: str,
+    admit: Callable[[dict], str | None] | None = None,
+) -> tuple[list, list]:
+    """Node 0: collect every other node's JOIN on the rendezvous endpoint `rv`, then send
+    each the roster. `join` is node 0's own JOIN; `admit(join)` may refuse a node of
+    another launch. Returns (hosts, addresses)."""
+    joined: dict[int, tuple[Link, dict]] = {}
+    deadline = time.monotonic() + timeout
+    note = _Note()
+    while len(joined) < num_nodes - 1:
+        remaining = deadline - time.monotonic()
+        missing = [i for i in range(1, num_nodes) if i not in joined]
+        if remaining <= 0:
+            raise IPCTimeoutError(
+                f"node 0: nodes {missing} did not join within {timeout:g}s ({where})",
+                node=missing[0],
             )
+        waited = note.due()
+        if waited is not None:
+            log.warning(
+                "ipc node 0: %d of %d nodes have joined after %.0f s; waiting for nodes %s (%s)",
+                len(joined) + 1,
+                num_nodes,
+                waited,
+                missing,
+                where,
+            )
+        got = rv.recv(time.monotonic() + min(remaining, 0.5))
+        while rv.events:
+            kind, link = rv.events.popleft()
+            if kind in ("dead", "bye"):
+                for i, (jl, _) in list(joined.items()):
+                    if jl is link:  # it left before the roster: wait for a new one
+                        log.warning(
+                            "ipc node 0: node %d left the rendezvous; waiting for it again", i
+                        )
+                        del joined[i]
+        if got is None:
+            continue
+        link, frames = got
+        try:
+            if frames[0].bytes[0] != Kind.JOIN:
+                raise WireError("not a JOIN")
+            msg = wire.parse_control(
+                frames[0].bytes,
+                {
+                    "node": wire.small_int(),
+                    "num_nodes": wire.small_int(),
+                    "host": lambda v: isinstance(v, str) and len(v) < 512,
+                    "addresses": lambda v: (
+                        isinstance(v, list)
+                        and len(v) <= 8
+                        and all(isinstance(a, str) and len(a) < 512 for a in v)
+                    ),
+                    "options": dict,
+                },
+            )
+        except (WireError, IndexError) as err:
+            log.warning("ipc node 0: ignored a malformed JOIN from %s: %s", link.name, err)
+            continue
+        i = msg["node"]
+        reason = None
+        if msg["num_nodes"] != num_nodes or not 0 < i < num_nodes:
+            reason = f"node {i} of {msg['num_nodes']} does not fit a tree of {num_nodes}"
+        elif admit is not None:
+            reason = admit(msg)
+        if reason is None:
+            reason = _options_match(join["options"], msg["options"])
+            if reason is not None:
+                reason = f"node {i} has {reason}: every node must pass the same"
+        if reason is None and i in joined and joined[i][0].up:
+            reason = (
+                f"node {i} has joined already (pid {joined[i][1].get('pid')}): two launches "
+                f"share {where}; give each launch its own key (${KEY_ENV}, or key=)"
+            )
+        if reason is not None:
+            log.warning("ipc node 0: refused a join: %s", reason)
+            link.send_control(Kind.ROSTER, {"refused": reason})
+            continue
+        joined[i] = (link, msg)
+    hosts = [join["host"]] + [joined[i][1]["host"] for i in range(1, num_nodes)]
+    addresses = [join["addresses"]] + [joined[i][1]["addresses"] for i in range(1, num_nodes)]
+    for link, _ in joined.values():
+        link.send_control(Kind.ROSTER, {"hosts": hosts, "addresses": addresses})
+    return hosts, addresses
+
+
+def join_root(rv: Endpoint, link: Link, join: dict, deadline: float) -> dict:
+    """Nodes 1..n-1: send our JOIN on `link` (to node 0) and wait for the roster.
+
+    Returns the ROSTER body; raises IPCError if refused, PeerError if node 0 left."""
+    rv.wait_up([link], deadline, "the link to node 0")
+    link.send_control(Kind.JOIN, join)
+    while True:
+        got = rv.recv(min(deadline, time.monotonic() + 0.5))
+        if got is None:
+            # Only once every message it sent is read: its BYE follows the roster.
+            for kind, ev_link in rv.events:
+                if ev_link is link and kind in ("dead", "bye"):
+                    raise PeerError(f"node {join['node']}: node 0 left the rendezvous", node=0)
+            rv.events.clear()
+            if time.monotonic() > deadline:
+                raise IPCTimeoutError(
+                    f"node {join['node']}: node 0 at {link.address} sent no roster in time", node=0
+                )
+            continue
+        _, frames = got
+        try:
+            if frames[0].bytes[0] != Kind.ROSTER:
+                raise WireError("not a ROSTER")
+            body = wire.parse_control(frames[0].bytes)
+        except (WireError, IndexError):
+            continue
+        if "refused" in body:
+            raise IPCError(f"node {join['node']}: refused by node 0: {body['refused']}", node=0)
+        n = join["num_nodes"]
+        hosts, addresses = body.get("hosts"), body.get("addresses")
+        if not (
+            isinstance(hosts, list)
+            and len(hosts) == n
+            and all(isinstance(h, str) for h in hosts)
+            and isinstance(addresses, list)
+            and len(addresses) == n
+            and all(isinstance(a, list) and all(isinstance(s, str) for s in a) for a in addresses)
+        ):
+            raise IPCError(f"node {join['node']}: node 0 sent a malformed roster", node=0)
+        return body
+
+
+def serve(
+    rv: Endpoint,
+    num_nodes: int,
+    join: dict,
+    timeout: float,
+    where: str,
+    admit: Callable[[dict], str | None] | None = None,
+) -> tuple[list, list]:
+    """Node 0: `gather` on the rendezvous endpoint `rv`, then close it, waiting until every
+    node has read its roster (at once, on failure)."""
+    try:
+        hosts, addresses = gather(rv, num_nodes, join, timeout, where, admit)
+    except BaseException:
+        rv.close(linger=0)
+        raise
+    rv.close(linger=timeout)
+    return hosts, addresses
+
+
+def roster(
+    node_index: int, num_nodes: int, secret: Secret, hosts, addresses, options: dict, where: str
+) -> Roster:
+    return Roster(
+        node_index,
+        num_nodes,
+        secret,
+        tuple(hosts),
+        tuple(tuple(a) for a in addresses),
+        options,
+        where,
+    )
+
+
+# ---- handlers ------------------------------------------------------------------
+
+
+class Localhost:
+    """Every node on this host; they meet through the private runtime directory.
+
+    `key` names the launch: by default the parent pid, so processes started side
+    by side by one shell script or Python parent find each other, while node 0
+    also checks that a joining process started within LAUNCH_WINDOW_S of itself
+    with the same command line (up to its node index), so a second launch from
+    the same shell, or a stale node 0 of a failed one, is not joined by mistake.
+    $IPC_KEY or `key=` names a launch explicitly (no such checks). `port` also
+    lets node 0 accept joins on 127.0.0.1:port from nodes that know the token."""
+
+    def __init__(
+        self,
+        node_index: int,
+        num_nodes: int,
+        *,
+        key: str | int | None = None,
+        port: int | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
+    ):
+        check_index(node_index, num_nodes)
+        self.node_index, self.num_nodes = node_index, num_nodes
+        self.port = port
+        self.explicit = key is not None or bool(os.environ.get(KEY_ENV))
+        if key is None:
+            key = os.environ.get(KEY_ENV) or (
+                f"port{port}" if port is not None else f"ppid{os.getppid()}"
+            )
+        self.key = str(key)
+        self.given = given_secret(token, token_file)
+        digest = hashlib.sha256(f"{self.key}:{num_nodes}".encode()).hexdigest()[:16]
+        self.prefix = f"rv-{digest}-"
+        self.argv = [
+            os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "-",
+            *sys.argv[1:],
+        ]
+        self.start = _start_ticks()
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def describe(self) -> str:
+        return f"rendezvous key {self.key!r} in {runtime.runtime_dir()}"
+
+    def rendezvous(self, listen: Listen, options: dict, timeout: float) -> Roster:
+        host = host_identity()
+        specs = ["tcp://127.0.0.1:*"] if self.port is not None else ["ipc"]
+        if self.num_nodes == 1:
+            secret = self.given or random_secret()
+            addrs = listen(secret, specs)
+            return roster(0, 1, secret, [host], [addrs], options, self.describe())
+        if self.node_index == 0:
+            return self._root(listen, options, timeout, host, specs)
+        return self._joiner(listen, options, timeout, host, specs)
+
+    def _join_body(self, addrs: list[str], options: dict, host: str) -> dict:
+        return {
+            "node": self.node_index,
+            "num_nodes": self.num_nodes,
+            "host": host,
+            "addresses": addrs,
+            "options": options,
+            "pid": os.getpid(),
+            "start": self.start,
+            "argv": self.argv,
+        }
+
+    def _admit(self, msg: dict) -> str | None:
+        if self.explicit:
+            return None
+        start, argv = msg.get("start"), msg.get("argv")
+        if isinstance(start, int) and self.start is not None:
+            apart = abs(start - self.start) / self.hz
+            if apart > LAUNCH_WINDOW_S:
+                return (
+                    f"it started {apart:.0f} s apart from node 0: another launch from the same "
+                    f"parent (set ${KEY_ENV} or key= to join processes started far apart)"
+                )
+        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+            return "no command line"
+        if not _same_launch_argv(self.argv, argv, msg["node"]):
+            return f"its command line {argv} is not node 0's {self.argv}: another launch"
+        return None
+
+    def _root(self, listen: Listen, options: dict, timeout: float, host: str, specs) -> Roster:
+        secret = self.given or random_secret()
+        addrs = listen(secret, specs)
+        rv_specs = ["ipc"] + ([f"tcp://127.0.0.1:{self.port}"] if self.port is not None else [])
+        rv = Endpoint(
+            secret,
+            "node 0",
+            bind=rv_specs,
+            limits=RENDEZVOUS_LIMITS,
+            encrypt=options.get("encrypt", False),
+            info={"name": "node 0"},
+        )
+        directory = runtime.runtime_dir()
+        name = f"{self.prefix}{os.getpid()}.json"
+        record = {
+            "v": 2,
+            "key": self.key,
+            "pid": os.getpid(),
+            "start": self.start,
+            "address": rv.addresses[0],
+            "num_nodes": self.num_nodes,
+            "secret": None if self.given else secret.text,
+        }
+        try:
+            runtime.create_private(directory, name, json.dumps(record).encode())
         except BaseException:
-            remove_file()
-            _abandon(router, cleanup)
+            rv.close(linger=0)
             raise
-    else:
-        router, my_addrs, cleanup, _ = _bind_node(ctx, "127.0.0.1", True, f"{key}-{node_index}")
-        secret_box: list[bytes] = [token.encode()] if token is not None else []
+        try:
+            join = self._join_body(addrs, options, host)
+            hosts, addresses = serve(
+                rv, self.num_nodes, join, timeout, self.describe(), self._admit
+            )
+        finally:
+            runtime.remove(directory, name)
+        return roster(0, self.num_nodes, secret, hosts, addresses, options, self.describe())
 
-        def root_address() -> str | None:
-            if port is not None and token is not None:
-                return f"tcp://127.0.0.1:{port}"
+    def _candidates(self, refused: set[str]) -> list[tuple[str, dict]]:
+        """Live node 0s of our key, nearest start time first."""
+        directory = runtime.runtime_dir()
+        found = []
+        try:
+            names = [
+                n
+                for n in os.listdir(directory)
+                if n.startswith(self.prefix) and n.endswith(".json")
+            ]
+        except OSError:
+            return []
+        for name in names:
+            if name in refused:
+                continue
+            raw = runtime.read_private(directory, name)
             try:
-                info = json.loads(rv_file.read_text())
-            except (OSError, ValueError):
-                return None
-            if not _pid_alive(int(info.get("pid", 0))):
-                return None  # a stale file from a run that died during rendezvous
-            if token is None:
-                secret_box[:] = [str(info["secret"]).encode()]
-            return f"tcp://127.0.0.1:{info['port']}"
+                rec = json.loads(raw) if raw else None
+            except ValueError:
+                rec = None
+            if not isinstance(rec, dict) or rec.get("num_nodes") != self.num_nodes:
+                continue
+            if rec.get("key") != self.key or not isinstance(rec.get("address"), str):
+                continue
+            if not _pid_alive(rec.get("pid")):
+                continue  # a stale file of a node 0 that died during its rendezvous
+            if self.given is None and not isinstance(rec.get("secret"), str):
+                continue  # it expects a token we do not have
+            start = rec.get("start")
+            apart = abs(start - self.start) if isinstance(start, int) and self.start else 0
+            if not self.explicit and apart / self.hz > LAUNCH_WINDOW_S:
+                continue
+            found.append((apart, name, rec))
+        found.sort(key=lambda t: t[0])
+        return [(name, rec) for _, name, rec in found]
 
-        addr = None
+    def _joiner(self, listen: Listen, options: dict, timeout: float, host: str, specs) -> Roster:
         deadline = time.monotonic() + timeout
-        while addr is None:
-            addr = root_address()
-            if addr is None:
+        note = _Note()
+        refused: set[str] = set()
+        addrs: list[str] | None = None
+        bound: Secret | None = None  # the secret our endpoint listens with
+        direct = self.port is not None and self.given is not None
+        while True:
+            if time.monotonic() > deadline:
+                raise IPCTimeoutError(
+                    f"node {self.node_index}: no node 0 for {self.describe()} within {timeout:g}s",
+                    node=0,
+                )
+            waited = note.due()
+            if waited is not None:
+                log.warning(
+                    "ipc node %d: waiting %.0f s for node 0 of %s%s. Processes of one job find "
+                    "each other by this key: start them from one parent process, or set $%s "
+                    "to the same value in each (LocalhostTree(key=...))",
+                    self.node_index,
+                    waited,
+                    self.describe(),
+                    f" ({len(refused)} node 0 of other launches refused us)" if refused else "",
+                    KEY_ENV,
+                )
+            if direct:
+                found = [("port", {"address": f"tcp://127.0.0.1:{self.port}", "secret": None})]
+            else:
+                found = self._candidates(refused)
+            if not found:
+                time.sleep(0.02)
+                continue
+            name, rec = found[0]
+            secret = self.given or Secret(rec["secret"], "the runtime directory")
+            if bound is None or bound.text != secret.text:
+                # Our endpoint must answer with this node 0's secret (a node 0 of another
+                # launch may have refused us with its own).
+                addrs = listen(secret, specs)
+                bound = secret
+            rv = Endpoint(
+                secret,
+                f"node {self.node_index}",
+                encrypt=options.get("encrypt", False),
+                limits=RENDEZVOUS_LIMITS,
+                info={"name": f"node {self.node_index}"},
+            )
+            try:
+                link = rv.dial(rec["address"], tag=0)
+                body = join_root(rv, link, self._join_body(addrs, options, host), deadline)
+            except (IPCError, OSError) as err:
+                rv.close(linger=0)
+                if isinstance(err, AuthError) and self.given is not None:
+                    raise  # our token is not node 0's: waiting will not change that
+                log.info("ipc node %d: %s", self.node_index, err)
+                if isinstance(err, IPCError) and "refused by node 0" in str(err):
+                    refused.add(name)
+                continue
+            rv.close(linger=2.0)
+            return roster(
+                self.node_index,
+                self.num_nodes,
+                secret,
+                body["hosts"],
+                body["addresses"],
+                options,
+                self.describe(),
+            )
+
+
+def _local_address_for(host: str, port: int) -> str:
+    """The local address that routes to `host`: what this node should bind and advertise."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(host), port))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _is_local_address(addr: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+class Static:
+    """Node 0 listens at `root_host:root_port`; the others dial it. The secret is `token`,
+    `token_file`, $IPC_TOKEN or $IPC_TOKEN_FILE; without one, an IPCError that says how to
+    set it (or `insecure=True`: a secret made of the public root address, loudly logged).
+
+    `host` is the address this node binds and advertises (default: the local address
+    that routes to the root). Node 0 binds only the address `root_host` names when it is
+    one of this machine's, not every interface."""
+
+    def __init__(
+        self,
+        node_index: int,
+        num_nodes: int,
+        root_host: str,
+        root_port: int,
+        *,
+        host: str | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
+        insecure: bool = False,
+        what: str = "StaticTree spans hosts",
+    ):
+        check_index(node_index, num_nodes)
+        if not isinstance(root_port, int) or not 0 < root_port < 65536:
+            raise ValueError(f"root_port must be a TCP port, got {root_port!r}")
+        self.node_index, self.num_nodes = node_index, num_nodes
+        self.root_host, self.root_port, self.host = root_host, root_port, host
+        secret = given_secret(token, token_file)
+        if secret is None:
+            if not insecure:
+                raise missing_secret_error(what)
+            secret = insecure_secret(f"{root_host}:{root_port}", f"node {node_index}")
+        self.secret = secret
+
+    def describe(self) -> str:
+        return f"node 0 at tcp://{self.root_host}:{self.root_port}"
+
+    def rendezvous(self, listen: Listen, options: dict, timeout: float) -> Roster:
+        host = host_identity()
+        if self.node_index == 0:
+            root_ip = socket.gethostbyname(self.root_host)
+            bind_ip = self.host or (root_ip if _is_local_address(root_ip) else "0.0.0.0")
+            advertise = self.host or root_ip if bind_ip == "0.0.0.0" else bind_ip
+        else:
+            bind_ip = advertise = self.host or _local_address_for(self.root_host, self.root_port)
+        addrs = listen(self.secret, ["ipc", f"tcp://{bind_ip}:*"])
+        addrs = [a.replace(f"tcp://{bind_ip}:", f"tcp://{advertise}:") for a in addrs]
+        join = {
+            "node": self.node_index,
+            "num_nodes": self.num_nodes,
+            "host": host,
+            "addresses": addrs,
+            "options": options,
+            "pid": os.getpid(),
+        }
+        if self.num_nodes == 1:
+            return roster(0, 1, self.secret, [host], [addrs], options, self.describe())
+        encrypt = options.get("encrypt", False)
+        if self.node_index == 0:
+            rv = Endpoint(
+                self.secret,
+                "node 0",
+                bind=[f"tcp://{bind_ip}:{self.root_port}"],
+                limits=RENDEZVOUS_LIMITS,
+                encrypt=encrypt,
+                info={"name": "node 0"},
+            )
+            hosts, addresses = serve(rv, self.num_nodes, join, timeout, self.describe())
+            return roster(
+                0, self.num_nodes, self.secret, hosts, addresses, options, self.describe()
+            )
+        deadline = time.monotonic() + timeout
+        rv = Endpoint(
+            self.secret,
+            f"node {self.node_index}",
+            limits=RENDEZVOUS_LIMITS,
+            encrypt=encrypt,
+            info={"name": f"node {self.node_index}"},
+        )
+        try:
+            link = rv.dial(f"tcp://{self.root_host}:{self.root_port}", tag=0)
+            note = _Note()
+            while link.state != "up":
+                if link.failure is not None:
+                    raise link.failure
                 if time.monotonic() > deadline:
-                    _abandon(router, cleanup)
                     raise IPCTimeoutError(
-                        f"node {node_index}: node 0 did not appear within {timeout}s "
-                        f"(rendezvous file {rv_file})",
+                        f"node {self.node_index}: {self.describe()} did not answer within "
+                        f"{timeout:g}s",
                         node=0,
                     )
-                time.sleep(0.02)
-        secret = secret_box[0]
-        try:
-            hosts, addrs = _join(
-                ctx, secret, node_index, num_nodes, my_addrs, timeout, root_address
-            )
+                waited = note.due()
+                if waited is not None:
+                    log.warning(
+                        "ipc node %d: waiting %.0f s for %s",
+                        self.node_index,
+                        waited,
+                        self.describe(),
+                    )
+                rv.poll(0.2)
+            body = join_root(rv, link, join, deadline)
+            rv.close(linger=2.0)
         except BaseException:
-            _abandon(router, cleanup)
+            rv.close(linger=0)
             raise
-    return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
-                secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
-                chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
-
-
-def StaticTree(
-    node_index: int,
-    num_nodes: int,
-    root_host: str,
-    root_port: int,
-    *,
-    host: str | None = None,
-    token: str | None = None,
-    base: int = 2,
-    timeout: float = DEFAULT_TIMEOUT,
-    chunk_bytes: int = DEFAULT_CHUNK,
-    shm: bool = True,
-) -> Tree:
-    """A tree across machines: node 0 listens on `root_host:root_port`, the others dial it.
-
-    `host` is the address this node binds and advertises (default: the local
-    address that routes to the root). The secret is `token` or $IPC_TOKEN.
-    Nodes that share a host (and network namespace) use shared memory when
-    all of them do (`shm=True`), else the ZeroMQ tree.
-    """
-    _check_index(node_index, num_nodes)
-    token = token if token is not None else os.environ.get(TOKEN_ENV)
-    if token is None:
-        log.warning(
-            "ipc: no token given (token= or $%s); using one derived from the root address, "
-            "which only keeps out processes that do not know it",
-            TOKEN_ENV,
+        return roster(
+            self.node_index,
+            self.num_nodes,
+            self.secret,
+            body["hosts"],
+            body["addresses"],
+            options,
+            self.describe(),
         )
-        token = f"distlearn-ipc:{root_host}:{root_port}"
-    secret = token.encode()
-    ctx = zmq.Context()  # the tree's own: close() terminates it, which flushes
-    tag = f"static{root_port}-{node_index}"
-    if node_index == 0:
-        router, my_addrs, cleanup, _ = _bind_node(
-            ctx, host or "0.0.0.0", True, tag, port=root_port, advertise=host or root_host
-        )
-        if num_nodes == 1:
-            hosts, addrs = [host_identity()], [my_addrs]
-        else:
-            try:
-                hosts, addrs = _root_gather(ctx, router, secret, num_nodes, my_addrs, timeout)
-            except BaseException:
-                _abandon(router, cleanup)
-                raise
-    else:
-        bind_host = host or _advertised_host(root_host, root_port)
-        router, my_addrs, cleanup, _ = _bind_node(ctx, bind_host, True, tag)
-        root = f"tcp://{root_host}:{root_port}"
-        try:
-            hosts, addrs = _join(
-                ctx, secret, node_index, num_nodes, my_addrs, timeout, lambda: root
-            )
-        except BaseException:
-            _abandon(router, cleanup)
-            raise
-    return Tree(node_index, num_nodes, context=ctx, router=router, cleanup=cleanup,
-                secret=secret, hosts=hosts, addresses=addrs, base=base, timeout=timeout,
-                chunk_bytes=chunk_bytes, shm=shm)  # fmt: skip
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -415,31 +695,76 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def from_env(**kwargs) -> Tree:
-    """A `StaticTree` configured by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or Slurm.
+def from_env(
+    *, token: str | None = None, token_file: str | None = None, insecure: bool = False
+) -> Localhost | Static:
+    """The handler for a job started by torchrun (or anything that sets RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) or by Slurm (SLURM_PROCID, SLURM_NTASKS, ...).
 
-    The tree listens on $IPC_PORT, else MASTER_PORT + 1 (torchrun's own store
-    holds MASTER_PORT), else a port derived from SLURM_JOB_ID.
-    """
+    All ranks on one host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE, a loopback
+    MASTER_ADDR, or one Slurm node): `Localhost`, keyed by the launch (torchrun's
+    store port and run id, or Slurm's job and step), so nothing listens on TCP and the
+    secret is random unless $IPC_TOKEN is set. Across hosts: `Static` with node 0 at
+    MASTER_ADDR:$IPC_PORT (default MASTER_PORT + 1, as torchrun's store holds
+    MASTER_PORT; under Slurm without MASTER_ADDR, the first host of the node list and a
+    port from the job id), and the secret from $IPC_TOKEN or $IPC_TOKEN_FILE."""
     env = os.environ
+
+    def num(name: str) -> int:
+        try:
+            return int(env[name])
+        except ValueError:
+            raise IPCError(f"Tree.from_env: ${name}={env[name]!r} is not an integer") from None
+
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        root_host = env.get("MASTER_ADDR", "127.0.0.1")
-        port = int(env["IPC_PORT"]) if "IPC_PORT" in env else int(env["MASTER_PORT"]) + 1
-        run_id = env.get("TORCHELASTIC_RUN_ID")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        root_host = env.get("MASTER_ADDR") or _first_slurm_host(
-            env.get("SLURM_STEP_NODELIST") or env["SLURM_NODELIST"]
+        rank, world = num("RANK"), num("WORLD_SIZE")
+        root = env.get("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env and "IPC_PORT" not in env:
+            raise IPCError("Tree.from_env: set MASTER_PORT (or IPC_PORT) with RANK and WORLD_SIZE")
+        port = num("IPC_PORT") if "IPC_PORT" in env else num("MASTER_PORT") + 1
+        local = num("LOCAL_WORLD_SIZE") == world if "LOCAL_WORLD_SIZE" in env else is_loopback(root)
+        key = ":".join(
+            [
+                "torchrun",
+                root,
+                env.get("MASTER_PORT", ""),
+                env.get("TORCHELASTIC_RUN_ID", ""),
+                env.get("TORCHELASTIC_RESTART_COUNT", ""),
+            ]
         )
-        job = int(env.get("SLURM_JOB_ID", "0"))
-        port = int(env["IPC_PORT"]) if "IPC_PORT" in env else 20000 + job % 20000
-        run_id = f"slurm-{job}" if "SLURM_JOB_ID" in env else None
+        lws = env.get("LOCAL_WORLD_SIZE", "unset")
+        where = f"RANK={rank}, WORLD_SIZE={world}, LOCAL_WORLD_SIZE={lws}"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = num("SLURM_PROCID"), num("SLURM_NTASKS")
+        nodes = (
+            env.get("SLURM_STEP_NUM_NODES")
+            or env.get("SLURM_JOB_NUM_NODES")
+            or env.get("SLURM_NNODES")
+        )
+        local = nodes == "1"
+        root = env.get("MASTER_ADDR") or _first_slurm_host(
+            env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
+        )
+        job = env.get("SLURM_JOB_ID", "0")
+        port = num("IPC_PORT") if "IPC_PORT" in env else 20000 + int(job) % 20000
+        key = f"slurm:{job}:{env.get('SLURM_STEP_ID', '')}"
+        where = f"the Slurm job's {nodes or '?'} nodes"
     else:
         raise IPCError(
             "Tree.from_env: set RANK and WORLD_SIZE (torchrun) or run under Slurm "
             "(SLURM_PROCID, SLURM_NTASKS, SLURM_NODELIST)"
         )
-    if "token" not in kwargs and TOKEN_ENV not in env and run_id:
-        kwargs["token"] = f"distlearn-ipc:{run_id}:{root_host}:{port}"
-    return StaticTree(rank, world, root_host, port, **kwargs)
+    if local:
+        return Localhost(
+            rank, world, key=env.get(KEY_ENV) or key, token=token, token_file=token_file
+        )
+    return Static(
+        rank,
+        world,
+        root,
+        port,
+        token=token,
+        token_file=token_file,
+        insecure=insecure,
+        what=f"the ranks run on more than one host ({where})",
+    )

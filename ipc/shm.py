@@ -24,11 +24,18 @@ Files are unlinked as soon as every node has opened them, so nothing is
 left behind in /dev/shm once a collective runs; a file whose creator was
 killed in the milliseconds before that is named after its pid, and the next
 tree on the host removes it.
+
+Segments are allocated (posix_fallocate), not only sized: on a small
+/dev/shm (Docker's 64 MB) a sized but unallocated segment raises SIGBUS on
+first touch. When any node cannot allocate, all of them learn it at the same
+barrier, log it, and send collectives that big over the sockets instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import mmap
 import os
 import struct
@@ -41,6 +48,8 @@ import torch
 from . import cma
 from .errors import IPCTimeoutError, MismatchError, PeerError
 
+log = logging.getLogger(__name__)
+
 # Per node and parity: sequence, contributes (0/1), signature, payload bytes.
 CONTROL = struct.Struct("<QQ8sQ")
 # Per node: the last barrier it arrived at, and the barrier it sleeps in (0: awake).
@@ -48,6 +57,9 @@ ARRIVAL = struct.Struct("<QQ")
 # Per node, after ARRIVAL in the same line, written once at setup: pid, address
 # and value of its cross-memory probe word, and whether it can read every peer.
 SETUP = struct.Struct("<QQQQ")
+# Per node, after SETUP in the same line: the last slot generation it tried to
+# allocate, and whether it could.
+GROW = struct.Struct("<QQ")
 # Per node and parity: where its groups lie, for peers to read them (see ipc.cma).
 MAX_GROUPS = 8
 ADDRESSES = struct.Struct(f"<{MAX_GROUPS}Q")
@@ -106,15 +118,34 @@ def sweep_stale(min_age: float = 60.0) -> None:
             continue  # not one of ours, alive, or not ours to judge
 
 
+class ShmFull(OSError):
+    """/dev/shm has no room for a segment."""
+
+
 def _map(path: Path, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            try:
+                # Allocate the pages now: a segment that is only sized would raise SIGBUS
+                # when a collective first touches a page the tmpfs cannot give.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as err:
+                os.unlink(path)
+                if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise ShmFull(
+                        err.errno, f"{SHM_DIR} cannot hold {size >> 10} KiB more"
+                    ) from None
+                raise
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+def create_control(prefix: str, pid: int, n: int) -> mmap.mmap:
+    """Node 0's control page for a group of n nodes (raises ShmFull if there is no room)."""
+    return _map(_segment(prefix, "ctl", pid), n * LINES * CONTROL_SLOT, create=True)
 
 
 class SharedMemoryGroup:
@@ -130,13 +161,22 @@ class SharedMemoryGroup:
         sync: Callable[[], None],
         wait_readable: Callable[[int, float], None],
         timeout: float,
+        control: mmap.mmap | None = None,
+        on_stall: Callable[[float, list[int]], None] | None = None,
+        stall_warning: float = 30.0,
     ):
         """`sync()` is a barrier over the sockets (used during setup only);
         `wait_readable(fd, seconds)` returns when fd is readable or after `seconds`,
-        raising on peer failure; a barrier waiting longer than `timeout` raises."""
+        raising on peer failure; a barrier waiting longer than `timeout` raises.
+        Node 0 passes the `control` page it made with `create_control`; a barrier that
+        has waited `stall_warning` s calls `on_stall(waited, late nodes)`, then every
+        minute."""
         self.node, self.n, self.prefix = node, n, prefix
         self._wait_readable = wait_readable
         self.timeout = timeout
+        self._on_stall = on_stall
+        self.stall_warning = stall_warning
+        self.limit = 1 << 62  # collectives above this many bytes go over the sockets
         self._seq = 0
         self._gen = 0
         self._barriers = 0
@@ -159,7 +199,7 @@ class SharedMemoryGroup:
         self._wfd: dict[int, int] = {}
         try:
             if node == 0:
-                self._ctl = _map(ctl_path, ctl_size, create=True)
+                self._ctl = control
             sync()
             if node != 0:
                 self._ctl = _map(ctl_path, ctl_size, create=False)
@@ -234,18 +274,21 @@ class SharedMemoryGroup:
                 return
         self._spin = max(SPIN_MIN_S, spin / 2)
         ARRIVAL.pack_into(self._ctl, mine, b, b)  # asleep in barrier b
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
+        stall = start + self.stall_warning
         try:
             while True:
                 self._drain()
                 if self._all_arrived(b):
                     return
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
+                if now >= stall and self._on_stall is not None:
+                    stall = now + max(60.0, self.stall_warning)
+                    self._on_stall(now - start, self._late(b))
                 if remaining <= 0:
-                    late = [
-                        j for j in range(self.n)
-                        if ARRIVAL.unpack_from(self._ctl, self._line(j, 2))[0] < b
-                    ]  # fmt: skip
+                    late = self._late(b)
                     raise IPCTimeoutError(
                         f"node {self.node}: nodes {late} did not reach shared-memory "
                         f"barrier {b} within {self.timeout}s",
@@ -255,6 +298,10 @@ class SharedMemoryGroup:
         finally:
             ARRIVAL.pack_into(self._ctl, mine, b, 0)
 
+    def _late(self, b: int) -> list[int]:
+        """Nodes that have not arrived at barrier b."""
+        return [j for j in range(self.n) if ARRIVAL.unpack_from(self._ctl, self._line(j, 2))[0] < b]
+
     def _wake(self, b: int) -> None:
         for j, fd in self._wfd.items():
             if ARRIVAL.unpack_from(self._ctl, self._line(j, 2))[1] == b:
@@ -263,14 +310,40 @@ class SharedMemoryGroup:
 
     # ---- slots -------------------------------------------------------------
 
-    def _grow(self, need: int) -> None:
-        """Every node maps a bigger segment; called by all nodes with the same `need`."""
+    def _grow(self, need: int) -> bool:
+        """Every node maps a bigger segment; called by all nodes with the same `need`.
+
+        False (on every node alike) when any node could not allocate its segment: the
+        group then keeps its slots and sends collectives above them over the sockets."""
         cap = 1 << max(16, (need - 1).bit_length())
         self._gen += 1
         path = _segment(self.prefix, f"{self.node}-{self._gen}", os.getpid())
-        mine = _map(path, 2 * cap, create=True)
+        grow_at = self._line(self.node, 2) + ARRIVAL.size + SETUP.size
         try:
-            self.barrier()
+            mine = _map(path, 2 * cap, create=True)
+        except ShmFull:
+            mine = None
+        GROW.pack_into(self._ctl, grow_at, self._gen, int(mine is not None))
+        self.barrier()
+        failed = [
+            j for j in range(self.n)
+            if GROW.unpack_from(self._ctl, self._line(j, 2) + ARRIVAL.size + SETUP.size)
+            != (self._gen, 1)
+        ]  # fmt: skip
+        if failed:
+            if mine is not None:
+                mine.close()
+                os.unlink(path)
+            self.limit = self.capacity
+            if self.node == 0:
+                log.warning(
+                    "ipc: %s cannot hold %d nodes' slots of %d MiB (nodes %s could not allocate): "
+                    "collectives above %d KiB go through the sockets instead. Give the "
+                    "container a larger /dev/shm (e.g. docker run --shm-size=1g)",
+                    SHM_DIR, self.n, 2 * cap >> 20, failed, self.capacity >> 10,
+                )  # fmt: skip
+            return False
+        try:
             maps = []
             for j in range(self.n):
                 if j == self.node:
@@ -285,6 +358,7 @@ class SharedMemoryGroup:
         self._maps = maps
         self._slots = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         self.capacity = cap
+        return True
 
     def _release(self) -> None:
         self._slots = []
@@ -312,17 +386,20 @@ class SharedMemoryGroup:
         reduce: Callable[[torch.Tensor, torch.Tensor], None] | None,
         contribute: bool,
         scatter: bool = False,
-    ) -> int:
+    ) -> int | None:
         """All-reduce (or, with `scatter`, broadcast node 0's) flat buffers in place.
 
-        Returns the number of contributing nodes.
+        Returns the number of contributing nodes, or None (on every node alike) when
+        /dev/shm has no room for the collective: the caller then uses the sockets.
         """
-        self._seq += 1
-        seq, parity = self._seq, self._seq & 1
         offsets, nbytes = [], 0
         for g in groups:
             offsets.append(nbytes)
             nbytes = _align(nbytes + g.numel() * g.element_size())
+        if nbytes > self.limit:
+            return None
+        self._seq += 1
+        seq, parity = self._seq, self._seq & 1
         self.stats["collectives"] += 1
         self.stats["bytes"] += nbytes
         writes = contribute and (not scatter or self.node == 0)
@@ -351,7 +428,10 @@ class SharedMemoryGroup:
             if j_contrib:
                 contributors.append(j)
         if not fits:
-            self._grow(nbytes)
+            if not self._grow(nbytes):
+                self.stats["collectives"] -= 1
+                self.stats["bytes"] -= nbytes
+                return None
             if writes and not direct:
                 self._copy_in(groups, offsets, parity, sliced)
             self.barrier()

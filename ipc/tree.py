@@ -1,68 +1,59 @@
-"""The process tree: links to parent and children, and the collectives that run over them.
+"""The process tree: `Tree(rendezvous, ...)`, its collectives, and asynchronous handles.
 
-Each node binds one ROUTER socket (what it receives) and connects one DEALER
-per neighbour (what it sends). Identities are HMACs of the job's secret, so a
-stranger's messages are dropped, and a socket monitor on each DEALER notices
-a neighbour that dies. Tensors travel as raw bytes behind a 21-byte header;
-nothing received is ever unpickled or executed.
+A tree is built in three steps, one module each: a rendezvous handler
+(:mod:`ipc.rendezvous`) gives the roster; every node links to its parent and
+children over authenticated links (:mod:`ipc.link`); the collectives run on
+those links (:mod:`ipc.engine`) or, when every node is on one host, through
+shared memory (:mod:`ipc.shm`).
+
+Threads: one communication thread per tree runs asynchronous collectives
+(`async_op=True`) in the order they were started and, between collectives,
+answers the links (goodbyes, errors, early data, progress reports). A
+synchronous call made while nothing is in flight runs in the caller's thread
+instead, under the same lock, so it costs no thread hand-off; one made while
+handles are in flight queues behind them. Collectives are issued by one
+thread at a time, in the same order on every node (as with torch.distributed).
+
+Forks: a forked child cannot use its parent's tree (every call raises), and
+the tree's sockets are closed in the child, so a child that outlives its
+parent does not keep the parent's links open.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import hashlib
-import hmac
-import json
 import logging
 import os
-import struct
-import tempfile
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from .errors import IPCError, IPCTimeoutError, MismatchError, PeerError
+from . import shm as shm_mod
+from .auth import TOKEN_ENV, TOKEN_FILE_ENV
+from .engine import Engine
+from .errors import IPCError
+from .link import Endpoint, Limits, Link, Liveness
 from .pack import Nested, Packed, flatten
+from .rendezvous import Localhost, Roster, Static, check_index, is_loopback
+from .rendezvous import from_env as env_handler
+from .runtime import runtime_dir
 from .shm import SHM_DIR, SharedMemoryGroup
 from .topology import build_tree
 
 log = logging.getLogger(__name__)
 
-# Header: kind, collective sequence number, chunk index, contributing count, signature.
-HEADER = struct.Struct("<BIII8s")
-UP, DOWN, ERROR, BYE, HELLO = 1, 2, 3, 4, 5
-
 DEFAULT_TIMEOUT = float(os.environ.get("IPC_TIMEOUT", "300"))
 DEFAULT_CHUNK = 1 << 20
-# Below this size zmq copies anyway; tracking a zero-copy send would cost more than it saves.
-ZERO_COPY_MIN = 1 << 16
+DEFAULT_STALL_WARNING = float(os.environ.get("IPC_STALL_WARNING", "30"))
+SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the links
 
 Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
-
-
-def link_identity(secret: bytes, src: int, dst: int) -> bytes:
-    """The ZeroMQ identity `src` uses towards `dst`: unforgeable without the secret."""
-    # ZeroMQ reserves identities that start with a zero byte: never start with one.
-    return b"L" + hmac.new(secret, f"link:{src}->{dst}".encode(), hashlib.sha256).digest()[:16]
-
-
-def runtime_dir() -> Path:
-    """A private (0700) directory for rendezvous files, Unix sockets and FIFOs."""
-    d = Path(tempfile.gettempdir()) / f"distlearn-ipc-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    return d
-
-
-def _dead(peer: int, exc: IPCError) -> IPCError:
-    """Mark `exc` as coming from `peer`, which cannot hear about it any more."""
-    exc.via = peer
-    return exc
+_TREES: weakref.WeakSet = weakref.WeakSet()
 
 
 def _reducer(op: Op) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -84,172 +75,338 @@ def _reducer(op: Op) -> Callable[[torch.Tensor, torch.Tensor], None]:
     raise ValueError(f"all_reduce op must be 'sum', 'max', 'min' or a callable, got {op!r}")
 
 
-@dataclass
-class LinkStats:
-    """Traffic on one link, as seen from this node."""
+class Handle:
+    """A collective in flight. `wait()` returns what the synchronous call returns (the
+    number of contributing nodes for all_reduce) or raises what it would raise."""
 
-    bytes_sent: int = 0
-    bytes_recv: int = 0
-    msgs_sent: int = 0
-    msgs_recv: int = 0
+    __slots__ = ("_done", "_error", "_result")
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._result: int | None = None
+        self._error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Block until the collective is done (its own timeout bounds this); `timeout`
+        only bounds this wait, raising TimeoutError with the collective still running."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the collective is still running after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: int | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
 
 
-@dataclass
-class Peer:
-    """One neighbour: its index, our sending socket to it, and its monitor."""
+class _Job:
+    __slots__ = ("args", "handle")
 
-    index: int
-    address: str
-    sock: zmq.Socket
-    monitor: zmq.Socket
-    stats: LinkStats = field(default_factory=LinkStats)
+    def __init__(self, args: tuple, handle: Handle):
+        self.args = args
+        self.handle = handle
+
+
+class _CommThread(threading.Thread):
+    """Runs queued collectives in order; answers the links while there are none."""
+
+    def __init__(self, tree: Tree):
+        super().__init__(name=f"ipc-tree-{tree.node_index}", daemon=True)
+        self.tree = weakref.proxy(tree)
+        self.lock = tree._lock
+        self.cond = threading.Condition()
+        self.queue: deque[_Job] = deque()
+        self.running = False
+        self.stopping = False
+
+    def idle(self) -> bool:
+        return not self.queue and not self.running
+
+    def submit(self, args: tuple) -> Handle:
+        handle = Handle()
+        with self.cond:
+            if self.stopping:
+                raise IPCError("the tree is closing", node=None)
+            self.queue.append(_Job(args, handle))
+            self.cond.notify()
+        return handle
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every queued collective has run."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not self.idle() and time.monotonic() < deadline:
+                self.cond.wait(0.1)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    if not self.queue and not self.stopping:
+                        self.cond.wait(SERVICE_EVERY_S)
+                    if self.stopping and not self.queue:
+                        return
+                    job = self.queue.popleft() if self.queue else None
+                    self.running = job is not None
+                if job is None:
+                    if self.lock.acquire(blocking=False):
+                        try:
+                            self.tree._service()
+                        finally:
+                            self.lock.release()
+                    continue
+                try:
+                    with self.lock:
+                        result = self.tree._collective(*job.args)
+                    job.handle._finish(result, None)
+                except BaseException as exc:  # handed to whoever waits on the handle
+                    job.handle._finish(None, exc)
+                with self.cond:
+                    self.running = False
+                    self.cond.notify_all()
+        except ReferenceError:
+            return  # the tree was collected
 
 
 class Tree:
-    """One node of the process tree; made by `LocalhostTree`, `StaticTree` or `Tree.from_env`."""
+    """One node of a tree of processes.
+
+        tree = ipc.Tree(ipc.rendezvous.Localhost(node_index, num_nodes))
+        tree = ipc.LocalhostTree(node_index, num_nodes)      # the same
+        tree = ipc.Tree.from_env()                            # torchrun or Slurm
+
+    Options: `base` (fan-out), `timeout` (seconds any collective may wait for a slow
+    node; default 300 or $IPC_TIMEOUT), `chunk_bytes` (socket transport's chunk),
+    `shm` (shared memory when every node is on one host), `encrypt` (CURVE on every
+    link), `heartbeat` (ipc.link.Liveness: how soon a dead or frozen peer is named;
+    default from $IPC_HEARTBEAT_INTERVAL/$IPC_HEARTBEAT_TIMEOUT, 1 s and 6 s),
+    `stall_warning` (seconds before a waiting collective logs who it waits for).
+    Every node must pass the same base, chunk_bytes, shm and encrypt."""
 
     def __init__(
         self,
-        node_index: int,
-        num_nodes: int,
+        rendezvous: Localhost | Static,
         *,
-        context: zmq.Context,
-        router: zmq.Socket,
-        cleanup: list[str],
-        secret: bytes,
-        hosts: list[str],
-        addresses: list[dict[str, str]],
         base: int = 2,
         timeout: float = DEFAULT_TIMEOUT,
         chunk_bytes: int = DEFAULT_CHUNK,
         shm: bool = True,
+        encrypt: bool = False,
+        heartbeat: Liveness | None = None,
+        stall_warning: float = DEFAULT_STALL_WARNING,
     ):
-        self.node_index = node_index
-        self.num_nodes = num_nodes
-        self.timeout = timeout
+        if not isinstance(base, int) or isinstance(base, bool) or base < 1:
+            raise ValueError(f"base must be an int >= 1, got {base!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(chunk_bytes, int) or not 64 <= chunk_bytes <= 1 << 28:
+            raise ValueError(f"chunk_bytes must be an int in [64, 2**28], got {chunk_bytes!r}")
+        if not isinstance(stall_warning, (int, float)) or stall_warning <= 0:
+            raise ValueError(f"stall_warning must be a positive number, got {stall_warning!r}")
+        self.node_index = rendezvous.node_index
+        self.num_nodes = rendezvous.num_nodes
+        self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes
-        self._ctx = context
-        self._router = router
-        self._cleanup = cleanup
-        self._secret = secret
-        self._seq = 0
-        self._broken: IPCError | None = None
-        self._shm: SharedMemoryGroup | None = None
-        self._polled_fds: set[int] = set()
+        self._pid = os.getpid()
         self._closed = False
-        self._bye: set[int] = set()
-        self._backlog: deque = deque()
-        self._collective_time = 0.0
+        self._lock = threading.Lock()  # the engine: one collective (or service) at a time
+        self._order = threading.Lock()  # submissions: the order every node runs them in
+        self._shm: SharedMemoryGroup | None = None
+        self._endpoint: Endpoint | None = None
+        self._engine: Engine | None = None
+        self._comm: _CommThread | None = None
+        self._links: dict[int, Link] = {}
+        self.parent: int | None = None
+        self.children: list[int] = []
         self._collectives = 0
-        placement = build_tree(hosts, base)[node_index]
-        self.parent: int | None = placement.parent
-        self.children: list[int] = placement.children
-        self._peers: dict[int, Peer] = {}
-        self._by_identity: dict[bytes, int] = {}
-        self._poller = zmq.Poller()
-        self._poller.register(router, zmq.POLLIN)
-        for j in [*([self.parent] if self.parent is not None else []), *self.children]:
-            addr = self._pick_address(hosts, addresses, j)
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, link_identity(secret, node_index, j))
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 2000)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(addr)
-            self._peers[j] = Peer(j, addr, sock, monitor)
-            self._by_identity[link_identity(secret, j, node_index)] = j
-            self._poller.register(monitor, zmq.POLLIN)
-        try:
-            self._handshake()
-            # Every neighbour is connected: the Unix socket names can go now, so even a
-            # killed process leaves nothing behind.
-            self._unlink_cleanup()
-            if shm and num_nodes > 1 and len(set(hosts)) == 1 and SHM_DIR.is_dir():
-                self._shm = self._setup_shm()
-        except BaseException as exc:
-            if isinstance(exc, IPCError):
-                self._fail(exc)
-            self.close()
-            raise
+        self._collective_time = 0.0
+        self.encrypt = bool(encrypt)
+        liveness = heartbeat if heartbeat is not None else Liveness.from_env()
+        options = {
+            "base": base,
+            "chunk_bytes": chunk_bytes,
+            "shm": bool(shm),
+            "encrypt": self.encrypt,
+        }
+        limits = Limits(max_frame=chunk_bytes + 1024)
+        me = self.node_index
+        info = {"name": f"node {me}", "node": me, "pid": os.getpid()}
 
-    def _setup_shm(self) -> SharedMemoryGroup:
+        def listen(secret, specs: list[str]) -> list[str]:
+            if self._endpoint is not None:
+                self._endpoint.close(linger=0)
+            self._endpoint = Endpoint(
+                secret,
+                f"node {me}",
+                bind=specs,
+                encrypt=self.encrypt,
+                limits=limits,
+                liveness=liveness,
+                info=info,
+                accept=self._accept,
+            )
+            return list(self._endpoint.addresses)
+
+        try:
+            roster = rendezvous.rendezvous(listen, options, self.timeout)
+            self.where = roster.where
+            self._connect(roster, base, stall_warning)
+            if shm and self.num_nodes > 1 and len(set(roster.hosts)) == 1 and SHM_DIR.is_dir():
+                self._shm = self._setup_shm(stall_warning)
+        except BaseException as exc:
+            if self._engine is not None and isinstance(exc, IPCError):
+                self._engine.fail(exc)
+            self._release(linger=0)
+            raise
+        self._comm = _CommThread(self)
+        self._comm.start()
+        _TREES.add(self)
+
+    # ---- set-up -----------------------------------------------------------------
+
+    def _accept(self, link: Link) -> str | None:
+        """Admit a link only from one of our children (the roster says which)."""
+        j = link.info.get("node")
+        if not isinstance(j, int) or j not in self.children:
+            return f"node {j} is not a child of node {self.node_index}"
+        if j in self._links and self._links[j].up:
+            return f"node {j} is linked already"
+        link.tag = j
+        link.name = f"node {j}"
+        return None
+
+    def _connect(self, roster: Roster, base: int, stall_warning: float) -> None:
+        me, ep = self.node_index, self._endpoint
+        placements = build_tree(list(roster.hosts), base)
+        self.parent = placements[me].parent
+        self.children = placements[me].children
+        subtree = [1] * self.num_nodes
+        for i in sorted(range(self.num_nodes), key=lambda i: -_depth(placements, i)):
+            if placements[i].parent is not None:
+                subtree[placements[i].parent] += subtree[i]
+        if self.parent is not None:
+            p = self.parent
+            same = roster.hosts[p] == roster.hosts[me]
+            addrs = roster.addresses[p]
+            addr = next((a for a in addrs if a.startswith("ipc://")), None) if same else None
+            addr = addr or next(a for a in addrs if a.startswith("tcp://"))
+            link = ep.dial(addr, tag=p, reconnect=False)
+            link.name = f"node {p}"
+            self._links[p] = link
+        deadline = time.monotonic() + self.timeout
+        while True:
+            # Take the children's links; leave other events (a fast neighbour may already
+            # have finished collectives and said goodbye) for the engine.
+            for event in [e for e in ep.events if e[0] == "accepted"]:
+                ep.events.remove(event)
+                self._links[event[1].tag] = event[1]
+            if self.parent is not None:
+                plink = self._links[self.parent]
+                if plink.failure is not None:  # refused: says why, before its link's end
+                    raise plink.failure
+            for what, link in ep.events:
+                if what == "dead" and link.tag in self._links and link.bye is None:
+                    raise ep.dead_error(link)
+            neighbours = [*self.children, *([self.parent] if self.parent is not None else [])]
+            if all(j in self._links and self._links[j].state == "up" for j in neighbours):
+                break
+            if time.monotonic() > deadline:
+                missing = [j for j in self.children if j not in self._links]
+                raise IPCError(
+                    f"node {me}: nodes {missing} did not link to us within {self.timeout:g}s",
+                    node=missing[0] if missing else self.parent,
+                )
+            ep.poll(0.05)
+        # Every neighbour is connected: the Unix socket names can go now, so even a
+        # killed process leaves nothing behind.
+        ep.unlink_socket_files()
+        self._engine = Engine(
+            me,
+            self.num_nodes,
+            ep,
+            self.parent,
+            self._links,
+            {c: subtree[c] for c in self.children},
+            timeout=self.timeout,
+            stall_warning=stall_warning,
+        )
+
+    def _setup_shm(self, stall_warning: float) -> SharedMemoryGroup | None:
         """All nodes on one host: agree on a name and node 0's pid, then map slots and FIFOs."""
         name = torch.zeros(2, dtype=torch.int64)
+        control = None
         if self.node_index == 0:
-            name[0], name[1] = int.from_bytes(os.urandom(7), "little"), os.getpid()
-        self._collective(name, "scatter", None, up=False, contribute=True)
+            ident = int.from_bytes(os.urandom(7), "little") | 1
+            try:
+                control = shm_mod.create_control(f"ipc-{ident:014x}", os.getpid(), self.num_nodes)
+                name[0], name[1] = ident, os.getpid()
+            except OSError as err:
+                log.warning("ipc: no shared memory (%s); collectives go through the sockets", err)
+        self._run_inline(name, "scatter", None, False, True)
+        if int(name[0]) == 0:
+            return None
+        engine = self._engine
         return SharedMemoryGroup(
             self.node_index,
             self.num_nodes,
             f"ipc-{int(name[0]):014x}",
             int(name[1]),
             runtime_dir(),
-            sync=lambda: self._collective([], "barrier", None, up=True, contribute=True),
-            wait_readable=self._wait_readable,
+            sync=lambda: self._run_inline([], "barrier", None, True, True),
+            wait_readable=engine.wait_fd,
             timeout=self.timeout,
+            control=control,
+            on_stall=lambda waited, late: engine.log_stall(waited, late),
+            stall_warning=stall_warning,
         )
 
-    def _wait_readable(self, fd: int, seconds: float) -> None:
-        """Wait until `fd` is readable or `seconds` pass; raise if a neighbour fails or dies."""
-        if fd not in self._polled_fds:
-            self._poller.register(fd, zmq.POLLIN)  # stays registered: no per-wait cost
-            self._polled_fds.add(fd)
-        events = dict(self._poller.poll(max(1, int(seconds * 1000))))
-        if self._router in events:
-            # An error or an early goodbye from a neighbour raises here.
-            msg = self._read_router()
-            if msg is not None:
-                self._backlog.append(msg)
-        elif events and fd not in events:
-            self._check_monitors(0)
-
-    def _pick_address(self, hosts: list[str], addresses: list[dict[str, str]], j: int) -> str:
-        # Same host: a Unix socket skips the TCP stack; otherwise TCP.
-        if hosts[j] == hosts[self.node_index] and "ipc" in addresses[j]:
-            return addresses[j]["ipc"]
-        return addresses[j]["tcp"]
-
-    def _handshake(self) -> None:
-        """Say hello on every link and wait for every neighbour's hello."""
-        for p in self._peers.values():
-            self._send(p, HELLO, 0, 0, 0, b"\0" * 8)
-        waiting = set(self._peers)
-        early = []
-        while waiting:
-            msg = self._recv()
-            waiting.discard(msg[0])
-            if msg[1] != HELLO:
-                # A neighbour that finished its handshake first may already be reducing.
-                early.append(msg)
-        self._backlog.extend(early)
-
     @staticmethod
-    def from_env(**kwargs) -> Tree:
-        """A tree from torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT or Slurm's variables."""
-        from .rendezvous import from_env
+    def from_env(
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        insecure: bool = False,
+        **options,
+    ) -> Tree:
+        """A tree from torchrun's RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+        or Slurm's variables (see ipc.rendezvous.from_env); `options` as for Tree."""
+        return Tree(env_handler(token=token, token_file=token_file, insecure=insecure), **options)
 
-        return from_env(**kwargs)
+    # ---- public API -------------------------------------------------------------
 
-    # ---- public API -------------------------------------------------------
-
-    def all_reduce(self, tensors: Nested, op: Op = "sum", finished: bool = False) -> int:
+    def all_reduce(
+        self, tensors: Nested, op: Op = "sum", finished: bool = False, async_op: bool = False
+    ) -> Handle | int:
         """Reduce `tensors` across all nodes, in place; returns how many nodes contributed.
 
         A node passing `finished=True` contributes nothing (so a sum sees zeros
         from it) but still receives the result; this lets ranks with uneven
-        step counts finish an epoch without hanging.
-        """
+        step counts finish an epoch without hanging. With `async_op=True` it
+        returns a Handle at once; `handle.wait()` returns the count. Do not touch
+        the tensors until then."""
+        self._check()
         reduce = _reducer(op)
         kind = f"all_reduce:{op if isinstance(op, str) else 'callable'}"
-        return self._collective(tensors, kind, reduce, up=True, contribute=not finished)
+        return self._submit((flatten(tensors), kind, reduce, True, not finished), async_op)
 
-    def scatter(self, tensors: Nested) -> None:
+    def scatter(self, tensors: Nested, async_op: bool = False) -> Handle | None:
         """Copy the root's `tensors` into every node's `tensors`, in place."""
-        self._collective(tensors, "scatter", None, up=False, contribute=True)
+        self._check()
+        return self._submit((flatten(tensors), "scatter", None, False, True), async_op)
 
-    def barrier(self) -> None:
+    def barrier(self, async_op: bool = False) -> Handle | None:
         """Return once every node has entered the barrier."""
-        self._collective([], "barrier", None, up=True, contribute=True)
+        self._check()
+        return self._submit(([], "barrier", None, True, True), async_op)
 
     def net_stats(self) -> dict:
         """Bytes and messages per link, time spent in collectives, and shared-memory traffic
@@ -258,40 +415,38 @@ class Tree:
             "node": self.node_index,
             "parent": self.parent,
             "children": list(self.children),
-            "links": {j: {"address": p.address, **vars(p.stats)} for j, p in self._peers.items()},
+            "links": self._engine.link_stats() if self._engine is not None else {},
             "collectives": self._collectives,
             "collective_seconds": self._collective_time,
+            "encrypt": self.encrypt,
             # same-host collectives that went through shared memory instead of the links
             "shm": None if self._shm is None else {**self._shm.stats, "cma": self._shm.cma},
         }
 
     def close(self) -> None:
-        """Tell the neighbours we are leaving, then release sockets and files."""
+        """Finish what is in flight, say goodbye to the neighbours and wait until they have
+        read everything we sent (so the last collective is never lost), then release
+        sockets and files."""
         if self._closed:
             return
         self._closed = True
-        for p in self._peers.values():
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(p, BYE, self._seq, 0, 0, b"\0" * 8)
-        for p in self._peers.values():
-            p.sock.disable_monitor()
-            p.monitor.close(linger=0)
-            p.sock.close()
+        if os.getpid() != self._pid:
+            return  # a forked child: nothing here is ours
+        _TREES.discard(self)
+        if self._comm is not None:
+            self._comm.drain(self.timeout)
+            self._comm.stop()
+        broken = self._engine is not None and self._engine.broken is not None
+        with self._lock:
+            self._release(linger=min(self.timeout, 10.0 if broken else 60.0))
+
+    def _release(self, linger: float) -> None:
         if self._shm is not None:
             self._shm.close()
-        self._router.close(linger=0)
-        # Terminating our context blocks until what we queued (the last results sent
-        # down the tree, the goodbyes) is in the kernel, for at most the DEALERs'
-        # linger: a process that exits right after close(), even through os._exit as
-        # multiprocessing children do, cannot strand a neighbour mid-collective.
-        self._ctx.destroy()
-        self._unlink_cleanup()
-
-    def _unlink_cleanup(self) -> None:
-        for path in self._cleanup:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self._cleanup = []
+            self._shm = None
+        if self._endpoint is not None:
+            seq = self._engine.seq if self._engine is not None else 0
+            self._endpoint.close(bye={"seq": seq}, linger=linger)
 
     def __enter__(self) -> Tree:
         return self
@@ -309,288 +464,175 @@ class Tree:
             f"parent={self.parent}, children={self.children})"
         )
 
-    # ---- the collective engine -------------------------------------------
+    # ---- running collectives ------------------------------------------------------
 
-    def _collective(
-        self,
-        tensors: Nested,
-        kind: str,
-        reduce: Callable[[torch.Tensor, torch.Tensor], None] | None,
-        up: bool,
-        contribute: bool,
-    ) -> int:
+    def _check(self) -> None:
+        if os.getpid() != self._pid:
+            raise IPCError(
+                f"node {self.node_index}: this tree belongs to process {self._pid}; a forked "
+                "child cannot use it (make a tree in the child, or fork before making it)",
+                node=self.node_index,
+            )
         if self._closed:
             raise IPCError(f"node {self.node_index}: tree is closed", node=self.node_index)
-        if self._broken is not None:
-            raise self._broken
+
+    def _submit(self, args: tuple, async_op: bool) -> Handle | int | None:
+        """Start a collective in submission order: queued behind what is in flight, or,
+        synchronous with nothing in flight, run right here (no thread hand-off)."""
+        comm = self._comm
+        with self._order:  # another thread (an autograd hook) cannot slip in between
+            if async_op:
+                return comm.submit(args)
+            if comm.idle():
+                with self._lock:
+                    return self._collective(*args)
+            handle = comm.submit(args)
+        return handle.wait()
+
+    def _run_inline(self, *args) -> int | None:
+        """A collective during set-up (before the communication thread exists)."""
+        return self._collective(*args)
+
+    def _service(self) -> None:
+        if self._engine is not None and not self._closed:
+            self._engine.service()
+
+    def _collective(
+        self, leaves: list[torch.Tensor], kind: str, reduce, up: bool, contribute: bool
+    ) -> int | None:
+        engine = self._engine
         start = time.perf_counter()
-        leaves = flatten(tensors)
-        packed = Packed(leaves)
-        sig = packed.signature(kind)
-        self._seq += 1
+        engine.begin(kind)
         try:
+            packed = Packed(leaves)
+            sig = packed.signature(kind)
+            total = None
             if self.num_nodes == 1:
                 total = 1 if contribute else 0
                 if total == 0 and up:
-                    for chunk in packed.chunks(self.chunk_bytes):
-                        chunk.zero_()
+                    for g in packed.groups:
+                        g.flat.zero_()
             elif self._shm is not None:
-                flats = [g.flat for g in packed.groups]
-                total = self._shm.run(flats, sig, reduce, contribute, scatter=not up)
-            else:
-                total = self._run(packed, sig, reduce, up, contribute)
-        except IPCError as exc:
-            self._fail(exc)
+                total = self._shm.run(
+                    [g.flat for g in packed.groups], sig, reduce, contribute, scatter=not up
+                )
+            if total is None:
+                total = engine.run(packed, sig, reduce, up, contribute, self.chunk_bytes)
+            packed.unpack()
+        except BaseException as exc:
+            # Whatever made us leave (a peer's failure, a custom op that raised, Ctrl-C),
+            # our neighbours hear of it now instead of waiting for us (once).
+            if exc is not engine.broken:
+                engine.fail(exc)
             raise
-        packed.unpack()
+        finally:
+            engine.end()
         self._collectives += 1
         self._collective_time += time.perf_counter() - start
-        return total
+        return None if kind == "scatter" or kind == "barrier" else total
 
-    def _run(
-        self,
-        packed: Packed,
-        sig: bytes,
-        reduce: Callable[[torch.Tensor, torch.Tensor], None] | None,
-        up: bool,
-        contribute: bool,
-    ) -> int:
-        chunks = list(packed.chunks(self.chunk_bytes))
-        n = len(chunks)
-        seq = self._seq
-        root = self.parent is None
-        children = self.children
-        pending: list[list[tuple[int, int, zmq.Frame | None]]] = [[] for _ in range(n)]
-        trackers: list[zmq.MessageTracker] = []
-        next_up = 0
-        down_done = 0
-        total = 1
+    def _forked(self) -> None:
+        """In a forked child (os.register_at_fork): let go of the parent's sockets."""
+        self._closed = True
+        if self._endpoint is not None:
+            self._endpoint.close_inherited_fds()
 
-        def send_down(k: int, count: int, payload: object) -> None:
-            for c in children:
-                t = self._send(self._peers[c], DOWN, seq, k, count, sig, payload)
-                if t is not None:
-                    trackers.append(t)
 
-        def advance() -> None:
-            # Reduce and pass on every chunk for which all children have reported.
-            nonlocal next_up, total
-            while next_up < n and len(pending[next_up]) == len(children):
-                k = next_up
-                acc = chunks[k]
-                have = contribute
-                count = 1 if contribute else 0
-                for _, c_count, frame in pending[k]:
-                    count += c_count
-                    if frame is None or acc.numel() == 0:
-                        continue
-                    src = torch.frombuffer(frame.buffer, dtype=acc.dtype)
-                    if have:
-                        reduce(acc, src)
-                    else:
-                        acc.copy_(src)
-                        have = True
-                pending[k] = []
-                if root:
-                    if not have:
-                        acc.zero_()
-                    total = count
-                    send_down(k, count, acc)
-                else:
-                    self._send(
-                        self._peers[self.parent], UP, seq, k, count, sig, acc if have else None
-                    )
-                next_up += 1
+def _depth(placements, i: int) -> int:
+    d = 0
+    while placements[i].parent is not None:
+        i = placements[i].parent
+        d += 1
+    return d
 
-        if up:
-            advance()
-        elif root:
-            for k in range(n):
-                send_down(k, 1, chunks[k])
-            next_up = n
-        finished = (lambda: next_up == n) if root else (lambda: down_done == n)
-        while not finished():
-            peer, kind, m_seq, k, count, m_sig, frame = self._recv()
-            if kind == HELLO:
-                continue
-            if m_seq != seq or m_sig != sig or k >= n:
-                raise MismatchError(
-                    f"node {self.node_index}: node {peer} is in a different collective "
-                    f"(sequence {m_seq} vs {seq}, chunk {k} of {n}, "
-                    f"{'same' if m_sig == sig else 'different'} op/shapes/dtypes)",
-                    node=peer,
-                )
-            if kind == UP and up and peer in children:
-                pending[k].append((peer, count, frame))
-                advance()
-            elif kind == DOWN and peer == self.parent:
-                dst = chunks[k]
-                if frame is not None and dst.numel():
-                    dst.copy_(torch.frombuffer(frame.buffer, dtype=dst.dtype))
-                total = count
-                send_down(k, count, frame)
-                down_done += 1
-            else:
-                raise MismatchError(
-                    f"node {self.node_index}: unexpected message kind {kind} from node {peer}",
-                    node=peer,
-                )
-        for t in trackers:
-            # The root's chunks may still be on their way out of the caller's memory.
-            self._wait_tracker(t)
-        return total
 
-    def _wait_tracker(self, tracker: zmq.MessageTracker) -> None:
-        deadline = time.monotonic() + self.timeout
-        while not tracker.done:
-            if time.monotonic() > deadline:
-                raise IPCTimeoutError(
-                    f"node {self.node_index}: a send was not delivered within {self.timeout}s",
-                    node=self.node_index,
-                )
-            self._check_monitors(0)
-            with contextlib.suppress(zmq.NotDone):
-                tracker.wait(0.05)
+def _after_fork_in_child() -> None:
+    for tree in list(_TREES):
+        with contextlib.suppress(Exception):
+            tree._forked()
+    _TREES.clear()
 
-    # ---- sockets ---------------------------------------------------------
 
-    def _send(
-        self,
-        peer: Peer,
-        kind: int,
-        seq: int,
-        chunk: int,
-        count: int,
-        sig: bytes,
-        payload: object = None,
-    ) -> zmq.MessageTracker | None:
-        header = HEADER.pack(kind, seq, chunk, count, sig)
-        peer.stats.msgs_sent += 1
-        if payload is None:
-            peer.sock.send(header)
-            peer.stats.bytes_sent += len(header)
-            return None
-        if isinstance(payload, torch.Tensor):
-            buf = payload.view(torch.uint8).numpy() if payload.numel() else b""
-            size = len(buf)
-            peer.stats.bytes_sent += len(header) + size
-            peer.sock.send(header, zmq.SNDMORE)
-            if size >= ZERO_COPY_MIN:
-                # copy=False: zmq reads straight from the tensor; the tracker says when it is done.
-                return peer.sock.send(buf, copy=False, track=True)
-            peer.sock.send(buf)
-            return None
-        # A zmq.Frame we received: forward it without copying (zmq refcounts it).
-        size = len(payload.buffer) if isinstance(payload, zmq.Frame) else len(payload)
-        peer.stats.bytes_sent += len(header) + size
-        peer.sock.send(header, zmq.SNDMORE)
-        peer.sock.send(payload, copy=False)
-        return None
+def _close_all_at_exit() -> None:
+    # A process that ends without close() (an exception, sys.exit) still tells its
+    # neighbours, who then raise naming it instead of waiting for the timeout.
+    for tree in list(_TREES):
+        with contextlib.suppress(Exception):
+            tree.close()
 
-    def _check_monitors(self, timeout_ms: int) -> None:
-        for p in self._peers.values():
-            while p.monitor.poll(timeout_ms, zmq.POLLIN):
-                event = recv_monitor_message(p.monitor, zmq.NOBLOCK)
-                if event["event"] != zmq.EVENT_DISCONNECTED or p.index in self._bye:
-                    continue
-                # A peer that closed normally sent a goodbye first, on another
-                # connection: give it a moment to arrive before calling it dead.
-                deadline = time.monotonic() + 0.5
-                while p.index not in self._bye and self._router.poll(
-                    max(0, int((deadline - time.monotonic()) * 1000))
-                ):
-                    msg = self._read_router()
-                    if msg is not None:
-                        self._backlog.append(msg)
-                if p.index not in self._bye:
-                    raise _dead(
-                        p.index,
-                        PeerError(
-                            f"node {self.node_index}: lost the connection to node {p.index} "
-                            f"({p.address}); did it die?",
-                            node=p.index,
-                        ),
-                    )
-            timeout_ms = 0
 
-    def _read_router(self) -> tuple[int, int, int, int, int, bytes, zmq.Frame | None] | None:
-        """One message from the ROUTER; None for a stranger's or a harmless goodbye."""
-        frames = self._router.recv_multipart(copy=False)
-        peer = self._by_identity.get(frames[0].bytes)
-        if peer is None or len(frames) < 2 or len(frames[1].bytes) != HEADER.size:
-            self._stranger(frames[0].bytes)
-            return None
-        kind, seq, chunk, count, sig = HEADER.unpack(frames[1].bytes)
-        payload = frames[2] if len(frames) > 2 else None
-        stats = self._peers[peer].stats
-        stats.msgs_recv += 1
-        stats.bytes_recv += HEADER.size + (len(payload.buffer) if payload else 0)
-        if kind == ERROR:
-            info = json.loads(payload.bytes) if payload else {}
-            origin = info.get("node", peer)
-            exc = PeerError(
-                f"node {self.node_index}: tree failed: {info.get('message')} "
-                f"(reported via node {peer})",
-                node=origin,
-            )
-            exc.via = peer  # no need to tell it back
-            raise exc
-        if kind == BYE:
-            self._bye.add(peer)
-            if seq < self._seq:
-                # It left before finishing the collective we are in (or about to start).
-                raise _dead(
-                    peer,
-                    PeerError(
-                        f"node {self.node_index}: node {peer} closed the tree after "
-                        f"{seq} collectives; this is collective {self._seq}",
-                        node=peer,
-                    ),
-                )
-            return None  # it finished everything we need from it
-        return peer, kind, seq, chunk, count, sig, payload
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all_at_exit)
 
-    def _recv(self) -> tuple[int, int, int, int, int, bytes, zmq.Frame | None]:
-        """Next message from a neighbour: (peer, kind, seq, chunk, count, sig, payload)."""
-        if self._backlog:
-            return self._backlog.popleft()
-        deadline = time.monotonic() + self.timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise IPCTimeoutError(
-                    f"node {self.node_index}: no message from nodes "
-                    f"{sorted(self._peers)} within {self.timeout}s",
-                    node=self.node_index,
-                )
-            events = dict(self._poller.poll(int(min(remaining, 3600) * 1000) + 1))
-            if self._router in events:
-                msg = self._read_router()
-                if msg is not None:
-                    return msg
-            elif events:
-                self._check_monitors(0)
 
-    _stranger_logged = 0.0
+# ---- the factories users call ------------------------------------------------------
 
-    def _stranger(self, identity: bytes) -> None:
-        now = time.monotonic()
-        if now - self._stranger_logged > 10:  # rate-limited: a stranger could flood us
-            self._stranger_logged = now
-            log.warning(
-                "ipc node %d: dropped a message from an unknown peer (identity %s): "
-                "wrong token or not part of this job",
-                self.node_index,
-                identity.hex()[:16],
-            )
 
-    def _fail(self, exc: IPCError) -> None:
-        """Remember the failure and pass it on, so every node raises instead of hanging."""
-        self._broken = exc
-        body = json.dumps({"node": exc.node, "message": str(exc)}).encode()
-        header = HEADER.pack(ERROR, self._seq, 0, 0, b"\0" * 8)
-        for j, p in self._peers.items():
-            if j == getattr(exc, "via", None):
-                continue
-            with contextlib.suppress(zmq.ZMQError):
-                p.sock.send_multipart([header, body], zmq.NOBLOCK)
+def LocalhostTree(
+    node_index: int,
+    num_nodes: int,
+    *,
+    key: str | int | None = None,
+    port: int | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    **options,
+) -> Tree:
+    """A tree of processes on this host: Unix sockets in the private runtime directory,
+    nothing on TCP, and a random secret that node 0 shares through that directory.
+
+    Processes started side by side by one shell script or one Python parent find each
+    other (the parent pid keys the rendezvous, checked against start time and command
+    line); pass `key=` (or set $IPC_KEY) to group processes with different parents.
+    `token=` / `token_file=` (or $IPC_TOKEN / $IPC_TOKEN_FILE) set the secret yourself;
+    with `port=` node 0 also accepts joins on 127.0.0.1:port from nodes that have it.
+    `options` as for Tree (shm=False keeps every collective on the sockets)."""
+    handler = Localhost(
+        node_index, num_nodes, key=key, port=port, token=token, token_file=token_file
+    )
+    return Tree(handler, **options)
+
+
+def StaticTree(
+    node_index: int,
+    num_nodes: int,
+    root_host: str,
+    root_port: int,
+    *,
+    host: str | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    insecure: bool = False,
+    **options,
+) -> Tree:
+    """A tree across machines: node 0 listens on `root_host:root_port`, the others dial it.
+
+    The secret is `token`, `token_file`, $IPC_TOKEN or $IPC_TOKEN_FILE; without one an
+    IPCError says how to set it (`insecure=True` derives it from the root address, for a
+    trusted cluster, loudly logged). A loopback `root_host` without a secret means every
+    node is on this host: they meet as LocalhostTree does, keyed by the port. `host` is
+    the address this node binds and advertises. `options` as for Tree."""
+    check_index(node_index, num_nodes)
+    if is_loopback(root_host) and not (token or token_file or insecure or _env_secret()):
+        handler = Localhost(node_index, num_nodes, key=f"static:{root_host}:{root_port}")
+        return Tree(handler, **options)
+    handler = Static(
+        node_index,
+        num_nodes,
+        root_host,
+        root_port,
+        host=host,
+        token=token,
+        token_file=token_file,
+        insecure=insecure,
+    )
+    return Tree(handler, **options)
+
+
+def _env_secret() -> bool:
+    return bool(os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV))
+
+
+def from_env(**kwargs) -> Tree:
+    """`Tree.from_env`: a tree configured by torchrun or Slurm."""
+    return Tree.from_env(**kwargs)

@@ -11,8 +11,12 @@ import ctypes
 import faulthandler
 import logging
 import os
+import signal
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -47,15 +51,371 @@ def nested(node: int) -> dict:
 
 
 def tree_from_args(node: int, n: int, key: str, **kw) -> ipc.Tree:
-    timeout = float(os.environ.get("TEST_IPC_TIMEOUT", "30"))
+    """A LocalhostTree; TEST_IPC_TIMEOUT=default leaves every timing option at its default."""
+    timeout = os.environ.get("TEST_IPC_TIMEOUT", "30")
+    if timeout != "default":
+        kw.setdefault("timeout", float(timeout))
     kw.setdefault("shm", os.environ.get("TEST_IPC_SHM", "1") == "1")
+    if os.environ.get("TEST_STALL_WARNING"):
+        kw.setdefault("stall_warning", float(os.environ["TEST_STALL_WARNING"]))
     if key == "-":
-        return ipc.LocalhostTree(node, n, timeout=timeout, **kw)
-    return ipc.LocalhostTree(node, n, key=key, timeout=timeout, **kw)
+        return ipc.LocalhostTree(node, n, **kw)
+    return ipc.LocalhostTree(node, n, key=key, **kw)
+
+
+SCENARIOS: dict[str, Callable[[int, int, str], dict]] = {}
+
+
+def scenario(fn: Callable[[int, int, str], dict]) -> Callable[[int, int, str], dict]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def _failure(out: dict, exc: BaseException, start: float) -> None:
+    """What a node saw when a collective failed: the error, whom it names, how soon."""
+    out["error"] = type(exc).__name__
+    out["message"] = str(exc)
+    out["peer"] = getattr(exc, "node", None)
+    out["elapsed"] = time.monotonic() - start
+    out["traceback"] = traceback.format_exc()
+
+
+@scenario
+def scatter_once(node: int, n: int, key: str) -> dict:
+    """One scatter of 4 MiB in 64 KiB chunks, then close: the last collective before close()
+    must arrive (the old tree lost it 19 runs in 20 at this size)."""
+    tree = tree_from_args(node, n, key, chunk_bytes=1 << 16)
+    t = node_tensor(node, (1 << 20,), torch.float32)
+    tree.scatter(t)
+    tree.close()
+    return {"ok": torch.equal(t, node_tensor(0, (1 << 20,), torch.float32))}
+
+
+@scenario
+def stop_in_op(node: int, n: int, key: str) -> dict:
+    """Node STOP_NODE freezes (SIGSTOP) inside a custom op of the second all_reduce."""
+    stopper = int(os.environ.get("STOP_NODE", "1"))
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(1000))
+
+    def op(a: torch.Tensor, b: torch.Tensor) -> None:
+        if node == stopper:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        a.add_(b)
+
+    out: dict = {"error": None}
+    start = time.monotonic()
+    try:
+        # Over shared memory the others may finish this one without node 1 (its slot
+        # was written before it froze): then they wait for it in the next.
+        tree.all_reduce(torch.ones(1000), op=op)
+        tree.all_reduce(torch.ones(1000))
+    except ipc.IPCError as exc:
+        _failure(out, exc, start)
+    tree.close()
+    return out
+
+
+@scenario
+def slow(node: int, n: int, key: str) -> dict:
+    """Node SLOW_NODE sleeps SLOW_S seconds before the second all_reduce: waited for."""
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(10))
+    if node == int(os.environ.get("SLOW_NODE", str(n - 1))):
+        time.sleep(float(os.environ.get("SLOW_S", "5")))
+    x = torch.full((10,), float(node + 1))
+    out = {"count": tree.all_reduce(x), "sum": float(x[0])}
+    tree.close()
+    return out
+
+
+@scenario
+def op_raises(node: int, n: int, key: str) -> dict:
+    """Node RAISE_NODE's custom op raises in the second all_reduce."""
+    raiser = int(os.environ.get("RAISE_NODE", "1"))
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(1000))
+
+    def op(a: torch.Tensor, b: torch.Tensor) -> None:
+        if node == raiser:
+            raise ValueError(f"boom from the custom op on node {node}")
+        a.add_(b)
+
+    out: dict = {"error": None}
+    start = time.monotonic()
+    try:
+        # Over shared memory the others may finish this one on their own (node 1's slot
+        # was written before its op raised): then they hear of it in the next.
+        tree.all_reduce(torch.ones(1000), op=op)
+        tree.all_reduce(torch.ones(1000))
+    except Exception as exc:
+        _failure(out, exc, start)
+    try:
+        tree.all_reduce(torch.ones(3))  # the tree stays broken, and says so
+        out["after"] = None
+    except ipc.IPCError as exc:
+        out["after"] = type(exc).__name__
+    tree.close()
+    return out
+
+
+@scenario
+def interrupted(node: int, n: int, key: str) -> dict:
+    """Ctrl-C (SIGINT) on node INT_NODE while it waits in the second all_reduce."""
+    victim = int(os.environ.get("INT_NODE", "1"))
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(100))
+    out: dict = {"error": None}
+    if node == victim:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    else:
+        time.sleep(2.0)  # the victim is interrupted before we arrive
+    start = time.monotonic()
+    try:
+        tree.all_reduce(torch.ones(100))
+    except (ipc.IPCError, KeyboardInterrupt) as exc:
+        _failure(out, exc, start)
+    tree.close()
+    return out
+
+
+@scenario
+def forked(node: int, n: int, key: str) -> dict:
+    """Node 1 forks a child that outlives it; the child cannot use the tree, and once
+    node 1 dies the others hear of it at once (the child holds none of its sockets)."""
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(10))
+    outdir = os.environ["TEST_OUTDIR"]
+    if node == 1:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                tree.all_reduce(torch.ones(10))
+                msg = "no error"
+            except ipc.IPCError as exc:
+                msg = f"{type(exc).__name__}: {exc}"
+            with open(os.path.join(outdir, "child.txt"), "w") as f:
+                f.write(f"{os.getpid()}\n{msg}")
+            time.sleep(60)
+            os._exit(0)
+        while not os.path.exists(os.path.join(outdir, "child.txt")):
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os._exit(3)  # dies without closing anything, its child alive
+    out: dict = {"error": None}
+    start = time.monotonic()
+    try:
+        tree.all_reduce(torch.ones(10))
+    except ipc.IPCError as exc:
+        _failure(out, exc, start)
+    tree.close()
+    return out
+
+
+@scenario
+def launch(node: int, n: int, key: str) -> dict:
+    """For two launches from one shell: each node contributes its pid."""
+    tree = tree_from_args(node, n, key)
+    x = torch.tensor([float(os.getpid())], dtype=torch.float64)
+    count = tree.all_reduce(x)
+    tree.close()
+    return {"pid": os.getpid(), "sum": float(x[0]), "count": count}
+
+
+@scenario
+def big_shm(node: int, n: int, key: str) -> dict:
+    """64 MiB all_reduce over shared memory (on a small /dev/shm in the test)."""
+    tree = tree_from_args(node, n, key, shm=True)
+    small = torch.full((1 << 16,), float(node + 1))  # 256 KiB: fits in 64 MB
+    tree.all_reduce(small)
+    t = torch.full((16 << 20,), float(node + 1))
+    count = tree.all_reduce(t)
+    want = n * (n + 1) / 2
+    out = {
+        "count": count,
+        "ok": bool((t == want).all()) and bool((small == want).all()),
+        "shm": tree.net_stats()["shm"],
+    }
+    tree.close()
+    return out
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@scenario
+def static_token(node: int, n: int, key: str) -> dict:
+    """StaticTree at TEST_ROOT_HOST:TEST_ROOT_PORT with $IPC_TOKEN; node 0 reports how much
+    its peak memory grew during the rendezvous (strangers may be flooding it)."""
+    before = _peak_rss_mib()
+    tree = ipc.StaticTree(
+        node, n, os.environ["TEST_ROOT_HOST"], int(os.environ["TEST_ROOT_PORT"]),
+        timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")), shm=False,
+    )  # fmt: skip
+    grew = _peak_rss_mib() - before
+    x = torch.full((1000,), float(node + 1))
+    count = tree.all_reduce(x)
+    p = torch.full((10,), float(node))
+    tree.scatter(p)
+    tree.close()
+    return {"count": count, "sum": float(x[0]), "scattered": p, "rss_growth_mib": grew}
+
+
+@scenario
+def malformed(node: int, n: int, key: str) -> dict:
+    """Node 1 (a child of node 0) corrupts its chunks on the wire, as a buggy or hostile peer
+    that knows the secret might: MALFORM=twice sends every chunk twice, =short cuts each
+    payload by 4 bytes. Node 0 must refuse them, naming node 1."""
+    tree = tree_from_args(node, n, key, shm=False)
+    tree.all_reduce(torch.ones(100))
+    if node == 1:
+        from distlearn.ipc.wire import Kind
+
+        link = tree._links[0]
+        send = link.send
+        how = os.environ["MALFORM"]
+
+        def mangled(header, payload=None, **kw):
+            if header[0] != Kind.UP or payload is None:
+                return send(header, payload, **kw)
+            if how == "short":
+                return send(header, bytes(payload)[:-4])
+            send(header, payload, **kw)
+            return send(header, payload, **kw)
+
+        link.send = mangled
+    if node == 2:
+        time.sleep(1.0)  # node 1's chunks, all of them, reach node 0 first
+    out: dict = {"error": None}
+    start = time.monotonic()
+    try:
+        tree.all_reduce(torch.ones(100))
+    except ipc.IPCError as exc:
+        _failure(out, exc, start)
+    tree.close()
+    return out
+
+
+@scenario
+def async_many(node: int, n: int, key: str) -> dict:
+    """Several collectives in flight at once (all_reduce with ops, finished and nesting,
+    scatter, barrier), then a synchronous one that must queue behind them; handles are
+    waited for in reverse order."""
+    tree = tree_from_args(node, n, key)
+    t_sum = node_tensor(node, (3000,), torch.float32, 1)
+    t_max = node_tensor(node, (17,), torch.int64, 2)
+    t_fin = node_tensor(node, (300_000,), torch.float64, 3)  # sliced over shared memory
+    t_nest = nested(node)
+    p = node_tensor(node, (50,), torch.float32, 4)
+    handles = [
+        tree.all_reduce(t_sum, async_op=True),
+        tree.all_reduce(t_max, op="max", async_op=True),
+        tree.all_reduce(t_fin, finished=node % 2 == 1, async_op=True),
+        tree.all_reduce(t_nest, async_op=True),
+        tree.scatter(p, async_op=True),
+        tree.barrier(async_op=True),
+    ]
+    t_sync = node_tensor(node, (10,), torch.float32, 5)
+    count_sync = tree.all_reduce(t_sync)
+    results = [h.wait() for h in reversed(handles)][::-1]
+    out = {
+        "counts": results, "count_sync": count_sync, "done": [h.is_completed() for h in handles],
+        "sum": t_sum, "max": t_max, "fin": t_fin, "nest": t_nest, "scattered": p, "sync": t_sync,
+    }  # fmt: skip
+    tree.close()
+    return out
+
+
+@scenario
+def async_uneven(node: int, n: int, key: str) -> dict:
+    """Uneven step counts, each step's all_reduce started asynchronously two at a time."""
+    tree = tree_from_args(node, n, key)
+    steps = node + 1
+    counts, sums = [], []
+    step = 0
+    while True:
+        xs = [torch.tensor([float(node + 1)]) for _ in range(2)]
+        hs = [
+            tree.all_reduce(x, finished=step + k >= steps, async_op=True) for k, x in enumerate(xs)
+        ]
+        cs = [h.wait() for h in hs]
+        for c, x in zip(cs, xs, strict=True):
+            if c:
+                counts.append(c)
+                sums.append(float(x))
+        if cs[-1] == 0:
+            break
+        step += 2
+    tree.close()
+    return {"counts": counts, "sums": sums}
+
+
+@scenario
+def async_killed(node: int, n: int, key: str) -> dict:
+    """Node n-1 dies while the others have four handles in flight: every wait raises,
+    naming it."""
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(10))
+    if node == n - 1:
+        time.sleep(0.5)
+        os._exit(3)
+    start = time.monotonic()
+    handles = [tree.all_reduce(torch.ones(1000), async_op=True) for _ in range(4)]
+    out: dict = {"errors": [], "peers": [], "elapsed": None}
+    for h in handles:
+        try:
+            h.wait()
+            out["errors"].append(None)
+        except ipc.IPCError as exc:
+            out["errors"].append(type(exc).__name__)
+            out["peers"].append(exc.node)
+    out["elapsed"] = time.monotonic() - start
+    tree.close()
+    return out
+
+
+MARKER = b"DISTLEARN-PLAINTEXT-MARKER-"
+
+
+@scenario
+def marker(node: int, n: int, key: str) -> dict:
+    """Node 0 scatters a tensor of recognisable bytes over TCP, encrypted if TEST_ENCRYPT=1."""
+    tree = ipc.StaticTree(
+        node, n, os.environ["TEST_ROOT_HOST"], int(os.environ["TEST_ROOT_PORT"]),
+        timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")), shm=False,
+        encrypt=os.environ.get("TEST_ENCRYPT") == "1",
+    )  # fmt: skip
+    want = torch.frombuffer(bytearray(MARKER * 4000), dtype=torch.uint8)
+    t = want.clone() if node == 0 else torch.zeros_like(want)
+    tree.scatter(t)
+    x = torch.ones(1000)
+    tree.all_reduce(x)
+    out = {"ok": torch.equal(t, want) and bool((x == n).all()), "encrypt": tree.encrypt}
+    tree.close()
+    return out
+
+
+@scenario
+def env(node: int, n: int, key: str) -> dict:
+    """Tree.from_env with whatever RANK/WORLD_SIZE/... the test set."""
+    tree = ipc.Tree.from_env(timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")))
+    x = torch.full((100,), float(node + 1))
+    count = tree.all_reduce(x)
+    p = node_tensor(node, (10,), torch.float32)
+    tree.scatter(p)
+    tree.close()
+    return {"count": count, "sum": float(x[0]), "scattered": p}
 
 
 def run(scenario: str, node: int, n: int, key: str) -> dict:
     out: dict = {}
+    if scenario in SCENARIOS:
+        return SCENARIOS[scenario](node, n, key)
     if scenario == "ops":
         tree = tree_from_args(node, n, key)
         for op in ["sum", "max", "min"]:
@@ -211,7 +571,7 @@ def entry(
     n: int,
     outdir: str,
     key: str,
-    ipc_timeout: float,
+    ipc_timeout: float | str,
     shm: bool,
     extra_env: dict[str, str] | None = None,
 ) -> None:
@@ -221,13 +581,15 @@ def entry(
         enter_netns(os.environ["TEST_NETNS"])
     os.environ["TEST_IPC_TIMEOUT"] = str(ipc_timeout)
     os.environ["TEST_IPC_SHM"] = "1" if shm else "0"
+    os.environ["TEST_OUTDIR"] = outdir
     handler = logging.FileHandler(os.path.join(outdir, f"log-{node}.txt"))
     handler.setFormatter(logging.Formatter(f"[node {node}] %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     # A hung worker leaves its stacks in its log before the test kills it.
-    faulthandler.dump_traceback_later(ipc_timeout + 15, file=handler.stream)
+    if isinstance(ipc_timeout, (int, float)):
+        faulthandler.dump_traceback_later(ipc_timeout + 15, file=handler.stream)
     try:
         save(run(scenario, node, n, key), outdir, node)
     except BaseException:
@@ -238,7 +600,10 @@ def entry(
 def main() -> None:
     scenario, node, n, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     key = sys.argv[5] if len(sys.argv) > 5 else "-"
+    if os.environ.get("TEST_NETNS"):
+        enter_netns(os.environ["TEST_NETNS"])
     logging.basicConfig(level=logging.INFO, format=f"[node {node}] %(levelname)s %(message)s")
+    os.environ.setdefault("TEST_OUTDIR", outdir)
     save(run(scenario, node, n, key), outdir, node)
 
 

@@ -1,0 +1,73 @@
+"""Asynchronous collectives: handles in flight with real processes, against the sync results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ipc_harness import TRANSPORTS, local_reduce, run_tree
+from ipc_workers import nested, node_tensor
+
+from distlearn import ipc
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_several_handles_in_flight(n, shm, tmp_path):
+    results, _ = run_tree("async_many", n, tmp_path, shm=shm)
+    odd = [i for i in range(n) if i % 2 == 1]
+    want_sum = sum(node_tensor(i, (3000,), torch.float32, 1) for i in range(n))
+    want_max = local_reduce(
+        torch.maximum, [node_tensor(i, (17,), torch.int64, 2) for i in range(n)]
+    )
+    want_fin = sum(node_tensor(i, (300_000,), torch.float64, 3) for i in range(n) if i not in odd)
+    want_sync = sum(node_tensor(i, (10,), torch.float32, 5) for i in range(n))
+    structs = [nested(i) for i in range(n)]
+    for r in results:
+        # all_reduce: contributors; scatter and barrier: None, as the synchronous calls
+        assert r["counts"] == [n, n, n - len(odd), n, None, None]
+        assert r["count_sync"] == n and all(r["done"])
+        assert torch.equal(r["sum"], want_sum) and torch.equal(r["max"], want_max)
+        assert torch.equal(r["fin"], want_fin)
+        assert torch.equal(r["nest"]["w"][0], sum(s["w"][0] for s in structs))
+        assert torch.equal(r["nest"]["b"][1]["h"], sum(s["b"][1]["h"] for s in structs))
+        assert torch.equal(r["scattered"], node_tensor(0, (50,), torch.float32, 4))
+        assert torch.equal(r["sync"], want_sync)
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_uneven_finished_in_flight(shm, tmp_path):
+    n = 4
+    results, _ = run_tree("async_uneven", n, tmp_path, shm=shm)
+    want_counts = [n - s for s in range(n)]
+    want_sums = [float(sum(i + 1 for i in range(n) if i + 1 > s)) for s in range(n)]
+    for r in results:
+        assert r["counts"] == want_counts
+        assert r["sums"] == want_sums
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_peer_killed_with_handles_in_flight(shm, tmp_path):
+    n = 3
+    results, texts = run_tree("async_killed", n, tmp_path, shm=shm, expect_rc={n - 1: 3})
+    for i, r in enumerate(results[:-1]):
+        assert r["errors"] == ["PeerError"] * 4, texts[i]
+        assert r["peers"] == [n - 1] * 4
+        assert r["elapsed"] < 20
+
+
+def test_handles_in_one_process():
+    """A tree of one: handles complete with the synchronous results, errors surface in
+    wait(), and a closed tree refuses new work."""
+    tree = ipc.LocalhostTree(0, 1)
+    x = torch.arange(4.0)
+    h = tree.all_reduce(x, async_op=True)
+    assert h.wait() == 1 and h.is_completed() and torch.equal(x, torch.arange(4.0))
+    h = tree.all_reduce(x, finished=True, async_op=True)
+    assert h.wait() == 0 and torch.equal(x, torch.zeros(4))
+    h = tree.all_reduce(torch.ones(2), op=lambda a, b: 1 / 0, async_op=True)
+    assert h.wait() == 1  # one node: the op is never called, as in the synchronous call
+    with pytest.raises(TypeError):
+        tree.all_reduce([torch.ones(1), "x"], async_op=True)  # checked where it is given
+    tree.close()
+    with pytest.raises(ipc.IPCError, match="closed"):
+        tree.all_reduce(x, async_op=True)

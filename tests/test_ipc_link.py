@@ -1,0 +1,248 @@
+"""ipc's link layer and wire on their own: real sockets in one process, hostile input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from distlearn import ipc
+from distlearn.ipc import runtime, wire
+from distlearn.ipc.auth import Secret
+from distlearn.ipc.link import Endpoint, Limits, Liveness
+from distlearn.ipc.wire import Kind, WireError
+
+SECRET = Secret("s" * 32, "test")
+
+
+def _pair(encrypt: bool = False, limits: Limits = Limits(), secret: Secret = SECRET):
+    listener = Endpoint(SECRET, "listener", bind=["tcp://127.0.0.1:*"], encrypt=encrypt,
+                        limits=limits, info={"name": "listener"})  # fmt: skip
+    dialer = Endpoint(secret, "dialer", encrypt=encrypt, limits=limits, info={"role": "test"})
+    return listener, dialer
+
+
+def _up(listener: Endpoint, dialer: Endpoint, timeout: float = 10):
+    link = dialer.dial(listener.addresses[0])
+    deadline = time.monotonic() + timeout
+    while link.state != "up":
+        assert time.monotonic() < deadline, f"not up: {link}"
+        if link.failure is not None:
+            raise link.failure
+        dialer.poll(0.01)
+        listener.poll(0.01)
+    accepted = [ln for kind, ln in listener.events if kind == "accepted"]
+    return link, accepted[0]
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "curve"])
+def test_link_carries_nested_values_both_ways(encrypt):
+    listener, dialer = _pair(encrypt)
+    try:
+        link, back = _up(listener, dialer)
+        assert back.name == "dialer" and back.info == {"role": "test"}
+        value = {
+            "x": torch.arange(12, dtype=torch.float32).view(3, 4),
+            "per_dtype": [torch.ones(3, dtype=dt) for dt in wire.DTYPES.values()],
+            "empty": torch.empty(0, 5),
+            # above the link's frame limit: cut into frames, sent from its own memory
+            "big": torch.arange(600_000, dtype=torch.float32),
+            "meta": ("text", 3, 2.5, float("nan"), None, True, b"\x00raw"),
+            7: [],
+        }
+        link.send_frames(wire.pack_value(value))
+        got = listener.recv(time.monotonic() + 10)
+        assert got is not None and got[0] is back
+        into = {"x": torch.zeros(3, 4)}
+        out = wire.unpack_value(got[1], into=into)
+        assert out["x"] is into["x"] and torch.equal(into["x"], value["x"])
+        for a, b in zip(out["per_dtype"], value["per_dtype"], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert out["empty"].shape == (0, 5)
+        assert torch.equal(out["big"], value["big"])
+        assert out["meta"][:3] == ("text", 3, 2.5) and out["meta"][4:] == (None, True, b"\x00raw")
+        assert out[7] == []
+        # and back, through the listener's ROUTER
+        back.send(wire.control(Kind.MESSAGE, {"reply": 1}))
+        msg = dialer.recv(time.monotonic() + 10)
+        assert msg is not None and wire.parse_control(msg[1][0].bytes) == {"reply": 1}
+    finally:
+        dialer.close(linger=1)
+        listener.close(linger=1)
+
+
+def test_wrong_secret_and_wrong_encryption_are_named():
+    listener, dialer = _pair(secret=Secret("x" * 32, "wrong"))
+    try:
+        with pytest.raises(ipc.AuthError, match="secret is not ours"):
+            _up(listener, dialer)
+    finally:
+        dialer.close(linger=0)
+        listener.close(linger=0)
+    listener = Endpoint(SECRET, "listener", bind=["tcp://127.0.0.1:*"], encrypt=True)
+    dialer = Endpoint(SECRET, "dialer", encrypt=False)
+    try:
+        with pytest.raises(ipc.AuthError, match="encrypt="):
+            _up(listener, dialer)
+    finally:
+        dialer.close(linger=0)
+        listener.close(linger=0)
+
+
+def test_close_waits_until_the_peer_has_read_everything():
+    """The listener sends 200 messages and closes at once, while the dialer reads nothing
+    for a second through a receive queue of 4: every message arrives, then the BYE."""
+    listener, dialer = _pair(limits=Limits(rcvhwm=4))
+    try:
+        _, back = _up(listener, dialer)
+        for i in range(200):
+            back.send(wire.control(Kind.MESSAGE, {"i": i}), b"x" * 4096)
+        closer = threading.Thread(target=listener.close, kwargs={"linger": 30})
+        closer.start()
+        time.sleep(1.0)
+        assert closer.is_alive(), "close() returned before the peer read its messages"
+        seen = []
+        deadline = time.monotonic() + 30
+        while not any(k == "bye" for k, _ in dialer.events) and time.monotonic() < deadline:
+            msg = dialer.recv(time.monotonic() + 0.1)
+            if msg is not None:
+                seen.append(wire.parse_control(msg[1][0].bytes)["i"])
+        while dialer.inbox:
+            seen.append(wire.parse_control(dialer.inbox.popleft()[1][0].bytes)["i"])
+        closer.join(10)
+        assert not closer.is_alive()
+        assert seen == list(range(200))
+    finally:
+        dialer.close(linger=1)
+        listener.close(linger=0)
+
+
+def test_dead_and_frozen_peers_end_their_links():
+    """A peer process that is SIGSTOPped: ZeroMQ's heartbeats end the link within the
+    timeout on both sides (dialer's monitor, listener's probe)."""
+    code = (
+        "import sys, time\n"
+        "from distlearn.ipc.link import Endpoint, Liveness\n"
+        "from distlearn.ipc.auth import Secret\n"
+        "ep = Endpoint(Secret('s'*32, 't'), 'child', bind=['tcp://127.0.0.1:*'],"
+        " liveness=Liveness(0.2, 1.0))\n"
+        "print(ep.addresses[0], flush=True)\n"
+        "link = ep.dial(sys.stdin.readline().strip())\n"
+        "while True: ep.poll(0.05)\n"
+    )
+    liveness = Liveness(0.2, 1.0)
+    ours = Endpoint(SECRET, "parent", bind=["tcp://127.0.0.1:*"], liveness=liveness)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        address = child.stdout.readline().strip()
+        child.stdin.write(ours.addresses[0] + "\n")
+        child.stdin.flush()
+        out = ours.dial(address)
+        deadline = time.monotonic() + 20
+        accepted = None
+        while (out.state != "up" or accepted is None) and time.monotonic() < deadline:
+            ours.poll(0.05)
+            for kind, ln in list(ours.events):
+                if kind == "accepted":
+                    accepted = ln
+        assert out.up and accepted is not None
+        ours.events.clear()
+        os.kill(child.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        while len({id(ln) for k, ln in ours.events if k == "dead"}) < 2:
+            assert time.monotonic() - start < 10, ours.events
+            ours.poll(0.05)
+        assert out.dead and accepted.dead
+        assert "frozen" in str(ours.dead_error(out))
+    finally:
+        child.kill()
+        child.wait()
+        ours.close(linger=0)
+
+
+# ---- the wire: total parsing -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"", b"\x01", b"\x01\xff\xfe", b"\x01" + b"[" * 15000, b"\x01" + b'{"a":' * 5000,
+        b"\x01" + b"x" * (wire.MAX_CONTROL + 1), b"\x01[1, 2]", b"\x01null",
+        b"\x01" + json.dumps({"name": 5, "nonce": "ab" * 16, "info": {}}).encode(),
+        b"\x01" + json.dumps({"name": "a", "nonce": "\u00e9" * 32, "info": {}}).encode(),
+        b"\x01" + json.dumps({"name": "a", "nonce": "AB" * 16, "info": []}).encode(),
+        b"\x01" + json.dumps({"name": True, "nonce": "ab" * 16, "info": {}}).encode(),
+    ],
+)  # fmt: skip
+def test_unauthenticated_headers_are_refused_totally(header):
+    fields = {"name": str, "nonce": wire.hex_of(16), "info": dict}
+    with pytest.raises(WireError):
+        wire.parse_control(header, fields)
+
+
+def test_dtype_names_go_through_an_allow_list():
+    for bad in ["Tensor", "__class__", "load", "float32; import os", 5, None, "torch.float32"]:
+        with pytest.raises(WireError, match="dtype"):
+            wire.dtype_from_name(bad)
+    meta = {"v": {"t": [0, 1], "dtype": "save", "shape": [1]}}
+    with pytest.raises(WireError):
+        wire.decode(meta, [b"\0" * 4])
+    # sizes must match the description exactly; payloads are used once
+    with pytest.raises(WireError, match="bytes"):
+        wire.decode({"v": {"t": [0, 1], "dtype": "float32", "shape": [2]}}, [b"\0" * 4])
+    with pytest.raises(WireError, match="twice"):
+        wire.decode({"v": [{"b": 0}, {"b": 0}]}, [b"ab"])
+    with pytest.raises(WireError, match="not described"):
+        wire.decode({"v": 1}, [b"ab"])
+    with pytest.raises(WireError, match="into"):
+        wire.decode({"v": {"t": [0, 1], "dtype": "int32", "shape": [1]}}, [b"\0" * 4],
+                    into=torch.zeros(1))  # fmt: skip
+
+
+def test_data_headers_parse_exactly():
+    h = wire.data_header(Kind.UP, 3, 1, 2, b"12345678")
+    assert wire.parse_data(h) == (Kind.UP, 3, 1, 2, b"12345678")
+    for bad in (h[:-1], h + b"\0", b""):
+        with pytest.raises(WireError):
+            wire.parse_data(bad)
+
+
+# ---- the runtime directory's files ------------------------------------------------------
+
+
+def test_private_files_refuse_links_and_foreign_files(tmp_path):
+    d = tmp_path / "rt"
+    d.mkdir(mode=0o700)
+    target = tmp_path / "target"
+    (d / "planted").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        runtime.create_private(d, "planted", b"secret")
+    assert not target.exists(), "wrote through a symbolic link"
+    assert runtime.read_private(d, "planted") is None
+    runtime.create_private(d, "ok", b"data")
+    assert runtime.read_private(d, "ok") == b"data"
+    assert (d / "ok").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        runtime.create_private(d, "ok", b"other")
+    (d / "loose").write_bytes(b"x")
+    (d / "loose").chmod(0o644)
+    assert runtime.read_private(d, "loose") is None
+    d.chmod(0o755)
+    with pytest.raises(ipc.IPCError, match="lets other users in"):
+        runtime.read_private(d, "ok")
+
+
+def test_liveness_options_are_checked():
+    with pytest.raises(ValueError, match="exceed"):
+        Liveness(interval=2.0, timeout=1.0)
+    with pytest.raises(zmq.ZMQError):
+        Endpoint(SECRET, "bad", bind=["tcp://256.0.0.1:*"])
