@@ -9,7 +9,8 @@ allreduce, `after_step` ends the optimizer step. Per step:
 
     loading   = previous step's end (or start) -> forward begins
     compute   = forward + backward + optimizer step
-    allreduce = sum_and_normalize_gradients (+ the epoch-end synchronize)
+    allreduce = sum_and_normalize_gradients (+ the epoch-end synchronize): with
+                buckets sent during backward, the wait for what has not arrived
 
 Each rank writes its totals to $BENCH_PHASES_DIR/rank{RANK}.json.
 """
@@ -29,7 +30,18 @@ import mnist  # noqa: E402  (examples/ is a folder of scripts, not a package)
 
 
 class TimedSGD(mnist.SGD):
-    """examples/mnist.py's AllReduceSGD with timers around each phase of a step."""
+    """examples/mnist.py's AllReduceSGD with timers around each phase of a step.
+
+    $BENCH_OVERLAP=0 turns off the buckets during backward (AllReduceSGD's
+    overlap=False: one all-reduce after backward), for before/after figures;
+    $BENCH_FIRST_BUCKET_BYTES sets AllReduceSGD's first_bucket_bytes.
+    """
+
+    def __init__(self, **options):
+        options["overlap"] = os.environ.get("BENCH_OVERLAP", "1") != "0"
+        if os.environ.get("BENCH_FIRST_BUCKET_BYTES"):
+            options["first_bucket_bytes"] = int(os.environ["BENCH_FIRST_BUCKET_BYTES"])
+        super().__init__(**options)
 
     def start(self, comm, model):
         self.phases = {"loading_s": 0.0, "compute_s": 0.0, "allreduce_s": 0.0}

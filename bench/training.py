@@ -5,6 +5,12 @@ over HTTP, N processes), with bench/mnist_timed.py in place of mnist.py so
 every rank reports how its epoch split into loading, compute and allreduce.
 samples/s is the example's own figure: training items of all ranks over the
 epoch's training seconds.
+
+`python -m bench` runs it with AllReduceSGD's defaults. On its own it also
+compares the gradient buckets sent during backward with one all-reduce after it
+(`overlap=False`, the loop before issue 16), job by job in alternating order:
+
+    python -m bench.training --nodes 4 --backends ipc gloo --overlap on off --reps 3
 """
 
 from __future__ import annotations
@@ -36,7 +42,15 @@ def missing() -> str | None:
     return None
 
 
-def run_once(nodes: int, backend: str, quick: bool, timeout: float) -> dict:
+def run_once(
+    nodes: int,
+    backend: str,
+    quick: bool,
+    timeout: float,
+    overlap: bool = True,
+    extra=(),
+    first_bucket_bytes: int | None = None,
+) -> dict:
     """One epoch as one job; the example's log plus every rank's phase totals."""
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         phases_dir = Path(tmp, "phases")
@@ -44,9 +58,11 @@ def run_once(nodes: int, backend: str, quick: bool, timeout: float) -> dict:
         cmd = [
             sys.executable, str(LAUNCH), "--script", str(REPO / "bench" / "mnist_timed.py"),
             "--nodes", str(nodes), "--output", str(Path(tmp, "out")), "--epochs", "1",
-            "--backend", backend,
+            "--backend", backend, *extra,
         ] + (["--quick"] if quick else [])  # fmt: skip
-        env = dict(os.environ, BENCH_PHASES_DIR=str(phases_dir))
+        env = dict(os.environ, BENCH_PHASES_DIR=str(phases_dir), BENCH_OVERLAP=str(int(overlap)))
+        if first_bucket_bytes:
+            env["BENCH_FIRST_BUCKET_BYTES"] = str(first_bucket_bytes)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
         proc = subprocess.Popen(
@@ -125,3 +141,67 @@ def run(args, emit) -> list[dict]:
         emit(rec)
         out.append(rec)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import statistics
+
+    p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[4])
+    p.add_argument("--backends", nargs="+", choices=("ipc", "gloo"), default=["ipc", "gloo"])
+    p.add_argument(
+        "--overlap",
+        nargs="+",
+        default=["on", "off"],
+        help="on, off, or on@KIB: buckets during backward with a first bucket of KIB KiB",
+    )
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="to mnist.py")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    configs = [(n, b, o) for n in a.nodes for b in a.backends for o in a.overlap]
+    results: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for rep in range(a.reps):
+        for cfg in configs if rep % 2 == 0 else configs[::-1]:
+            first = int(cfg[2].split("@")[1]) << 10 if "@" in cfg[2] else None
+            res = run_once(
+                cfg[0],
+                cfg[1],
+                a.quick,
+                a.timeout,
+                cfg[2] != "off",
+                a.extra,
+                first_bucket_bytes=first,
+            )
+            results[cfg].append(res)
+            log.info("rep %d %s: %s", rep + 1, cfg, res.get("error") or {
+                k: round(v, 1) for k, v in res.items() if k.endswith(("_pct", "_per_s"))
+            })  # fmt: skip
+    cmd = " ".join(["python -m bench.training", *(argv if argv is not None else sys.argv[1:])])
+    print(f"`{cmd}`, one epoch of examples/mnist.py per job, median (min-max) of {a.reps}.\n")
+    print("| processes | backend | buckets during backward | samples/s | allreduce % | "
+          "loading % | compute % | test accuracy |")  # fmt: skip
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for cfg in configs:
+        ok = [r for r in results[cfg] if "error" not in r]
+        if not ok:
+            print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | error: "
+                  f"{results[cfg][0]['error'][:100]} | | | | |")  # fmt: skip
+            continue
+
+        def col(key, digits=0, ok=ok):
+            vals = [r[key] for r in ok if r.get(key) is not None]
+            med = statistics.median(vals)
+            return f"{med:,.{digits}f} ({min(vals):,.{digits}f}-{max(vals):,.{digits}f})"
+
+        print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {col('items_per_s')} | "
+              f"{col('allreduce_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
+              f"{col('test_accuracy', 4)} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

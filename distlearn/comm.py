@@ -1,7 +1,21 @@
-"""The small protocol every communicator implements: the `ipc` tree, TorchDistributed, XLA."""
+"""The small protocol every communicator implements: the `ipc` tree, TorchDistributed, XLA.
+
+Synchronous form: `all_reduce(tensors, op, finished) -> int` returns once the result is
+in `tensors`. Asynchronous form, for communicators that can overlap communication with
+computation: `all_reduce(tensors, op, finished, async_op=True) -> Handle` returns at
+once; the result is in `tensors` after `handle.wait()`, which returns the contributor
+count. Until then the caller must neither read nor write `tensors`. Several handles may
+be in flight; they complete in the order they were started, and every node must start
+its collectives in the same order.
+
+A communicator offers the asynchronous form if its `all_reduce` takes `async_op`
+(`supports_async`); `start_all_reduce` gives callers one way to use either.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -9,12 +23,37 @@ import torch
 
 Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
+__all__ = [
+    "Communicator",
+    "Completed",
+    "Handle",
+    "check_communicator",
+    "start_all_reduce",
+    "supports_async",
+]
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An all-reduce in flight."""
+
+    def wait(self) -> int:
+        """Block until the result is in the tensors; returns how many nodes contributed.
+        Waiting again returns the same count."""
+        ...
+
+    def is_completed(self) -> bool:
+        """Whether `wait()` would return without blocking on communication."""
+        ...
+
 
 @runtime_checkable
 class Communicator(Protocol):
     """Collectives over a fixed set of nodes; node 0 is the root.
 
     `tensors` is a tensor or a nested list/tuple/dict of tensors, changed in place.
+    Communicators that can overlap also accept `async_op=True` in `all_reduce` and then
+    return a `Handle` (see the module docstring).
     """
 
     node_index: int
@@ -34,6 +73,24 @@ class Communicator(Protocol):
     def close(self) -> None: ...
 
 
+class Completed:
+    """The handle of an all-reduce that already ran (a synchronous communicator's)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def wait(self) -> int:
+        return self.count
+
+    def is_completed(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"Completed(count={self.count})"
+
+
 def check_communicator(comm: Any) -> Communicator:
     """Fail early, naming what is missing, rather than at the first collective."""
     missing = [
@@ -46,3 +103,32 @@ def check_communicator(comm: Any) -> Communicator:
             f"{type(comm).__name__} is not a communicator: it has no {', '.join(missing)}"
         )
     return comm
+
+
+def supports_async(comm: Any) -> bool:
+    """Whether `comm.all_reduce` has the asynchronous form (takes `async_op`)."""
+    if "all_reduce" in getattr(comm, "__dict__", {}) or not hasattr(type(comm), "all_reduce"):
+        return _takes_async_op(comm.all_reduce)  # set on the instance: look every time
+    return _class_supports_async(type(comm))
+
+
+@functools.cache
+def _class_supports_async(cls: type) -> bool:
+    return _takes_async_op(cls.all_reduce)
+
+
+def _takes_async_op(method: Callable) -> bool:
+    try:
+        return "async_op" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def start_all_reduce(
+    comm: Communicator, tensors: Any, op: Op = "sum", finished: bool = False
+) -> Handle:
+    """Start an all-reduce and return its handle. A communicator without the asynchronous
+    form runs it to completion here and returns a `Completed` handle."""
+    if supports_async(comm):
+        return comm.all_reduce(tensors, op=op, finished=finished, async_op=True)
+    return Completed(comm.all_reduce(tensors, op=op, finished=finished))

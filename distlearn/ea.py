@@ -3,11 +3,13 @@ as one all-reduce per average."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
+from torch import nn
 
-from .comm import Communicator, check_communicator
+from .comm import Communicator, check_communicator, start_all_reduce, supports_async
 from .tensors import parameters_of, state_of
 
 
@@ -23,9 +25,22 @@ class AllReduceEA:
     so the centers stay identical (up to float rounding, which `synchronize_center`
     removes) with one all-reduce per average and no parameter server. `alpha=0`
     leaves the nodes independent.
+
+    The center, not any node's own parameters, is the model the job produces: evaluate
+    and save `ea.center_model(model)`.
+
+    With `overlap=True` and a communicator with the asynchronous all-reduce, an
+    average's all-reduce runs while the next steps compute: nothing reads the center
+    before the next average (or `center`, `synchronize_*`), which wait for it first.
+    The numbers are the same either way. Off by default: on a CPU host whose cores all
+    compute, the all-reduce only competes with the steps for them (measured: no gain,
+    bench/RESULTS-step-time.md); it can pay where communication has resources of its
+    own (a network card, a GPU's NCCL stream).
     """
 
-    def __init__(self, comm: Communicator, tau: int = 10, alpha: float = 0.2) -> None:
+    def __init__(
+        self, comm: Communicator, tau: int = 10, alpha: float = 0.2, *, overlap: bool = False
+    ) -> None:
         if not isinstance(tau, int) or tau < 1:
             raise ValueError(f"tau must be a positive int (steps between averages), got {tau!r}")
         if not 0.0 <= alpha <= 1.0:
@@ -37,13 +52,49 @@ class AllReduceEA:
         self._center: list[torch.Tensor] | None = None
         self._delta: list[torch.Tensor] = []
         self._active: torch.Tensor | None = None
+        self.overlap = bool(overlap) and supports_async(comm)
+        self._pending: Any = None  # the last average's all-reduce, while in flight
 
     @property
     def center(self) -> list[torch.Tensor]:
         """This node's copy of the center, one tensor per parameter."""
         if self._center is None:
             raise RuntimeError("the center exists after the first AllReduceEA call")
+        self._land()
         return self._center
+
+    def _land(self) -> bool:
+        """Wait for the average in flight, if any, and move the center by its sum;
+        returns whether any node was still active in it."""
+        if self._pending is None:
+            return False
+        handle, self._pending = self._pending, None
+        handle.wait()
+        with torch.no_grad():
+            torch._foreach_add_(self._center, self._delta)
+        return bool(self._active.item() > 0)
+
+    def center_model(self, model: nn.Module) -> nn.Module:
+        """A copy of `model` whose parameters are the center: the model to evaluate or
+        save (after `synchronize_center`, the same on every node).
+
+        Buffers (BatchNorm statistics) are this node's: elastic averaging averages
+        parameters only. `model` itself is left as it is and keeps training.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"center_model needs an nn.Module, got {type(model).__name__}")
+        params = list(model.parameters())
+        center = self.center
+        if len(params) != len(center) or any(
+            p.shape != c.shape for p, c in zip(params, center, strict=True)
+        ):
+            raise ValueError("center_model: the model's parameters are not those being averaged")
+        out = copy.deepcopy(model)
+        out.zero_grad(set_to_none=True)  # the copy is for inference or saving, not training
+        with torch.no_grad():
+            for p, c in zip(out.parameters(), center, strict=True):
+                p.copy_(c)
+        return out
 
     def _init(self, params: list[torch.Tensor]) -> None:
         if self._center is None:
@@ -58,8 +109,10 @@ class AllReduceEA:
         ):
             raise ValueError("AllReduceEA was given different parameters than on its first call")
 
-    def _average(self, params: list[torch.Tensor], active: bool) -> bool:
-        """One elastic average; returns whether any node was still active in it."""
+    def _average(self, params: list[torch.Tensor], active: bool, wait: bool = True) -> bool:
+        """One elastic average; returns whether any node was still active in it (with
+        `wait=False` it returns at once, and the center moves when it lands)."""
+        self._land()
         center, delta = self._center, self._delta
         with torch.no_grad():
             torch._foreach_copy_(delta, params)
@@ -67,11 +120,10 @@ class AllReduceEA:
             torch._foreach_mul_(delta, self.alpha)
             torch._foreach_sub_(params, delta)
             self._active.fill_(1 if active else 0)
-            # The flag rides with the deltas: a node that finished its epoch still sends
-            # its real delta (it keeps averaging) but does not count as active.
-            self.comm.all_reduce([*delta, self._active])
-            torch._foreach_add_(center, delta)
-        return bool(self._active.item() > 0)
+        # The flag rides with the deltas: a node that finished its epoch still sends
+        # its real delta (it keeps averaging) but does not count as active.
+        self._pending = start_all_reduce(self.comm, [*delta, self._active])
+        return True if not wait else self._land()
 
     def average_parameters(self, x: Any) -> None:
         """Call once per training step; every `tau`-th call averages with the center."""
@@ -79,12 +131,13 @@ class AllReduceEA:
         self._init(params)
         self.steps += 1
         if self.steps % self.tau == 0:
-            self._average(params, active=True)
+            self._average(params, active=True, wait=not self.overlap)
 
     def _handle_uneven_steps(self, params: list[torch.Tensor]) -> None:
         # Nodes that took fewer averaging steps keep averaging (as "finished") until
         # every node has arrived, so all centers receive the same sequence of sums. The
         # last round, with everyone finished, is one more complete elastic average.
+        self._land()
         while self._average(params, active=False):
             pass
         self.steps = 0

@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-from .comm import Communicator, check_communicator
+from .buckets import GradientBuckets, compressed_scale, wire_dtype
+from .comm import Communicator, check_communicator, supports_async
 from .tensors import gradients_of, state_of
+
+_MiB = 1 << 20
+_WIRE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# The AllReduceSGD whose hooks are live on a module: the most recent to see it, so an
+# AllReduceSGD made again for the same model does not start every bucket twice.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, GradientBuckets] = weakref.WeakKeyDictionary()
+
+
+def _check_grad_dtype(grad_dtype: Any) -> torch.dtype | None:
+    if grad_dtype is None or grad_dtype in (torch.bfloat16, torch.float16):
+        return grad_dtype
+    if isinstance(grad_dtype, str) and grad_dtype in _WIRE_DTYPES:
+        return _WIRE_DTYPES[grad_dtype]
+    raise ValueError(
+        f"grad_dtype must be None, torch.bfloat16 or torch.float16 (or one of "
+        f"{sorted(_WIRE_DTYPES)}), got {grad_dtype!r}"
+    )
+
+
+def _positive_bytes(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    return value
 
 
 class AllReduceSGD:
@@ -23,39 +57,152 @@ class AllReduceSGD:
             optimizer.step(); optimizer.zero_grad()
         sgd.synchronize_parameters(model)          # end of epoch: uneven step counts are fine
 
+    Given a module and a communicator with the asynchronous all-reduce (the `ipc` tree,
+    TorchDistributed), the gradients are all-reduced in buckets while backward is still
+    running (distlearn.buckets), as DDP does; `sum_and_normalize_gradients` waits for
+    the last bucket. Otherwise (tensors, `overlap=False`, XLA) it all-reduces every
+    gradient in one call after backward. The results are the same either way.
+
+    Options: `bucket_bytes` (the size of a bucket) and `first_bucket_bytes` (the first
+    one, smaller so that communication starts early); `grad_dtype` (torch.bfloat16 or
+    torch.float16) sends float gradients in half the bytes and turns them back into
+    their own dtype on arrival.
+
     Nodes may take different numbers of steps in an epoch: `synchronize_parameters`
     keeps the early finishers taking part (with zeros) until all are done, then gives
     everyone the parameters of the node that took the most steps.
     """
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        overlap: bool = True,
+        bucket_bytes: int = 25 * _MiB,
+        first_bucket_bytes: int = 1 * _MiB,
+        grad_dtype: torch.dtype | str | None = None,
+    ) -> None:
         self.comm = check_communicator(comm)
+        self.bucket_bytes = _positive_bytes("bucket_bytes", bucket_bytes)
+        self.first_bucket_bytes = _positive_bytes("first_bucket_bytes", first_bucket_bytes)
+        self.grad_dtype = _check_grad_dtype(grad_dtype)
+        # Overlap needs a module to hook and a communicator that returns at once.
+        self.overlap = bool(overlap) and supports_async(comm)
         self.steps = 0  # gradient steps this node took since the last synchronisation
-        # (dtype, device, shape) of the last gradients, so a finished node can keep
-        # joining the others' gradient all-reduces with zeros of the same layout.
+        # (dtype, device, shape) of the last gradients as sent, so a finished node can
+        # keep joining the others' gradient all-reduces with zeros of the same layout.
         self._layout: list[tuple[torch.dtype, torch.device, torch.Size]] | None = None
+        self._buckets: weakref.WeakKeyDictionary[nn.Module, GradientBuckets] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._no_sync = 0
+
+    # -- gradients ----------------------------------------------------------------------
 
     def sum_gradients(self, x: Any) -> int:
         """All-reduce (sum) the gradients of `x` in place; returns how many nodes contributed.
 
         `x` is a module (its parameters' `.grad`), or gradient tensors.
         """
-        grads = gradients_of(x)
-        n = self.comm.all_reduce(grads)
-        self.steps += 1
-        self._layout = [(g.dtype, g.device, g.shape) for g in grads]
-        return n
+        return self._reduce(x, normalize=False)
 
     def sum_and_normalize_gradients(self, x: Any) -> int:
         """Sum the gradients, then divide by the number of nodes that contributed this
         step (fewer than `num_nodes` near the end of an uneven epoch)."""
-        grads = gradients_of(x)
-        n = self.comm.all_reduce(grads)
-        if n > 1:
-            torch._foreach_div_(grads, float(n))
+        return self._reduce(x, normalize=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside only accumulate into `.grad`;
+        the next backward outside (or the next `sum_*_gradients`) sends the total.
+
+        Like DDP's `no_sync()`. Without it, accumulating several backward passes still
+        gives the right sum, but sends the gradients more than once.
+        """
+        self._no_sync += 1
+        self._set_syncing()
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
+            self._set_syncing()
+
+    @property
+    def stats(self) -> dict:
+        """How the gradients travelled: `overlap` (whether buckets are started during
+        backward), and for each hooked module its bucket sizes in bytes, steps,
+        buckets started during backward, and steps resent (see distlearn.buckets)."""
+        modules = [
+            {
+                "module": type(module).__name__,
+                "bucket_bytes": [b.flat.numel() * b.flat.element_size() for b in buckets.buckets],
+                **buckets.stats,
+            }
+            for module, buckets in self._buckets.items()
+        ]
+        return {"overlap": self.overlap, "modules": modules}
+
+    def _set_syncing(self) -> None:
+        for buckets in self._buckets.values():
+            buckets.syncing = self._no_sync == 0
+
+    def _buckets_for(self, x: Any) -> GradientBuckets | None:
+        """The buckets of module `x` (hooked on first sight), or None: the plain path."""
+        if not self.overlap or not isinstance(x, nn.Module):
+            return None
+        buckets = self._buckets.get(x)
+        if buckets is None:
+            if not any(p.requires_grad for p in x.parameters()):
+                return None
+            previous = _OWNERS.get(x)
+            if previous is not None:
+                previous.remove_hooks()
+            buckets = GradientBuckets(
+                x, self.comm, self.bucket_bytes, self.first_bucket_bytes, self.grad_dtype
+            )
+            buckets.syncing = self._no_sync == 0
+            self._buckets[x] = _OWNERS[x] = buckets
+        elif _OWNERS.get(x) is not buckets:
+            raise RuntimeError(
+                "a newer AllReduceSGD has taken over this module's gradient hooks; "
+                "use one AllReduceSGD per model"
+            )
+        return buckets
+
+    def _reduce(self, x: Any, normalize: bool) -> int:
+        buckets = self._buckets_for(x)
+        if buckets is not None:
+            n = buckets.finish_step(normalize)
+        else:
+            grads = gradients_of(x)
+            n = self._all_reduce_plain(grads, normalize)
+            self._layout = [(self._wire(g.dtype), g.device, g.shape) for g in grads]
         self.steps += 1
-        self._layout = [(g.dtype, g.device, g.shape) for g in grads]
         return n
+
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return wire_dtype(dtype, self.grad_dtype)
+
+    def _all_reduce_plain(self, grads: list[torch.Tensor], normalize: bool) -> int:
+        """Every gradient in one all-reduce, after backward (converted for `grad_dtype`)."""
+        wires = [self._wire(g.dtype) for g in grads]
+        if all(w == g.dtype for w, g in zip(wires, grads, strict=True)):
+            n = self.comm.all_reduce(grads)
+            if normalize and n > 1:
+                torch._foreach_div_(grads, float(n))
+            return n
+        nodes = self.comm.num_nodes
+        scales = [compressed_scale(g.dtype, w, nodes) for g, w in zip(grads, wires, strict=True)]
+        with torch.no_grad():
+            sent = [torch.empty_like(g, dtype=w) for g, w in zip(grads, wires, strict=True)]
+            for t, g, s in zip(sent, grads, scales, strict=True):
+                torch.mul(g, s, out=t)
+            n = self.comm.all_reduce(sent)
+            for g, t, s in zip(grads, sent, scales, strict=True):
+                g.copy_(t).mul_(1.0 / s / (n if normalize and n > 1 else 1))
+        return n
+
+    # -- parameters ---------------------------------------------------------------------
 
     def synchronize_parameters(self, x: Any) -> None:
         """Give every node the same parameters (and, for a module, buffers).
@@ -87,14 +234,20 @@ class AllReduceSGD:
     def _drain(self, x: Any) -> None:
         """Join the gradient all-reduces of nodes still in their epoch, contributing
         zeros, until every node has finished (the count of contributors drops to 0)."""
+        buckets = self._buckets_for(x)
+        if buckets is not None:
+            # The same sequence of bucket all-reduces as a step, as a finished node.
+            while buckets.finish_step(normalize=False, contribute=False) > 0:
+                pass
+            return
         if self._layout is None:
             # No step since the last sync: gradients are laid out like the parameters
             # (a module's trainable ones), which is what the other nodes are sending.
-            if isinstance(x, torch.nn.Module):
+            if isinstance(x, nn.Module):
                 like = [p for p in x.parameters() if p.requires_grad]
             else:
                 like = state_of(x)
-            layout = [(t.dtype, t.device, t.shape) for t in like]
+            layout = [(self._wire(t.dtype), t.device, t.shape) for t in like]
         else:
             layout = self._layout
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for dtype, device, shape in layout]

@@ -11,7 +11,6 @@ Each epoch ends with `synchronize_center`; the center is what is evaluated.
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import mnist_lib
@@ -27,16 +26,13 @@ class EA(mnist_lib.Algorithm):
     def start(self, comm, model):
         self.ea = AllReduceEA(comm, tau=self.tau, alpha=self.alpha)
         self.ea.synchronize_parameters(model)  # same weights, and the center starts there
-        self.center = copy.deepcopy(model)
 
     def after_step(self, model):
         self.ea.average_parameters(model)
 
     def end_epoch(self, model):
         self.ea.synchronize_center(model)
-        for p, c in zip(self.center.parameters(), self.ea.center, strict=True):
-            p.copy_(c)
-        return self.center
+        return self.ea.center_model(model)  # the center is the model to evaluate
 
 
 def main(argv: list[str] | None = None) -> int:

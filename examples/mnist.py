@@ -22,8 +22,11 @@ from distlearn import AllReduceSGD
 class SGD(mnist_lib.Algorithm):
     name = "AllReduceSGD"
 
+    def __init__(self, **options) -> None:
+        self.options = options  # AllReduceSGD's: grad_dtype, bucket sizes, overlap
+
     def start(self, comm, model):
-        self.sgd = AllReduceSGD(comm)
+        self.sgd = AllReduceSGD(comm, **self.options)
         self.sgd.synchronize_parameters(model)  # everyone starts from node 0's weights
 
     def after_backward(self, model):
@@ -36,7 +39,12 @@ class SGD(mnist_lib.Algorithm):
 
 def main(argv: list[str] | None = None) -> int:
     p = mnist_lib.parser(__doc__.split("\n")[0], lr=0.05, epochs=4, batch_size=32)
-    return mnist_lib.main("mnist.py", lambda args: SGD(), p, argv)
+    p.add_argument(
+        "--grad-dtype",
+        choices=("bfloat16", "float16"),
+        help="send gradients in 16 bits (default: their own float32)",
+    )
+    return mnist_lib.main("mnist.py", lambda args: SGD(grad_dtype=args.grad_dtype), p, argv)
 
 
 if __name__ == "__main__":

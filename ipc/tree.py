@@ -124,7 +124,10 @@ class _CommThread(threading.Thread):
         self.stopping = False
 
     def idle(self) -> bool:
-        return not self.queue and not self.running
+        # Under the condition: `run` takes a job off the queue and marks itself running
+        # in one step under it, so no caller can see the queue empty before `running`.
+        with self.cond:
+            return not self.queue and not self.running
 
     def submit(self, args: tuple) -> Handle:
         handle = Handle()

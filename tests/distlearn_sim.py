@@ -37,6 +37,8 @@ class MomentumSGD:
     @torch.no_grad()
     def step(self) -> None:
         for p, buf in zip(self.params, self.bufs, strict=True):
+            if p.grad is None:  # frozen, like torch.optim.SGD
+                continue
             buf.mul_(self.momentum).add_(p.grad)
             p.sub_(self.lr * buf)
 
@@ -143,3 +145,79 @@ def _finish_epoch(p: dict, epoch: int, node: int, start: int, stop: int) -> None
         noise = ea_noise(epoch, node, step)
         for k in p:
             p[k] = p[k] + noise[k]
+
+
+# -- AllReduceSGD with buckets overlapped with backward ----------------------------------
+
+
+def make_deep_model(seed: int) -> nn.Module:
+    """Eight parameters: with tiny buckets, several buckets start during backward."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+        nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+def deep_reference(steps: int, size: int, frozen: dict[int, list[int]] | None = None) -> dict:
+    """One process on the whole batch (mean loss), from seed 100's weights; `frozen` maps
+    a step to the indices of the parameters that do not train from that step on."""
+    model = make_deep_model(seed=100)
+    opt = MomentumSGD(model)
+    for step in range(steps):
+        if frozen and step in frozen:
+            for i, p in enumerate(model.parameters()):
+                p.requires_grad_(i not in frozen[step])
+        x, y = batch(step, size)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+class Coefficients(nn.Module):
+    """Parameters whose gradient is known in advance: loss = sum of (p_j * c_j).sum() over
+    the parameters a step uses, so grad p_j = c_j, or nothing for an unused one."""
+
+    SHAPES = ((7,), (3, 4), (5,), (2, 2, 2), (6,))
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ps = nn.ParameterList(
+            nn.Parameter(torch.randn(s, dtype=torch.float64, generator=g)) for s in self.SHAPES
+        )
+
+    def forward(self, coefficients: dict[int, torch.Tensor]) -> torch.Tensor:
+        return sum((self.ps[j] * c).sum() for j, c in coefficients.items())
+
+
+def coefficients(epoch: int, node: int, step: int, frozen: list[int]) -> dict[int, torch.Tensor]:
+    """The gradient of each parameter that node `node` uses at `step` (some it skips)."""
+    g = torch.Generator().manual_seed(9_000_000 + epoch * 10_000 + node * 100 + step)
+    out = {}
+    for j, shape in enumerate(Coefficients.SHAPES):
+        c = torch.randn(shape, dtype=torch.float64, generator=g)
+        if (node + step + j) % 3 != 0 and j not in frozen:
+            out[j] = c
+    return out
+
+
+def coefficients_reference(table: list[list[int]], frozen: list[list[int]]) -> list[list]:
+    """Parameters after each synchronisation: the root's at the start; then step k moves
+    every trainable parameter by minus the mean over the nodes still running at k of
+    their coefficient (zero where a node did not use the parameter)."""
+    params = [p.detach().clone() for p in Coefficients(seed=0).ps]
+    out = [[p.clone() for p in params]]
+    for epoch, steps in enumerate(table):
+        for k in range(max(steps)):
+            active = [n for n, s in enumerate(steps) if s > k]
+            for j in range(len(params)):
+                if j in frozen[epoch]:
+                    continue
+                used = [coefficients(epoch, n, k, frozen[epoch]).get(j) for n in active]
+                total = sum(c for c in used if c is not None)
+                if isinstance(total, torch.Tensor):
+                    params[j] = params[j] - total / len(active)
+        out.append([p.clone() for p in params])
+    return out

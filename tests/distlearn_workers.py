@@ -132,19 +132,27 @@ def easgd(comm, cfg) -> dict:
     for alpha in cfg["alphas"]:
         r = comm.node_index
         params = {"w": sim.ea_init(r), "b": sim.ea_init(r + 1000)[:2]}
-        ea = AllReduceEA(comm, tau=cfg["tau"], alpha=alpha)
+        # Both paths: the averages overlapped with the next steps, and not.
+        ea = AllReduceEA(comm, tau=cfg["tau"], alpha=alpha, overlap=alpha != 0)
         ea.synchronize_parameters(params)
         trajectory, centers = [], []
+        in_flight = 0  # averages still travelling when average_parameters returned
         for epoch, steps_per_node in enumerate(cfg["steps"]):
             for step in range(steps_per_node[r]):
                 noise = sim.ea_noise(epoch, r, step)
                 params["w"].add_(noise["w"])
                 params["b"].add_(noise["b"])
                 ea.average_parameters(params)
+                in_flight += ea.steps % ea.tau == 0 and ea._pending is not None
             trajectory.append({k: v.clone() for k, v in params.items()})
             ea.synchronize_center(params)
             centers.append([c.clone() for c in ea.center])
-        out[f"alpha={alpha}"] = {"params": trajectory, "centers": centers}
+        out[f"alpha={alpha}"] = {
+            "params": trajectory,
+            "centers": centers,
+            "overlap": ea.overlap,
+            "in_flight": in_flight,
+        }
     return out
 
 
@@ -172,7 +180,150 @@ def state(comm, cfg) -> dict:
     return {"after_sync": after_sync, "after_step": model.state_dict(), "opt": opt.state_dict()}
 
 
-SCENARIOS = {f.__name__: f for f in (protocol, sgd_equivalence, sgd_uneven, easgd, state)}
+def _overlap_stats(sgd: AllReduceSGD) -> dict:
+    stats = sgd.stats
+    mod = stats["modules"][0] if stats["modules"] else {}
+    return {"overlap": stats["overlap"], **{k: v for k, v in mod.items() if k != "module"}}
+
+
+def sgd_overlap(comm, cfg) -> dict:
+    """AllReduceSGD on a module with tiny buckets (several start during backward): the
+    plain loop, the first step before any hook, accumulation with and without no_sync()
+    (and on one node only), and compressed gradients; each against one process."""
+    r, n = comm.node_index, comm.num_nodes
+    dev = torch.device(cfg.get("device", "cpu"))
+    buckets = {"bucket_bytes": cfg["bucket_bytes"], "first_bucket_bytes": cfg["first_bucket_bytes"]}
+    out = {}
+
+    def train(
+        name,
+        micro=1,
+        no_sync=False,
+        sync_first=True,
+        grad_dtype=None,
+        frozen=None,
+        overlap=True,
+        zero_in_place=False,
+    ):
+        # Every node starts from seed 100's weights when it skips synchronize_parameters.
+        model = sim.make_deep_model(seed=100 + (r if sync_first else 0)).to(dev)
+        opt = sim.MomentumSGD(model)
+        sgd = AllReduceSGD(comm, grad_dtype=grad_dtype, overlap=overlap, **buckets)
+        if sync_first:
+            sgd.synchronize_parameters(model)
+        counts = []
+        for step in range(cfg["steps"]):
+            if frozen and step in frozen:
+                for i, p in enumerate(model.parameters()):
+                    p.requires_grad_(i not in frozen[step])
+            x, y = sim.batch(step, cfg["batch"])
+            x, y = x[r::n].to(dev), y[r::n].to(dev)
+            if zero_in_place:  # zero_grad(set_to_none=False): .grad is last step's bucket
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+            else:
+                opt.zero_grad()
+            parts = micro(r) if callable(micro) else micro
+            pieces = zip(x.tensor_split(parts), y.tensor_split(parts), strict=True)
+            for k, (xs, ys) in enumerate(pieces):
+                # sum over the node's share / its size: the node's mean, micro-batch or not
+                loss = nn.functional.cross_entropy(model(xs), ys, reduction="sum") / len(x)
+                if no_sync and k < parts - 1:
+                    with sgd.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            counts.append(sgd.sum_and_normalize_gradients(model))
+            opt.step()
+        sgd.synchronize_parameters(model)
+        out[name] = {"state": model.state_dict(), "counts": counts, "stats": _overlap_stats(sgd)}
+
+    train("plain")
+    train("overlap_off", overlap=False)
+    train("first_step", sync_first=False)
+    train("no_sync", micro=3, no_sync=True)
+    train("accumulate", micro=3)
+    train("accumulate_in_place", micro=3, zero_in_place=True)
+    train("accumulate_node0", micro=lambda node: 2 if node == 0 else 1)
+    train("frozen", frozen={int(step): ps for step, ps in cfg["frozen"].items()})
+    for dtype in ("bfloat16", "float16"):
+        train(dtype, grad_dtype=dtype)
+    return out
+
+
+def sgd_coefficients(comm, cfg) -> dict:
+    """The random-steps test on a module, buckets on: uneven epochs (an idle node, a tie),
+    parameters some nodes do not use in a step, a trainable set that changes each epoch,
+    and .grad zeroed or set to None in turn."""
+    r = comm.node_index
+    dev = torch.device(cfg.get("device", "cpu"))
+    model = sim.Coefficients(seed=r).to(dev)
+    sgd = AllReduceSGD(
+        comm, bucket_bytes=cfg["bucket_bytes"], first_bucket_bytes=cfg["first_bucket_bytes"]
+    )
+    sgd.synchronize_parameters(model)
+    synced, counts = [[p.detach().clone() for p in model.ps]], []
+    for epoch, steps_per_node in enumerate(cfg["steps"]):
+        frozen = cfg["frozen"][epoch]
+        for j, p in enumerate(model.ps):
+            p.requires_grad_(j not in frozen)
+        for step in range(steps_per_node[r]):
+            for p in model.ps:
+                if epoch % 2:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+            c = sim.coefficients(epoch, r, step, frozen)
+            model({j: t.to(dev) for j, t in c.items()}).backward()
+            counts.append(sgd.sum_and_normalize_gradients(model))
+            with torch.no_grad():
+                for p in model.ps:
+                    if p.requires_grad:
+                        p.sub_(p.grad)
+        sgd.synchronize_parameters(model)
+        synced.append([p.detach().clone() for p in model.ps])
+    return {"synced": synced, "counts": counts, "stats": _overlap_stats(sgd)}
+
+
+def peer_dies(comm, cfg) -> dict:
+    """The last node kills itself in the middle of a backward pass, with buckets in
+    flight; the others must get an error from AllReduceSGD, not hang."""
+    import signal
+    import time
+
+    r, last = comm.node_index, comm.num_nodes - 1
+    model = sim.make_deep_model(seed=100)
+    sgd = AllReduceSGD(comm, bucket_bytes=256, first_bucket_bytes=64)
+    sgd.synchronize_parameters(model)
+    t0 = time.monotonic()
+    try:
+        for step in range(cfg["steps"]):
+            x, y = sim.batch(step, 8)
+            x = x.requires_grad_()
+            if r == last and step == cfg["die_at"]:
+                # Runs once backward reaches the input: buckets have left by then.
+                x.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+            nn.functional.cross_entropy(model(x), y).backward()
+            sgd.sum_and_normalize_gradients(model)
+    except Exception as exc:  # what the survivors must see
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        protocol,
+        sgd_equivalence,
+        sgd_uneven,
+        easgd,
+        state,
+        sgd_overlap,
+        sgd_coefficients,
+        peer_dies,
+    )
+}
 
 
 def _to_cpu(x):

@@ -344,6 +344,28 @@ def async_many(node: int, n: int, key: str) -> dict:
 
 
 @scenario
+def async_then_sync(node: int, n: int, key: str) -> dict:
+    """AllReduceSGD's step, many times over: a bucket started asynchronously, the last
+    one synchronously right after it. The synchronous call must queue behind the handle
+    even when the communication thread has just taken it off its queue. GIL switches
+    every microsecond make that moment likely instead of rare."""
+    sys.setswitchinterval(1e-6)
+    tree = tree_from_args(node, n, key)
+    bad = 0
+    for step in range(1500):
+        first = torch.full((700,), float(node + step))
+        last = torch.full((3,), float(node - step))
+        handle = tree.all_reduce(first, async_op=True)
+        tree.all_reduce(last)
+        handle.wait()
+        want_first = sum(float(i + step) for i in range(n))
+        want_last = sum(float(i - step) for i in range(n))
+        bad += int(not (bool((first == want_first).all()) and bool((last == want_last).all())))
+    tree.close()
+    return {"bad": bad}
+
+
+@scenario
 def async_uneven(node: int, n: int, key: str) -> dict:
     """Uneven step counts, each step's all_reduce started asynchronously two at a time."""
     tree = tree_from_args(node, n, key)

@@ -62,6 +62,12 @@ def uneven_steps(num_nodes: int, epochs: int, seed: int, low: int, high: int) ->
     return table
 
 
+# Parameters of sim.Coefficients that do not train, per epoch of sgd_coefficients.
+FROZEN = [[], [1], [0, 4], []]
+# Parameters of sim.make_deep_model that stop training at a step of sgd_overlap's "frozen".
+DEEP_FROZEN = {1: [0, 1], 3: [6]}
+
+
 def config(num_nodes: int) -> dict:
     cfg = {
         "protocol": {},
@@ -73,6 +79,19 @@ def config(num_nodes: int) -> dict:
             "alphas": [0.4, 0.0],
         },
     }
+    cfg["sgd_overlap"] = {
+        "steps": 4,
+        "batch": 12,
+        "bucket_bytes": 256,
+        "first_bucket_bytes": 64,
+        "frozen": DEEP_FROZEN,
+    }
+    cfg["sgd_coefficients"] = {
+        "steps": uneven_steps(num_nodes, 4, seed=3, low=0, high=9),
+        "frozen": FROZEN,
+        "bucket_bytes": 64,
+        "first_bucket_bytes": 16,
+    }
     if num_nodes == 3:
         # torch.optim costs every process seconds of imports (torch._dynamo) on first
         # use: the optimizer-state scenario runs with 3 nodes only.
@@ -80,8 +99,11 @@ def config(num_nodes: int) -> dict:
     return cfg
 
 
-def launch(comm: str, num_nodes: int, tmp: Path, cfg: dict) -> list[dict]:
-    """Run `num_nodes` workers to completion; kill them all on failure or timeout."""
+def launch(
+    comm: str, num_nodes: int, tmp: Path, cfg: dict, killed: tuple[int, ...] = ()
+) -> list[dict]:
+    """Run `num_nodes` workers to completion; kill them all on failure or timeout.
+    Ranks in `killed` are expected to die by SIGKILL; the others' results are returned."""
     out = tmp / "out"
     rendezvous = tmp / "rendezvous"
     out.mkdir()
@@ -122,14 +144,22 @@ def launch(comm: str, num_nodes: int, tmp: Path, cfg: dict) -> list[dict]:
             proc.wait()
         for log in logs:
             log.close()
-    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    failed = [
+        (rank, p.returncode)
+        for rank, p in enumerate(procs)
+        if p.returncode != (-signal.SIGKILL if rank in killed else 0)
+    ]
     if failed:
         tails = "\n".join(
             f"--- rank {rank} (exit {code}) ---\n{(tmp / f'rank-{rank}.log').read_text()[-3000:]}"
             for rank, code in failed
         )
         raise AssertionError(f"{comm} with {num_nodes} nodes failed:\n{tails}")
-    return [torch.load(out / f"rank-{rank}.pt", weights_only=False) for rank in range(num_nodes)]
+    return [
+        torch.load(out / f"rank-{rank}.pt", weights_only=False)
+        for rank in range(num_nodes)
+        if rank not in killed
+    ]
 
 
 _RUNS: dict[tuple[str, int], list[dict] | AssertionError] = {}
@@ -256,6 +286,91 @@ def test_sgd_uneven_steps_end_on_the_longest_node(run, comm, num_nodes):
         assert ours["counts"] == expected
 
 
+def _expect_overlap(comm: str) -> bool:
+    """gloo always has the asynchronous all-reduce; the tree once it takes `async_op`."""
+    if comm == "gloo":
+        return True
+    import inspect
+
+    from distlearn import ipc
+
+    return "async_op" in inspect.signature(ipc.Tree.all_reduce).parameters
+
+
+OVERLAP_RUNS = {
+    # name: (reference frozen steps, steps whose hooks found no buckets yet, resent steps)
+    "plain": (None, 0, 0),
+    "overlap_off": (None, 0, 0),  # the one-call path after backward
+    "first_step": (None, 1, 0),  # hooks are set by the first sum_and_normalize_gradients
+    "no_sync": (None, 0, 0),
+    "accumulate": (None, 0, 4),  # a second backward after buckets left: sent again
+    "accumulate_in_place": (None, 0, 4),  # ...into a .grad that is a bucket's buffer
+    "accumulate_node0": (None, 0, 4),  # ...even when only node 0 does it
+    "frozen": (DEEP_FROZEN, 0, 2),  # the trainable set changed twice
+    "bfloat16": (None, 0, 0),
+    "float16": (None, 0, 0),
+}
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_sgd_overlap_matches_one_process(run, comm, num_nodes):
+    """Buckets during backward give what one process gets on the whole batch, in every
+    way of using the loop, and the buckets really start during backward."""
+    results = run(comm, num_nodes)
+    cfg = config(num_nodes)["sgd_overlap"]
+    overlap = _expect_overlap(comm)
+    for name, (frozen, unhooked, resent) in OVERLAP_RUNS.items():
+        reference = sim.deep_reference(cfg["steps"], cfg["batch"], frozen)
+        compressed = name in ("bfloat16", "float16")
+        for res in results:
+            ours = res["sgd_overlap"][name]
+            what = f"{name}, node {res['node_index']}"
+            assert ours["counts"] == [num_nodes] * cfg["steps"], what
+            tol = {"atol": 2e-3, "rtol": 1e-2} if compressed else {"atol": 1e-6, "rtol": 1e-5}
+            assert_same(ours["state"], reference, what=what, **tol)
+            assert_same(ours["state"], results[0]["sgd_overlap"][name]["state"], what=what)
+            stats = ours["stats"]
+            assert stats["overlap"] == (overlap and name != "overlap_off"), what
+            if not stats["overlap"]:
+                assert "bucket_bytes" not in stats, what
+                continue
+            buckets = len(stats["bucket_bytes"])
+            assert buckets >= 3, what  # tiny buckets: several per step
+            if name != "frozen":  # (its layout changes)
+                hooked_steps = cfg["steps"] - unhooked
+                assert stats["started_in_backward"] == hooked_steps * (buckets - 1), what
+            assert stats["resent"] == resent, what
+            assert stats["steps"] == cfg["steps"], what
+        if compressed:
+            # Really sent in 16 bits: the buckets are half the size, and the result is
+            # near the float32 one, not equal to it.
+            ours = results[0]["sgd_overlap"][name]
+            exact = results[0]["sgd_overlap"]["plain"]
+            if overlap:
+                assert 2 * sum(ours["stats"]["bucket_bytes"]) == sum(exact["stats"]["bucket_bytes"])
+            assert any(not torch.equal(ours["state"][k], exact["state"][k]) for k in exact["state"])
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_sgd_overlap_random_steps(run, comm, num_nodes):
+    """torch-distlearn's random-steps test on a module with buckets on: uneven epochs (an
+    idle node, a tie), parameters unused by some nodes, a trainable set that changes."""
+    results = run(comm, num_nodes)
+    cfg = config(num_nodes)["sgd_coefficients"]
+    table = cfg["steps"]
+    reference = sim.coefficients_reference(table, cfg["frozen"])
+    for res in results:
+        ours = res["sgd_coefficients"]
+        r = res["node_index"]
+        assert ours["stats"]["overlap"] == _expect_overlap(comm)
+        assert_same(ours["synced"], results[0]["sgd_coefficients"]["synced"])
+        assert_same(ours["synced"], reference, atol=1e-12, rtol=1e-12, what=f"node {r}")
+        expected = [sum(s > k for s in steps) for steps in table for k in range(steps[r])]
+        assert ours["counts"] == expected
+
+
 @pytest.mark.parametrize("comm", COMMS)
 def test_state_buffers_and_optimizer(run, comm):
     num_nodes = 3
@@ -272,6 +387,19 @@ def test_state_buffers_and_optimizer(run, comm):
         assert_same(ours["after_step"], first["after_step"])
     # The root had taken one step, the others more: its state is what everyone has.
     assert int(first["opt"]["state"][0]["step"]) == 2
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_a_peer_killed_mid_backward_is_an_error_not_a_hang(comm, tmp_path):
+    """SIGKILL one node while its buckets are in flight: the others raise, promptly."""
+    num_nodes = 3
+    cfg = {"peer_dies": {"steps": 50, "die_at": 3}}
+    survivors = launch(comm, num_nodes, tmp_path, cfg, killed=(num_nodes - 1,))
+    assert len(survivors) == num_nodes - 1
+    for res in survivors:
+        ours = res["peer_dies"]
+        assert ours["error"] is not None, "a node ran all its steps without its peer"
+        assert ours["seconds"] < 120, ours
 
 
 # -- AllReduceEA -----------------------------------------------------------------------
@@ -295,6 +423,10 @@ def test_easgd_matches_replica_simulation(run, comm, num_nodes):
                     rtol=1e-10,
                     what=f"{alpha=} {epoch=} node {r}",
                 )
+            # Averages overlap the next steps wherever the all-reduce can be asynchronous.
+            assert ours["overlap"] == (_expect_overlap(comm) and alpha != 0)
+            averages = sum(s // cfg["tau"] for s in (row[r] for row in cfg["steps"]))
+            assert ours["in_flight"] == (averages if ours["overlap"] else 0)
             # The center is bitwise identical everywhere after synchronize_center.
             theirs = [list(c) for c in results[0]["easgd"][f"alpha={alpha}"]["centers"]]
             assert_same([list(c) for c in ours["centers"]], theirs)

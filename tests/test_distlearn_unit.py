@@ -3,6 +3,8 @@ communicator protocol on a real one-node gloo group (no other processes needed).
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +12,8 @@ from torch import nn
 
 from distlearn import AllReduceEA, AllReduceSGD, broadcast_state_dict, synchronize_optimizer
 from distlearn.backends import TorchDistributed
+from distlearn.buckets import _layout
+from distlearn.comm import Completed, start_all_reduce, supports_async
 from distlearn.tensors import gradients_of, leaves, parameters_of, state_of
 
 
@@ -125,3 +129,231 @@ def test_broadcast_state_dict_keeps_structure(comm):
     synchronize_optimizer(comm, opt)
     with pytest.raises(TypeError, match=r"state_dict\['bad'\]: cannot broadcast a set"):
         broadcast_state_dict(comm, {"bad": {1, 2}})
+
+
+# -- the asynchronous all-reduce ---------------------------------------------------------
+
+
+def test_async_handles_complete_in_place_and_in_order(comm):
+    assert supports_async(comm)
+    small = [torch.ones(3), torch.full((3,), 2.0)]
+    handles = [comm.all_reduce(t, async_op=True) for t in small]
+    # Two packed all-reduces in flight at once: each has a buffer of its own.
+    assert [h.wait() for h in handles] == [1, 1]
+    assert small[0].tolist() == [1.0] * 3 and small[1].tolist() == [2.0] * 3
+    assert handles[0].is_completed() and handles[0].wait() == 1  # waiting again is fine
+    # A large contiguous tensor is reduced in its own memory, its count on the side.
+    big = torch.arange(comm.direct_bytes // 4 + 5, dtype=torch.float32)
+    ptr = big.data_ptr()
+    h = comm.all_reduce(big, async_op=True)
+    assert h.wait() == 1 and big.data_ptr() == ptr and big[-1].item() == big.numel() - 1
+    assert comm.all_reduce(big, finished=True, async_op=True).wait() == 0
+    assert big.abs().sum().item() == 0  # a finished node contributes nothing
+    # ...and a large view that is not contiguous travels packed, back in place.
+    wide = torch.arange(2 * (comm.direct_bytes // 8 + 8), dtype=torch.float32).view(2, -1)
+    col = wide.t()
+    want = col.clone()
+    assert comm.all_reduce(col, async_op=True).wait() == 1 and torch.equal(col, want)
+    # A callable op runs at once and hands back a completed handle.
+    h = comm.all_reduce(torch.ones(2), op=lambda a, b: a.add_(b), async_op=True)
+    assert isinstance(h, Completed) and h.wait() == 1
+
+
+class SyncOnly:
+    """A communicator with only the synchronous form; records what it was given."""
+
+    def __init__(self, comm):
+        self.comm, self.node_index, self.num_nodes = comm, comm.node_index, comm.num_nodes
+        self.seen: list[list[torch.dtype]] = []
+
+    def all_reduce(self, tensors, op="sum", finished=False):
+        self.seen.append([t.dtype for t in leaves(tensors)])
+        return self.comm.all_reduce(tensors, op, finished)
+
+    def scatter(self, tensors):
+        self.comm.scatter(tensors)
+
+    def barrier(self):
+        self.comm.barrier()
+
+
+def test_which_communicators_overlap(comm):
+    from distlearn.backends import XLA
+
+    # XLA traces backward rather than running it: nothing to overlap with there.
+    assert "async_op" not in inspect.signature(XLA.all_reduce).parameters
+    sync = SyncOnly(comm)
+    assert not supports_async(sync)
+    handle = start_all_reduce(sync, torch.ones(2))
+    assert isinstance(handle, Completed) and handle.wait() == 1
+    assert not AllReduceSGD(sync).overlap and AllReduceSGD(comm).overlap
+    assert not AllReduceSGD(comm, overlap=False).overlap
+
+
+# -- AllReduceSGD's buckets --------------------------------------------------------------
+
+
+def test_sgd_options_are_checked(comm):
+    with pytest.raises(ValueError, match=r"grad_dtype must be .*'bf16'"):
+        AllReduceSGD(comm, grad_dtype="bf17")
+    with pytest.raises(ValueError, match="grad_dtype"):
+        AllReduceSGD(comm, grad_dtype=torch.float64)
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive"):
+        AllReduceSGD(comm, bucket_bytes=0)
+    with pytest.raises(ValueError, match="first_bucket_bytes must be a positive"):
+        AllReduceSGD(comm, first_bucket_bytes=1.5)
+    assert AllReduceSGD(comm, grad_dtype="bf16").grad_dtype == torch.bfloat16
+
+
+def test_bucket_layout_follows_backward_order():
+    def p(*shape, dtype=torch.float32):
+        return nn.Parameter(torch.zeros(shape, dtype=dtype))
+
+    # In backward order: the first bucket closes at 64 bytes, the others at 256; a
+    # parameter larger than a bucket is a bucket of its own; dtypes never share one.
+    a, b, c, d, e = p(8), p(20), p(100), p(4, dtype=torch.float64), p(30)
+    groups = _layout([a, b, c, d, e], lambda t: t, first=64, cap=256)
+    assert [[id(x) for x in g] for g in groups] == [
+        [id(a), id(b)],  # 32 + 80 bytes >= 64
+        [id(c)],  # 400 bytes
+        [id(d)],  # float64: its own first bucket, still open at the end
+        [id(e)],
+    ]
+    # Compressed: sizes count the bytes that travel.
+    assert [len(g) for g in _layout([a, b, c], lambda t: t, first=64, cap=256)] == [2, 1]
+    assert [len(g) for g in _layout([a, b, c], lambda t: torch.bfloat16, 64, 256)] == [3]
+
+
+def _deep(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def test_buckets_start_during_backward(comm):
+    model = _deep()
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)  # hooks set here
+    buckets = sgd._buckets[model]
+    started = []
+    # A tensor hook on the input's first layer runs at the very end of backward.
+    x = torch.ones(3, 4, requires_grad=True)
+    x.register_hook(lambda g: started.append(buckets.launched))
+    model(x).sum().backward()
+    assert started == [len(buckets.buckets) - 1] and len(buckets.buckets) >= 3
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    # no_sync(): backward only accumulates; the next sum sends the total.
+    model.zero_grad()
+    with sgd.no_sync():
+        model(x).sum().backward()
+        assert buckets.launched == 0
+    model(x).sum().backward()
+    assert buckets.launched == len(buckets.buckets) - 1
+    assert sgd.sum_gradients(model) == 1
+    assert all(torch.equal(p.grad, 2 * g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert sgd.stats["modules"][0]["resent"] == 0
+
+
+def test_grads_are_views_of_the_buckets_never_of_the_one_in_flight(comm):
+    model = _deep()
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    buckets = sgd._buckets[model]
+
+    def storages():
+        return {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def flats(i):
+        return {b.flats[i].untyped_storage().data_ptr() for b in buckets.buckets}
+
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    sgd.sum_and_normalize_gradients(model)
+    assert storages() == flats(0)  # nothing copied back: .grad is the bucket
+    want = [p.grad.clone() for p in model.parameters()]
+    # zero_grad(set_to_none=False) keeps those views: the next step fills a second
+    # buffer, so a backward that lands late can never write into the one in flight.
+    for p in model.parameters():
+        p.grad.zero_()
+    model(x).sum().backward()
+    assert all(len(b.flats) == 2 and b.cur == 1 for b in buckets.buckets)
+    sgd.sum_and_normalize_gradients(model)
+    assert storages() == flats(1)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want, strict=True))
+    # set_to_none=True: a single buffer suffices, whichever it is.
+    model.zero_grad()
+    model(x).sum().backward()
+    sgd.sum_and_normalize_gradients(model)
+    assert storages() == flats(1)
+
+
+def test_sgd_follows_a_model_that_changes_dtype(comm):
+    model = _deep()
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    model.double()  # the same Parameter objects, now float64: the buckets are rebuilt
+    model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    assert all(p.grad.dtype == torch.float64 for p in model.parameters())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert sgd._buckets[model].buckets[0].flat.dtype == torch.float64
+
+
+def test_a_newer_sgd_takes_over_the_hooks(comm):
+    model = _deep()
+    old = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    old.synchronize_parameters(model)
+    new = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    new.synchronize_parameters(model)
+    model(torch.ones(1, 4)).sum().backward()
+    assert old._buckets[model].launched == 0  # its hooks are gone: nothing started twice
+    assert new._buckets[model].launched > 0
+    assert new.sum_and_normalize_gradients(model) == 1
+    with pytest.raises(RuntimeError, match="newer AllReduceSGD"):
+        old.sum_and_normalize_gradients(model)
+
+
+def test_plain_path_sends_compressed_gradients(comm):
+    sync = SyncOnly(comm)
+    model = _deep()
+    model[0].half()  # float16 parameters travel as they are
+    sgd = AllReduceSGD(sync, grad_dtype=torch.bfloat16)
+    model[0].float()
+    model(torch.ones(2, 4)).sum().backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    assert sync.seen[-1] == [torch.bfloat16] * len(exact)
+    for p, g in zip(model.parameters(), exact, strict=True):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, g, atol=0, rtol=2**-8)
+
+
+# -- AllReduceEA's center --------------------------------------------------------------
+
+
+def test_center_model_is_a_copy_holding_the_center(comm):
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    ea = AllReduceEA(comm, tau=1, alpha=0.5)
+    ea.synchronize_parameters(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # a local step away from the center
+    model(torch.randn(5, 3)).sum().backward()
+    ea.average_parameters(model)  # (one node: the center meets the parameters)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next local step
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    center = ea.center_model(model)
+    assert center is not model
+    for p, c, q in zip(center.parameters(), ea.center, model.parameters(), strict=True):
+        assert torch.equal(p, c) and not torch.equal(p, q) and p.grad is None
+    # The node's model is untouched and keeps training; buffers are the node's.
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(center[1].running_mean, model[1].running_mean)
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        ea.center_model(list(model.parameters()))
+    with pytest.raises(ValueError, match="not those being averaged"):
+        ea.center_model(nn.Linear(3, 4))

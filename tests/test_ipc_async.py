@@ -35,6 +35,16 @@ def test_several_handles_in_flight(n, shm, tmp_path):
 
 
 @pytest.mark.parametrize("shm", TRANSPORTS)
+def test_sync_call_right_after_a_handle_runs_after_it(shm, tmp_path):
+    """A synchronous all_reduce issued while the communication thread is taking the
+    previous handle off its queue must not run first (a different collective on this
+    node than on its peers: MismatchError, or wrong sums)."""
+    results, texts = run_tree("async_then_sync", 2, tmp_path, shm=shm)
+    for r, text in zip(results, texts, strict=True):
+        assert r is not None and r["bad"] == 0, text
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
 def test_uneven_finished_in_flight(shm, tmp_path):
     n = 4
     results, _ = run_tree("async_uneven", n, tmp_path, shm=shm)

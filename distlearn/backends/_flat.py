@@ -4,8 +4,12 @@ Backends (torch.distributed, XLA) only provide all-reduce, all-gather and broadc
 one 1-D buffer. Packing the user's tensors into one buffer per (device, dtype), the
 `finished` flags and the contributor count all live here, so every backend has the same
 semantics as the `ipc` tree: finished nodes contribute the identity of the reduction
-("nothing") and the count of contributors travels inside the same collective as the
-data, which is what lets ranks with uneven step counts end an epoch without a deadlock.
+("nothing") and the count of contributors travels with the data (inside the same
+collective, or for a large group in a small one started right after it), which is what
+lets ranks with uneven step counts end an epoch without a deadlock.
+
+The asynchronous form (`async_op=True`) starts every collective and returns a handle;
+backends whose primitive cannot run in the background (XLA) keep the synchronous form.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..comm import Completed, Op
 from ..tensors import leaves
 
-Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 _OPS = ("sum", "max", "min")
 
 
@@ -43,6 +47,23 @@ def _identity(op: str, dtype: torch.dtype) -> float | int | bool:
     return info.min if op == "max" else info.max
 
 
+def _set_flags(flags: torch.Tensor, op: str, node: int, finished: bool) -> None:
+    """The count's slots: one (a 0/1 summed) or one per node (this node's set)."""
+    if flags.numel() == 1:
+        flags[0] = 0 if finished else 1
+        return
+    on, off = (0, 1) if op == "min" else (1, 0)
+    flags.fill_(off)
+    flags[node] = off if finished else on
+
+
+def _read_count(flags: torch.Tensor, op: str, slots: int) -> int:
+    if slots == 1:
+        return round(flags[0].item())
+    on = 0 if op == "min" else 1
+    return int((flags[:slots] == on).sum().item())
+
+
 def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Tensors grouped by (device, dtype), groups in order of first appearance."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -51,27 +72,64 @@ def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+class _Pending:
+    """One all-reduce in flight over flat buffers: its backend works, and what to do once
+    they are done (read the count, copy the results out, give the buffers back)."""
+
+    __slots__ = ("_comm", "_count", "_finish", "_works")
+
+    def __init__(self, comm: FlatCommunicator, works: list, finish: Callable[[], int]) -> None:
+        self._comm = comm
+        self._works = works
+        self._finish = finish
+        self._count: int | None = None
+
+    def wait(self) -> int:
+        if self._count is None:
+            for work in self._works:
+                if work is not None:
+                    work.wait()
+            self._comm._sync()
+            self._count = self._finish()
+        return self._count
+
+    def is_completed(self) -> bool:
+        return self._count is not None or all(w is None or w.is_completed() for w in self._works)
+
+
 class FlatCommunicator:
     """Base of the backends: `all_reduce`, `scatter` and `barrier` over flat buffers.
 
     Subclasses set `node_index` and `num_nodes` and implement `_all_reduce_flat`,
-    `_all_gather_flat`, `_broadcast_flat` and `barrier`.
+    `_all_gather_flat`, `_broadcast_flat` and `barrier`; those that can run an
+    all-reduce in the background also implement `_start_all_reduce_flat`.
     """
 
     node_index: int
     num_nodes: int
-    #: Reuse one buffer per (device, dtype) between calls, so a training step does not
-    #: allocate (and page-fault) a gradient-sized buffer every time. It costs one
-    #: extra copy of the largest structure reduced so far, like DDP's buckets.
+    #: Reuse buffers between calls, so a training step does not allocate (and
+    #: page-fault) a gradient-sized buffer every time. Each all-reduce in flight holds
+    #: its own; they cost about one extra copy of what is in flight, like DDP's buckets.
     reuse_buffers: bool = True
+    #: A (device, dtype) group at least this large travels on its own, in the caller's
+    #: tensor itself when the group is one contiguous tensor, and the contributor count
+    #: goes in a small collective of its own: one extra collective's latency instead of
+    #: two copies of the data. None: always pack the count with the data.
+    direct_bytes: int | None = 1 << 20
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._free: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
     # -- primitives -------------------------------------------------------------------
 
     def _all_reduce_flat(self, buf: torch.Tensor, op: str) -> None:
         raise NotImplementedError
+
+    def _start_all_reduce_flat(self, buf: torch.Tensor, op: str) -> Any:
+        """Start reducing `buf`; return an object with `wait()` and `is_completed()`, or
+        None when it already ran (the default: synchronously)."""
+        self._all_reduce_flat(buf, op)
+        return None
 
     def _all_gather_flat(self, buf: torch.Tensor) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -84,26 +142,34 @@ class FlatCommunicator:
 
     def close(self) -> None:
         """Drop the cached buffers (the process group itself belongs to its creator)."""
-        self._buffers.clear()
+        self._free.clear()
 
     def _sync(self) -> None:
         """Hook for lazy backends: materialise pending work before results are read."""
 
-    # -- packing ----------------------------------------------------------------------
+    # -- buffers and packing ----------------------------------------------------------
 
-    def _buffer(self, like: torch.Tensor, numel: int) -> torch.Tensor:
-        key = (like.device, like.dtype)
-        if not self.reuse_buffers:
-            return torch.empty(numel, dtype=like.dtype, device=like.device)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._buffers[key] = buf
-        return buf[:numel]
+    def _take(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A 1-D buffer of `numel` elements that no collective in flight is using."""
+        if self.reuse_buffers:
+            free = self._free.get((like.device, like.dtype), [])
+            for i, buf in enumerate(free):
+                if buf.numel() >= numel:
+                    return free.pop(i)[:numel]
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        if self.reuse_buffers:
+            base = buf if buf._base is None else buf._base
+            free = self._free.setdefault((base.device, base.dtype), [])
+            free.append(base)
+            free.sort(key=torch.Tensor.numel)  # the smallest that fits is taken first
+            # Keep what one training step needs (a few buckets), not every size ever seen.
+            del free[:-8]
 
     def _pack(self, members: list[torch.Tensor], extra: int) -> tuple[torch.Tensor, int]:
         numel = sum(t.numel() for t in members)
-        buf = self._buffer(members[0], numel + extra)
+        buf = self._take(members[0], numel + extra)
         if numel:
             with torch.no_grad():  # parameters require grad; `out=` refuses autograd
                 torch.cat([t.reshape(-1) for t in members], out=buf[:numel])
@@ -120,46 +186,75 @@ class FlatCommunicator:
 
     # -- the protocol -----------------------------------------------------------------
 
-    def all_reduce(self, tensors: Any, op: Op = "sum", finished: bool = False) -> int:
+    def all_reduce(
+        self, tensors: Any, op: Op = "sum", finished: bool = False, async_op: bool = False
+    ) -> Any:
         """Reduce `tensors` across nodes in place; returns how many nodes contributed.
 
         A `finished` node keeps taking part (so the others do not hang) but contributes
-        nothing; its tensors receive the result like everyone else's.
+        nothing; its tensors receive the result like everyone else's. With
+        `async_op=True` it returns a handle at once instead: `handle.wait()` returns the
+        count once the result is in `tensors` (a callable `op` runs before returning).
         """
         members = leaves(tensors)
         if callable(op):
-            return self._all_reduce_callable(members, op, finished)
+            count = self._all_reduce_callable(members, op, finished)
+            return Completed(count) if async_op else count
         if op not in _OPS:
             raise ValueError(f"op must be one of {_OPS} or a callable, got {op!r}")
         if not members:
             raise ValueError("all_reduce needs at least one tensor (to carry the count)")
-        count = 0
+        handle = self._start(members, op, finished)
+        return handle if async_op else handle.wait()
+
+    def _start(self, members: list[torch.Tensor], op: str, finished: bool) -> _Pending:
+        """Start one collective per (device, dtype) group. The count rides in the first
+        group's buffer or, when that group travels on its own, in a collective of its own
+        started right after it."""
+        works: list = []
+        packed: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # to copy back
+        count_in: tuple[torch.Tensor, int, int] | None = None  # flags, where, slots
         for i, group in enumerate(_groups(members)):
             dtype = group[0].dtype
+            numel = sum(t.numel() for t in group)
+            alone = self.direct_bytes is not None and (
+                numel * group[0].element_size() >= self.direct_bytes
+            )
             slots = 0
-            if i == 0:
+            if i == 0 and not alone:
                 # One slot holds the sum of 0/1 flags where the dtype counts exactly;
                 # otherwise (and for max/min, which cannot count) one slot per node.
                 exact = op == "sum" and self.num_nodes <= _exact_integers(dtype)
                 slots = 1 if exact else self.num_nodes
-            buf, numel = self._pack(group, slots)
+            if alone and len(group) == 1 and group[0].is_contiguous():
+                buf = group[0].view(-1)  # the caller's own memory: no copy either way
+            else:
+                buf, numel = self._pack(group, slots)
+                packed.append((buf, group))
             if finished:
-                buf[:numel].fill_(_identity(op, dtype))
-            if slots == 1:
-                buf[numel] = 0 if finished else 1
-            elif slots:
-                flags = buf[numel:]
-                on, off = (0, 1) if op == "min" else (1, 0)
-                flags.fill_(off)
-                flags[self.node_index] = off if finished else on
-            self._all_reduce_flat(buf, op)
-            self._sync()
-            if slots == 1:
-                count = round(buf[numel].item())
-            elif slots:
-                count = int((buf[numel:] == on).sum().item())
-            self._unpack(buf, group)
-        return count
+                with torch.no_grad():
+                    buf[:numel].fill_(_identity(op, dtype))
+            if slots:
+                count_in = (buf, numel, slots)
+                _set_flags(buf[numel:], op, self.node_index, finished)
+            works.append(self._start_all_reduce_flat(buf, op))
+            if i == 0 and alone:
+                flag = torch.full((1,), 0 if finished else 1, dtype=torch.int64, device=buf.device)
+                count_in = (flag, 0, 1)
+                works.append(self._start_all_reduce_flat(flag, "sum"))
+
+        def finish() -> int:
+            flags, at, slots = count_in
+            count = _read_count(flags[at:], op, slots)
+            for buf, group in packed:
+                self._unpack_and_give_back(buf, group)
+            return count
+
+        return _Pending(self, works, finish)
+
+    def _unpack_and_give_back(self, buf: torch.Tensor, group: list[torch.Tensor]) -> None:
+        self._unpack(buf, group)
+        self._give_back(buf)
 
     def _all_reduce_callable(
         self, members: list[torch.Tensor], op: Callable, finished: bool
@@ -182,6 +277,7 @@ class FlatCommunicator:
                 contributors = [r for r, g in enumerate(gathered) if g[numel].item() == 1]
                 count = len(contributors)
             if not contributors:
+                self._give_back(buf)
                 continue
             offset = 0
             with torch.no_grad():
@@ -194,6 +290,7 @@ class FlatCommunicator:
                         acc = acc if out is None else out
                     t.copy_(acc)
                     offset += n
+            self._give_back(buf)
         return count
 
     def scatter(self, tensors: Any) -> None:
@@ -202,4 +299,4 @@ class FlatCommunicator:
             buf, _ = self._pack(group, 0)
             self._broadcast_flat(buf)
             self._sync()
-            self._unpack(buf, group)
+            self._unpack_and_give_back(buf, group)

@@ -17,7 +17,9 @@ class TorchDistributed(FlatCommunicator):
 
     Tensors are packed into one flat buffer per (device, dtype), so a model's many
     parameters cost one collective per dtype; the contributor count rides in the first
-    buffer. `group` defaults to the world group. Node 0 is the group's rank 0.
+    buffer. `all_reduce(..., async_op=True)` returns a handle at once (torch's
+    `async_op=True` underneath). `group` defaults to the world group. Node 0 is the
+    group's rank 0.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -59,6 +61,11 @@ class TorchDistributed(FlatCommunicator):
 
     def _all_reduce_flat(self, buf: torch.Tensor, op: str) -> None:
         dist.all_reduce(buf, op=_REDUCE_OPS[op], group=self.group)
+
+    def _start_all_reduce_flat(self, buf: torch.Tensor, op: str) -> dist.Work:
+        # gloo runs it on its own threads, NCCL on its own stream (after the work
+        # already queued on the current one): the caller's thread goes on at once.
+        return dist.all_reduce(buf, op=_REDUCE_OPS[op], group=self.group, async_op=True)
 
     def _all_gather_flat(self, buf: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(buf) for _ in range(self.num_nodes)]

@@ -4,12 +4,21 @@ torch_xla is imported when an `XLA()` is made, so `distlearn` itself never needs
 XLA tensors are lazy: collectives join the traced graph, and reading the contributor
 count (a Python int, as the protocol promises) cuts the graph with a sync. That costs
 one graph execution per collective, which training does once per step anyway.
+
+No asynchronous form (`async_op`): on XLA the backward pass is traced, not run, so
+there is nothing to overlap with while it is traced, and hooks that started collectives
+mid-backward would cut the step's graph into pieces. The gradient all-reduce joins the
+step's graph after backward instead, where XLA's own scheduler overlaps collectives
+with computation (on TPU and GPU); AllReduceSGD therefore takes its synchronous path.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..comm import Op
 from ._flat import FlatCommunicator
 
 
@@ -19,6 +28,8 @@ class XLA(FlatCommunicator):
     # Lazy tensors allocate nothing until the graph runs; a cached buffer would only
     # chain in-place updates across steps into the traced graph.
     reuse_buffers = False
+    # The count always rides in the data's collective: one graph op, not two.
+    direct_bytes = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,6 +52,11 @@ class XLA(FlatCommunicator):
     def device(self) -> torch.device:
         """This process's XLA device: put the model and batches here."""
         return self._xla.device()
+
+    def all_reduce(self, tensors: Any, op: Op = "sum", finished: bool = False) -> int:
+        """Reduce across the XLA processes, in place; returns how many contributed (the
+        synchronous form only: see the module docstring)."""
+        return super().all_reduce(tensors, op, finished)
 
     def _sync(self) -> None:
         self._xla.sync()

@@ -1,0 +1,361 @@
+"""Step time of the README's plain loop: AllReduceSGD against DDP, side by side.
+
+    python -m bench.step_time                        # both models, 2 and 4 processes
+    python -m bench.step_time --models convnet --nodes 2 --reps 5
+    python -m bench.step_time --rows ddp gloo gloo@4/0.25 gloo+bf16   # variants side by side
+
+A step is what a user's loop does: `zero_grad`, forward, `backward`, then for
+AllReduceSGD `sum_and_normalize_gradients(model)`, then `opt.step()` (SGD with
+momentum). Rows:
+
+    none       no communication (each process trains alone): the compute floor
+    ddp        torch DistributedDataParallel over gloo (its defaults: 25 MiB buckets)
+    gloo       AllReduceSGD over TorchDistributed(gloo): buckets during backward
+    gloo-sync  the same with overlap=False: one all-reduce after backward
+    ipc        AllReduceSGD over the ipc tree (overlapped if the tree has async_op)
+    ipc-sync   the same with overlap=False
+    ea-gloo, ea-gloo-sync, ea-ipc, ea-ipc-sync
+               AllReduceEA (tau 10, alpha 0.2) with and without its average
+               overlapped with the next steps (compare their mean, not the median:
+               the average costs one step in tau)
+
+An AllReduceSGD row takes `@BUCKET_MB/FIRST_MB` (bucket sizes) and `+bfloat16` or
+`+float16` (grad_dtype), e.g. `gloo@4/0.25+bfloat16`.
+
+Every row of a job runs in the same N processes, each on its own copy of the
+model, in blocks of `--block` timed steps (after one untimed step), the rows in
+alternating order round after round, so a noisy neighbour slows every row alike.
+A row's figure in a job is rank 0's median step; the table shows the median
+(min-max) over `--reps` jobs, each a fresh set of processes, and the median of
+the per-job ratios to DDP. Models: `convnet`, 9.5M parameters (two 3x3
+convolutions, three linear layers, on 3x32x32 inputs) and `mnist`,
+examples/mnist_lib.py's Net; batch 32 per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.procs import free_port, kill_group
+
+log = logging.getLogger("bench.step_time")
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+KINDS = (
+    "none", "ddp", "gloo", "gloo-sync", "ipc", "ipc-sync",
+    "ea-gloo", "ea-gloo-sync", "ea-ipc", "ea-ipc-sync",
+)  # fmt: skip
+MODELS = ("convnet", "mnist")
+_MiB = 1 << 20
+_ROW = re.compile(r"^(?P<kind>[a-z-]+)(@(?P<bucket>[\d.]+)/(?P<first>[\d.]+))?(\+(?P<dtype>\w+))?$")
+
+
+def parse_row(row: str) -> dict:
+    """`gloo@4/0.25+bfloat16` -> kind, bucket sizes in bytes, grad_dtype."""
+    m = _ROW.match(row)
+    if not m or m["kind"] not in KINDS:
+        raise argparse.ArgumentTypeError(f"{row!r}: a row is KIND[@BUCKET_MB/FIRST_MB][+DTYPE], "
+                                         f"KIND one of {', '.join(KINDS)}")  # fmt: skip
+    sgd = m["kind"] not in ("none", "ddp") and not m["kind"].startswith("ea-")
+    if (m["bucket"] or m["dtype"]) and not sgd:
+        raise argparse.ArgumentTypeError(f"{row!r}: bucket sizes and dtypes are AllReduceSGD's")
+    if m["dtype"] not in (None, "bfloat16", "float16"):
+        raise argparse.ArgumentTypeError(f"{row!r}: the dtype is bfloat16 or float16")
+    return {
+        "kind": m["kind"],
+        "bucket_bytes": int(float(m["bucket"] or 25) * _MiB),
+        "first_bucket_bytes": int(float(m["first"] or 1) * _MiB),
+        "grad_dtype": m["dtype"],
+    }
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def make_model(name: str):
+    """The model (same weights on every rank) and the shape of one input item."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "convnet":
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * 8 * 8, 2048),
+            nn.ReLU(),
+            nn.Linear(2048, 512),
+            nn.ReLU(),
+            nn.Linear(512, 10),
+        )
+        return model, (3, 32, 32)
+    if name == "mnist":
+        sys.path.insert(0, str(REPO / "examples"))
+        import mnist_lib
+
+        return mnist_lib.Net(), (1, 28, 28)
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from distlearn import AllReduceEA, AllReduceSGD
+    from distlearn.backends import TorchDistributed
+
+    torch.set_num_threads(a.threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
+    )
+    comms = {"gloo": TorchDistributed()}
+    if any("ipc" in row for row in a.rows):
+        from distlearn import ipc
+
+        comms["ipc"] = ipc.LocalhostTree(a.rank, a.world, key=f"bench-steps-{a.port}")
+    g = torch.Generator().manual_seed(a.rank)
+    item = make_model(a.model)[1]
+    batches = [
+        (torch.randn(a.batch, *item, generator=g), torch.randint(0, 10, (a.batch,), generator=g))
+        for _ in range(4)
+    ]
+
+    def make_step(row: str):
+        spec = parse_row(row)
+        kind = spec["kind"]
+        model = make_model(a.model)[0]
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        net, sgd, ea = model, None, None
+        comm = comms["ipc" if "ipc" in kind else "gloo"]
+        if kind == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        elif kind.startswith("ea-"):
+            ea = AllReduceEA(comm, tau=10, alpha=0.2, overlap=not kind.endswith("-sync"))
+            ea.synchronize_parameters(model)
+        elif kind != "none":
+            sgd = AllReduceSGD(
+                comm,
+                overlap=not kind.endswith("-sync"),
+                bucket_bytes=spec["bucket_bytes"],
+                first_bucket_bytes=spec["first_bucket_bytes"],
+                grad_dtype=spec["grad_dtype"],
+            )
+            sgd.synchronize_parameters(model)
+
+        def step(i: int) -> None:
+            x, y = batches[i % len(batches)]
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            if sgd is not None:
+                sgd.sum_and_normalize_gradients(model)
+            opt.step()
+            if ea is not None:
+                ea.average_parameters(model)
+
+        return step, sgd, sum(p.numel() for p in model.parameters())
+
+    steps = {row: make_step(row) for row in a.rows}
+    times: dict[str, list[float]] = {row: [] for row in a.rows}
+    i = 0
+    for rnd in range(a.rounds):
+        for row in a.rows if rnd % 2 == 0 else a.rows[::-1]:
+            step = steps[row][0]
+            step(i)  # untimed: the other rows' blocks cooled the caches
+            dist.barrier()
+            for _ in range(a.block):
+                i += 1
+                t0 = time.perf_counter()
+                step(i)
+                times[row].append(time.perf_counter() - t0)
+    dist.barrier()
+    if a.rank == 0:
+        result = {
+            row: {"times_s": times[row], "params": params, "sgd": sgd.stats if sgd else None}
+            for row, (_, sgd, params) in steps.items()
+        }
+        Path(a.out).write_text(json.dumps(result))
+    if "ipc" in comms:
+        comms["ipc"].close()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
+    """One job: N fresh processes running every row; per row, rank 0's step times."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    threads = a.threads or max(1, (os.cpu_count() or 1) // nodes)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
+        out = Path(tmp, "rank0.json")
+        args = [
+            "--worker", "--model", model, "--world", str(nodes), "--port", str(port),
+            "--rounds", str(a.rounds), "--block", str(a.block), "--batch", str(a.batch),
+            "--threads", str(threads), "--out", str(out), "--rows", *a.rows,
+        ]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.step_time", "--rank", str(r), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            for r in range(nodes)
+        ]
+        deadline = time.monotonic() + a.timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {a.timeout:.0f}s"}
+        finally:
+            for p in procs:
+                kill_group(p)
+        logs = [p.stdout.read() for p in procs]
+        for p in procs:
+            p.stdout.close()
+        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if bad or not out.exists():
+            r = bad[0] if bad else 0
+            return {"error": f"rank {r}: " + " | ".join(logs[r].strip().splitlines()[-6:])}
+        res = json.loads(out.read_text())
+    for rec in res.values():
+        rec["ms"] = 1e3 * statistics.median(rec["times_s"])
+        rec["mean_ms"] = 1e3 * statistics.fmean(rec["times_s"])
+    return res
+
+
+def _fmt(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def _overlap(stats: dict | None) -> str:
+    if stats is None:
+        return "-"
+    if not stats["modules"]:
+        return "none (one all-reduce after backward)"
+    mod = stats["modules"][0]
+    per_step = mod["started_in_backward"] / max(1, mod["steps"])
+    return f"{per_step:.1f} of {len(mod['bucket_bytes'])}"
+
+
+def markdown(jobs: dict, a: argparse.Namespace, elapsed: float) -> str:
+    from bench.report import machine
+
+    m = machine()
+    lines = [
+        "# Step time: AllReduceSGD against DDP",
+        "",
+        f"`python -m bench.step_time {' '.join(a.argv)}` ({elapsed:.0f} s), {m['date_utc']}, "
+        f"commit `{m['commit']}`.",
+        "",
+        f"Machine: {m['cpu']}, {m['cores_usable']} usable cores, {m['mem_gib']} GiB, Python "
+        f"{m['python']}, load average at start {m['loadavg_start'][0]:.2f}. torch "
+        f"{m['versions'].get('torch', '?')}.",
+        "",
+        f"Each process: batch {a.batch}, {a.threads or 'cores / processes'} torch thread(s). "
+        f"All rows of a job run in the same processes, {a.rounds} rounds of {a.block} timed "
+        f"steps per row in alternating order. ms per step: rank 0's median step in a job, "
+        f"median (min-max) over {a.reps} jobs. vs DDP: median over the jobs of the ratio "
+        "to DDP in the same job (below 1.00x is faster than DDP). mean ms: the mean step "
+        "(what AllReduceEA's rows are compared on).",
+        "",
+        "| model | processes | row | ms per step | vs DDP | mean ms | buckets sent in backward |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
+    for (model, nodes), results in jobs.items():
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            lines.append(f"| {model} | {nodes} | error: {results[0]['error'][:160]} | | | | |")
+            continue
+        for row in a.rows:
+            ratio = "-"
+            if row != "ddp" and "ddp" in a.rows:
+                ratio = f"{statistics.median(r[row]['ms'] / r['ddp']['ms'] for r in ok):.2f}x"
+            lines.append(
+                f"| {model} ({ok[0][row]['params'] / 1e6:.2f}M) | {nodes} | {row} "
+                f"| {_fmt([r[row]['ms'] for r in ok])} | {ratio} "
+                f"| {_fmt([r[row]['mean_ms'] for r in ok])} | {_overlap(ok[0][row]['sgd'])} |"
+            )
+    lines += ["", f"Reproduce: `python -m bench.step_time {' '.join(a.argv)}`.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.step_time", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rows", nargs="+", default=["none", "ddp", "gloo", "ipc"])
+    p.add_argument("--reps", type=int, default=3, help="jobs per (model, processes)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--block", type=int, default=5, help="timed steps per row and round")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / processes)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    p.add_argument("--out", help="markdown report (default: print only)")
+    # one rank of a job (internal)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    for row in a.rows:
+        try:
+            parse_row(row)
+        except argparse.ArgumentTypeError as err:
+            p.error(str(err))
+    if a.worker:
+        _worker(a)
+        return 0
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    jobs: dict[tuple[str, int], list[dict]] = {(m, n): [] for m in a.models for n in a.nodes}
+    started = time.time()
+    for rep in range(a.reps):
+        for model, nodes in jobs if rep % 2 == 0 else list(jobs)[::-1]:
+            res = run_job(model, nodes, a)
+            jobs[(model, nodes)].append(res)
+            what = f"job {rep + 1} {model} x{nodes}"
+            if "error" in res:
+                log.warning("%s: %s", what, res["error"])
+            else:
+                log.info("%s: %s", what, ", ".join(f"{r} {res[r]['ms']:.1f}" for r in a.rows))
+    text = markdown(jobs, a, time.time() - started)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+        log.info("wrote %s", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""Gradient buckets: AllReduceSGD's all-reduce overlapped with backward, as DDP does it.
+
+A module's trainable parameters are split, in the order backward reaches them (the
+reverse of `module.parameters()`), into buckets of about `bucket_bytes` (the first one
+smaller, so communication starts early). Each bucket owns a flat buffer. A hook on each
+parameter (`register_post_accumulate_grad_hook`) copies its gradient into its bucket;
+a full bucket starts its all-reduce at once, in bucket order, while backward goes on.
+`finish_step` (AllReduceSGD's `sum_*_gradients`) starts what is left, waits, and points
+each `.grad` at its slice of the bucket: one copy per step (in), like DDP's
+`gradient_as_bucket_view`, with the division by the node count riding on that copy.
+
+The contract that keeps every node in step: per step, every bucket is all-reduced
+exactly once, in bucket order, the last one always by `finish_step`. The last bucket
+carries one more element, the number of nodes whose gradients changed after their
+bucket had left ("late": a second backward before the step ended). If any node was
+late, or the trainable parameters changed, every node all-reduces its gradients once
+more, so the result is always the sum of what each node holds when it ends the step.
+Nodes that finished their epoch run the same sequence with `finished=True`
+(`finish_step(contribute=False)`), until a step in which nobody contributes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import Communicator, Completed, start_all_reduce
+
+__all__ = ["GradientBuckets", "compressed_scale", "wire_dtype"]
+
+
+def wire_dtype(dtype: torch.dtype, compress: torch.dtype | None) -> torch.dtype:
+    """What a gradient of `dtype` travels as: float32/64 as `compress` if given, the
+    rest (float16 and bfloat16 already, complex) as they are."""
+    if compress is not None and dtype in (torch.float32, torch.float64):
+        return compress
+    return dtype
+
+
+def compressed_scale(dtype: torch.dtype, wire: torch.dtype, num_nodes: int) -> float:
+    """What a gradient of `dtype` is multiplied by before it travels as `wire`.
+
+    float16 overflows at 65504: like DDP's fp16 hook, a compressed gradient travels as
+    its node's share of the mean (bfloat16 has float32's range and is sent as is).
+    """
+    return 1.0 / num_nodes if wire == torch.float16 and dtype != wire else 1.0
+
+
+class _Bucket:
+    """Parameters whose gradients travel together, and the flat buffers they travel in.
+
+    After a step the parameters' `.grad` are views of the buffer that carried them, so
+    nothing is copied back. A step fills a buffer that no `.grad` points into: the same
+    one when `zero_grad()` set them to None, else a second one (made on first need), so
+    the buffer in flight is never a `.grad` that a late backward could write into.
+    Compressed buckets (another dtype than the parameters') are copied back instead.
+    """
+
+    __slots__ = (
+        "alias", "cur", "extra", "filling", "flats", "handle", "params", "pending",
+        "ready", "scale", "views",
+    )  # fmt: skip
+
+    def __init__(self, params: list[nn.Parameter], wire: torch.dtype, extra: int) -> None:
+        self.params = params
+        self.extra = extra  # the last bucket's slot for the "late" flag
+        self.alias = wire == params[0].dtype
+        self.flats: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        self._add_buffer(wire)
+        self.cur = 0  # the buffer of this step (or of the last one, until `target`)
+        self.scale = 1.0  # what this step's gradients were multiplied by on the way in
+        self.handle: Any = None
+        self.reset()
+
+    def _add_buffer(self, wire: torch.dtype) -> None:
+        numel = sum(p.numel() for p in self.params)
+        flat = torch.zeros(numel + self.extra, dtype=wire, device=self.params[0].device)
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.flats.append(flat)
+        self.views.append(views)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.flats[self.cur]
+
+    def target(self, scale: float) -> list[torch.Tensor]:
+        """The views to fill this step: a buffer no `.grad` points into. The first call
+        of a step also sets what the gradients are multiplied by on the way in."""
+        if not self.filling:
+            self.scale = scale
+            views = self.views[self.cur]
+            if self.alias and any(p.grad is v for p, v in zip(self.params, views, strict=True)):
+                if len(self.flats) == 1:
+                    self._add_buffer(self.flats[0].dtype)
+                self.cur = 1 - self.cur
+            self.filling = True
+        return self.views[self.cur]
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)  # gradient copied in this step
+        self.pending = len(self.params)  # members not ready yet
+        self.handle = None  # the all-reduce in flight, once started this step
+        self.filling = False
+
+
+def _layout(
+    params: list[nn.Parameter], wire: Callable[[torch.dtype], torch.dtype], first: int, cap: int
+) -> list[list[nn.Parameter]]:
+    """Parameters (in backward order) grouped into buckets of one device and wire dtype.
+
+    A bucket closes once it holds `cap` bytes (`first` for the first bucket of each
+    device and dtype), so one large parameter makes a bucket of its own. Buckets are
+    ordered by their first parameter, the order in which backward fills them.
+    """
+    open_: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+    size: dict[tuple[torch.device, torch.dtype], int] = {}
+    closed: dict[tuple[torch.device, torch.dtype], int] = {}
+    buckets: list[tuple[int, list[nn.Parameter]]] = []
+    for i, p in enumerate(params):
+        key = (p.device, wire(p.dtype))
+        if key not in open_:
+            open_[key], size[key] = [], 0
+            buckets.append((i, open_[key]))
+        open_[key].append(p)
+        size[key] += p.numel() * key[1].itemsize
+        if size[key] >= (first if closed.get(key, 0) == 0 else cap):
+            closed[key] = closed.get(key, 0) + 1
+            del open_[key]
+    return [members for _, members in sorted(buckets, key=lambda b: b[0])]
+
+
+class GradientBuckets:
+    """The buckets of one module's gradients for one AllReduceSGD (see the module doc)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        bucket_bytes: int,
+        first_bucket_bytes: int,
+        wire_dtype: torch.dtype | None,
+    ) -> None:
+        self.module = module
+        self.comm = comm
+        self.bucket_bytes = bucket_bytes
+        self.first_bucket_bytes = first_bucket_bytes
+        self.wire_dtype = wire_dtype
+        self.syncing = True  # False inside AllReduceSGD.no_sync(): hooks only accumulate
+        self.expect_normalize = True  # the mean, not the sum (as the last step asked)
+        self.buckets: list[_Bucket] = []
+        self.launched = 0  # buckets[:launched] have started their all-reduce this step
+        self.late = False
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self._signature: list[tuple] = []
+        self._hooks: dict[int, Any] = {}  # id(parameter) -> its hook's handle
+        # steps ended; buckets started by hooks (overlapped with backward); steps sent
+        # twice (a node was late, or the trainable parameters changed)
+        self.stats = {"steps": 0, "started_in_backward": 0, "resent": 0}
+        self._build()
+
+    # -- layout -----------------------------------------------------------------------
+
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return wire_dtype(dtype, self.wire_dtype)
+
+    def _trainable(self) -> list[tuple]:
+        return [
+            (p, p.dtype, p.device, p.shape) for p in self.module.parameters() if p.requires_grad
+        ]
+
+    def changed(self) -> bool:
+        """Whether the trainable parameters (which, and their dtype, device or shape)
+        differ from those the buckets were built for (checked every step: no lists)."""
+        built, i = self._signature, 0
+        for p in self.module.parameters():
+            if p.requires_grad:
+                if i == len(built) or built[i][0] is not p:
+                    return True
+                if built[i][1:] != (p.dtype, p.device, p.shape):
+                    return True
+                i += 1
+        return i != len(built)
+
+    def _build(self) -> None:
+        self._signature = self._trainable()
+        params = [entry[0] for entry in reversed(self._signature)]  # backward order
+        groups = _layout(params, self._wire, self.first_bucket_bytes, self.bucket_bytes)
+        if not groups:
+            raise ValueError(
+                f"AllReduceSGD: {type(self.module).__name__} has no trainable parameters"
+            )
+        last = len(groups) - 1
+        self.buckets = [
+            _Bucket(members, self._wire(members[0].dtype), extra=int(i == last))
+            for i, members in enumerate(groups)
+        ]
+        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.launched = 0
+        self.late = False
+        if len(self.buckets) == 1:
+            # One bucket leaves at the end anyway: hooks would only cost time.
+            self.remove_hooks()
+            return
+        reducer = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            # A weak reference: hooks of a reducer that is gone do nothing.
+            me = reducer()
+            if me is not None:
+                me._ready(p)
+
+        for p in self.module.parameters():
+            if id(p) not in self._hooks:
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(hook)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
+    # -- during backward --------------------------------------------------------------
+
+    def _ready(self, p: torch.Tensor) -> None:
+        """The hook: `p.grad` holds this backward's gradient (accumulated)."""
+        slot = self._slot.get(id(p))
+        if slot is None:
+            return  # not trainable when the buckets were built: finish_step rebuilds
+        bucket, i = slot
+        if bucket.handle is not None:
+            # Its bucket already left: this node's sum is now out of date.
+            self.late = True
+            return
+        if not self.syncing or p.grad is None:
+            return  # no_sync(): the gradient accumulates in .grad, copied at the end
+        self._copy_in(bucket, i, bucket.views[bucket.cur] if bucket.filling else None)
+        if not bucket.ready[i]:
+            bucket.ready[i] = True
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start every full bucket whose predecessors have started (not the last one)."""
+        while self.launched < len(self.buckets) - 1 and self.buckets[self.launched].pending == 0:
+            self._launch(self.buckets[self.launched], contribute=True)
+            self.stats["started_in_backward"] += 1
+
+    def _launch(self, bucket: _Bucket, contribute: bool, wait: bool = False) -> None:
+        if wait:
+            # The last bucket, started when nothing is left to overlap with: the
+            # synchronous call skips the hand-off to a communication thread.
+            count = self.comm.all_reduce(bucket.flat, finished=not contribute)
+            bucket.handle = Completed(count)
+        else:
+            bucket.handle = start_all_reduce(self.comm, bucket.flat, finished=not contribute)
+        self.launched += 1
+
+    # -- copies -----------------------------------------------------------------------
+
+    def _target(self, bucket: _Bucket) -> list[torch.Tensor]:
+        # Gradients go in as each node's share of the mean when the mean is what is
+        # asked for (the division rides on the copy in, not on a pass of its own).
+        nodes = self.comm.num_nodes
+        scale = compressed_scale(bucket.params[0].dtype, bucket.flat.dtype, nodes)
+        return bucket.target(1.0 / nodes if self.expect_normalize else scale)
+
+    def _copy_in(self, bucket: _Bucket, i: int, views: list | None = None) -> None:
+        grad, view = bucket.params[i].grad, (views or self._target(bucket))[i]
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            elif bucket.scale != 1.0:
+                torch.mul(grad, bucket.scale, out=view)
+            else:
+                view.copy_(grad)
+
+    def _land(self, count: int | None) -> None:
+        """Results into `.grad`: the sum, or the mean over `count` nodes."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                factor = 1.0 / bucket.scale / (count or 1)  # what is still to apply
+                views = bucket.views[bucket.cur]
+                if bucket.alias:
+                    if factor != 1.0:  # e.g. fewer contributors than nodes
+                        bucket.flat[: bucket.flat.numel() - bucket.extra].mul_(factor)
+                    for p, view in zip(bucket.params, views, strict=True):
+                        if p.grad is not view:
+                            p.grad = view
+                    continue
+                for p, view in zip(bucket.params, views, strict=True):
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    # widen first: a product in bfloat16 would round again
+                    p.grad.copy_(view)
+                    if factor != 1.0:
+                        p.grad.mul_(factor)
+
+    # -- the end of a step ------------------------------------------------------------
+
+    def _all_buckets(self, contribute: bool, late: bool) -> int:
+        """Start the buckets not started yet (in order), wait for all; returns the count
+        and leaves in `self.late_nodes` how many nodes said they were late."""
+        last = self.buckets[-1]
+        for bucket in self.buckets[self.launched :]:
+            self._target(bucket)  # (a finished node's buffer is overwritten too)
+            if contribute:
+                for i, ready in enumerate(bucket.ready):
+                    if not ready:
+                        self._copy_in(bucket, i)
+            if bucket is last:
+                last.flat[-1] = 1 if (late and contribute) else 0
+            self._launch(bucket, contribute, wait=bucket is last)
+        count = 0
+        for bucket in self.buckets:
+            count = bucket.handle.wait()
+        self.late_nodes = round(last.flat[-1].item())
+        return count
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self.launched = 0
+        self.late = False
+
+    def finish_step(self, normalize: bool, contribute: bool = True) -> int:
+        """End this step's all-reduces (see the module docstring); returns the count of
+        contributing nodes. With `contribute=False` (a finished node) the gradients are
+        left alone and 0 means that every node has finished."""
+        changed = self.changed()
+        try:
+            count = self._all_buckets(contribute, self.late)
+            if count == 0 and not contribute:
+                return 0
+            if self.late_nodes > 0 or changed:
+                # Somebody's gradients moved after they were sent, or the buckets no
+                # longer fit the parameters: everyone sends what it holds now.
+                self._reset()
+                if changed:
+                    self._build()
+                count = self._all_buckets(contribute, late=False)
+                self.stats["resent"] += 1
+            if contribute:
+                self._land(count if normalize else None)
+                self.stats["steps"] += 1
+                self.expect_normalize = normalize
+            return count
+        finally:
+            self._reset()
