@@ -22,21 +22,30 @@ if __name__ != "distlearn.ipc":
 from . import link, rendezvous, wire
 from .errors import AuthError, IPCError, IPCTimeoutError, MismatchError, PeerError
 from .link import Liveness
+from .pool import Map, RemoteTraceback, WorkerError, map
+from .service import Client, Connection, Server
 from .tree import Handle, LocalhostTree, StaticTree, Tree, from_env
 
 __all__ = [
     "AuthError",
+    "Client",
+    "Connection",
     "Handle",
     "IPCError",
     "IPCTimeoutError",
     "Liveness",
     "LocalhostTree",
+    "Map",
     "MismatchError",
     "PeerError",
+    "RemoteTraceback",
+    "Server",
     "StaticTree",
     "Tree",
+    "WorkerError",
     "from_env",
     "link",
+    "map",
     "rendezvous",
     "wire",
 ]
