@@ -23,11 +23,13 @@ from . import link, rendezvous, wire
 from .errors import AuthError, IPCError, IPCTimeoutError, MismatchError, PeerError
 from .link import Liveness
 from .pool import Map, RemoteTraceback, WorkerError, map
+from .queues import Channel, WorkQueue
 from .service import Client, Connection, Server
 from .tree import Handle, LocalhostTree, StaticTree, Tree, from_env
 
 __all__ = [
     "AuthError",
+    "Channel",
     "Client",
     "Connection",
     "Handle",
@@ -42,6 +44,7 @@ __all__ = [
     "Server",
     "StaticTree",
     "Tree",
+    "WorkQueue",
     "WorkerError",
     "from_env",
     "link",

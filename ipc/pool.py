@@ -29,11 +29,12 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
 
-from . import wire
+from . import queues, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Link
@@ -88,6 +89,7 @@ def _worker(address: str, secret_text: str, fn: Callable, args: tuple, i: int) -
                 {"i": i, "ok": False, "type": type(exc).__name__, "message": str(exc)[:4096],
                  "traceback": tb}
             )  # fmt: skip
+        queues.close_remotes()  # its writes to channels and work queues arrive first
         link.send_frames(frames, copy=True)
     finally:
         ep.close()  # returns once the parent has read the result (or is gone)
@@ -150,6 +152,9 @@ class Map:
         except BaseException:
             self._stop()
             raise
+        self._abort = False
+        self._thread = threading.Thread(target=self._watch, name="ipc.map", daemon=True)
+        self._thread.start()
 
     def _accept(self, link: Link) -> str | None:
         i = link.info.get("i")
@@ -186,33 +191,37 @@ class Map:
         if self._error is None:
             self._error = exc
 
+    def _watch(self) -> None:
+        """The map's thread: answers the workers' links (handshakes, results, goodbyes)
+        while the caller does other work, until every worker has ended or one failed."""
+        while not self._abort and self._error is None:
+            if all(p.exitcode is not None for p in self._procs):
+                break
+            self._ep.poll(0.05)
+            self._take()
+            for i, p in enumerate(self._procs):
+                if self._done[i] or p.exitcode is None:
+                    continue
+                self._ep.poll(0)  # what it sent before it ended is ours
+                self._take()
+                if not self._done[i]:
+                    how = _how_it_ended(p.exitcode)
+                    self._fail(PeerError(f"ipc.map: worker {i} (pid {p.pid}) {how}", i))
+
     def join(self, timeout: float | None = None) -> list:
         """The n results in index order, once every worker is done; see the module
         docstring for failures."""
         if self._joined:
             raise IPCError("ipc.map: join() was called already")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        self._joined = True
         try:
-            while self._error is None and not all(self._done):
-                self._ep.poll(0.05)
-                self._take()
-                for i, p in enumerate(self._procs):
-                    if self._done[i] or p.exitcode is None:
-                        continue
-                    self._ep.poll(0)  # what it sent before it ended is ours
-                    self._take()
-                    if not self._done[i]:
-                        self._fail(
-                            PeerError(
-                                f"ipc.map: worker {i} (pid {p.pid}) {_how_it_ended(p.exitcode)}",
-                                i,
-                            )
-                        )
-                if deadline is not None and time.monotonic() > deadline and self._error is None:
-                    late = [i for i in range(self.n) if not self._done[i]]
-                    self._fail(IPCTimeoutError(f"ipc.map: workers {late} not done in {timeout} s"))
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                late = [i for i in range(self.n) if not self._done[i]]
+                self._fail(IPCTimeoutError(f"ipc.map: workers {late} not done in {timeout} s"))
+                self._abort = True
+                self._thread.join()
         finally:
-            self._joined = True
             self._stop()
         if self._error is not None:
             raise self._error
