@@ -192,27 +192,20 @@ class Link:
     def send_control(self, kind: Kind, body: dict) -> None:
         self.send(wire.control(kind, body))
 
-    def send_frames(self, frames: list, *, copy: bool = False, track: bool = False) -> list:
+    def send_frames(self, frames: list, *, copy: bool = False) -> None:
         """Send one message of several frames (a header first, see :mod:`ipc.wire`), e.g.
         `link.send_frames(wire.pack_value(obj))`; with `copy=False` (the default) large
-        buffers go from their own memory, which must not change until sent. `track`
-        returns the MessageTrackers of the frames sent from their own memory (done once
-        ZeroMQ no longer reads them)."""
+        buffers go from their own memory, which must not change until sent."""
         if self.dead is not None:
             raise self.endpoint.dead_error(self)
         sock = self.sock if self.sock is not None else self.endpoint.router
         parts = frames if self.sock is not None else [self.rid, *frames]
-        trackers = []
         try:
             for i, f in enumerate(parts):
                 last = i == len(parts) - 1
-                flags = zmq.NOBLOCK | (0 if last else zmq.SNDMORE)
-                if copy or len(f) < 65536:
-                    sock.send(f, flags)
-                elif track:
-                    trackers.append(sock.send(f, flags, copy=False, track=True))
-                else:
-                    sock.send(f, flags, copy=False)
+                sock.send(
+                    f, zmq.NOBLOCK | (0 if last else zmq.SNDMORE), copy=copy or len(f) < 65536
+                )
         except zmq.ZMQError as err:
             if err.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 self.endpoint.mark_dead(self, "its connection is gone")
@@ -220,7 +213,6 @@ class Link:
             raise
         self.stats.msgs_sent += 1
         self.stats.bytes_sent += sum(len(f) for f in frames)
-        return trackers
 
 
 @dataclass

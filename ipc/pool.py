@@ -19,6 +19,9 @@ the other workers are stopped (SIGTERM, then SIGKILL) and `join()` raises
   and the signal or exit code;
 - `IPCTimeoutError` after `timeout` seconds.
 Workers die with the parent (PR_SET_PDEATHSIG), so none outlives a killed job.
+Forked workers run torch with one thread (`torch.set_num_threads(1)`, as
+DataLoader's workers do): torch's OpenMP pool does not survive fork(), and a
+parallel op in the child would hang on the parent's threads.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+
+import torch
 
 from . import queues, wire
 from .auth import Secret, random_secret
@@ -71,9 +76,15 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _worker(address: str, secret_text: str, fn: Callable, args: tuple, i: int) -> None:
+def _worker(
+    address: str, secret_text: str, fn: Callable, args: tuple, i: int, forked: bool
+) -> None:
     """One worker: dial the parent, run fn, send its result or its exception."""
     _die_with_parent()
+    if forked:
+        # torch's OpenMP pool does not survive fork(): a parallel op would wait forever on
+        # the parent's threads. One thread, as DataLoader's forked workers run.
+        torch.set_num_threads(1)
     if os.getppid() == 1:
         os._exit(1)  # the parent died before we set the death signal
     ep = Endpoint(Secret(secret_text, "map"), f"map worker {i}", info={"i": i, "pid": os.getpid()})
@@ -130,6 +141,7 @@ class Map:
         if not callable(fn):
             raise TypeError(f"ipc.map: fn must be callable, not {type(fn).__name__}")
         ctx = multiprocessing.get_context(context)
+        forked = ctx.get_start_method() == "fork"
         self.n = n
         self._results: list = [None] * n
         self._done = [False] * n
@@ -143,7 +155,7 @@ class Map:
             for i in range(n):
                 p = ctx.Process(
                     target=_worker,
-                    args=(self._ep.addresses[0], secret.text, fn, args, i),
+                    args=(self._ep.addresses[0], secret.text, fn, args, i, forked),
                     name=f"ipc.map worker {i}",
                     daemon=False,  # a worker may start processes of its own
                 )

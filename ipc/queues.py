@@ -361,6 +361,9 @@ class WorkQueue:
     def _read_owner(self, directory) -> dict | None:
         raw = runtime.read_private(directory, self._file)
         if raw is None:
+            # Missing, or not a private file of ours (refused and logged): in our verified
+            # directory that is a leftover, never a queue to join.
+            runtime.remove(directory, self._file)
             return None
         try:
             info = json.loads(raw)

@@ -68,18 +68,11 @@ def _deadline(timeout: float | None) -> float | None:
 
 
 def send_value(link: Link, obj: object) -> None:
-    """Send `obj` on `link` and return once its memory may change again: large tensors go
-    from their own memory (no copy) and we wait until ZeroMQ has written them out."""
-    frames = wire.pack_value(obj)
-    for tracker in link.send_frames(frames, track=True):
-        while not tracker.done:
-            if link.dead is not None:
-                raise link.endpoint.dead_error(link)
-            # A slow reader holds the bytes in flight: keep answering our links meanwhile.
-            try:
-                tracker.wait(0.05)
-            except zmq.NotDone:
-                link.endpoint.poll(0)
+    """Send `obj` on `link`; its tensors may change as soon as this returns. The bytes are
+    copied into ZeroMQ's buffers: for a message that is written out at once, a copy costs
+    less than tracking when ZeroMQ lets go of our memory (about 0.2 ms against 3 ms a
+    megabyte here)."""
+    link.send_frames(wire.pack_value(obj), copy=True)
 
 
 def recv_value(link: Link, frames: list, into: object) -> object:
@@ -289,21 +282,16 @@ class Server:
         client that is gone is skipped: its death is reported by the receives."""
         self._check_open()
         self._service(0)
-        frames = wire.pack_value(obj)
-        trackers: list = []
+        # Encoded once; each large buffer copied once into a ZeroMQ message that every
+        # client's send shares by reference.
+        frames = [zmq.Frame(f, copy=True) if len(f) >= 65536 else f for f in wire.pack_value(obj)]
         reached = 0
         for conn in self.connections():
             try:
-                trackers += [(conn, t) for t in conn.link.send_frames(frames, track=True)]
+                conn.link.send_frames(frames, copy=False)
                 reached += 1
             except PeerError:
                 continue
-        for conn, tracker in trackers:
-            while not tracker.done and conn.link.dead is None:
-                try:
-                    tracker.wait(0.05)
-                except zmq.NotDone:
-                    self._service(0)
         return reached
 
     def net_stats(self) -> dict:

@@ -27,6 +27,15 @@ CTX = multiprocessing.get_context("fork")
 TOKEN = "t" * 40
 
 
+def _in_child(target, args):
+    torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork(): its ops would hang
+    target(*args)
+
+
+def forked(target, *args) -> multiprocessing.Process:
+    return CTX.Process(target=_in_child, args=(target, args))
+
+
 @contextlib.contextmanager
 def children(*procs):
     """Start processes; on the way out kill any that are left."""
@@ -89,7 +98,7 @@ def echo_client(port: int, k: int, rounds: int) -> None:
 
 def test_several_clients_every_dtype_nested_values_into():
     server = ipc.Server("127.0.0.1", 0, token=TOKEN)
-    procs = [CTX.Process(target=echo_client, args=(server.port, k, 2)) for k in range(3)]
+    procs = [forked(echo_client, server.port, k, 2) for k in range(3)]
     try:
         with children(*procs):
             conns = server.clients(3, timeout=60)
@@ -121,7 +130,7 @@ def test_several_clients_every_dtype_nested_values_into():
 
 def test_into_with_the_wrong_shape_is_a_clear_error():
     server = ipc.Server(token=TOKEN)
-    p = CTX.Process(target=echo_client, args=(server.port, 0, 1))
+    p = forked(echo_client, server.port, 0, 1)
     try:
         with children(p):
             [conn] = server.clients(1, timeout=60)
@@ -144,7 +153,7 @@ def killed_client(port: int, k: int) -> None:
 
 def test_a_client_killed_mid_exchange_is_named_and_broadcast_does_not_hang():
     server = ipc.Server(token=TOKEN, liveness=ipc.Liveness(0.5, 3))
-    procs = [CTX.Process(target=killed_client, args=(server.port, k)) for k in range(2)]
+    procs = [forked(killed_client, server.port, k) for k in range(2)]
     try:
         with children(*procs):
             conns = server.clients(2, timeout=60)
@@ -178,7 +187,7 @@ def test_a_server_that_dies_is_a_peer_error_for_its_client():
         os.kill(os.getpid(), signal.SIGKILL)
 
     a, b = CTX.Pipe()
-    p = CTX.Process(target=doomed, args=(b,))
+    p = forked(doomed, b)
     with children(p):
         c = ipc.Client("127.0.0.1", a.recv(), token=TOKEN, liveness=ipc.Liveness(0.5, 3))
         try:
@@ -203,16 +212,16 @@ def test_a_stranger_without_the_token_is_refused_and_junk_is_harmless(caplog):
         sock.send(wire.control(wire.Kind.MESSAGE, {"v": 1}), zmq.NOBLOCK)
         # junk bytes, and a ZMTP greeting claiming a huge frame
         for junk in (os.urandom(4096), b"\xff" + b"\x00" * 7 + b"\x7f" + b"\x03" + b"\x00" * 54):
-            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
-                with contextlib.suppress(OSError):
-                    raw.sendall(junk)
+            raw = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            with raw, contextlib.suppress(OSError):
+                raw.sendall(junk)
         with pytest.raises(ipc.IPCTimeoutError):
             server.recv_any(timeout=1.0)
         assert server.connections() == []
         sock.close()
         ctx.term()
         # the real client still gets in
-        p = CTX.Process(target=echo_client, args=(server.port, 5, 1))
+        p = forked(echo_client, server.port, 5, 1)
         with children(p):
             [conn] = server.clients(1, timeout=60)
             conn.send("ping")
@@ -229,7 +238,7 @@ def oversize_client(port: int) -> None:
 
 def test_oversized_frames_are_refused_before_they_are_read():
     server = ipc.Server(token=TOKEN, max_frame=64 << 10, liveness=ipc.Liveness(0.5, 3))
-    p = CTX.Process(target=oversize_client, args=(server.port,))
+    p = forked(oversize_client, server.port)
     try:
         with children(p):
             [conn] = server.clients(1, timeout=60)
@@ -241,12 +250,31 @@ def test_oversized_frames_are_refused_before_they_are_read():
         server.close()
 
 
+def token_client(port: int, token: str | None, out) -> None:
+    try:
+        c = ipc.Client("127.0.0.1", port, token=token, timeout=60)
+        c.send(b"x")
+        c.close()
+        out.send("ok")
+    except Exception as exc:  # the parent asserts on what it got
+        out.send(f"{type(exc).__name__}: {exc}")
+
+
+def token_exchange(server: ipc.Server, token: str | None) -> str:
+    a, b = CTX.Pipe()
+    p = forked(token_client, server.port, token, b)
+    with children(p):
+        with contextlib.suppress(ipc.IPCTimeoutError):
+            [conn] = server.clients(1, timeout=60)
+            assert conn.recv(timeout=60) == b"x"
+        return a.recv() if a.poll(60) else "no answer"
+
+
 def test_token_sources(monkeypatch):
     monkeypatch.setenv("IPC_TOKEN", TOKEN)
     server = ipc.Server()  # $IPC_TOKEN
     try:
-        c = ipc.Client("127.0.0.1", server.port, token=TOKEN)
-        c.close()
+        assert token_exchange(server, TOKEN) == "ok"
     finally:
         server.close()
     monkeypatch.delenv("IPC_TOKEN")
@@ -255,12 +283,8 @@ def test_token_sources(monkeypatch):
     name = f"server-{server.port}.token"
     try:
         path = runtime.runtime_dir() / name
-        assert path.stat().st_mode & 0o077 == 0
-        c = ipc.Client("127.0.0.1", server.port)
-        [conn] = server.clients(1, timeout=30)
-        c.send(b"x")
-        assert conn.recv(timeout=30) == b"x"
-        c.close()
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert token_exchange(server, None) == "ok"
     finally:
         server.close()
     assert not (runtime.runtime_dir() / name).exists()
@@ -377,7 +401,7 @@ def test_workqueue_name_left_by_a_dead_owner_is_taken_over():
         ipc.WorkQueue(name)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    p = CTX.Process(target=owner_dies)
+    p = forked(owner_dies)
     with children(p):
         pass
     q = ipc.WorkQueue(name)  # the dead owner's file names a dead pid: ours now
