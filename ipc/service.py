@@ -28,6 +28,7 @@ Not thread-safe: use a Server or a Client from one thread at a time.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -44,8 +45,21 @@ from .link import Endpoint, Limits, Link, Liveness
 log = logging.getLogger(__name__)
 
 
-def _token_name(port: int) -> str:
-    return f"server-{port}.token"
+def _local_name(port: int) -> str:
+    """The private file where a loopback server on `port` leaves its Unix socket address
+    (and its random token, when it made one) for clients of the same user."""
+    return f"server-{port}.json"
+
+
+def _local_record(port: int) -> dict:
+    raw = runtime.read_private(runtime.runtime_dir(), _local_name(port))
+    try:
+        record = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {k: v for k, v in record.items() if k in ("unix", "token") and isinstance(v, str)}
 
 
 def _is_loopback(host: str) -> bool:
@@ -143,16 +157,18 @@ class Server:
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"Server: port must be an int in [0, 65536), not {port!r}")
         secret = given_secret(token, token_file)
-        self._token_file: str | None = None
         if secret is None:
             if not _is_loopback(host):
                 raise missing_secret_error(f"Server({host!r}) listens beyond this host")
             secret = random_secret()
         self.host = host
+        local = _is_loopback(host)
         self._endpoint = Endpoint(
             secret,
             name,
-            bind=[f"tcp://{host}:{port or '*'}"],
+            # On loopback, also a Unix socket in the private runtime directory: clients of
+            # this user on this host take it (faster than TCP for large tensors).
+            bind=[f"tcp://{host}:{port or '*'}", *(["ipc"] if local else [])],
             encrypt=encrypt,
             limits=Limits(max_frame=max_frame),
             liveness=liveness,
@@ -160,13 +176,18 @@ class Server:
         )
         self.address = self._endpoint.addresses[0]
         self.port = int(self.address.rpartition(":")[2])
-        if secret.origin.startswith("random"):
-            # Only this user can read it; the port is ours, so a file left under that name
-            # by a server that died is stale.
-            name_ = _token_name(self.port)
-            runtime.remove(runtime.runtime_dir(), name_)
-            runtime.create_private(runtime.runtime_dir(), name_, secret.text.encode())
-            self._token_file = name_
+        self._local_file: str | None = None
+        if local:
+            # Only this user can read it. The port is ours now, so a file left under that
+            # name by a server that died is stale.
+            record = {"unix": self._endpoint.addresses[1]}
+            if secret.origin.startswith("random"):
+                record["token"] = secret.text
+            self._local_file = _local_name(self.port)
+            runtime.remove(runtime.runtime_dir(), self._local_file)
+            runtime.create_private(
+                runtime.runtime_dir(), self._local_file, json.dumps(record).encode()
+            )
         self._conns: list[Connection] = []
         self._by_link: dict[int, Connection] = {}
         self._pending: deque[tuple[Connection, list]] = deque()  # arrival order
@@ -316,8 +337,8 @@ class Server:
         try:
             self._endpoint.close()
         finally:
-            if self._token_file is not None:
-                runtime.remove(runtime.runtime_dir(), self._token_file)
+            if self._local_file is not None:
+                runtime.remove(runtime.runtime_dir(), self._local_file)
 
 
 class Client:
@@ -339,16 +360,19 @@ class Client:
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"Client: port must be an int in (0, 65536), not {port!r}")
         secret = given_secret(token, token_file)
+        record = _local_record(port) if _is_loopback(host) else {}
         if secret is None:
-            text = None
-            if _is_loopback(host):
-                text = runtime.read_private(runtime.runtime_dir(), _token_name(port))
-            if text is None:
+            if "token" not in record:
                 raise missing_secret_error(
                     f"Client({host!r}, {port}) has no token (and no server of ours on this "
                     "host left one)"
                 )
-            secret = Secret(text.decode(), f"the token file of the server on port {port}")
+            secret = Secret(record["token"], f"the token file of the server on port {port}")
+        # A server of ours on this host listens on a Unix socket too; the link's challenge
+        # still proves that whoever answers there knows the secret.
+        address = record.get("unix", f"tcp://{host}:{port}")
+        if not address.startswith("ipc://"):
+            address = f"tcp://{host}:{port}"
         name = name or f"client {socket.gethostname()}/{os.getpid()}"
         self._endpoint = Endpoint(
             secret,
@@ -361,7 +385,7 @@ class Client:
         self._pid = os.getpid()
         self._closed = False
         try:
-            self._link = self._endpoint.dial(f"tcp://{host}:{port}", reconnect=False)
+            self._link = self._endpoint.dial(address, reconnect=False)
             self._endpoint.wait_up(
                 [self._link], time.monotonic() + timeout, f"the server at {host}:{port}"
             )

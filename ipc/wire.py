@@ -223,13 +223,18 @@ def encode(obj: object, max_frame: int = 1 << 20) -> tuple[dict, list]:
     return {"v": desc}, frames
 
 
-def _copy_into(dst: torch.Tensor, buf: memoryview) -> None:
-    """Raw bytes into a tensor of the same size. A contiguous CPU tensor takes a plain
-    memcpy: torch's copy_ wakes its thread pool, which costs several times more on a
-    loaded host."""
+def _copy_into(dst: torch.Tensor, parts: list[memoryview]) -> None:
+    """The frames of one tensor, end to end, into `dst` (of the same size), each copied
+    once to its place. A contiguous CPU tensor takes plain memcpys: torch's copy_ wakes
+    its thread pool, which costs several times more on a loaded host."""
     if dst.device.type == "cpu" and dst.is_contiguous():
-        memoryview(dst.view(-1).view(torch.uint8).numpy())[:] = buf
+        raw = memoryview(dst.view(-1).view(torch.uint8).numpy())
+        at = 0
+        for p in parts:
+            raw[at : at + len(p)] = p
+            at += len(p)
     else:
+        buf = parts[0] if len(parts) == 1 else memoryview(bytearray().join(parts))
         src = torch.frombuffer(buf, dtype=torch.uint8).view(dst.dtype).view(dst.shape)
         dst.copy_(src)
 
@@ -277,12 +282,12 @@ def decode(meta: Mapping, frames: list, into: object = None) -> object:
             ):
                 raise WireError(f"{path}: bad payload span {str(span)[:40]}")
             parts = [frame(span[0] + k) for k in range(span[1])]
-            buf = parts[0] if len(parts) == 1 else memoryview(bytearray().join(parts))
+            nbytes = sum(len(p) for p in parts)
             numel = math.prod(shape)
             itemsize = torch.empty(0, dtype=dtype).element_size()
-            if numel * itemsize != len(buf):
+            if numel * itemsize != nbytes:
                 raise WireError(
-                    f"{path}: {len(buf)} bytes for {dtype} of shape {shape} "
+                    f"{path}: {nbytes} bytes for {dtype} of shape {shape} "
                     f"({numel * itemsize} expected)"
                 )
             if isinstance(dst, torch.Tensor):
@@ -292,11 +297,11 @@ def decode(meta: Mapping, frames: list, into: object = None) -> object:
                         f"{list(dst.shape)}"
                     )
                 if numel:
-                    _copy_into(dst.detach(), buf)
+                    _copy_into(dst.detach(), parts)
                 return dst
             out = torch.empty(shape, dtype=dtype)
             if numel:
-                _copy_into(out, buf)
+                _copy_into(out, parts)
             return out
         if "b" in d:
             return bytes(frame(d["b"]))

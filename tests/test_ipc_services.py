@@ -183,7 +183,8 @@ def test_a_server_that_dies_is_a_peer_error_for_its_client():
     def doomed(port_pipe):
         s = ipc.Server(token=TOKEN)
         port_pipe.send(s.port)
-        s.clients(1, timeout=60)
+        [conn] = s.clients(1, timeout=60)
+        conn.recv(timeout=60)  # the client is linked and waits for an answer: die now
         os.kill(os.getpid(), signal.SIGKILL)
 
     a, b = CTX.Pipe()
@@ -191,7 +192,8 @@ def test_a_server_that_dies_is_a_peer_error_for_its_client():
     with children(p):
         c = ipc.Client("127.0.0.1", a.recv(), token=TOKEN, liveness=ipc.Liveness(0.5, 3))
         try:
-            with pytest.raises(ipc.PeerError):
+            c.send("who is there?")
+            with pytest.raises(ipc.PeerError, match="ipc server"):
                 c.recv(timeout=60)
         finally:
             c.close()
@@ -280,7 +282,7 @@ def test_token_sources(monkeypatch):
     monkeypatch.delenv("IPC_TOKEN")
     # loopback without a token: a random secret in the private runtime directory
     server = ipc.Server()
-    name = f"server-{server.port}.token"
+    name = f"server-{server.port}.json"
     try:
         path = runtime.runtime_dir() / name
         assert path.stat().st_mode & 0o777 == 0o600
