@@ -18,12 +18,12 @@ containers, scalars, bytes): the broker keeps the frames it received and
 forwards them as they are, so it never decodes an item or copies its tensors.
 A read from another process asks the broker for one item and waits for it,
 so an item goes to exactly one reader, and none is held by a reader that did
-not ask. Nothing received is unpickled.
+not ask: a reader that dies loses at most the item in flight to it. Nothing
+received is unpickled.
 
 Closing: a closed queue takes no more writes; its remaining items can still
 be read; once it is empty it is *drained* and every read says so at once
-(`WorkQueue.read` returns None, `Channel.read` returns DRAINED). A worker or
-reader that dies takes nothing with it: it holds no items it has not read.
+(`WorkQueue.read` returns None, `Channel.read` returns DRAINED).
 """
 
 from __future__ import annotations
