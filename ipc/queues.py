@@ -97,6 +97,7 @@ class _Broker:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.endpoint.watch(self._wake_r)
         self._stop = False
+        self._pid = os.getpid()
         self.links: set[Link] = set()
         self._thread = threading.Thread(target=self._run, name=f"ipc {label}", daemon=True)
         self._thread.start()
@@ -147,8 +148,8 @@ class _Broker:
 
     def stop(self) -> None:
         """End the thread and close the endpoint (peers see the link end)."""
-        if self._stop:
-            return
+        if self._stop or os.getpid() != self._pid:
+            return  # a forked child's copy: the thread and the endpoint are the parent's
         self._stop = True
         self.wake()
         if threading.current_thread() is not self._thread:
@@ -240,6 +241,7 @@ class _Remote:
         )
         self.pid = os.getpid()
         self.closed = False
+        self.asked: str | None = None  # the queue of a read still unanswered
         try:
             self.link = self.endpoint.dial(address, reconnect=False)
             self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
@@ -256,11 +258,17 @@ class _Remote:
 
     def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, list | None]:
         ep, link = self.endpoint, self.link
-        link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
+        if self.asked is None:
+            link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
+            self.asked = name
+        elif self.asked != name:
+            raise IPCError(f"ipc {self.label}: a read of {self.asked!r} timed out; read it again")
+        # else: the answer to a read that timed out is still to come; it is this read's
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             item = ep.recv(time.monotonic() + 1.0 if deadline is None else deadline)
             if item is not None:
+                self.asked = None
                 _, frames = item
                 try:
                     body = wire.parse_control(frames[0].bytes, {"op": str, "state": str})
@@ -272,8 +280,7 @@ class _Remote:
             if link.dead is not None or link.bye is not None:
                 raise PeerError(f"ipc {self.label}: its owner (the process that made it) is gone")
             if deadline is not None and time.monotonic() >= deadline:
-                # The request stays queued at the broker: this link is no longer usable in
-                # order, so the caller must not read again on it.
+                # The request stays queued at the broker; the next read takes its answer.
                 raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ Not thread-safe: use a Server or a Client from one thread at a time.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -41,6 +42,7 @@ from . import runtime, wire
 from .auth import Secret, given_secret, missing_secret_error, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Limits, Link, Liveness
+from .wire import Kind
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +256,12 @@ class Server:
             self._wait(deadline, f"a message from {conn.name}")
 
     def _drop(self, conn: Connection) -> None:
-        if conn.link.dead is None:
+        if conn.link.dead is None and conn.link.bye is None:
+            with contextlib.suppress(PeerError, zmq.ZMQError):
+                conn.link.send_control(Kind.BYE, {})  # its recv raises PeerError
+            conn.link.bye_sent = True
             self._endpoint.mark_dead(conn.link, "the server dropped it")
+        self._reported.add(conn.index)  # dropped on purpose: not an error to report
         self._pending = deque((c, f) for c, f in self._pending if c is not conn)
 
     # ---- the public API --------------------------------------------------------------
