@@ -488,3 +488,52 @@ def test_channel_pickles_to_a_spawned_process():
     with children(p):
         ch.write("hello across spawn")
         assert out.get(timeout=60) == "hello across spawn"
+
+
+def blocked_reader(ch):
+    ch.read(block=True)  # waits: killed while its read is outstanding
+
+
+def test_a_reader_killed_while_waiting_takes_no_item_with_it():
+    ch = ipc.Channel()
+    p = forked(blocked_reader, ch)
+    with children(p):
+        deadline = time.monotonic() + 60
+        while not ch._broker.links or not ch._broker.queues["c"].waiting:
+            assert time.monotonic() < deadline, "the reader never asked"
+            time.sleep(0.05)
+        p.kill()
+        while ch._broker.links:  # the broker sees the link end (the kernel closed it)
+            assert time.monotonic() < deadline, "the broker never noticed the dead reader"
+            time.sleep(0.05)
+    ch.write("kept")
+    assert ch.read(block=False) == (ipc.Channel.OPEN, "kept")
+
+
+def test_junk_requests_from_a_linked_peer_are_dropped_and_the_channel_goes_on():
+    from distlearn.ipc.queues import _ctl, _Remote
+
+    ch = ipc.Channel()
+    ch.write(1)
+    peer = _Remote(ch._address, ch._secret, "attacker")  # it knows the secret: linked
+    try:
+        for junk in (
+            [_ctl({"op": "get", "q": "nope"})],  # no such queue
+            [_ctl({"op": "explode", "q": "c"})],  # no such op
+            [_ctl({"op": "put", "q": "c"})],  # a put without a value
+            [wire.control(wire.Kind.MESSAGE, {"op": 1})],  # wrong types
+            [b"\x20" + b"{" * 20_000],  # oversized, not JSON
+        ):
+            peer.link.send_frames(junk)
+        state, frames = peer.get("c", True, timeout=30)  # still served, in order
+        assert state == ipc.Channel.OPEN and wire.unpack_value(frames) == 1
+        # a value whose description points at a frame that is not there
+        bad = {"v": {"t": [0, 5], "dtype": "float32", "shape": [1]}}
+        peer.put("c", [wire.control(wire.Kind.MESSAGE, bad)])
+        peer.put("c", wire.pack_value("after"))
+    finally:
+        peer.close()  # returns once the broker has read both puts
+    with pytest.raises(ipc.IPCError, match="malformed item"):
+        ch.read(block=False)
+    assert ch.read(block=False) == (ipc.Channel.OPEN, "after")
+    assert ch.read(block=False) == (ipc.Channel.EMPTY, None)
