@@ -45,6 +45,7 @@ from . import runtime, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Link
+from .rendezvous import _pid_alive
 from .wire import Kind
 
 OPEN = "open"
@@ -317,18 +318,6 @@ def _decode(frames: list | None, label: str) -> object:
 
 
 # ---- WorkQueue ----------------------------------------------------------------------------
-
-
-def _pid_alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class WorkQueue:
