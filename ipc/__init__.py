@@ -7,7 +7,8 @@ n = tree.all_reduce(tensors, op="sum")   # in place; n = nodes that contributed
 Layers, each usable on its own: `ipc.rendezvous` (handlers that end in a
 Roster), `ipc.link` (authenticated links: Endpoint, Link), `ipc.wire` (what
 travels on them), `ipc.engine` and `ipc.shm` (the collectives), `ipc.tree`
-(the public Tree).
+(the public Tree). On the same links: `ipc.service` (Server, Client), `ipc.pool`
+(`ipc.map`) and `ipc.queues` (WorkQueue, Channel), torch-ipc's other half.
 """
 
 if __name__ != "distlearn.ipc":
