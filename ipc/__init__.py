@@ -7,7 +7,8 @@ n = tree.all_reduce(tensors, op="sum")   # in place; n = nodes that contributed
 Layers, each usable on its own: `ipc.rendezvous` (handlers that end in a
 Roster), `ipc.link` (authenticated links: Endpoint, Link), `ipc.wire` (what
 travels on them), `ipc.engine` and `ipc.shm` (the collectives), `ipc.tree`
-(the public Tree).
+(the public Tree). On the same links: `ipc.service` (Server, Client), `ipc.pool`
+(`ipc.map`) and `ipc.queues` (WorkQueue, Channel), torch-ipc's other half.
 """
 
 if __name__ != "distlearn.ipc":
@@ -22,21 +23,33 @@ if __name__ != "distlearn.ipc":
 from . import link, rendezvous, wire
 from .errors import AuthError, IPCError, IPCTimeoutError, MismatchError, PeerError
 from .link import Liveness
+from .pool import Map, RemoteTraceback, WorkerError, map
+from .queues import Channel, WorkQueue
+from .service import Client, Connection, Server
 from .tree import Handle, LocalhostTree, StaticTree, Tree, from_env
 
 __all__ = [
     "AuthError",
+    "Channel",
+    "Client",
+    "Connection",
     "Handle",
     "IPCError",
     "IPCTimeoutError",
     "Liveness",
     "LocalhostTree",
+    "Map",
     "MismatchError",
     "PeerError",
+    "RemoteTraceback",
+    "Server",
     "StaticTree",
     "Tree",
+    "WorkQueue",
+    "WorkerError",
     "from_env",
     "link",
+    "map",
     "rendezvous",
     "wire",
 ]

@@ -444,9 +444,14 @@ class Endpoint:
         """Wait up to `timeout` seconds for traffic, then handle all of it: handshakes,
         liveness, BYE/ACK, and users' messages into `inbox`. Returns the poll events, in
         which the file descriptors given to `watch` show up too."""
-        events = self._poller.poll(max(0, int(timeout * 1000)))
+        events = self.wait(timeout)
         self.process(events)
         return events
+
+    def wait(self, timeout: float) -> list:
+        """Wait up to `timeout` seconds for traffic without handling it: `process` the
+        events it returns (a caller that must handle them under its own lock)."""
+        return self._poller.poll(max(0, int(timeout * 1000)))
 
     def watch(self, fd: int) -> None:
         """Wake `poll` when `fd` is readable too (a pipe another part of the program

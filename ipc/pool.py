@@ -1,0 +1,261 @@
+"""`ipc.map`: run fn(*args, i) for i in range(n) in n processes and gather the results.
+
+    results = ipc.map(4, fn, table, 0.5).join()    # [fn(table, 0.5, 0), ..., fn(table, 0.5, 3)]
+
+torch-ipc's `ipc.map`, with 0-based indexes. The workers are forked by
+default (a closure works; `context="spawn"` needs a picklable fn and args).
+Each worker dials the parent over an authenticated link (a Unix socket in
+the private runtime directory, a fresh random secret the child inherits) and
+sends one message: its result as an :mod:`ipc.wire` value (tensors, nested
+containers, scalars, bytes), or the exception it raised (type, message and
+traceback as text). Nothing a worker sends is unpickled.
+
+`join()` returns the results in index order. The first failure ends the map:
+the other workers are stopped (SIGTERM, then SIGKILL) and `join()` raises
+- the worker's exception, rebuilt when it is a built-in type (ValueError,
+  KeyError, ...) and `WorkerError` otherwise, with the worker's traceback as its
+  `__cause__` and in `.traceback`;
+- `PeerError` naming a worker that died without a result (SIGKILL, os._exit)
+  and the signal or exit code;
+- `IPCTimeoutError` after `timeout` seconds.
+Workers die with the parent (PR_SET_PDEATHSIG), so none outlives a killed job.
+Forked workers run torch with one thread (`torch.set_num_threads(1)`, as
+DataLoader's workers do): torch's OpenMP pool does not survive fork(), and a
+parallel op in the child would hang on the parent's threads.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from . import queues, wire
+from .auth import Secret, random_secret
+from .errors import IPCError, IPCTimeoutError, PeerError
+from .link import Endpoint, Link
+
+_PR_SET_PDEATHSIG = 1
+_MAX_TRACEBACK = 64 << 10
+
+
+class WorkerError(IPCError):
+    """A map worker raised an exception whose type is not a built-in one; `.type`,
+    `.traceback` (the worker's, as text) and `.index` say which."""
+
+    def __init__(self, message: str, index: int, type_name: str, tb: str):
+        super().__init__(message, index)
+        self.index = index
+        self.type = type_name
+        self.traceback = tb
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in another process, as text."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _worker(
+    address: str, secret_text: str, fn: Callable, args: tuple, i: int, forked: bool
+) -> None:
+    """One worker: dial the parent, run fn, send its result or its exception."""
+    _die_with_parent()
+    if forked:
+        # torch's OpenMP pool does not survive fork(): a parallel op would wait forever on
+        # the parent's threads. One thread, as DataLoader's forked workers run.
+        torch.set_num_threads(1)
+    if os.getppid() == 1:
+        os._exit(1)  # the parent died before we set the death signal
+    ep = Endpoint(Secret(secret_text, "map"), f"map worker {i}", info={"i": i, "pid": os.getpid()})
+    try:
+        link = ep.dial(address, reconnect=False)
+        ep.wait_up([link], time.monotonic() + 60, "the map's parent")
+        try:
+            result = fn(*args, i)
+            frames = wire.pack_value({"i": i, "ok": True, "value": result})
+        except BaseException as exc:
+            tb = traceback.format_exc()[-_MAX_TRACEBACK:]
+            frames = wire.pack_value(
+                {"i": i, "ok": False, "type": type(exc).__name__, "message": str(exc)[:4096],
+                 "traceback": tb}
+            )  # fmt: skip
+        queues.close_remotes()  # its writes to channels and work queues arrive first
+        link.send_frames(frames, copy=True)
+    finally:
+        ep.close()  # returns once the parent has read the result (or is gone)
+
+
+def _rebuild(index: int, body: dict) -> BaseException:
+    type_name = str(body.get("type", "Exception"))
+    message = str(body.get("message", ""))
+    tb = str(body.get("traceback", ""))
+    cls = getattr(builtins, type_name, None)
+    exc: BaseException | None = None
+    if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, OSError):
+        with contextlib.suppress(Exception):
+            exc = cls(f"map worker {index}: {message}")
+    if exc is None:
+        exc = WorkerError(f"map worker {index} raised {type_name}: {message}", index, type_name, tb)
+    exc.__cause__ = RemoteTraceback(tb)
+    return exc
+
+
+def _how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} without a result"
+
+
+class Map:
+    """n processes running fn(*args, i); `join()` gathers their results in order."""
+
+    def __init__(self, n: int, fn: Callable, args: tuple = (), *, context: str = "fork"):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"ipc.map: n must be an int >= 1, not {n!r}")
+        if not callable(fn):
+            raise TypeError(f"ipc.map: fn must be callable, not {type(fn).__name__}")
+        ctx = multiprocessing.get_context(context)
+        forked = ctx.get_start_method() == "fork"
+        self.n = n
+        self._results: list = [None] * n
+        self._done = [False] * n
+        self._error: BaseException | None = None
+        self._joined = False
+        secret = random_secret()
+        self._ep = Endpoint(secret, "map", bind=["ipc"], info={"name": "map"}, accept=self._accept)
+        self._links: dict[int, Link] = {}
+        self._procs = []
+        try:
+            for i in range(n):
+                p = ctx.Process(
+                    target=_worker,
+                    args=(self._ep.addresses[0], secret.text, fn, args, i, forked),
+                    name=f"ipc.map worker {i}",
+                    daemon=False,  # a worker may start processes of its own
+                )
+                p.start()
+                self._procs.append(p)
+        except BaseException:
+            self._stop()
+            raise
+        self._abort = False
+        self._thread = threading.Thread(target=self._watch, name="ipc.map", daemon=True)
+        self._thread.start()
+
+    def _accept(self, link: Link) -> str | None:
+        i = link.info.get("i")
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.n:
+            return f"no map worker {i!r}"
+        if i in self._links:
+            return f"map worker {i} is linked already"
+        link.tag = i
+        link.name = f"map worker {i}"
+        self._links[i] = link
+        return None
+
+    def _take(self) -> None:
+        ep = self._ep
+        ep.events.clear()
+        while ep.inbox:
+            link, frames = ep.inbox.popleft()
+            i = link.tag
+            try:
+                body = wire.unpack_value(frames)
+                if not isinstance(body, dict) or body.get("i") != i or self._done[i]:
+                    raise wire.WireError("not a result of this worker")
+            except wire.WireError as err:
+                self._fail(IPCError(f"ipc.map: a malformed result from map worker {i}: {err}"))
+                return
+            self._done[i] = True
+            if body.get("ok") is True:
+                self._results[i] = body.get("value")
+            else:
+                self._fail(_rebuild(i, body))
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+
+    def _watch(self) -> None:
+        """The map's thread: answers the workers' links (handshakes, results, goodbyes)
+        while the caller does other work, until every worker has ended or one failed."""
+        while not self._abort and self._error is None:
+            if all(p.exitcode is not None for p in self._procs):
+                break
+            self._ep.poll(0.05)
+            self._take()
+            for i, p in enumerate(self._procs):
+                if self._done[i] or p.exitcode is None:
+                    continue
+                self._ep.poll(0)  # what it sent before it ended is ours
+                self._take()
+                if not self._done[i]:
+                    how = _how_it_ended(p.exitcode)
+                    self._fail(PeerError(f"ipc.map: worker {i} (pid {p.pid}) {how}", i))
+
+    def join(self, timeout: float | None = None) -> list:
+        """The n results in index order, once every worker is done; see the module
+        docstring for failures."""
+        if self._joined:
+            raise IPCError("ipc.map: join() was called already")
+        self._joined = True
+        try:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                late = [i for i in range(self.n) if not self._done[i]]
+                self._fail(IPCTimeoutError(f"ipc.map: workers {late} not done in {timeout} s"))
+                self._abort = True
+                self._thread.join()
+        finally:
+            self._stop()
+        if self._error is not None:
+            raise self._error
+        return list(self._results)
+
+    def _stop(self) -> None:
+        """Acknowledge the workers that finished, stop the others, release everything."""
+        for p in self._procs:
+            if p.is_alive() and not self._done[self._procs.index(p)]:
+                p.terminate()
+        end = time.monotonic() + 5
+        for p in self._procs:
+            while p.is_alive() and time.monotonic() < end:
+                self._ep.poll(0.01)  # finished workers wait for our acknowledgement
+                self._ep.inbox.clear()
+                p.join(0)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        self._ep.close(linger=0)
+
+
+def map(n: int, fn: Callable, *args, context: str = "fork") -> Map:
+    """Start fn(*args, i) for i in range(n) in n processes; `.join()` gathers the results."""
+    return Map(n, fn, args, context=context)

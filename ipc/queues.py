@@ -1,0 +1,491 @@
+"""Work queues and channels between processes: torch-ipc's `ipc.workqueue` and `ipc.channel`.
+
+    q = ipc.WorkQueue("jobs")       # the first process to open "jobs" owns it
+    q.write(item); result = q.read()   # owner -> workers; workers -> owner
+    ch = ipc.Channel()               # any number of writers and readers; pass it to map workers
+    status = ch.write(x); status, x = ch.read(block=True); ch.close()
+
+Both are queues held by a *broker*: a thread of the owning process (the
+WorkQueue's owner, the Channel's creator) that owns one link-layer Endpoint
+listening on a Unix socket of the private runtime directory, with a fresh
+random secret. Other processes dial it: a WorkQueue's workers find the
+address and secret in a private file named after the queue; a Channel carries
+them when it is pickled (to a spawned process) or forked. The owning process
+itself reads and writes the queues directly, under a lock.
+
+Each item is one link message (an :mod:`ipc.wire` value: tensors, nested
+containers, scalars, bytes): the broker keeps the frames it received and
+forwards them as they are, so it never decodes an item or copies its tensors.
+A read from another process asks the broker for one item and waits for it,
+so an item goes to exactly one reader, and none is held by a reader that did
+not ask: a reader that dies loses at most the item in flight to it. Nothing
+received is unpickled.
+
+Closing: a closed queue takes no more writes; its remaining items can still
+be read; once it is empty it is *drained* and every read says so at once
+(`WorkQueue.read` returns None, `Channel.read` returns DRAINED).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from . import runtime, wire
+from .auth import Secret, random_secret
+from .errors import IPCError, IPCTimeoutError, PeerError
+from .link import Endpoint, Link
+from .rendezvous import _pid_alive
+from .wire import Kind
+
+OPEN = "open"
+CLOSED = "closed"
+DRAINED = "drained"
+EMPTY = "empty"  # a non-blocking read of an open, empty queue
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _ctl(body: dict) -> bytes:
+    return wire.control(Kind.MESSAGE, body)
+
+
+def _snapshot(obj: object) -> list:
+    """The frames of `obj`, copied: the caller may change its tensors once write returns."""
+    frames = wire.pack_value(obj)
+    return [bytes(f) if not isinstance(f, bytes) else f for f in frames]
+
+
+@dataclass
+class _Queue:
+    items: deque = field(default_factory=deque)  # each: the frames of one value
+    closed: bool = False
+    waiting: deque = field(default_factory=deque)  # remote blocked readers: Link
+
+    def state(self) -> str:
+        return (DRAINED if not self.items else CLOSED) if self.closed else OPEN
+
+
+class _Broker:
+    """Named queues in this process, served to other processes by one thread.
+
+    Requests from a link (a control frame, then for `put` the value's frames):
+    {"op": "put", "q": name} -> no reply; {"op": "get", "q": name, "block": b}
+    -> {"op": "item", "state": s} + frames, or {"op": "none", "state": s};
+    {"op": "close", "q": name}. Local calls take the lock and go straight to the
+    queues; the thread is woken through a pipe when a local write can serve a
+    remote reader."""
+
+    def __init__(self, names: tuple[str, ...], label: str):
+        self.secret = random_secret()
+        self.queues = {n: _Queue() for n in names}
+        self.lock = threading.Condition()
+        self.label = label
+        self.endpoint = Endpoint(
+            self.secret, label, bind=["ipc"], info={"name": label}, accept=self._accept
+        )
+        self.address = self.endpoint.addresses[0]
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.endpoint.watch(self._wake_r)
+        self._stop = False
+        self._pid = os.getpid()
+        self.links: set[Link] = set()
+        self._thread = threading.Thread(target=self._run, name=f"ipc {label}", daemon=True)
+        self._thread.start()
+
+    def _accept(self, link: Link) -> str | None:
+        self.links.add(link)
+        return None
+
+    # ---- local side (any thread of this process) -----------------------------------
+
+    def put(self, name: str, frames: list) -> str:
+        with self.lock:
+            q = self.queues[name]
+            if q.closed:
+                return q.state()
+            q.items.append(frames)
+            self.lock.notify()
+            wake = bool(q.waiting)
+        if wake:
+            self.wake()
+        return OPEN
+
+    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, list | None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            q = self.queues[name]
+            while not q.items and not q.closed and block:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
+                self.lock.wait(remaining)
+            if q.items:
+                frames = q.items.popleft()
+                return CLOSED if q.closed else OPEN, frames
+            return (q.state() if q.closed else EMPTY), None
+
+    def close_queue(self, name: str) -> None:
+        with self.lock:
+            self.queues[name].closed = True
+            self.lock.notify_all()
+        self.wake()
+
+    def wake(self) -> None:
+        if self._stop:
+            return
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def stop(self) -> None:
+        """End the thread and close the endpoint (peers see the link end)."""
+        if self._stop or os.getpid() != self._pid:
+            return  # a forked child's copy: the thread and the endpoint are the parent's
+        self._stop = True
+        self.wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # ---- the thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        ep = self.endpoint
+        try:
+            while not self._stop:
+                events = ep.wait(1.0)
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+                # Under the lock: a write is acknowledged (its sender's close() returns)
+                # only once it is queued, so a local close() that follows cannot drop it.
+                with self.lock:
+                    ep.process(events)
+                    while ep.events:
+                        kind, link = ep.events.popleft()
+                        if kind in ("dead", "bye"):
+                            self.links.discard(link)
+                            for q in self.queues.values():
+                                with contextlib.suppress(ValueError):
+                                    q.waiting.remove(link)
+                    while ep.inbox:
+                        link, frames = ep.inbox.popleft()
+                        self._request(link, frames)
+                    self._serve()
+        finally:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            ep.close(linger=1.0)
+
+    def _request(self, link: Link, frames: list) -> None:
+        try:
+            body = wire.parse_control(frames[0].bytes, {"op": str, "q": str})
+            q = self.queues.get(body["q"])
+            if q is None:
+                raise wire.WireError(f"no queue {body['q'][:40]!r}")
+        except wire.WireError as err:
+            self.endpoint._drop(f"a bad request from {link.name}: {err}")
+            return
+        op = body["op"]
+        if op == "put":
+            if len(frames) < 2:
+                self.endpoint._drop(f"an empty put from {link.name}")
+            elif not q.closed:  # a write racing a close is refused like a local one
+                q.items.append(frames[1:])
+                self.lock.notify()
+        elif op == "get":
+            if q.items or q.closed or body.get("block") is True:
+                q.waiting.append(link)
+            else:
+                self._reply(link, {"op": "none", "state": EMPTY})
+        elif op == "close":
+            q.closed = True
+            self.lock.notify_all()
+        else:
+            self.endpoint._drop(f"an unknown request {op[:20]!r} from {link.name}")
+
+    def _serve(self) -> None:
+        for q in self.queues.values():
+            while q.waiting and (q.items or q.closed):
+                link = q.waiting.popleft()
+                if q.items:
+                    frames = q.items.popleft()
+                    state = CLOSED if q.closed else OPEN  # never DRAINED with an item
+                    if not self._reply(link, {"op": "item", "state": state}, frames):
+                        q.items.appendleft(frames)  # it died before it got it: the next one
+                else:
+                    self._reply(link, {"op": "none", "state": q.state()})
+
+    def _reply(self, link: Link, body: dict, frames: list = ()) -> bool:
+        try:
+            link.send_frames([_ctl(body), *frames])
+            return True
+        except (PeerError, zmq.ZMQError):
+            return False
+
+
+class _Remote:
+    """Another process's side of a broker: one link, one request at a time."""
+
+    def __init__(self, address: str, secret_text: str, label: str):
+        self.label = label
+        self.endpoint = Endpoint(
+            Secret(secret_text, label), f"{label} user {os.getpid()}", info={"pid": os.getpid()}
+        )
+        self.pid = os.getpid()
+        self.closed = False
+        self.asked: str | None = None  # the queue of a read still unanswered
+        try:
+            self.link = self.endpoint.dial(address, reconnect=False)
+            self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
+        except BaseException:
+            self.endpoint.close(linger=0)
+            raise
+        _REMOTES.add(self)
+
+    def put(self, name: str, frames: list) -> None:
+        self.link.send_frames([_ctl({"op": "put", "q": name}), *frames])
+
+    def close_queue(self, name: str) -> None:
+        self.link.send_frames([_ctl({"op": "close", "q": name})])
+
+    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, list | None]:
+        ep, link = self.endpoint, self.link
+        if self.asked is None:
+            link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
+            self.asked = name
+        elif self.asked != name:
+            raise IPCError(f"ipc {self.label}: a read of {self.asked!r} timed out; read it again")
+        # else: the answer to a read that timed out is still to come; it is this read's
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            item = ep.recv(time.monotonic() + 1.0 if deadline is None else deadline)
+            if item is not None:
+                self.asked = None
+                _, frames = item
+                try:
+                    body = wire.parse_control(frames[0].bytes, {"op": str, "state": str})
+                except wire.WireError as err:
+                    raise IPCError(f"ipc {self.label}: a malformed reply: {err}") from None
+                if body["op"] == "item":
+                    return body["state"], frames[1:]
+                return body["state"], None
+            if link.dead is not None or link.bye is not None:
+                raise PeerError(f"ipc {self.label}: its owner (the process that made it) is gone")
+            if deadline is not None and time.monotonic() >= deadline:
+                # The request stays queued at the broker; the next read takes its answer.
+                raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
+
+    def close(self) -> None:
+        """Say goodbye: returns once the broker has read every write (or is gone)."""
+        if self.closed or self.pid != os.getpid():
+            return
+        self.closed = True
+        _REMOTES.discard(self)
+        self.endpoint.close(linger=5.0)
+
+
+# Writes from another process are sent without waiting: closing its links flushes them, at
+# the latest when the process ends (multiprocessing's children skip atexit, so `ipc.map`
+# workers call close_remotes themselves).
+_REMOTES: weakref.WeakSet[_Remote] = weakref.WeakSet()
+
+
+def close_remotes() -> None:
+    """Close this process's links to brokers of other processes (flushing its writes)."""
+    for remote in list(_REMOTES):
+        remote.close()
+
+
+atexit.register(close_remotes)
+
+
+def _decode(frames: list | None, label: str) -> object:
+    if frames is None:
+        return None
+    try:
+        return wire.unpack_value(frames)
+    except wire.WireError as err:
+        raise IPCError(f"ipc {label}: a malformed item: {err}") from None
+
+
+# ---- WorkQueue ----------------------------------------------------------------------------
+
+
+class WorkQueue:
+    """A named work queue on this host. The first process to open `name` owns it: its
+    writes go to the workers (each item to exactly one), and it reads what they write.
+    Every other process that opens `name` is a worker: it reads the owner's items and
+    writes results back. `read()` returns None once the queue is closed and drained."""
+
+    def __init__(self, name: str):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"WorkQueue: name must match {_NAME.pattern}, not {name!r}")
+        self.name = name
+        self._file = f"workqueue-{name}.json"
+        self._broker: _Broker | None = None
+        self._remote: _Remote | None = None
+        self._closed = False
+        directory = runtime.runtime_dir()
+        for _ in range(3):
+            info = self._read_owner(directory)
+            if info is not None:
+                self._remote = _Remote(info["address"], info["secret"], f"work queue {name!r}")
+                self.owner = False
+                return
+            broker = _Broker(("down", "up"), f"work queue {name!r}")
+            record = {"address": broker.address, "secret": broker.secret.text, "pid": os.getpid()}
+            try:
+                runtime.create_private(directory, self._file, json.dumps(record).encode())
+            except FileExistsError:
+                broker.stop()  # another process won the name meanwhile
+                continue
+            self._broker = broker
+            self.owner = True
+            self._pid = os.getpid()
+            return
+        raise IPCError(f"ipc: could not open the work queue {name!r} (its owner keeps changing)")
+
+    def _read_owner(self, directory) -> dict | None:
+        raw = runtime.read_private(directory, self._file)
+        if raw is None:
+            # Missing, or not a private file of ours (refused and logged): in our verified
+            # directory that is a leftover, never a queue to join.
+            runtime.remove(directory, self._file)
+            return None
+        try:
+            info = json.loads(raw)
+            ok = isinstance(info, dict) and isinstance(info.get("address"), str)
+            ok = ok and isinstance(info.get("secret"), str) and _pid_alive(info.get("pid"))
+        except ValueError:
+            ok = False
+        if not ok:  # left by an owner that died: the name is free again
+            runtime.remove(directory, self._file)
+            return None
+        return info
+
+    def __repr__(self) -> str:
+        return f"WorkQueue({self.name!r}, {'owner' if self.owner else 'worker'})"
+
+    def _check(self) -> None:
+        if self._closed:
+            raise IPCError(f"ipc: the work queue {self.name!r} is closed here")
+
+    def write(self, obj: object) -> None:
+        """Owner: one item for one worker. Worker: one result for the owner."""
+        self._check()
+        if self._broker is not None:
+            if self._broker.put("down", _snapshot(obj)) != OPEN:
+                raise IPCError(f"ipc: the work queue {self.name!r} is closed")
+        else:
+            self._remote.put("up", wire.pack_value(obj))
+
+    def read(self, timeout: float | None = None) -> object:
+        """Owner: the next result. Worker: the next item, or None once the owner closed the
+        queue and every item was handed out. Blocks until then."""
+        if self._broker is not None:
+            _, frames = self._broker.get("up", True, timeout)
+        else:
+            self._check()
+            _, frames = self._remote.get("down", True, timeout)
+        return _decode(frames, f"work queue {self.name!r}")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Owner: no more items; waits until every item was handed out and every worker
+        has left (or `timeout`), then frees the name. Results still queued stay readable
+        (read() returns None after the last). Worker: leave the queue."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._remote is not None:
+            self._remote.close()
+            return
+        broker = self._broker
+        broker.close_queue("down")
+        runtime.remove(runtime.runtime_dir(), self._file)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                with broker.lock:
+                    busy = broker.queues["down"].items or broker.links
+                    if not busy:
+                        break
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise IPCTimeoutError(
+                            f"ipc: work queue {self.name!r}: workers still connected after "
+                            f"{timeout} s"
+                        )
+                    broker.lock.wait(0.05)
+        finally:
+            broker.close_queue("up")  # the workers are gone: read() ends after their results
+            broker.stop()
+
+
+# ---- Channel ------------------------------------------------------------------------------
+
+
+class Channel:
+    """A FIFO that any process can write to and read from, torch-ipc's `ipc.channel`.
+
+    The creating process holds the items (keep the Channel alive there until the others
+    are done); pass the Channel to other processes as an argument (`ipc.map`, or any
+    multiprocessing start method: it pickles as its address and secret)."""
+
+    OPEN = OPEN
+    CLOSED = CLOSED
+    DRAINED = DRAINED
+    EMPTY = EMPTY
+
+    def __init__(self):
+        self._broker: _Broker | None = _Broker(("c",), "channel")
+        self._creator = os.getpid()
+        self._address = self._broker.address
+        self._secret = self._broker.secret.text
+        self._remote: _Remote | None = None
+        self._finalizer = weakref.finalize(self, self._broker.stop)
+
+    def __getstate__(self) -> dict:
+        # Sent to processes of this user on this host only (pickled by multiprocessing).
+        return {"address": self._address, "secret": self._secret, "creator": self._creator}
+
+    def __setstate__(self, state: dict) -> None:
+        self._broker = None
+        self._creator = state["creator"]
+        self._address = state["address"]
+        self._secret = state["secret"]
+        self._remote = None
+
+    def _side(self) -> _Broker | _Remote:
+        if os.getpid() == self._creator and self._broker is not None:
+            return self._broker
+        if self._remote is None or self._remote.pid != os.getpid():
+            self._remote = _Remote(self._address, self._secret, "channel")
+        return self._remote
+
+    def write(self, obj: object) -> str:
+        """Append `obj`; returns OPEN, or CLOSED/DRAINED (and drops it) if the channel is
+        closed. From another process the write is sent without waiting: a write racing a
+        close may be dropped."""
+        side = self._side()
+        if isinstance(side, _Broker):
+            return side.put("c", _snapshot(obj))
+        side.put("c", wire.pack_value(obj))
+        return OPEN
+
+    def read(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]:
+        """(status, item): (OPEN or CLOSED, item), (DRAINED, None) once closed and empty,
+        or (EMPTY, None) for a non-blocking read of an open, empty channel."""
+        state, frames = self._side().get("c", bool(block), timeout)
+        return state, _decode(frames, "channel")
+
+    def close(self) -> None:
+        """No more writes; readers get the remaining items, then DRAINED."""
+        self._side().close_queue("c")

@@ -1,0 +1,539 @@
+"""ipc's client/server, map, work queues and channels, with real processes.
+
+Every child is a forked process that the test joins or kills in a `finally`;
+pytest-timeout bounds each test. Faults are real: SIGKILL, a wrong token, junk
+bytes on the port, a planted queue file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import time
+
+import pytest
+import torch
+import zmq
+
+from distlearn import ipc
+from distlearn.ipc import runtime, wire
+
+pytestmark = pytest.mark.timeout(120)
+CTX = multiprocessing.get_context("fork")
+TOKEN = "t" * 40
+
+
+def _in_child(target, args):
+    torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork(): its ops would hang
+    target(*args)
+
+
+def forked(target, *args) -> multiprocessing.Process:
+    return CTX.Process(target=_in_child, args=(target, args))
+
+
+@contextlib.contextmanager
+def children(*procs):
+    """Start processes; on the way out kill any that are left."""
+    for p in procs:
+        p.start()
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def every_dtype():
+    return {
+        name: (torch.arange(6).view(2, 3) % 2).to(dt) if dt == torch.bool else
+        torch.arange(6).view(2, 3).to(dt)
+        for name, dt in wire.DTYPES.items()
+    }  # fmt: skip
+
+
+def nested(k: int):
+    return {
+        "k": k,
+        "big": torch.arange(400_000, dtype=torch.float64) + k,  # 3.2 MB: several frames
+        "dtypes": every_dtype(),
+        "list": [torch.zeros(0, 3), "text", 2.5, float("inf"), None, True, b"\x00\xff"],
+        "tuple": (1, (2, [3])),
+    }
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+# ---- client/server ------------------------------------------------------------------------
+
+
+def echo_client(port: int, k: int, rounds: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name=f"echo {k}")
+    for _ in range(rounds):
+        value = c.recv()
+        c.send({"from": k, "value": value})
+    c.close()
+
+
+def test_several_clients_every_dtype_nested_values_into():
+    server = ipc.Server("127.0.0.1", 0, token=TOKEN)
+    procs = [forked(echo_client, server.port, k, 2) for k in range(3)]
+    try:
+        with children(*procs):
+            conns = server.clients(3, timeout=60)
+            assert sorted(c.name for c in conns) == ["echo 0", "echo 1", "echo 2"]
+            # one message to each, answered through recv_any, in any order
+            for i, conn in enumerate(conns):
+                conn.send(nested(i))
+            seen = set()
+            for _ in range(3):
+                reply, conn = server.recv_any(timeout=60)
+                assert reply["from"] == int(conn.name.split()[1])
+                assert_same(reply["value"], nested(conns.index(conn)))
+                seen.add(conn.index)
+            assert seen == {0, 1, 2}
+            # broadcast, then receive each into preallocated buffers
+            assert server.broadcast(nested(7)) == 3
+            for conn in conns:
+                into = {"from": None, "value": nested(0)}
+                big = into["value"]["big"]
+                reply = conn.recv(into=into, timeout=60)
+                assert reply["value"]["big"] is big  # written in place
+                assert_same(reply["value"], nested(7))
+            stats = server.net_stats()
+            assert len(stats["per"]) == 3 and stats["msgs_recv"] >= 6 and stats["msgs_sent"] >= 6
+            assert stats["bytes_sent"] > 6 * 3_200_000
+    finally:
+        server.close()
+
+
+def test_into_with_the_wrong_shape_is_a_clear_error():
+    server = ipc.Server(token=TOKEN)
+    p = forked(echo_client, server.port, 0, 1)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            conn.send(torch.ones(3))
+            with pytest.raises(ipc.IPCError, match=r"received torch.float32 \[3\].*into"):
+                conn.recv(into={"from": None, "value": torch.empty(4)}, timeout=60)
+    finally:
+        server.close()
+
+
+def killed_client(port: int, k: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name=f"victim {k}")
+    c.send({"hello": k})
+    if k == 0:
+        c.recv()  # waits for the server's message, then dies mid-exchange
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:
+        c.send(c.recv())
+
+
+def test_a_client_killed_mid_exchange_is_named_and_broadcast_does_not_hang():
+    server = ipc.Server(token=TOKEN, liveness=ipc.Liveness(0.5, 3))
+    procs = [forked(killed_client, server.port, k) for k in range(2)]
+    try:
+        with children(*procs):
+            conns = server.clients(2, timeout=60)
+            for _ in range(2):
+                server.recv_any(timeout=60)
+            victim = next(c for c in conns if c.name == "victim 0")
+            victim.send(torch.ones(10))
+            with pytest.raises(ipc.PeerError, match="victim 0"):
+                server.recv_any(timeout=60)
+            assert not victim.alive
+            with pytest.raises(ipc.PeerError, match="victim 0"):
+                victim.recv(timeout=5)
+            # the survivor is still served; the dead one is skipped by broadcast
+            assert server.broadcast(torch.arange(5)) == 1
+            value, conn = server.recv_any(timeout=60, skip_dead=True)
+            assert conn.name == "victim 1" and torch.equal(value, torch.arange(5))
+            procs[1].kill()
+            with pytest.raises(ipc.PeerError, match="victim 1"):
+                server.recv_any(timeout=60)
+            with pytest.raises(ipc.IPCTimeoutError):
+                server.recv_any(timeout=0.5)  # both reported once: nothing left to wait for
+    finally:
+        server.close()
+
+
+def test_a_server_that_dies_is_a_peer_error_for_its_client():
+    def doomed(port_pipe):
+        s = ipc.Server(token=TOKEN)
+        port_pipe.send(s.port)
+        [conn] = s.clients(1, timeout=60)
+        conn.recv(timeout=60)  # the client is linked and waits for an answer: die now
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    a, b = CTX.Pipe()
+    p = forked(doomed, b)
+    with children(p):
+        c = ipc.Client("127.0.0.1", a.recv(), token=TOKEN, liveness=ipc.Liveness(0.5, 3))
+        try:
+            c.send("who is there?")
+            with pytest.raises(ipc.PeerError, match="ipc server"):
+                c.recv(timeout=60)
+        finally:
+            c.close()
+
+
+def test_a_stranger_without_the_token_is_refused_and_junk_is_harmless(caplog):
+    server = ipc.Server(token=TOKEN)
+    try:
+        with pytest.raises(ipc.AuthError):
+            ipc.Client("127.0.0.1", server.port, token="wrong" * 8, timeout=10)
+        # a raw ZeroMQ dealer with a guessed password: ZAP refuses it before any message
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"distlearn")
+        sock.setsockopt(zmq.PLAIN_PASSWORD, b"guess")
+        sock.connect(f"tcp://127.0.0.1:{server.port}")
+        sock.send(wire.control(wire.Kind.MESSAGE, {"v": 1}), zmq.NOBLOCK)
+        # junk bytes, and a ZMTP greeting claiming a huge frame
+        for junk in (os.urandom(4096), b"\xff" + b"\x00" * 7 + b"\x7f" + b"\x03" + b"\x00" * 54):
+            raw = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            with raw, contextlib.suppress(OSError):
+                raw.sendall(junk)
+        with pytest.raises(ipc.IPCTimeoutError):
+            server.recv_any(timeout=1.0)
+        assert server.connections() == []
+        sock.close()
+        ctx.term()
+        # the real client still gets in
+        p = forked(echo_client, server.port, 5, 1)
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            conn.send("ping")
+            assert conn.recv(timeout=60) == {"from": 5, "value": "ping"}
+    finally:
+        server.close()
+
+
+def oversize_client(port: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN)  # default: frames up to 1 MiB
+    c.send(torch.zeros(200_000))  # one 800 KB frame
+    time.sleep(60)
+
+
+def test_oversized_frames_are_refused_before_they_are_read():
+    server = ipc.Server(token=TOKEN, max_frame=64 << 10, liveness=ipc.Liveness(0.5, 3))
+    p = forked(oversize_client, server.port)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            # ZeroMQ drops the connection at the frame's size, before reading it
+            with pytest.raises(ipc.PeerError, match="client"):
+                conn.recv(timeout=60)
+            p.kill()
+    finally:
+        server.close()
+
+
+def token_client(port: int, token: str | None, out) -> None:
+    try:
+        c = ipc.Client("127.0.0.1", port, token=token, timeout=60)
+        c.send(b"x")
+        c.close()
+        out.send("ok")
+    except Exception as exc:  # the parent asserts on what it got
+        out.send(f"{type(exc).__name__}: {exc}")
+
+
+def token_exchange(server: ipc.Server, token: str | None) -> str:
+    a, b = CTX.Pipe()
+    p = forked(token_client, server.port, token, b)
+    with children(p):
+        with contextlib.suppress(ipc.IPCTimeoutError):
+            [conn] = server.clients(1, timeout=60)
+            assert conn.recv(timeout=60) == b"x"
+        return a.recv() if a.poll(60) else "no answer"
+
+
+def test_token_sources(monkeypatch):
+    monkeypatch.setenv("IPC_TOKEN", TOKEN)
+    server = ipc.Server()  # $IPC_TOKEN
+    try:
+        assert token_exchange(server, TOKEN) == "ok"
+    finally:
+        server.close()
+    monkeypatch.delenv("IPC_TOKEN")
+    # loopback without a token: a random secret in the private runtime directory
+    server = ipc.Server()
+    name = f"server-{server.port}.json"
+    try:
+        path = runtime.runtime_dir() / name
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert token_exchange(server, None) == "ok"
+    finally:
+        server.close()
+    assert not (runtime.runtime_dir() / name).exists()
+    with pytest.raises(ipc.IPCError, match="IPC_TOKEN"):
+        ipc.Server("0.0.0.0")
+    with pytest.raises(ipc.IPCError, match="IPC_TOKEN"):
+        ipc.Client("10.0.0.1", 1234)
+
+
+# ---- map ---------------------------------------------------------------------------------
+
+
+def scaled(table, factor, i):
+    return {"i": i, "t": table * factor + i, "pid": os.getpid()}
+
+
+def raises_on_one(i):
+    if i == 1:
+        raise KeyError(f"no item {i}")
+    time.sleep(30 if i == 2 else 0)  # a slow worker is stopped, not waited for
+    return i
+
+
+class CustomError(Exception):
+    pass
+
+
+def raises_custom(i):
+    raise CustomError("mine")
+
+
+def killed_worker(i):
+    if i == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i
+
+
+def test_map_returns_results_in_order_from_n_processes():
+    table = torch.arange(4.0)
+    results = ipc.map(4, scaled, table, 2.0).join(timeout=60)
+    assert [r["i"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert torch.equal(r["t"], table * 2 + r["i"])
+    assert len({r["pid"] for r in results} | {os.getpid()}) == 5
+
+
+def test_map_reraises_a_worker_exception_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="map worker 1") as info:
+        ipc.map(3, raises_on_one).join(timeout=60)
+    assert time.monotonic() - start < 25  # the slow worker was stopped
+    assert isinstance(info.value.__cause__, ipc.RemoteTraceback)
+    assert "raises_on_one" in info.value.__cause__.tb and "KeyError" in info.value.__cause__.tb
+    with pytest.raises(ipc.WorkerError, match="CustomError: mine") as info:
+        ipc.map(2, raises_custom).join(timeout=60)
+    assert info.value.type == "CustomError" and "raises_custom" in info.value.traceback
+
+
+def test_map_reports_a_worker_killed_by_a_signal():
+    with pytest.raises(ipc.PeerError, match=r"worker 2 .* killed by SIGKILL"):
+        ipc.map(3, killed_worker).join(timeout=60)
+
+
+def test_map_a_result_that_cannot_travel_is_an_error_not_a_pickle():
+    with pytest.raises(ipc.WorkerError, match="cannot send a object"):
+        ipc.map(1, lambda i: object()).join(timeout=60)
+
+
+def test_map_with_spawn_and_a_timeout():
+    results = ipc.map(2, scaled, torch.ones(2), 3.0, context="spawn").join(timeout=120)
+    assert torch.equal(results[1]["t"], torch.full((2,), 4.0))
+    with pytest.raises(ipc.IPCTimeoutError):
+        ipc.map(1, lambda i: time.sleep(60)).join(timeout=1)
+
+
+# ---- work queues -------------------------------------------------------------------------
+
+
+def queue_worker(name, i):
+    q = ipc.WorkQueue(name)
+    assert not q.owner
+    seen = 0
+    while True:
+        item = q.read()
+        if item is None:
+            break
+        q.write({"item": item["k"], "worker": i, "sum": float(item["t"].sum())})
+        seen += 1
+    q.close()
+    return seen
+
+
+def test_workqueue_delivers_10000_items_exactly_once_to_3_workers():
+    name = f"test-{os.getpid()}"
+    q = ipc.WorkQueue(name)
+    assert q.owner
+    workers = ipc.map(3, queue_worker, name)
+    n = 10_000
+    for k in range(n):
+        q.write({"k": k, "t": torch.full((4,), float(k))})
+    results = [q.read(timeout=120) for _ in range(n)]
+    q.close(timeout=60)
+    assert q.read() is None  # closed and drained
+    counts = workers.join(timeout=60)
+    assert sorted(r["item"] for r in results) == list(range(n))  # each exactly once
+    assert all(r["sum"] == 4.0 * r["item"] for r in results)
+    assert sum(counts) == n and all(c > 0 for c in counts)
+
+
+def test_workqueue_name_left_by_a_dead_owner_is_taken_over():
+    name = f"stale-{os.getpid()}"
+
+    def owner_dies():
+        ipc.WorkQueue(name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    p = forked(owner_dies)
+    with children(p):
+        pass
+    q = ipc.WorkQueue(name)  # the dead owner's file names a dead pid: ours now
+    try:
+        assert q.owner
+    finally:
+        q.close()
+    with pytest.raises(ValueError, match="name"):
+        ipc.WorkQueue("../etc/passwd")
+
+
+def test_workqueue_refuses_a_planted_queue_file(tmp_path):
+    name = f"planted-{os.getpid()}"
+    path = runtime.runtime_dir() / f"workqueue-{name}.json"
+    path.write_text('{"address": "ipc:///tmp/evil", "secret": "x", "pid": 1}')
+    os.chmod(path, 0o644)  # readable by others: not a private file of ours
+    try:
+        q = ipc.WorkQueue(name)
+        assert q.owner  # the planted file was ignored and replaced
+        q.close()
+    finally:
+        runtime.remove(runtime.runtime_dir(), path.name)
+
+
+# ---- channels ----------------------------------------------------------------------------
+
+
+def channel_writer(ch, i):
+    for k in range(200):
+        assert ch.write({"w": i, "k": k, "t": torch.tensor([i, k])}) == ipc.Channel.OPEN
+    return i
+
+
+def channel_reader(ch, i):
+    got = []
+    while True:
+        status, item = ch.read()
+        if status == ipc.Channel.DRAINED:
+            assert item is None
+            return got
+        assert status in (ipc.Channel.OPEN, ipc.Channel.CLOSED)
+        assert torch.equal(item["t"], torch.tensor([item["w"], item["k"]]))
+        got.append([item["w"], item["k"]])
+
+
+def test_channel_many_writers_and_readers():
+    ch = ipc.Channel()
+    writers = ipc.map(4, channel_writer, ch)
+    readers = ipc.map(3, channel_reader, ch)
+    for k in range(50):  # the creator writes too
+        ch.write({"w": 9, "k": k, "t": torch.tensor([9, k])})
+    writers.join(timeout=60)
+    ch.close()
+    got = [tuple(x) for r in readers.join(timeout=60) for x in r]
+    want = [(w, k) for w in range(4) for k in range(200)] + [(9, k) for k in range(50)]
+    assert sorted(got) == sorted(want)  # every item exactly once
+    assert ch.read(block=False) == (ipc.Channel.DRAINED, None)
+    assert ch.write(1) == ipc.Channel.DRAINED  # refused once closed
+
+
+def test_channel_states_and_order():
+    ch = ipc.Channel()
+    assert ch.read(block=False) == (ipc.Channel.EMPTY, None)
+    for k in range(5):
+        ch.write(k)
+    ch.close()
+    assert [ch.read() for _ in range(5)] == [(ipc.Channel.CLOSED, k) for k in range(5)]
+    assert ch.read() == (ipc.Channel.DRAINED, None)
+
+
+def spawned_reader(ch, out):
+    out.put(ch.read(block=True)[1])
+
+
+def test_channel_pickles_to_a_spawned_process():
+    ch = ipc.Channel()
+    state = pickle.loads(pickle.dumps(ch))
+    assert isinstance(state, ipc.Channel)
+    spawn = multiprocessing.get_context("spawn")
+    out = spawn.Queue()
+    p = spawn.Process(target=spawned_reader, args=(ch, out))
+    with children(p):
+        ch.write("hello across spawn")
+        assert out.get(timeout=60) == "hello across spawn"
+
+
+def blocked_reader(ch):
+    ch.read(block=True)  # waits: killed while its read is outstanding
+
+
+def test_a_reader_killed_while_waiting_takes_no_item_with_it():
+    ch = ipc.Channel()
+    p = forked(blocked_reader, ch)
+    with children(p):
+        deadline = time.monotonic() + 60
+        while not ch._broker.links or not ch._broker.queues["c"].waiting:
+            assert time.monotonic() < deadline, "the reader never asked"
+            time.sleep(0.05)
+        p.kill()
+        while ch._broker.links:  # the broker sees the link end (the kernel closed it)
+            assert time.monotonic() < deadline, "the broker never noticed the dead reader"
+            time.sleep(0.05)
+    ch.write("kept")
+    assert ch.read(block=False) == (ipc.Channel.OPEN, "kept")
+
+
+def test_junk_requests_from_a_linked_peer_are_dropped_and_the_channel_goes_on():
+    from distlearn.ipc.queues import _ctl, _Remote
+
+    ch = ipc.Channel()
+    ch.write(1)
+    peer = _Remote(ch._address, ch._secret, "attacker")  # it knows the secret: linked
+    try:
+        for junk in (
+            [_ctl({"op": "get", "q": "nope"})],  # no such queue
+            [_ctl({"op": "explode", "q": "c"})],  # no such op
+            [_ctl({"op": "put", "q": "c"})],  # a put without a value
+            [wire.control(wire.Kind.MESSAGE, {"op": 1})],  # wrong types
+            [b"\x20" + b"{" * 20_000],  # oversized, not JSON
+        ):
+            peer.link.send_frames(junk)
+        state, frames = peer.get("c", True, timeout=30)  # still served, in order
+        assert state == ipc.Channel.OPEN and wire.unpack_value(frames) == 1
+        # a value whose description points at a frame that is not there
+        bad = {"v": {"t": [0, 5], "dtype": "float32", "shape": [1]}}
+        peer.put("c", [wire.control(wire.Kind.MESSAGE, bad)])
+        peer.put("c", wire.pack_value("after"))
+    finally:
+        peer.close()  # returns once the broker has read both puts
+    with pytest.raises(ipc.IPCError, match="malformed item"):
+        ch.read(block=False)
+    assert ch.read(block=False) == (ipc.Channel.OPEN, "after")
+    assert ch.read(block=False) == (ipc.Channel.EMPTY, None)
