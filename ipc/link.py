@@ -15,8 +15,12 @@ Who gets in, in three layers:
    and the connection's routing id go into an HMAC of the secret, so a
    recorded handshake is worthless on any other connection, and the dialer
    learns that the listener knows the secret too.
-3. Limits before parsing: ZMQ_MAXMSGSIZE on every socket, bounded receive
-   queues, a bounded table of handshakes in progress, and total parsers.
+3. Limits before parsing: ZMQ_MAXMSGSIZE on every socket, a bounded table of
+   handshakes in progress, and total parsers. Receive queues are not bounded
+   by a high-water mark, on purpose: only authenticated peers (members of the
+   job) ever queue a message, and libzmq (4.3.5, zeromq/libzmq#3937, #4364)
+   aborts the whole process when a connection whose input a full queue has
+   paused is closed by its peer and a heartbeat fires before we read it.
 
 Liveness: ZeroMQ's own heartbeats (ZMTP PING/PONG, answered by libzmq's I/O
 thread whatever the Python threads are doing) close a connection whose peer
@@ -87,7 +91,6 @@ class Limits:
     """What a peer may make us hold before we have read it."""
 
     max_frame: int = (1 << 20) + 1024  # ZMQ_MAXMSGSIZE: the largest frame accepted
-    rcvhwm: int = 256  # complete messages queued per connection before backpressure
     handshakes: int = 256  # connections in the middle of a handshake, at most
     handshake_timeout: float = 30.0
 
@@ -316,7 +319,9 @@ class Endpoint:
     def _options(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 1000)  # flushes acknowledgements; close() waits for its own
         sock.setsockopt(zmq.SNDHWM, 0)  # our own data: never dropped, never blocks a send
-        sock.setsockopt(zmq.RCVHWM, self.limits.rcvhwm)
+        # No receive high-water mark: with one, a peer that leaves while our queue is
+        # full makes libzmq's next heartbeat abort this process (see the docstring).
+        sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame)
         if self.liveness.interval > 0:
             sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.liveness.interval * 1000))

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 KEY_ENV = "IPC_KEY"
 # The rendezvous endpoint carries only small JSON messages.
-RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL, rcvhwm=16)
+RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL)
 # Processes of one launch by a shell or a Python parent start within this many seconds
 # of each other; a node 0 that started further away belongs to another launch.
 LAUNCH_WINDOW_S = 30.0
