@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A suite started in the background of a non-interactive shell (`tests/run.sh &`) inherits
+# SIGINT ignored, and Python then never raises KeyboardInterrupt: the Ctrl-C tests need it
+# back, here and in the processes the tests start (a handler becomes SIG_DFL across exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def repo_env(**extra: str) -> dict[str, str]:
