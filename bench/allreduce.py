@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.procs import free_port, kill_group
+from bench.procs import free_port, wait_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,18 +80,9 @@ def run(
             )
             for r in range(world)
         ]
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"allreduce with {world} processes ran past {timeout}s") from None
-        finally:
-            for p in procs:
-                kill_group(p)
-        logs = [p.stdout.read() for p in procs]
-        for p in procs:
-            p.stdout.close()
+        logs = wait_ranks(procs, timeout)
+        if logs is None:
+            raise TimeoutError(f"allreduce with {world} processes ran past {timeout}s")
         bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
         if bad or not out.exists():
             detail = "\n".join(f"--- rank {r}:\n{logs[r][-3000:]}" for r, _ in bad or [(0, 0)])

@@ -161,6 +161,24 @@ class MemorySampler:
             self._thread.join()
 
 
+def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[str] | None:
+    """Wait for every rank under one deadline, kill their groups whatever happens, and
+    return each rank's output (`stdout=PIPE`, text); None if the deadline passed."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for p in procs:
+            kill_group(p)
+    logs = [p.stdout.read() for p in procs]
+    for p in procs:
+        p.stdout.close()
+    return logs
+
+
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """Stop a child started with start_new_session=True and everything it started."""
     if proc.poll() is None:

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.procs import free_port, kill_group
+from bench.procs import free_port, wait_ranks
 
 log = logging.getLogger("bench.step_time")
 BENCH = Path(__file__).resolve().parent
@@ -225,18 +225,9 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
             )
             for r in range(nodes)
         ]
-        deadline = time.monotonic() + a.timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        logs = wait_ranks(procs, a.timeout)
+        if logs is None:
             return {"error": f"timed out after {a.timeout:.0f}s"}
-        finally:
-            for p in procs:
-                kill_group(p)
-        logs = [p.stdout.read() for p in procs]
-        for p in procs:
-            p.stdout.close()
         bad = [r for r, p in enumerate(procs) if p.returncode != 0]
         if bad or not out.exists():
             r = bad[0] if bad else 0

@@ -184,13 +184,17 @@ class Link:
                 tracker = sock.send(payload, zmq.NOBLOCK, copy=copy, track=track)
                 size += len(payload.buffer) if isinstance(payload, zmq.Frame) else len(payload)
         except zmq.ZMQError as err:
-            if err.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self.endpoint.mark_dead(self, "its connection is gone")
-                raise self.endpoint.dead_error(self) from None
-            raise
+            raise self._send_error(err) from None
         self.stats.msgs_sent += 1
         self.stats.bytes_sent += size
         return tracker
+
+    def _send_error(self, err: zmq.ZMQError) -> Exception:
+        """What a failed send raises: an unroutable or full peer is gone (the link dies)."""
+        if err.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+            self.endpoint.mark_dead(self, "its connection is gone")
+            return self.endpoint.dead_error(self)
+        return err
 
     def send_control(self, kind: Kind, body: dict) -> None:
         self.send(wire.control(kind, body))
@@ -210,10 +214,7 @@ class Link:
                     f, zmq.NOBLOCK | (0 if last else zmq.SNDMORE), copy=copy or len(f) < 65536
                 )
         except zmq.ZMQError as err:
-            if err.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self.endpoint.mark_dead(self, "its connection is gone")
-                raise self.endpoint.dead_error(self) from None
-            raise
+            raise self._send_error(err) from None
         self.stats.msgs_sent += 1
         self.stats.bytes_sent += sum(len(f) for f in frames)
 
