@@ -62,26 +62,54 @@ VECTOR_MIN = 16  # runs at least this long are decoded with numpy, shorter ones 
 _DBL = struct.Struct("<d").unpack_from
 _U8 = np.dtype(np.uint8)
 _U64 = np.dtype(np.uint64)
-_1, _7, _32 = np.uint64(1), np.uint64(7), np.uint64(32)
+_1, _2, _4, _32, _56 = (np.uint64(k) for k in (1, 2, 4, 32, 56))
+_PAD = bytes(16)  # past the end, so a word read at a varint near the end stays in bounds
+# bytes.translate table: "T" for a byte below 0x80 (a varint's last byte), "C" for the others
+_MARKS = bytes(84 if b < 0x80 else 67 for b in range(256))
+_T = 84
 
 
 class _Reader:
-    """One record being decoded: the bytes and the options every level needs."""
+    """One record being decoded: the bytes, the options every level needs, and views of the
+    bytes that the vectorised paths share, made on first use."""
 
-    __slots__ = ("_arr", "buf", "end", "numpy")
+    __slots__ = ("_arr", "_marks", "_words", "buf", "end", "numpy")
 
     def __init__(self, buf: bytes, numpy: bool):
         self.buf = buf
         self.end = len(buf)
         self.numpy = numpy
-        self._arr = None
+        self._arr = self._marks = self._words = None
 
     @property
     def arr(self) -> np.ndarray:
-        """The record as a uint8 array, made on first use."""
+        """The record as a uint8 array, followed by 16 zero bytes (not part of it)."""
         if self._arr is None:
-            self._arr = np.frombuffer(self.buf, _U8)
+            self._arr = np.frombuffer(self.buf + _PAD, _U8)
         return self._arr
+
+    @property
+    def marks(self) -> bytes:
+        """The record with each byte replaced by T (below 0x80: a varint ends there) or C:
+        ``marks.find(84, q, q + limit)`` finds where a varint starting at q ends."""
+        if self._marks is None:
+            self._marks = self.buf.translate(_MARKS)
+        return self._marks
+
+    @property
+    def words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Unaligned little-endian views: element i of the first is the 8 bytes from i + 1
+        (uint64), of the second the 2 bytes from i + 9 (uint16), of the third the double
+        from i + 1. Indexed by the offset just before a varint or a double."""
+        if self._words is None:
+            a = self.arr
+            k = len(a) - 10
+            self._words = (
+                np.ndarray((k,), "<u8", a, 1, (1,)),
+                np.ndarray((k,), "<u2", a, 9, (1,)),
+                np.ndarray((k,), "<f8", a, 1, (1,)),
+            )
+        return self._words
 
 
 def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_depth: int) -> dict:
@@ -153,45 +181,70 @@ def _int(t: int):
 
 
 def _varint_run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, int]:
-    """m consecutive varints at pos as uint64 (not yet unzigzagged), and the offset after them."""
+    """m consecutive varints at pos as uint64 (not yet unzigzagged), and the offset after them.
+
+    Each varint ends at a byte below 0x80: one nonzero() over a window of at most
+    ``limit`` bytes per varint (and no more than remains) finds them all."""
     avail = min(limit * m, r.end - pos)
-    b = r.arr[pos : pos + avail]
-    ends = (b < 0x80).nonzero()[0]
-    if len(ends) < m:
-        raise truncated(pos, f"a run of {m} varints")
-    ends = ends[:m]
-    starts = np.empty(m, np.intp)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    return _varints(b, starts, ends, limit, lambda i: pos + int(starts[i])), pos + int(ends[-1]) + 1
+    if pos and r.buf[pos - 1] < 0x80:  # the byte before ends a varint too (a count): one array
+        e = (r.arr[pos - 1 : pos + avail] < 0x80).nonzero()[0]
+        if len(e) <= m:
+            raise truncated(pos, f"a run of {m} varints")
+        e += pos - 1
+        before, ends = e[:m], e[1 : m + 1]
+    else:
+        e = (r.arr[pos : pos + avail] < 0x80).nonzero()[0]
+        if len(e) < m:
+            raise truncated(pos, f"a run of {m} varints")
+        e += pos
+        ends = e[:m]
+        before = np.empty(m, np.intp)
+        before[0] = pos - 1
+        before[1:] = ends[:-1]
+    return _varints(r, before, ends, limit), int(ends[-1]) + 1
 
 
-def _varints(b: np.ndarray, starts: np.ndarray, ends: np.ndarray, limit: int, where):
-    """Varints that tile ``b[:ends[-1]+1]`` (each from starts[i] to ends[i] inclusive) as uint64.
+# a varint of n bytes: the 7-bit groups of its first 8 bytes, and of its 9th and 10th
+_MASK_LO = np.array([int.from_bytes(b"\x7f" * min(n, 8), "little") for n in range(11)], _U64)
+_MASK_HI = np.array([0] * 9 + [0x7F, 0xFF7F], _U64)  # the 10th byte whole: it may only be 0 or 1
+_PACK1, _PACK_H = np.uint64(0x3F80_3F80_3F80_3F80), np.uint64(0x3F80)
+_KEEP2, _PACK2 = np.uint64(0x0000_3FFF_0000_3FFF), np.uint64(0x0FFF_C000_0FFF_C000)
+_KEEP4, _PACK4 = np.uint64(0x0000_0000_0FFF_FFFF), np.uint64(0x00FF_FFFF_F000_0000)
 
-    Lengths over ``limit`` bytes and values over 32 (limit 5) or 64 bits are refused;
-    the error names ``where(i)``, the record offset where varint i starts."""
-    lens = ends - starts + 1
+
+def _varints(r: _Reader, before: np.ndarray, ends: np.ndarray, limit: int) -> np.ndarray:
+    """The varints that end at offsets ``ends`` and start after ``before`` (the offset of
+    the byte before each), as uint64, not yet unzigzagged.
+
+    Each is read as one 8-byte word (and a 2-byte one for a 9th and 10th byte), the
+    bytes past its end masked off by its length, and its 7-bit groups packed
+    together: pairs, then fours, then eights, each step a shift and two masks. Lengths
+    over ``limit`` bytes and values over 32 (limit 5) or 64 bits are refused, naming
+    the offset where the varint starts."""
+    lens = ends - before
     longest = int(lens.max())
     if longest > limit:
         i = int(np.argmax(lens > limit))
-        raise ThriftError(f"varint at offset {where(i)} is longer than {limit} bytes")
-    stop = int(ends[-1]) + 1
-    groups = (b[:stop] & 0x7F).astype(_U64)
-    # each byte's 7-bit group goes 7 * (its index within its varint) bits up
-    groups <<= (_arange(stop) - np.repeat(starts, lens)).astype(_U64) * _7
-    v = np.bitwise_or.reduceat(groups, starts)
+        raise ThriftError(f"varint at offset {int(before[i]) + 1} is longer than {limit} bytes")
+    lo, hi, _ = r.words
+    x = lo[before] & _MASK_LO[lens]
+    x -= (x >> _1) & _PACK1  # each 16 bits: a + 256 b -> a + 128 b
+    x = (x & _KEEP2) | ((x >> _2) & _PACK2)  # each 32 bits: two 14-bit groups -> 28 bits
+    x = (x & _KEEP4) | ((x >> _4) & _PACK4)  # two 28-bit groups -> 56 bits
     if limit == 5:
-        bad = (v >> _32) != 0
-    elif longest == 10:  # the tenth byte may only carry bit 63
-        bad = (lens == 10) & (b[ends] > 1)
+        bad = x >> _32
+    elif longest > 8:
+        h = hi[before] & _MASK_HI[lens]
+        bad = h >> np.uint64(9)  # a 10th byte over 1 sets bits past 63
+        h -= (h >> _1) & _PACK_H
+        x |= h << _56
     else:
-        return v
+        return x
     if bad.any():
-        i = int(np.argmax(bad))
+        i = int(np.argmax(bad != 0))
         bits = 32 if limit == 5 else 64
-        raise ThriftError(f"varint at offset {where(i)} overflows {bits} bits")
-    return v
+        raise ThriftError(f"varint at offset {int(before[i]) + 1} overflows {bits} bits")
+    return x
 
 
 def _unzigzag(v: np.ndarray, t: int, pos: int) -> np.ndarray:
@@ -385,94 +438,70 @@ def _int_int_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
     return dict(zip(keys.tolist(), vals.tolist(), strict=False)), end
 
 
-def _next_terminators(b: np.ndarray) -> np.ndarray:
-    """For every byte of b, the index of the first byte < 0x80 at or after it (len(b) if none):
-    where a varint starting there ends."""
-    idx = np.where(b < 0x80, _arange(len(b)), len(b))
-    return np.minimum.accumulate(idx[::-1])[::-1]
-
-
-_AR = np.arange(1 << 16)
-
-
-def _arange(n: int) -> np.ndarray:
-    global _AR
-    if n > len(_AR):
-        _AR = np.arange(max(n, 2 * len(_AR)))
-    return _AR[:n]
-
-
-def _key_table(r: _Reader, pos: int, win: int) -> tuple[np.ndarray, np.ndarray, bytes]:
-    """The window of win bytes at pos, where each byte's varint ends, and how far it runs
-    (capped at 255: anything over a varint's limit is refused by the caller)."""
-    b = r.arr[pos : pos + win]
-    nxt = _next_terminators(b)
-    return b, nxt, np.minimum(nxt - _arange(win), 255).astype(_U8).tobytes()
-
-
 def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
     """A map from integers to doubles or strings: each entry a varint key, then the value.
 
-    A key may be 1 to 10 bytes, so where entry i+1 starts depends on entry i.
-    A table gives, for every byte, how far the varint starting there runs; one
-    Python step per entry walks it (and slices the strings). Then the keys are
-    gathered into one run of varints and decoded as an array, and so are the
-    doubles."""
+    A key may be 1 to ``limit`` bytes, so where entry i+1 starts depends on entry i:
+    one Python step per entry finds where its key ends (``marks.find`` of the next
+    byte below 0x80, searching no further than ``limit`` bytes, so the work stays
+    linear in the entries whatever a crafted record holds) and slices its string.
+    Then the keys are decoded as an array, and so are the doubles."""
     limit = VARINT_LIMIT[kt]
-    rem = r.end - pos
-    # The table covers a window from pos: all a map of doubles can take, and for strings a
-    # guess that doubles when a key would not fit, so the work stays linear in the bytes
-    # read, whatever a crafted record claims (a table of all that remains, made for each
-    # of many small maps, would be quadratic).
-    win = min((limit + 8) * n if vt == DOUBLE else 32 * n + 64, rem)
-    b, nxt, run = _key_table(r, pos, win)
-    starts = [0] * n
-    q = 0
-    try:
-        if vt == DOUBLE:
-            for i in range(n):
-                starts[i] = q
-                q += run[q] + 9
-            vals = None
-        else:
-            buf = r.buf
-            vals = [b""] * n
-            for i in range(n):
-                if q + limit > win and win < rem:
-                    win = min(2 * (q + limit) + 64, rem)
-                    b, nxt, run = _key_table(r, pos, win)
-                starts[i] = q
-                e = pos + q + run[q] + 1  # the string's length varint
-                ln = buf[e]
-                if ln < 0x80:
-                    e += 1
-                else:
-                    ln, e = _uvarint(buf, e, 5)
-                q = e + ln - pos
-                vals[i] = buf[e : e + ln]
-    except IndexError:
-        raise truncated(pos + q, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry") from None
-    if q > (win if vt == DOUBLE else rem):
-        raise truncated(pos + starts[-1], f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry")
-    st = np.array(starts, np.intp)
-    ends = nxt[st]
-    lens = ends - st + 1
-    if lens.max() > limit:
-        i = int(np.argmax(lens > limit))
-        raise ThriftError(f"varint at offset {pos + starts[i]} is longer than {limit} bytes")
-    # the keys' bytes as one contiguous run of varints
-    offs = np.cumsum(lens) - lens
-    keyb = b[_arange(int(offs[-1] + lens[-1])) + np.repeat(st - offs, lens)]
-    v = _varints(keyb, offs, offs + lens - 1, limit, lambda i: pos + starts[i])
+    find = r.marks.find
+    end = r.end
+    ends = [0] * n
+    q = pos
+    if vt == DOUBLE:
+        for i in range(n):
+            q = find(_T, q, q + limit)  # -1 if no key ends there: found below
+            ends[i] = q
+            q += 9
+        vals = None
+    else:
+        buf = r.buf
+        starts = [0] * n
+        vals = [b""] * n
+        for i in range(n):
+            e = find(_T, q, q + limit)
+            if e < 0:
+                break
+            starts[i] = q
+            ends[i] = e
+            ln = buf[e + 1]  # the string's length, mostly one byte
+            if ln < 0x80:
+                s = e + 2
+            else:
+                ln, s = _uvarint(buf, e + 1, 5)
+            q = s + ln
+            if q > end:
+                raise ThriftError(f"string length {ln} at offset {e + 1}; {end - s} bytes remain")
+            vals[i] = buf[s:q]
+    if min(ends) < 0:
+        i = ends.index(-1)
+        at = pos if i == 0 else (ends[i - 1] + 9 if vals is None else starts[i])
+        if end - at >= limit:
+            raise ThriftError(f"varint at offset {at} is longer than {limit} bytes")
+        raise truncated(at, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry")
+    if q > end:
+        raise truncated(q - 9, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry")
+    e = np.array(ends)
+    if vals is None:  # a key starts 9 bytes after the one before ends
+        before = np.empty(n, np.intp)
+        before[0] = pos - 1
+        np.add(e[:-1], 8, out=before[1:])
+    else:
+        before = np.array(starts)
+        before -= 1
+    v = _varints(r, before, e, limit)
     if kt != I64 and (v >> _32).any():
         raise ThriftError(f"a {NAME_OF[kt]} key in the map at offset {pos} overflows 32 bits")
     keys = _unzigzag(v, kt, pos)
     if vals is None:
-        vals = np.ndarray((win - 7,), "<f8", b, 0, (1,))[ends + 1].astype(np.float64)
+        vals = r.words[2][e]
         if r.numpy:
-            return (keys, vals), pos + q
+            return (keys, vals), q
         vals = vals.tolist()
-    return dict(zip(keys.tolist(), vals, strict=False)), pos + q
+    return dict(zip(keys.tolist(), vals, strict=False)), q
 
 
 _READ_ELEM: tuple = tuple(
