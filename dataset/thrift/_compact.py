@@ -73,13 +73,14 @@ class _Reader:
     """One record being decoded: the bytes, the options every level needs, and views of the
     bytes that the vectorised paths share, made on first use."""
 
-    __slots__ = ("_arr", "_marks", "_words", "buf", "end", "numpy")
+    __slots__ = ("_arr", "_marks", "_words", "buf", "end", "jobs", "numpy")
 
     def __init__(self, buf: bytes, numpy: bool):
         self.buf = buf
         self.end = len(buf)
         self.numpy = numpy
         self._arr = self._marks = self._words = None
+        self.jobs: list[_Job] = []  # containers of varints still to decode
 
     @property
     def arr(self) -> np.ndarray:
@@ -117,6 +118,8 @@ def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_dep
     value, pos = _struct(r, 0, max_depth, schema)
     if pos != r.end:
         raise ThriftError(f"{r.end - pos} bytes follow the end of the struct at offset {pos}")
+    if r.jobs:
+        _finish(r)
     return value
 
 
@@ -180,8 +183,8 @@ def _int(t: int):
 # ---------------------------------------------------------------- varints, as arrays
 
 
-def _varint_run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, int]:
-    """m consecutive varints at pos as uint64 (not yet unzigzagged), and the offset after them.
+def _run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where m consecutive varints at pos end, and the offsets just before each starts.
 
     Each varint ends at a byte below 0x80: one nonzero() over a window of at most
     ``limit`` bytes per varint (and no more than remains) finds them all."""
@@ -191,17 +194,16 @@ def _varint_run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, i
         if len(e) <= m:
             raise truncated(pos, f"a run of {m} varints")
         e += pos - 1
-        before, ends = e[:m], e[1 : m + 1]
-    else:
-        e = (r.arr[pos : pos + avail] < 0x80).nonzero()[0]
-        if len(e) < m:
-            raise truncated(pos, f"a run of {m} varints")
-        e += pos
-        ends = e[:m]
-        before = np.empty(m, np.intp)
-        before[0] = pos - 1
-        before[1:] = ends[:-1]
-    return _varints(r, before, ends, limit), int(ends[-1]) + 1
+        return e[:m], e[1 : m + 1]
+    e = (r.arr[pos : pos + avail] < 0x80).nonzero()[0]
+    if len(e) < m:
+        raise truncated(pos, f"a run of {m} varints")
+    e += pos
+    ends = e[:m]
+    before = np.empty(m, np.intp)
+    before[0] = pos - 1
+    before[1:] = ends[:-1]
+    return before, ends
 
 
 # a varint of n bytes: the 7-bit groups of its first 8 bytes, and of its 9th and 10th
@@ -247,31 +249,94 @@ def _varints(r: _Reader, before: np.ndarray, ends: np.ndarray, limit: int) -> np
     return x
 
 
-def _unzigzag(v: np.ndarray, t: int, pos: int) -> np.ndarray:
-    """Zigzag-decoded values of type t (int16/int32/int64 array); range-checked."""
-    x = (v >> _1).view(np.int64) ^ -(v & _1).view(np.int64)
+def _unzigzag(v: np.ndarray) -> np.ndarray:
+    """Zigzag-decoded uint64 varints as int64."""
+    return (v >> _1).view(np.int64) ^ -(v & _1).view(np.int64)
+
+
+def _narrow(x: np.ndarray, t: int, pos: int) -> np.ndarray:
+    """Values of type t (i16, i32 or i64) as their own dtype; ThriftError if out of range."""
     if t == I64:
         return x
     lo = -(1 << (_INT_BITS[t] - 1))
-    if t == I16 and ((x < lo) | (x >= -lo)).any():
-        raise ThriftError(f"i16 out of range in the container at offset {pos}")
+    if ((x < lo) | (x >= -lo)).any():
+        raise ThriftError(f"{NAME_OF[t]} out of range in the container at offset {pos}")
     return x.astype(NUMPY_DTYPE[t])
 
 
-def _ints(r: _Reader, t: int, n: int, pos: int) -> tuple[Any, int]:
-    """n zigzag varints of type t at pos: a list (an array with numpy=True), and the end."""
+# ---------------------------------------------------------------- containers of varints
+#
+# A container of varints is found in two steps: while the record is walked, where
+# its varints are (offsets before and after each, and the end of the container);
+# once the walk is over, their values, with those of every other such container
+# that is a struct field, in one pass of numpy calls (a handful of calls per record,
+# not per container). A _Job holds the offsets and how to build the value from the
+# decoded varints; it stands in the struct's dict until then. A container inside a
+# list or a map is decoded at once (its _Job is finished where it was made).
+
+
+class _Job:
+    """A container whose varints are still to decode: their offsets, their longest length,
+    and ``build``, which makes the value from them (int64, zigzag-decoded)."""
+
+    __slots__ = ("before", "build", "ends", "fid", "home", "limit")
+
+    def __init__(self, before: np.ndarray, ends: np.ndarray, limit: int, build) -> None:
+        self.before, self.ends, self.limit, self.build = before, ends, limit, build
+        self.home: dict | None = None
+        self.fid = 0
+
+
+def _job(r: _Reader, job: _Job, end: int, defer: bool) -> tuple[Any, int]:
+    """The container's value (a _Job standing in for it when ``defer``), and its end."""
+    if defer:
+        r.jobs.append(job)
+        return job, end
+    return job.build(_unzigzag(_varints(r, job.before, job.ends, job.limit))), end
+
+
+def _finish(r: _Reader) -> None:
+    """Decode the varints of every deferred container (one pass per length limit) and put
+    each container's value where its _Job stands, unless a later field took the place."""
+    for limit in (5, 10):
+        jobs = [j for j in r.jobs if j.limit == limit]
+        if not jobs:
+            continue
+        if len(jobs) == 1:
+            before, ends = jobs[0].before, jobs[0].ends
+        else:
+            before = np.concatenate([j.before for j in jobs])
+            ends = np.concatenate([j.ends for j in jobs])
+        x = _unzigzag(_varints(r, before, ends, limit))
+        a = 0
+        for j in jobs:
+            b = a + len(j.ends)
+            value = j.build(x[a:b])
+            if j.home is not None and j.home.get(j.fid) is j:
+                j.home[j.fid] = value
+            a = b
+
+
+def _ints(r: _Reader, t: int, n: int, pos: int, sch, defer: bool) -> tuple[Any, int]:
+    """A list or set of n zigzag varints of type t at pos: a list (an array with
+    numpy=True; a set if the schema says so), and the end."""
     if n >= VECTOR_MIN or r.numpy:
         if n == 0:
-            return (np.empty(0, NUMPY_DTYPE[t]) if r.numpy else []), pos
-        v, end = _varint_run(r, pos, n, VARINT_LIMIT[t])
-        x = _unzigzag(v, t, pos)
-        return (x if r.numpy else x.tolist()), end
+            return finish_list(np.empty(0, NUMPY_DTYPE[t]) if r.numpy else [], sch), pos
+        numpy = r.numpy
+
+        def build(x):
+            x = _narrow(x, t, pos)
+            return finish_list(x if numpy else x.tolist(), sch)
+
+        before, ends = _run(r, pos, n, VARINT_LIMIT[t])
+        return _job(r, _Job(before, ends, VARINT_LIMIT[t], build), int(ends[-1]) + 1, defer)
     read = _READ[t]
     out = []
     for _ in range(n):
         x, pos = read(r, pos, 0, None)
         out.append(x)
-    return out, pos
+    return finish_list(out, sch), pos
 
 
 # ---------------------------------------------------------------- values
@@ -306,7 +371,10 @@ def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
             if t is None:
                 raise ThriftError(f"unknown compact type {nib} of field {fid} at offset {pos}")
             sub = None if sch is None else field_schema(sch, fid, t)
-            out[fid], pos = _READ[t](r, p, depth - 1, sub)
+            v, pos = _READ[t](r, p, depth - 1, sub)
+            out[fid] = v
+            if v.__class__ is _Job:  # a container decoded at the end: the job is its placeholder
+                v.home, v.fid = out, fid
     except (IndexError, struct.error):
         raise truncated(pos, "a struct field") from None
 
@@ -340,7 +408,7 @@ def _uuid(r, pos, depth, sch):
     return uuid.UUID(bytes=r.buf[pos : pos + 16]), pos + 16
 
 
-def _list(r, pos, depth, sch):
+def _list(r, pos, depth, sch, defer=False):
     if depth <= 0:
         raise too_deep(pos)
     buf = r.buf
@@ -353,8 +421,7 @@ def _list(r, pos, depth, sch):
     _check_count(r, p, n, MIN_SIZE[et], f"list<{NAME_OF[et]}>")
     try:
         if et in VARINT_LIMIT:
-            items, p = _ints(r, et, n, p)
-            return finish_list(items, sch), p
+            return _ints(r, et, n, p, sch, defer)
         if et in (DOUBLE, BYTE, BOOL):
             a = np.frombuffer(buf, "<f8" if et == DOUBLE else _U8, n, p)
             end = p + n * (8 if et == DOUBLE else 1)
@@ -390,7 +457,7 @@ def _list(r, pos, depth, sch):
     return finish_list(items, sch), p
 
 
-def _map(r, pos, depth, sch):
+def _map(r, pos, depth, sch, defer=False):
     if depth <= 0:
         raise too_deep(pos)
     buf = r.buf
@@ -407,9 +474,9 @@ def _map(r, pos, depth, sch):
     try:
         if kt in VARINT_LIMIT and (n >= VECTOR_MIN or r.numpy):
             if vt in VARINT_LIMIT:
-                return _int_int_map(r, kt, vt, n, p)
+                return _int_int_map(r, kt, vt, n, p, defer)
             if vt == DOUBLE or (vt == STRING and vsch is None):
-                return _int_keyed_map(r, kt, vt, n, p)
+                return _int_keyed_map(r, kt, vt, n, p, defer)
         keys: list = []
         vals: list = []
         rk, rv = _READ_ELEM[kt], _READ_ELEM[vt]
@@ -425,46 +492,56 @@ def _map(r, pos, depth, sch):
     return make_map(keys, vals), p
 
 
-def _int_int_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
-    """A map of integers to integers: one run of 2n varints."""
-    v, end = _varint_run(r, pos, 2 * n, max(VARINT_LIMIT[kt], VARINT_LIMIT[vt]))
-    keys, vals = v[0::2], v[1::2]
-    for col, t in ((keys, kt), (vals, vt)):
-        if t != I64 and (col >> _32).any():
-            raise ThriftError(f"a {NAME_OF[t]} in the map at offset {pos} overflows 32 bits")
-    keys, vals = _unzigzag(keys, kt, pos), _unzigzag(vals, vt, pos)
-    if r.numpy:
-        return (keys, vals), end
-    return dict(zip(keys.tolist(), vals.tolist(), strict=False)), end
+def _int_int_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
+    """A map of integers to integers: one run of 2n varints, keys and values in turn."""
+    numpy = r.numpy
+
+    def build(x):
+        keys, vals = _narrow(x[0::2], kt, pos), _narrow(x[1::2], vt, pos)
+        if numpy:
+            return np.ascontiguousarray(keys), np.ascontiguousarray(vals)
+        return dict(zip(keys.tolist(), vals.tolist()))  # noqa: B905 (strict= is slower)
+
+    limit = max(VARINT_LIMIT[kt], VARINT_LIMIT[vt])
+    before, ends = _run(r, pos, 2 * n, limit)
+    return _job(r, _Job(before, ends, limit, build), int(ends[-1]) + 1, defer)
 
 
-def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
+def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
     """A map from integers to doubles or strings: each entry a varint key, then the value.
 
     A key may be 1 to ``limit`` bytes, so where entry i+1 starts depends on entry i:
-    one Python step per entry finds where its key ends (``marks.find`` of the next
-    byte below 0x80, searching no further than ``limit`` bytes, so the work stays
-    linear in the entries whatever a crafted record holds) and slices its string.
-    Then the keys are decoded as an array, and so are the doubles."""
-    limit = VARINT_LIMIT[kt]
+    one Python step per entry finds where its key ends (``marks.find``: the next byte
+    below 0x80; each search starts where the last entry ended, so the work stays
+    linear in the record whatever it holds) and slices its string. Then the keys
+    are decoded as an array (which refuses the long ones), and so are the doubles."""
+    what = f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry"
     find = r.marks.find
     end = r.end
     ends = [0] * n
     q = pos
     if vt == DOUBLE:
         for i in range(n):
-            q = find(_T, q, q + limit)  # -1 if no key ends there: found below
-            ends[i] = q
-            q += 9
+            e = find(_T, q)
+            if e < 0:
+                raise truncated(q, what)
+            ends[i] = e
+            q = e + 9
+        if q > end:
+            raise truncated(ends[-1] + 1, what)
+        e = np.array(ends)
+        before = np.empty(n, np.intp)  # a key starts 9 bytes after the one before ends
+        before[0] = pos - 1
+        np.add(e[:-1], 8, out=before[1:])
         vals = None
     else:
         buf = r.buf
         starts = [0] * n
         vals = [b""] * n
         for i in range(n):
-            e = find(_T, q, q + limit)
+            e = find(_T, q)
             if e < 0:
-                break
+                raise truncated(q, what)
             starts[i] = q
             ends[i] = e
             ln = buf[e + 1]  # the string's length, mostly one byte
@@ -476,32 +553,25 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
             if q > end:
                 raise ThriftError(f"string length {ln} at offset {e + 1}; {end - s} bytes remain")
             vals[i] = buf[s:q]
-    if min(ends) < 0:
-        i = ends.index(-1)
-        at = pos if i == 0 else (ends[i - 1] + 9 if vals is None else starts[i])
-        if end - at >= limit:
-            raise ThriftError(f"varint at offset {at} is longer than {limit} bytes")
-        raise truncated(at, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry")
-    if q > end:
-        raise truncated(q - 9, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry")
-    e = np.array(ends)
-    if vals is None:  # a key starts 9 bytes after the one before ends
-        before = np.empty(n, np.intp)
-        before[0] = pos - 1
-        np.add(e[:-1], 8, out=before[1:])
-    else:
+        e = np.array(ends)
         before = np.array(starts)
         before -= 1
-    v = _varints(r, before, e, limit)
-    if kt != I64 and (v >> _32).any():
-        raise ThriftError(f"a {NAME_OF[kt]} key in the map at offset {pos} overflows 32 bits")
-    keys = _unzigzag(v, kt, pos)
+    numpy = r.numpy
     if vals is None:
-        vals = r.words[2][e]
-        if r.numpy:
-            return (keys, vals), q
-        vals = vals.tolist()
-    return dict(zip(keys.tolist(), vals, strict=False)), q
+        doubles = r.words[2][e]
+
+        def build(x):
+            keys = _narrow(x, kt, pos)
+            if numpy:
+                return keys, doubles
+            return dict(zip(keys.tolist(), doubles.tolist()))  # noqa: B905 (strict= is slower)
+
+    else:
+
+        def build(x):
+            return dict(zip(_narrow(x, kt, pos).tolist(), vals))  # noqa: B905 (as above)
+
+    return _job(r, _Job(before, e, VARINT_LIMIT[kt], build), q, defer)
 
 
 _READ_ELEM: tuple = tuple(
@@ -521,4 +591,9 @@ _READ_ELEM: tuple = tuple(
     }.get(t)
     for t in range(UUID + 1)
 )
-_READ = _READ_ELEM  # a struct's fields read the same way, bar bools (handled in _struct)
+# a struct's fields read the same way (bar bools, handled in _struct), but their containers
+# of varints are decoded once the record is walked, all together
+_READ = tuple(
+    (lambda r, pos, depth, sch, f=f: f(r, pos, depth, sch, True)) if f in (_list, _map) else f
+    for f in _READ_ELEM
+)
