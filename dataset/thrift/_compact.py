@@ -62,7 +62,7 @@ VECTOR_MIN = 16  # runs at least this long are decoded with numpy, shorter ones 
 _DBL = struct.Struct("<d").unpack_from
 _U8 = np.dtype(np.uint8)
 _U64 = np.dtype(np.uint64)
-_1, _2, _4, _32, _56 = (np.uint64(k) for k in (1, 2, 4, 32, 56))
+_1, _2, _4, _32 = (np.uint64(k) for k in (1, 2, 4, 32))
 _PAD = bytes(16)  # past the end, so a word read at a varint near the end stays in bounds
 # bytes.translate table: "T" for a byte below 0x80 (a varint's last byte), "C" for the others
 _MARKS = bytes(84 if b < 0x80 else 67 for b in range(256))
@@ -209,7 +209,9 @@ def _run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, np.ndarr
 # a varint of n bytes: the 7-bit groups of its first 8 bytes, and of its 9th and 10th
 _MASK_LO = np.array([int.from_bytes(b"\x7f" * min(n, 8), "little") for n in range(11)], _U64)
 _MASK_HI = np.array([0] * 9 + [0x7F, 0xFF7F], _U64)  # the 10th byte whole: it may only be 0 or 1
-_PACK1, _PACK_H = np.uint64(0x3F80_3F80_3F80_3F80), np.uint64(0x3F80)
+# the 9th and 10th bytes (masked, the 10th at most 1) -> their bits 56-63 of the value
+_HIGH = np.array([(h & 0x7F) << 56 | (h >> 8) << 63 for h in range(0x200)], _U64)
+_PACK1 = np.uint64(0x3F80_3F80_3F80_3F80)
 _KEEP2, _PACK2 = np.uint64(0x0000_3FFF_0000_3FFF), np.uint64(0x0FFF_C000_0FFF_C000)
 _KEEP4, _PACK4 = np.uint64(0x0000_0000_0FFF_FFFF), np.uint64(0x00FF_FFFF_F000_0000)
 
@@ -218,9 +220,10 @@ def _varints(r: _Reader, before: np.ndarray, ends: np.ndarray, limit: int) -> np
     """The varints that end at offsets ``ends`` and start after ``before`` (the offset of
     the byte before each), as uint64, not yet unzigzagged.
 
-    Each is read as one 8-byte word (and a 2-byte one for a 9th and 10th byte), the
-    bytes past its end masked off by its length, and its 7-bit groups packed
-    together: pairs, then fours, then eights, each step a shift and two masks. Lengths
+    Each is read as one 8-byte word (and a 2-byte one for a 9th and 10th byte, looked
+    up in a table), the bytes past its end masked off by its length, and its 7-bit
+    groups packed together: pairs, then fours, then eights, each step a shift and
+    two masks. Lengths
     over ``limit`` bytes and values over 32 (limit 5) or 64 bits are refused, naming
     the offset where the varint starts."""
     lens = ends - before
@@ -234,19 +237,20 @@ def _varints(r: _Reader, before: np.ndarray, ends: np.ndarray, limit: int) -> np
     x = (x & _KEEP2) | ((x >> _2) & _PACK2)  # each 32 bits: two 14-bit groups -> 28 bits
     x = (x & _KEEP4) | ((x >> _4) & _PACK4)  # two 28-bit groups -> 56 bits
     if limit == 5:
+        if int(x.max()) >> 32 == 0:
+            return x
         bad = x >> _32
     elif longest > 8:
         h = hi[before] & _MASK_HI[lens]
-        bad = h >> np.uint64(9)  # a 10th byte over 1 sets bits past 63
-        h -= (h >> _1) & _PACK_H
-        x |= h << _56
+        if int(h.max()) < len(_HIGH):  # a 10th byte over 1 would set bits past 63
+            x |= _HIGH[h]
+            return x
+        bad = h >> np.uint64(9)
     else:
         return x
-    if bad.any():
-        i = int(np.argmax(bad != 0))
-        bits = 32 if limit == 5 else 64
-        raise ThriftError(f"varint at offset {int(before[i]) + 1} overflows {bits} bits")
-    return x
+    i = int(np.argmax(bad != 0))
+    bits = 32 if limit == 5 else 64
+    raise ThriftError(f"varint at offset {int(before[i]) + 1} overflows {bits} bits")
 
 
 def _unzigzag(v: np.ndarray) -> np.ndarray:
