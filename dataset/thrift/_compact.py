@@ -1,17 +1,21 @@
 """Schema-less decoder for TCompactProtocol: ``decode(buf, ...) -> dict keyed by field id``.
 
-Integers are zigzag varints, so nothing has a fixed width; a container of
-integers is still one run of varints, which numpy decodes in a handful of
-calls: the bytes below 0x80 end each varint, and an or-reduction over each
-varint's 7-bit groups gives the values. A map from integers to doubles
-interleaves varints with 8-byte doubles (or strings): one Python step per entry finds where
-each key ends (from a table of "bytes to the next terminator"), then keys and
-doubles are decoded as arrays. Everything else is a tight loop over the bytes.
+Integers are zigzag varints, so nothing has a fixed width. A container of
+integers is one run of varints: one nonzero() over its bytes finds where each
+ends (a byte below 0x80). A map from integers to doubles or strings interleaves
+varint keys with values: one Python step per entry finds where its key ends
+(``bytes.find`` over the record translated to T/C marks). Either way the
+varints are then known by their offsets, and their values come from a handful
+of numpy calls: an 8-byte word read at each, masked to its length, its 7-bit
+groups packed together. The varint containers of a record's struct fields are
+decoded together, once the record is walked, so those calls are paid once per
+record rather than once per container. Everything else is a tight loop over the
+bytes.
 
 Hostile input stays bounded: varints end within 10 bytes (5 for lengths, i16
 and i32) and must fit their type, counts are checked against the bytes that
-remain before anything is allocated, nesting is limited, and every failure is
-a ThriftError naming the offset.
+remain before anything is allocated, every search moves forward, nesting is
+limited, and every failure is a ThriftError naming the offset.
 """
 
 from __future__ import annotations
@@ -184,7 +188,7 @@ def _int(t: int):
 
 
 def _run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where m consecutive varints at pos end, and the offsets just before each starts.
+    """The offsets just before each of m consecutive varints at pos starts, and where each ends.
 
     Each varint ends at a byte below 0x80: one nonzero() over a window of at most
     ``limit`` bytes per varint (and no more than remains) finds them all."""
@@ -280,7 +284,7 @@ def _narrow(x: np.ndarray, t: int, pos: int) -> np.ndarray:
 
 
 class _Job:
-    """A container whose varints are still to decode: their offsets, their longest length,
+    """A container whose varints are still to decode: their offsets, the limit on their length,
     and ``build``, which makes the value from them (int64, zigzag-decoded)."""
 
     __slots__ = ("before", "build", "ends", "fid", "home", "limit")
@@ -533,7 +537,7 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
             q = e + 9
         if q > end:
             raise truncated(ends[-1] + 1, what)
-        e = np.array(ends)
+        e = np.fromiter(ends, np.intp, n)
         before = np.empty(n, np.intp)  # a key starts 9 bytes after the one before ends
         before[0] = pos - 1
         np.add(e[:-1], 8, out=before[1:])
@@ -557,8 +561,8 @@ def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
             if q > end:
                 raise ThriftError(f"string length {ln} at offset {e + 1}; {end - s} bytes remain")
             vals[i] = buf[s:q]
-        e = np.array(ends)
-        before = np.array(starts)
+        e = np.fromiter(ends, np.intp, n)
+        before = np.fromiter(starts, np.intp, n)
         before -= 1
     numpy = r.numpy
     if vals is None:
