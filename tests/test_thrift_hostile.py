@@ -218,6 +218,12 @@ def test_many_small_containers_take_linear_time():
     runs = (b"\xf6" + uvarint(16) + b"\x02" * 16) * m  # list<i64>, 16 elements each
     data = b"\x19" + bytes([0xF0 | 9]) + uvarint(m) + runs + b"\x00"
     assert decode(data, "compact", numpy=True)[1][-1].tolist() == [1] * 16
+    # structs whose container fields wait for the end of the walk: one pass for them all
+    fields = b"\x19\xf6" + uvarint(16) + b"\x02" * 16  # list<i64>
+    fields += b"\x1b" + uvarint(16) + b"\x67" + (b"\x02" + bytes(8)) * 16  # map<i64, double>
+    data = b"\x19" + bytes([0xF0 | 12]) + uvarint(m) + (fields + b"\x00") * m + b"\x00"
+    got = decode(data, "compact")[1]
+    assert len(got) == m and got[-1] == {1: [1] * 16, 2: {1: 0.0}}
 
 
 @pytest.mark.parametrize("size", [0, 100, 5000])
