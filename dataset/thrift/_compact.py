@@ -96,7 +96,7 @@ class _Reader:
     @property
     def marks(self) -> bytes:
         """The record with each byte replaced by T (below 0x80: a varint ends there) or C:
-        ``marks.find(84, q, q + limit)`` finds where a varint starting at q ends."""
+        ``marks.find(84, q)`` finds where a varint starting at q ends."""
         if self._marks is None:
             self._marks = self.buf.translate(_MARKS)
         return self._marks
@@ -227,9 +227,8 @@ def _varints(r: _Reader, before: np.ndarray, ends: np.ndarray, limit: int) -> np
     Each is read as one 8-byte word (and a 2-byte one for a 9th and 10th byte, looked
     up in a table), the bytes past its end masked off by its length, and its 7-bit
     groups packed together: pairs, then fours, then eights, each step a shift and
-    two masks. Lengths
-    over ``limit`` bytes and values over 32 (limit 5) or 64 bits are refused, naming
-    the offset where the varint starts."""
+    two masks. Lengths over ``limit`` bytes and values over 32 (limit 5) or 64 bits
+    are refused, naming the offset where the varint starts."""
     lens = ends - before
     longest = int(lens.max())
     if longest > limit:
