@@ -218,6 +218,12 @@ def test_many_small_containers_take_linear_time():
     runs = (b"\xf6" + uvarint(16) + b"\x02" * 16) * m  # list<i64>, 16 elements each
     data = b"\x19" + bytes([0xF0 | 9]) + uvarint(m) + runs + b"\x00"
     assert decode(data, "compact", numpy=True)[1][-1].tolist() == [1] * 16
+    # structs whose container fields wait for the end of the walk: one pass for them all
+    fields = b"\x19\xf6" + uvarint(16) + b"\x02" * 16  # list<i64>
+    fields += b"\x1b" + uvarint(16) + b"\x67" + (b"\x02" + bytes(8)) * 16  # map<i64, double>
+    data = b"\x19" + bytes([0xF0 | 12]) + uvarint(m) + (fields + b"\x00") * m + b"\x00"
+    got = decode(data, "compact")[1]
+    assert len(got) == m and got[-1] == {1: [1] * 16, 2: {1: 0.0}}
 
 
 @pytest.mark.parametrize("size", [0, 100, 5000])
@@ -226,3 +232,56 @@ def test_long_strings_in_a_compact_map(size):
     data = b"\x1b" + uvarint(40) + b"\x68"
     data += b"".join(uvarint(2 * k) + uvarint(len(v)) + v for k, v in value.items()) + b"\x00"
     assert decode(data, "compact") == {1: value}
+
+
+def zigzag(v: int) -> bytes:
+    return uvarint((v << 1) ^ (v >> 63) if v < 0 else v << 1)
+
+
+def test_compact_varint_errors_name_the_element():
+    """The varints of a record's containers are decoded together once the record is walked;
+    a bad one is still refused, naming where it starts."""
+    elems = [zigzag(i * 2**40) for i in range(20)]
+    ok = b"".join(elems)
+    bad_at = 1 + 1 + 1 + len(b"".join(elems[:7]))  # field header, list header, count
+    cases = {  # a list<i64> field whose 8th element is bad; then a fine second field
+        "is longer than 10 bytes": b"\xff" * 10 + b"\x01",
+        "overflows 64 bits": b"\xff" * 9 + b"\x02",
+    }
+    for why, elem in cases.items():
+        body = b"".join(elems[:7]) + elem + b"".join(elems[8:])
+        data = b"\x19\xf6" + uvarint(20) + body + b"\x19\xf6" + uvarint(20) + ok + b"\x00"
+        for numpy in (False, True):
+            err = outcome(data, "compact", numpy=numpy)
+            assert isinstance(err, ThriftError), why
+            assert f"varint at offset {bad_at} {why}" in str(err), (why, str(err))
+    # an i32 past 32 bits in a list<i32>, and an i32 key past its range in a map<i32, i64>
+    i32s = b"\x19\xf5" + uvarint(20) + zigzag(5) * 19 + uvarint(2**33) + b"\x00"
+    assert "overflows 32 bits" in str(outcome(i32s, "compact"))
+    i32_keys = b"\x1b" + uvarint(20) + b"\x56" + (zigzag(2**31) + zigzag(1)) * 20 + b"\x00"
+    assert "i32 out of range" in str(outcome(i32_keys, "compact"))
+
+
+def test_compact_fields_decoded_at_the_end_keep_their_place():
+    """A container field's value is filled in after the walk: field order, a field id the
+    record repeats (the later one wins, as in thrift's classes) and containers of
+    structs in lists come out as if each were decoded where it stands."""
+    i64s = list(range(-10, 30))
+    run = b"\xf6" + uvarint(len(i64s)) + b"".join(zigzag(v) for v in i64s)
+    field1_list = b"\x19" + run
+    field1_again_i64 = b"\x06" + zigzag(1) + zigzag(-7)  # long form: same id, type i64
+    data = field1_list + field1_again_i64 + b"\x00"
+    assert decode(data, "compact") == {1: -7}
+    data = b"\x16" + zigzag(-7) + b"\x09" + zigzag(1) + run + b"\x00"  # i64, then the list
+    assert decode(data, "compact") == {1: i64s}
+    # a list of structs, each with a map<i64, double> and a list<i64>; then an i32 field
+    doubles = {k * 2**50: k / 4 for k in range(-9, 9)}
+    m = uvarint(len(doubles)) + b"\x67"
+    m += b"".join(zigzag(k) + struct.pack("<d", v) for k, v in doubles.items())
+    elem = b"\x1b" + m + b"\x19" + run + b"\x00"
+    data = b"\x19\xfc" + uvarint(3) + elem * 3 + b"\x15" + zigzag(5) + b"\x00"
+    got = decode(data, "compact")
+    assert list(got) == [1, 2] and got[2] == 5
+    assert got[1] == [{1: doubles, 2: i64s}] * 3
+    arrays = decode(data, "compact", numpy=True)[1][2]
+    assert arrays[1][0].tolist() == list(doubles) and arrays[2].tolist() == i64s

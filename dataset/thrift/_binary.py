@@ -246,7 +246,7 @@ def _map(r, pos, depth, sch):
             return _fixed_map(r, kt, vt, n, start), end
         unpack = _structs.get((kt, vt, n)) or _map_unpacker(kt, vt, n)
         it = iter(unpack(buf, start))
-        return dict(zip(it, it, strict=False)), end
+        return dict(zip(it, it)), end  # noqa: B905 (strict= takes zip's slower keyword path)
     ks, vs = MIN_SIZE.get(kt), MIN_SIZE.get(vt)
     if ks is None or vs is None or n < 0 or n * (ks + vs) > r.end - start:
         raise _bad_count(r, start, n, "map", (kt, vt))
@@ -289,7 +289,7 @@ def _fixed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
     vals = vals != 0 if vt == BOOL else vals.astype(NUMPY_DTYPE[vt])
     if r.numpy:
         return keys, vals
-    return dict(zip(keys.tolist(), vals.tolist(), strict=False))
+    return dict(zip(keys.tolist(), vals.tolist()))  # noqa: B905 (strict= is slower)
 
 
 _READ: tuple = tuple(

@@ -1,17 +1,21 @@
 """Schema-less decoder for TCompactProtocol: ``decode(buf, ...) -> dict keyed by field id``.
 
-Integers are zigzag varints, so nothing has a fixed width; a container of
-integers is still one run of varints, which numpy decodes in a handful of
-calls: the bytes below 0x80 end each varint, and an or-reduction over each
-varint's 7-bit groups gives the values. A map from integers to doubles
-interleaves varints with 8-byte doubles (or strings): one Python step per entry finds where
-each key ends (from a table of "bytes to the next terminator"), then keys and
-doubles are decoded as arrays. Everything else is a tight loop over the bytes.
+Integers are zigzag varints, so nothing has a fixed width. A container of
+integers is one run of varints: one nonzero() over its bytes finds where each
+ends (a byte below 0x80). A map from integers to doubles or strings interleaves
+varint keys with values: one Python step per entry finds where its key ends
+(``bytes.find`` over the record translated to T/C marks). Either way the
+varints are then known by their offsets, and their values come from a handful
+of numpy calls: an 8-byte word read at each, masked to its length, its 7-bit
+groups packed together. The varint containers of a record's struct fields are
+decoded together, once the record is walked, so those calls are paid once per
+record rather than once per container. Everything else is a tight loop over the
+bytes.
 
 Hostile input stays bounded: varints end within 10 bytes (5 for lengths, i16
 and i32) and must fit their type, counts are checked against the bytes that
-remain before anything is allocated, nesting is limited, and every failure is
-a ThriftError naming the offset.
+remain before anything is allocated, every search moves forward, nesting is
+limited, and every failure is a ThriftError naming the offset.
 """
 
 from __future__ import annotations
@@ -62,26 +66,55 @@ VECTOR_MIN = 16  # runs at least this long are decoded with numpy, shorter ones 
 _DBL = struct.Struct("<d").unpack_from
 _U8 = np.dtype(np.uint8)
 _U64 = np.dtype(np.uint64)
-_1, _7, _32 = np.uint64(1), np.uint64(7), np.uint64(32)
+_1, _2, _4, _32 = (np.uint64(k) for k in (1, 2, 4, 32))
+_PAD = bytes(16)  # past the end, so a word read at a varint near the end stays in bounds
+# bytes.translate table: "T" for a byte below 0x80 (a varint's last byte), "C" for the others
+_MARKS = bytes(84 if b < 0x80 else 67 for b in range(256))
+_T = 84
 
 
 class _Reader:
-    """One record being decoded: the bytes and the options every level needs."""
+    """One record being decoded: the bytes, the options every level needs, and views of the
+    bytes that the vectorised paths share, made on first use."""
 
-    __slots__ = ("_arr", "buf", "end", "numpy")
+    __slots__ = ("_arr", "_marks", "_words", "buf", "end", "jobs", "numpy")
 
     def __init__(self, buf: bytes, numpy: bool):
         self.buf = buf
         self.end = len(buf)
         self.numpy = numpy
-        self._arr = None
+        self._arr = self._marks = self._words = None
+        self.jobs: list[_Job] = []  # containers of varints still to decode
 
     @property
     def arr(self) -> np.ndarray:
-        """The record as a uint8 array, made on first use."""
+        """The record as a uint8 array, followed by 16 zero bytes (not part of it)."""
         if self._arr is None:
-            self._arr = np.frombuffer(self.buf, _U8)
+            self._arr = np.frombuffer(self.buf + _PAD, _U8)
         return self._arr
+
+    @property
+    def marks(self) -> bytes:
+        """The record with each byte replaced by T (below 0x80: a varint ends there) or C:
+        ``marks.find(84, q)`` finds where a varint starting at q ends."""
+        if self._marks is None:
+            self._marks = self.buf.translate(_MARKS)
+        return self._marks
+
+    @property
+    def words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Unaligned little-endian views: element i of the first is the 8 bytes from i + 1
+        (uint64), of the second the 2 bytes from i + 9 (uint16), of the third the double
+        from i + 1. Indexed by the offset just before a varint or a double."""
+        if self._words is None:
+            a = self.arr
+            k = len(a) - 10
+            self._words = (
+                np.ndarray((k,), "<u8", a, 1, (1,)),
+                np.ndarray((k,), "<u2", a, 9, (1,)),
+                np.ndarray((k,), "<f8", a, 1, (1,)),
+            )
+        return self._words
 
 
 def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_depth: int) -> dict:
@@ -89,6 +122,8 @@ def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_dep
     value, pos = _struct(r, 0, max_depth, schema)
     if pos != r.end:
         raise ThriftError(f"{r.end - pos} bytes follow the end of the struct at offset {pos}")
+    if r.jobs:
+        _finish(r)
     return value
 
 
@@ -152,73 +187,163 @@ def _int(t: int):
 # ---------------------------------------------------------------- varints, as arrays
 
 
-def _varint_run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, int]:
-    """m consecutive varints at pos as uint64 (not yet unzigzagged), and the offset after them."""
+def _run(r: _Reader, pos: int, m: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The offsets just before each of m consecutive varints at pos starts, and where each ends.
+
+    Each varint ends at a byte below 0x80: one nonzero() over a window of at most
+    ``limit`` bytes per varint (and no more than remains) finds them all."""
     avail = min(limit * m, r.end - pos)
-    b = r.arr[pos : pos + avail]
-    ends = (b < 0x80).nonzero()[0]
-    if len(ends) < m:
+    if pos and r.buf[pos - 1] < 0x80:  # the byte before ends a varint too (a count): one array
+        e = (r.arr[pos - 1 : pos + avail] < 0x80).nonzero()[0]
+        if len(e) <= m:
+            raise truncated(pos, f"a run of {m} varints")
+        e += pos - 1
+        return e[:m], e[1 : m + 1]
+    e = (r.arr[pos : pos + avail] < 0x80).nonzero()[0]
+    if len(e) < m:
         raise truncated(pos, f"a run of {m} varints")
-    ends = ends[:m]
-    starts = np.empty(m, np.intp)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    return _varints(b, starts, ends, limit, lambda i: pos + int(starts[i])), pos + int(ends[-1]) + 1
+    e += pos
+    ends = e[:m]
+    before = np.empty(m, np.intp)
+    before[0] = pos - 1
+    before[1:] = ends[:-1]
+    return before, ends
 
 
-def _varints(b: np.ndarray, starts: np.ndarray, ends: np.ndarray, limit: int, where):
-    """Varints that tile ``b[:ends[-1]+1]`` (each from starts[i] to ends[i] inclusive) as uint64.
+# a varint of n bytes: the 7-bit groups of its first 8 bytes, and of its 9th and 10th
+_MASK_LO = np.array([int.from_bytes(b"\x7f" * min(n, 8), "little") for n in range(11)], _U64)
+_MASK_HI = np.array([0] * 9 + [0x7F, 0xFF7F], _U64)  # the 10th byte whole: it may only be 0 or 1
+# the 9th and 10th bytes (masked, the 10th at most 1) -> their bits 56-63 of the value
+_HIGH = np.array([(h & 0x7F) << 56 | (h >> 8) << 63 for h in range(0x200)], _U64)
+_PACK1 = np.uint64(0x3F80_3F80_3F80_3F80)
+_KEEP2, _PACK2 = np.uint64(0x0000_3FFF_0000_3FFF), np.uint64(0x0FFF_C000_0FFF_C000)
+_KEEP4, _PACK4 = np.uint64(0x0000_0000_0FFF_FFFF), np.uint64(0x00FF_FFFF_F000_0000)
 
-    Lengths over ``limit`` bytes and values over 32 (limit 5) or 64 bits are refused;
-    the error names ``where(i)``, the record offset where varint i starts."""
-    lens = ends - starts + 1
+
+def _varints(r: _Reader, before: np.ndarray, ends: np.ndarray, limit: int) -> np.ndarray:
+    """The varints that end at offsets ``ends`` and start after ``before`` (the offset of
+    the byte before each), as uint64, not yet unzigzagged.
+
+    Each is read as one 8-byte word (and a 2-byte one for a 9th and 10th byte, looked
+    up in a table), the bytes past its end masked off by its length, and its 7-bit
+    groups packed together: pairs, then fours, then eights, each step a shift and
+    two masks. Lengths over ``limit`` bytes and values over 32 (limit 5) or 64 bits
+    are refused, naming the offset where the varint starts."""
+    lens = ends - before
     longest = int(lens.max())
     if longest > limit:
         i = int(np.argmax(lens > limit))
-        raise ThriftError(f"varint at offset {where(i)} is longer than {limit} bytes")
-    stop = int(ends[-1]) + 1
-    groups = (b[:stop] & 0x7F).astype(_U64)
-    # each byte's 7-bit group goes 7 * (its index within its varint) bits up
-    groups <<= (_arange(stop) - np.repeat(starts, lens)).astype(_U64) * _7
-    v = np.bitwise_or.reduceat(groups, starts)
+        raise ThriftError(f"varint at offset {int(before[i]) + 1} is longer than {limit} bytes")
+    lo, hi, _ = r.words
+    x = lo[before] & _MASK_LO[lens]
+    x -= (x >> _1) & _PACK1  # each 16 bits: a + 256 b -> a + 128 b
+    x = (x & _KEEP2) | ((x >> _2) & _PACK2)  # each 32 bits: two 14-bit groups -> 28 bits
+    x = (x & _KEEP4) | ((x >> _4) & _PACK4)  # two 28-bit groups -> 56 bits
     if limit == 5:
-        bad = (v >> _32) != 0
-    elif longest == 10:  # the tenth byte may only carry bit 63
-        bad = (lens == 10) & (b[ends] > 1)
+        if int(x.max()) >> 32 == 0:
+            return x
+        bad = x >> _32
+    elif longest > 8:
+        h = hi[before] & _MASK_HI[lens]
+        if int(h.max()) < len(_HIGH):  # a 10th byte over 1 would set bits past 63
+            x |= _HIGH[h]
+            return x
+        bad = h >> np.uint64(9)
     else:
-        return v
-    if bad.any():
-        i = int(np.argmax(bad))
-        bits = 32 if limit == 5 else 64
-        raise ThriftError(f"varint at offset {where(i)} overflows {bits} bits")
-    return v
+        return x
+    i = int(np.argmax(bad != 0))
+    bits = 32 if limit == 5 else 64
+    raise ThriftError(f"varint at offset {int(before[i]) + 1} overflows {bits} bits")
 
 
-def _unzigzag(v: np.ndarray, t: int, pos: int) -> np.ndarray:
-    """Zigzag-decoded values of type t (int16/int32/int64 array); range-checked."""
-    x = (v >> _1).view(np.int64) ^ -(v & _1).view(np.int64)
+def _unzigzag(v: np.ndarray) -> np.ndarray:
+    """Zigzag-decoded uint64 varints as int64."""
+    return (v >> _1).view(np.int64) ^ -(v & _1).view(np.int64)
+
+
+def _narrow(x: np.ndarray, t: int, pos: int) -> np.ndarray:
+    """Values of type t (i16, i32 or i64) as their own dtype; ThriftError if out of range."""
     if t == I64:
         return x
     lo = -(1 << (_INT_BITS[t] - 1))
-    if t == I16 and ((x < lo) | (x >= -lo)).any():
-        raise ThriftError(f"i16 out of range in the container at offset {pos}")
+    if ((x < lo) | (x >= -lo)).any():
+        raise ThriftError(f"{NAME_OF[t]} out of range in the container at offset {pos}")
     return x.astype(NUMPY_DTYPE[t])
 
 
-def _ints(r: _Reader, t: int, n: int, pos: int) -> tuple[Any, int]:
-    """n zigzag varints of type t at pos: a list (an array with numpy=True), and the end."""
+# ---------------------------------------------------------------- containers of varints
+#
+# A container of varints is found in two steps: while the record is walked, where
+# its varints are (offsets before and after each, and the end of the container);
+# once the walk is over, their values, with those of every other such container
+# that is a struct field, in one pass of numpy calls (a handful of calls per record,
+# not per container). A _Job holds the offsets and how to build the value from the
+# decoded varints; it stands in the struct's dict until then. A container inside a
+# list or a map is decoded at once (its _Job is finished where it was made).
+
+
+class _Job:
+    """A container whose varints are still to decode: their offsets, the limit on their length,
+    and ``build``, which makes the value from them (int64, zigzag-decoded)."""
+
+    __slots__ = ("before", "build", "ends", "fid", "home", "limit")
+
+    def __init__(self, before: np.ndarray, ends: np.ndarray, limit: int, build) -> None:
+        self.before, self.ends, self.limit, self.build = before, ends, limit, build
+        self.home: dict | None = None
+        self.fid = 0
+
+
+def _job(r: _Reader, job: _Job, end: int, defer: bool) -> tuple[Any, int]:
+    """The container's value (a _Job standing in for it when ``defer``), and its end."""
+    if defer:
+        r.jobs.append(job)
+        return job, end
+    return job.build(_unzigzag(_varints(r, job.before, job.ends, job.limit))), end
+
+
+def _finish(r: _Reader) -> None:
+    """Decode the varints of every deferred container (one pass per length limit) and put
+    each container's value where its _Job stands, unless a later field took the place."""
+    for limit in (5, 10):
+        jobs = [j for j in r.jobs if j.limit == limit]
+        if not jobs:
+            continue
+        if len(jobs) == 1:
+            before, ends = jobs[0].before, jobs[0].ends
+        else:
+            before = np.concatenate([j.before for j in jobs])
+            ends = np.concatenate([j.ends for j in jobs])
+        x = _unzigzag(_varints(r, before, ends, limit))
+        a = 0
+        for j in jobs:
+            b = a + len(j.ends)
+            value = j.build(x[a:b])
+            if j.home is not None and j.home.get(j.fid) is j:
+                j.home[j.fid] = value
+            a = b
+
+
+def _ints(r: _Reader, t: int, n: int, pos: int, sch, defer: bool) -> tuple[Any, int]:
+    """A list or set of n zigzag varints of type t at pos: a list (an array with
+    numpy=True; a set if the schema says so), and the end."""
     if n >= VECTOR_MIN or r.numpy:
         if n == 0:
-            return (np.empty(0, NUMPY_DTYPE[t]) if r.numpy else []), pos
-        v, end = _varint_run(r, pos, n, VARINT_LIMIT[t])
-        x = _unzigzag(v, t, pos)
-        return (x if r.numpy else x.tolist()), end
+            return finish_list(np.empty(0, NUMPY_DTYPE[t]) if r.numpy else [], sch), pos
+        numpy = r.numpy
+
+        def build(x):
+            x = _narrow(x, t, pos)
+            return finish_list(x if numpy else x.tolist(), sch)
+
+        before, ends = _run(r, pos, n, VARINT_LIMIT[t])
+        return _job(r, _Job(before, ends, VARINT_LIMIT[t], build), int(ends[-1]) + 1, defer)
     read = _READ[t]
     out = []
     for _ in range(n):
         x, pos = read(r, pos, 0, None)
         out.append(x)
-    return out, pos
+    return finish_list(out, sch), pos
 
 
 # ---------------------------------------------------------------- values
@@ -253,7 +378,10 @@ def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
             if t is None:
                 raise ThriftError(f"unknown compact type {nib} of field {fid} at offset {pos}")
             sub = None if sch is None else field_schema(sch, fid, t)
-            out[fid], pos = _READ[t](r, p, depth - 1, sub)
+            v, pos = _READ[t](r, p, depth - 1, sub)
+            out[fid] = v
+            if v.__class__ is _Job:  # a container decoded at the end: the job is its placeholder
+                v.home, v.fid = out, fid
     except (IndexError, struct.error):
         raise truncated(pos, "a struct field") from None
 
@@ -287,7 +415,7 @@ def _uuid(r, pos, depth, sch):
     return uuid.UUID(bytes=r.buf[pos : pos + 16]), pos + 16
 
 
-def _list(r, pos, depth, sch):
+def _list(r, pos, depth, sch, defer=False):
     if depth <= 0:
         raise too_deep(pos)
     buf = r.buf
@@ -300,8 +428,7 @@ def _list(r, pos, depth, sch):
     _check_count(r, p, n, MIN_SIZE[et], f"list<{NAME_OF[et]}>")
     try:
         if et in VARINT_LIMIT:
-            items, p = _ints(r, et, n, p)
-            return finish_list(items, sch), p
+            return _ints(r, et, n, p, sch, defer)
         if et in (DOUBLE, BYTE, BOOL):
             a = np.frombuffer(buf, "<f8" if et == DOUBLE else _U8, n, p)
             end = p + n * (8 if et == DOUBLE else 1)
@@ -337,7 +464,7 @@ def _list(r, pos, depth, sch):
     return finish_list(items, sch), p
 
 
-def _map(r, pos, depth, sch):
+def _map(r, pos, depth, sch, defer=False):
     if depth <= 0:
         raise too_deep(pos)
     buf = r.buf
@@ -354,9 +481,9 @@ def _map(r, pos, depth, sch):
     try:
         if kt in VARINT_LIMIT and (n >= VECTOR_MIN or r.numpy):
             if vt in VARINT_LIMIT:
-                return _int_int_map(r, kt, vt, n, p)
+                return _int_int_map(r, kt, vt, n, p, defer)
             if vt == DOUBLE or (vt == STRING and vsch is None):
-                return _int_keyed_map(r, kt, vt, n, p)
+                return _int_keyed_map(r, kt, vt, n, p, defer)
         keys: list = []
         vals: list = []
         rk, rv = _READ_ELEM[kt], _READ_ELEM[vt]
@@ -372,107 +499,86 @@ def _map(r, pos, depth, sch):
     return make_map(keys, vals), p
 
 
-def _int_int_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
-    """A map of integers to integers: one run of 2n varints."""
-    v, end = _varint_run(r, pos, 2 * n, max(VARINT_LIMIT[kt], VARINT_LIMIT[vt]))
-    keys, vals = v[0::2], v[1::2]
-    for col, t in ((keys, kt), (vals, vt)):
-        if t != I64 and (col >> _32).any():
-            raise ThriftError(f"a {NAME_OF[t]} in the map at offset {pos} overflows 32 bits")
-    keys, vals = _unzigzag(keys, kt, pos), _unzigzag(vals, vt, pos)
-    if r.numpy:
-        return (keys, vals), end
-    return dict(zip(keys.tolist(), vals.tolist(), strict=False)), end
+def _int_int_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
+    """A map of integers to integers: one run of 2n varints, keys and values in turn."""
+    numpy = r.numpy
+
+    def build(x):
+        keys, vals = _narrow(x[0::2], kt, pos), _narrow(x[1::2], vt, pos)
+        if numpy:
+            return np.ascontiguousarray(keys), np.ascontiguousarray(vals)
+        return dict(zip(keys.tolist(), vals.tolist()))  # noqa: B905 (strict= is slower)
+
+    limit = max(VARINT_LIMIT[kt], VARINT_LIMIT[vt])
+    before, ends = _run(r, pos, 2 * n, limit)
+    return _job(r, _Job(before, ends, limit, build), int(ends[-1]) + 1, defer)
 
 
-def _next_terminators(b: np.ndarray) -> np.ndarray:
-    """For every byte of b, the index of the first byte < 0x80 at or after it (len(b) if none):
-    where a varint starting there ends."""
-    idx = np.where(b < 0x80, _arange(len(b)), len(b))
-    return np.minimum.accumulate(idx[::-1])[::-1]
-
-
-_AR = np.arange(1 << 16)
-
-
-def _arange(n: int) -> np.ndarray:
-    global _AR
-    if n > len(_AR):
-        _AR = np.arange(max(n, 2 * len(_AR)))
-    return _AR[:n]
-
-
-def _key_table(r: _Reader, pos: int, win: int) -> tuple[np.ndarray, np.ndarray, bytes]:
-    """The window of win bytes at pos, where each byte's varint ends, and how far it runs
-    (capped at 255: anything over a varint's limit is refused by the caller)."""
-    b = r.arr[pos : pos + win]
-    nxt = _next_terminators(b)
-    return b, nxt, np.minimum(nxt - _arange(win), 255).astype(_U8).tobytes()
-
-
-def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):
+def _int_keyed_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
     """A map from integers to doubles or strings: each entry a varint key, then the value.
 
-    A key may be 1 to 10 bytes, so where entry i+1 starts depends on entry i.
-    A table gives, for every byte, how far the varint starting there runs; one
-    Python step per entry walks it (and slices the strings). Then the keys are
-    gathered into one run of varints and decoded as an array, and so are the
-    doubles."""
-    limit = VARINT_LIMIT[kt]
-    rem = r.end - pos
-    # The table covers a window from pos: all a map of doubles can take, and for strings a
-    # guess that doubles when a key would not fit, so the work stays linear in the bytes
-    # read, whatever a crafted record claims (a table of all that remains, made for each
-    # of many small maps, would be quadratic).
-    win = min((limit + 8) * n if vt == DOUBLE else 32 * n + 64, rem)
-    b, nxt, run = _key_table(r, pos, win)
-    starts = [0] * n
-    q = 0
-    try:
-        if vt == DOUBLE:
-            for i in range(n):
-                starts[i] = q
-                q += run[q] + 9
-            vals = None
-        else:
-            buf = r.buf
-            vals = [b""] * n
-            for i in range(n):
-                if q + limit > win and win < rem:
-                    win = min(2 * (q + limit) + 64, rem)
-                    b, nxt, run = _key_table(r, pos, win)
-                starts[i] = q
-                e = pos + q + run[q] + 1  # the string's length varint
-                ln = buf[e]
-                if ln < 0x80:
-                    e += 1
-                else:
-                    ln, e = _uvarint(buf, e, 5)
-                q = e + ln - pos
-                vals[i] = buf[e : e + ln]
-    except IndexError:
-        raise truncated(pos + q, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry") from None
-    if q > (win if vt == DOUBLE else rem):
-        raise truncated(pos + starts[-1], f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry")
-    st = np.array(starts, np.intp)
-    ends = nxt[st]
-    lens = ends - st + 1
-    if lens.max() > limit:
-        i = int(np.argmax(lens > limit))
-        raise ThriftError(f"varint at offset {pos + starts[i]} is longer than {limit} bytes")
-    # the keys' bytes as one contiguous run of varints
-    offs = np.cumsum(lens) - lens
-    keyb = b[_arange(int(offs[-1] + lens[-1])) + np.repeat(st - offs, lens)]
-    v = _varints(keyb, offs, offs + lens - 1, limit, lambda i: pos + starts[i])
-    if kt != I64 and (v >> _32).any():
-        raise ThriftError(f"a {NAME_OF[kt]} key in the map at offset {pos} overflows 32 bits")
-    keys = _unzigzag(v, kt, pos)
+    A key may be 1 to ``limit`` bytes, so where entry i+1 starts depends on entry i:
+    one Python step per entry finds where its key ends (``marks.find``: the next byte
+    below 0x80; each search starts where the last entry ended, so the work stays
+    linear in the record whatever it holds) and slices its string. Then the keys
+    are decoded as an array (which refuses the long ones), and so are the doubles."""
+    what = f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry"
+    find = r.marks.find
+    end = r.end
+    ends = [0] * n
+    q = pos
+    if vt == DOUBLE:
+        for i in range(n):
+            e = find(_T, q)
+            if e < 0:
+                raise truncated(q, what)
+            ends[i] = e
+            q = e + 9
+        if q > end:
+            raise truncated(ends[-1] + 1, what)
+        e = np.fromiter(ends, np.intp, n)
+        before = np.empty(n, np.intp)  # a key starts 9 bytes after the one before ends
+        before[0] = pos - 1
+        np.add(e[:-1], 8, out=before[1:])
+        vals = None
+    else:
+        buf = r.buf
+        starts = [0] * n
+        vals = [b""] * n
+        for i in range(n):
+            e = find(_T, q)
+            if e < 0:
+                raise truncated(q, what)
+            starts[i] = q
+            ends[i] = e
+            ln = buf[e + 1]  # the string's length, mostly one byte
+            if ln < 0x80:
+                s = e + 2
+            else:
+                ln, s = _uvarint(buf, e + 1, 5)
+            q = s + ln
+            if q > end:
+                raise ThriftError(f"string length {ln} at offset {e + 1}; {end - s} bytes remain")
+            vals[i] = buf[s:q]
+        e = np.fromiter(ends, np.intp, n)
+        before = np.fromiter(starts, np.intp, n)
+        before -= 1
+    numpy = r.numpy
     if vals is None:
-        vals = np.ndarray((win - 7,), "<f8", b, 0, (1,))[ends + 1].astype(np.float64)
-        if r.numpy:
-            return (keys, vals), pos + q
-        vals = vals.tolist()
-    return dict(zip(keys.tolist(), vals, strict=False)), pos + q
+        doubles = r.words[2][e]
+
+        def build(x):
+            keys = _narrow(x, kt, pos)
+            if numpy:
+                return keys, doubles
+            return dict(zip(keys.tolist(), doubles.tolist()))  # noqa: B905 (strict= is slower)
+
+    else:
+
+        def build(x):
+            return dict(zip(_narrow(x, kt, pos).tolist(), vals))  # noqa: B905 (as above)
+
+    return _job(r, _Job(before, e, VARINT_LIMIT[kt], build), q, defer)
 
 
 _READ_ELEM: tuple = tuple(
@@ -492,4 +598,9 @@ _READ_ELEM: tuple = tuple(
     }.get(t)
     for t in range(UUID + 1)
 )
-_READ = _READ_ELEM  # a struct's fields read the same way, bar bools (handled in _struct)
+# a struct's fields read the same way (bar bools, handled in _struct), but their containers
+# of varints are decoded once the record is walked, all together
+_READ = tuple(
+    (lambda r, pos, depth, sch, f=f: f(r, pos, depth, sch, True)) if f in (_list, _map) else f
+    for f in _READ_ELEM
+)
