@@ -311,6 +311,7 @@ class Bulk:
         self.peers: dict[Link, PeerArena] = {}
         self.readers: set[Link] = set()
         self.sent: dict[Link, list[int]] = {}  # link -> [messages, bytes] through the arena
+        self.received = 0  # messages whose payloads were read out of an arena
 
     def info(self) -> dict:
         """What to add to the endpoint's handshake info."""
@@ -418,6 +419,7 @@ class Bulk:
             return wire.decode(meta, list(frames[1:]), into=into)
         if memory is None:
             raise WireError("a shared-memory reference from a peer whose arena is not mapped")
+        self.received += 1
         try:
             return wire.decode(meta, memory.payload(ref, list(frames[1:])), into=into)
         finally:

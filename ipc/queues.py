@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
@@ -41,12 +42,14 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import runtime, wire
+from . import bulk, runtime, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Link
 from .rendezvous import _pid_alive
 from .wire import Kind
+
+log = logging.getLogger(__name__)
 
 OPEN = "open"
 CLOSED = "closed"
@@ -60,15 +63,21 @@ def _ctl(body: dict) -> bytes:
     return wire.control(Kind.MESSAGE, body)
 
 
-def _snapshot(obj: object) -> list:
-    """The frames of `obj`, copied: the caller may change its tensors once write returns."""
-    frames = wire.pack_value(obj)
-    return [bytes(f) if not isinstance(f, bytes) else f for f in frames]
+def _decode(shared: bulk.Bulk, item: tuple | None, label: str) -> object:
+    """The value of a stored or received item (frames, the memory its large payloads
+    lie in); None for no item."""
+    if item is None:
+        return None
+    try:
+        return shared.unpack(*item)
+    except wire.WireError as err:
+        raise IPCError(f"ipc {label}: a malformed item: {err}") from None
 
 
 @dataclass
 class _Queue:
-    items: deque = field(default_factory=deque)  # each: the frames of one value
+    # each: (the frames of one value, the arena its large payloads lie in or None)
+    items: deque = field(default_factory=deque)
     closed: bool = False
     waiting: deque = field(default_factory=deque)  # remote blocked readers: Link
 
@@ -91,8 +100,13 @@ class _Broker:
         self.queues = {n: _Queue() for n in names}
         self.lock = threading.Condition()
         self.label = label
+        self.bulk = bulk.Bulk()  # large items through shared memory, see ipc.bulk
         self.endpoint = Endpoint(
-            self.secret, label, bind=["ipc"], info={"name": label}, accept=self._accept
+            self.secret,
+            label,
+            bind=["ipc"],
+            info={"name": label, **self.bulk.info()},
+            accept=self._accept,
         )
         self.address = self.endpoint.addresses[0]
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -109,19 +123,26 @@ class _Broker:
 
     # ---- local side (any thread of this process) -----------------------------------
 
-    def put(self, name: str, frames: list) -> str:
+    def put(self, name: str, obj: object) -> str:
+        with self.lock:
+            if self.queues[name].closed:
+                return self.queues[name].state()
+        # Large tensors are copied into our arena, the rest into bytes: the caller may
+        # change its tensors once write returns.
+        item = (self.bulk.pack(obj, None), self.bulk.arena)
         with self.lock:
             q = self.queues[name]
             if q.closed:
+                self.bulk.drop(*item)
                 return q.state()
-            q.items.append(frames)
+            q.items.append(item)
             self.lock.notify()
             wake = bool(q.waiting)
         if wake:
             self.wake()
         return OPEN
 
-    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, list | None]:
+    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, object]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             q = self.queues[name]
@@ -130,10 +151,11 @@ class _Broker:
                 if remaining is not None and remaining <= 0:
                     raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
                 self.lock.wait(remaining)
-            if q.items:
-                frames = q.items.popleft()
-                return CLOSED if q.closed else OPEN, frames
-            return (q.state() if q.closed else EMPTY), None
+            if not q.items:
+                return (q.state() if q.closed else EMPTY), None
+            item = q.items.popleft()
+            state = CLOSED if q.closed else OPEN
+        return state, _decode(self.bulk, item, self.label)
 
     def close_queue(self, name: str) -> None:
         with self.lock:
@@ -171,16 +193,24 @@ class _Broker:
                     ep.process(events)
                     while ep.events:
                         kind, link = ep.events.popleft()
-                        if kind in ("dead", "bye"):
+                        if kind == "accepted":
+                            self.bulk.up(link)
+                        elif kind in ("dead", "bye"):
+                            self.bulk.forget(link)  # its items keep the arena they lie in
                             self.links.discard(link)
                             for q in self.queues.values():
                                 with contextlib.suppress(ValueError):
                                     q.waiting.remove(link)
                     while ep.inbox:
                         link, frames = ep.inbox.popleft()
-                        self._request(link, frames)
+                        if not self.bulk.control(link, frames):
+                            self._request(link, frames)
                     self._serve()
         finally:
+            with self.lock:
+                for q in self.queues.values():  # never read: their blocks are free again
+                    while q.items:
+                        self.bulk.drop(*q.items.popleft())
             os.close(self._wake_r)
             os.close(self._wake_w)
             ep.close(linger=1.0)
@@ -199,8 +229,10 @@ class _Broker:
             if len(frames) < 2:
                 self.endpoint._drop(f"an empty put from {link.name}")
             elif not q.closed:  # a write racing a close is refused like a local one
-                q.items.append(frames[1:])
+                q.items.append((frames[1:], self.bulk.memory_of(link)))
                 self.lock.notify()
+            else:
+                self.bulk.drop(frames[1:], self.bulk.memory_of(link))
         elif op == "get":
             if q.items or q.closed or body.get("block") is True:
                 q.waiting.append(link)
@@ -217,10 +249,18 @@ class _Broker:
             while q.waiting and (q.items or q.closed):
                 link = q.waiting.popleft()
                 if q.items:
-                    frames = q.items.popleft()
+                    frames, memory = q.items.popleft()
+                    try:
+                        # As stored, or copied out of an arena this reader does not map.
+                        out = self.bulk.for_link(frames, memory, link)
+                    except wire.WireError as err:
+                        log.warning("ipc %s: dropped a malformed item: %s", self.label, err)
+                        q.waiting.appendleft(link)
+                        continue
                     state = CLOSED if q.closed else OPEN  # never DRAINED with an item
-                    if not self._reply(link, {"op": "item", "state": state}, frames):
-                        q.items.appendleft(frames)  # it died before it got it: the next one
+                    if not self._reply(link, {"op": "item", "state": state}, out):
+                        # it died before it got it: the next one
+                        q.items.appendleft((out, memory if out is frames else None))
                 else:
                     self._reply(link, {"op": "none", "state": q.state()})
 
@@ -237,8 +277,11 @@ class _Remote:
 
     def __init__(self, address: str, secret_text: str, label: str):
         self.label = label
+        self.bulk = bulk.Bulk()
         self.endpoint = Endpoint(
-            Secret(secret_text, label), f"{label} user {os.getpid()}", info={"pid": os.getpid()}
+            Secret(secret_text, label),
+            f"{label} user {os.getpid()}",
+            info={"pid": os.getpid(), **self.bulk.info()},
         )
         self.pid = os.getpid()
         self.closed = False
@@ -246,18 +289,27 @@ class _Remote:
         try:
             self.link = self.endpoint.dial(address, reconnect=False)
             self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
+            self.bulk.up(self.link)
         except BaseException:
             self.endpoint.close(linger=0)
             raise
         _REMOTES.add(self)
 
-    def put(self, name: str, frames: list) -> None:
-        self.link.send_frames([_ctl({"op": "put", "q": name}), *frames])
+    def put(self, name: str, obj: object) -> str:
+        """Send a write without waiting for it (OPEN: the broker's answer is not awaited)."""
+        frames = self.bulk.pack(obj, self.link)
+        try:
+            # Copied: the caller may change its tensors once write returns.
+            self.link.send_frames([_ctl({"op": "put", "q": name}), *frames], copy=True)
+        except BaseException:
+            self.bulk.drop(frames, self.bulk.arena)
+            raise
+        return OPEN
 
     def close_queue(self, name: str) -> None:
         self.link.send_frames([_ctl({"op": "close", "q": name})])
 
-    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, list | None]:
+    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, object]:
         ep, link = self.endpoint, self.link
         if self.asked is None:
             link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
@@ -268,6 +320,8 @@ class _Remote:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             item = ep.recv(time.monotonic() + 1.0 if deadline is None else deadline)
+            if item is not None and self.bulk.control(*item):
+                continue
             if item is not None:
                 self.asked = None
                 _, frames = item
@@ -276,7 +330,9 @@ class _Remote:
                 except wire.WireError as err:
                     raise IPCError(f"ipc {self.label}: a malformed reply: {err}") from None
                 if body["op"] == "item":
-                    return body["state"], frames[1:]
+                    return body["state"], _decode(
+                        self.bulk, (frames[1:], self.bulk.memory_of(link)), self.label
+                    )
                 return body["state"], None
             if link.dead is not None or link.bye is not None:
                 raise PeerError(f"ipc {self.label}: its owner (the process that made it) is gone")
@@ -306,15 +362,6 @@ def close_remotes() -> None:
 
 
 atexit.register(close_remotes)
-
-
-def _decode(frames: list | None, label: str) -> object:
-    if frames is None:
-        return None
-    try:
-        return wire.unpack_value(frames)
-    except wire.WireError as err:
-        raise IPCError(f"ipc {label}: a malformed item: {err}") from None
 
 
 # ---- WorkQueue ----------------------------------------------------------------------------
@@ -383,20 +430,18 @@ class WorkQueue:
         """Owner: one item for one worker. Worker: one result for the owner."""
         self._check()
         if self._broker is not None:
-            if self._broker.put("down", _snapshot(obj)) != OPEN:
+            if self._broker.put("down", obj) != OPEN:
                 raise IPCError(f"ipc: the work queue {self.name!r} is closed")
         else:
-            self._remote.put("up", wire.pack_value(obj))
+            self._remote.put("up", obj)
 
     def read(self, timeout: float | None = None) -> object:
         """Owner: the next result. Worker: the next item, or None once the owner closed the
         queue and every item was handed out. Blocks until then."""
         if self._broker is not None:
-            _, frames = self._broker.get("up", True, timeout)
-        else:
-            self._check()
-            _, frames = self._remote.get("down", True, timeout)
-        return _decode(frames, f"work queue {self.name!r}")
+            return self._broker.get("up", True, timeout)[1]
+        self._check()
+        return self._remote.get("down", True, timeout)[1]
 
     def close(self, timeout: float | None = None) -> None:
         """Owner: no more items; waits until every item was handed out and every worker
@@ -474,17 +519,12 @@ class Channel:
         """Append `obj`; returns OPEN, or CLOSED/DRAINED (and drops it) if the channel is
         closed. From another process the write is sent without waiting: a write racing a
         close may be dropped."""
-        side = self._side()
-        if isinstance(side, _Broker):
-            return side.put("c", _snapshot(obj))
-        side.put("c", wire.pack_value(obj))
-        return OPEN
+        return self._side().put("c", obj)
 
     def read(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]:
         """(status, item): (OPEN or CLOSED, item), (DRAINED, None) once closed and empty,
         or (EMPTY, None) for a non-blocking read of an open, empty channel."""
-        state, frames = self._side().get("c", bool(block), timeout)
-        return state, _decode(frames, "channel")
+        return self._side().get("c", bool(block), timeout)
 
     def close(self) -> None:
         """No more writes; readers get the remaining items, then DRAINED."""

@@ -343,8 +343,11 @@ class Server:
         }
         total = {
             k: sum(p[k] for p in per.values())
-            for k in ("bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv")
-        }
+            for k in (
+                "bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv", "shm_bytes_sent",
+                "shm_msgs_sent",
+            )
+        }  # fmt: skip
         return {"address": self.address, "clients": len(self.connections()), **total, "per": per}
 
     def close(self) -> None:
