@@ -75,6 +75,16 @@ def arena_bytes() -> int:
     return mb << 20
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's: alive
+    return True
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -164,6 +174,7 @@ class Arena(_Memory):
         self.pid = os.getpid()
         self.lock = threading.Lock()  # a queue's broker thread and its owner both send
         self.live: dict[int, tuple[int, int, int]] = {}  # slot -> (start, end, gen)
+        self.readers: dict[int, int] = {}  # slot -> pid of the process it was sent to
         self.free_slots = list(range(SLOTS - 1, -1, -1))
         self.gen = 0
         self.allocated = DATA  # pages reserved (fallocate) so far
@@ -178,19 +189,14 @@ class Arena(_Memory):
     def alloc(self, n: int) -> Block | None:
         """A block of n bytes, or None when the arena is full."""
         with self.lock:
-            for slot, (_, _, gen) in list(self.live.items()):
-                if self.slots[slot] != gen:  # released by its reader
-                    del self.live[slot]
-                    self.free_slots.append(slot)
-            if not self.free_slots:
-                return None
-            start = DATA
-            for s, e, _ in sorted(self.live.values()):
-                if s - start >= n:
-                    break
-                start = max(start, _align(e))
-            if self.size - start < n:
-                return None
+            self._reclaim(dead_readers=False)
+            start = self._fit(n)
+            if start is None:
+                # Full: take back the blocks whose reader died before it read them.
+                self._reclaim(dead_readers=True)
+                start = self._fit(n)
+                if start is None:
+                    return None
             if start + n > self.allocated:
                 try:
                     # Reserve the pages now: a mapping that cannot get a page raises
@@ -205,6 +211,35 @@ class Arena(_Memory):
             self.slots[slot] = self.gen
             self.live[slot] = (start, start + n, self.gen)
             return Block(slot, self.gen, start)
+
+    def _fit(self, n: int) -> int | None:
+        """The lowest offset with room for n bytes (None: none, or no slot left)."""
+        if not self.free_slots:
+            return None
+        start = DATA
+        for s, e, _ in sorted(self.live.values()):
+            if s - start >= n:
+                break
+            start = max(start, _align(e))
+        return start if self.size - start >= n else None
+
+    def _reclaim(self, dead_readers: bool) -> None:
+        for slot, (_, _, gen) in list(self.live.items()):
+            free = self.slots[slot] != gen  # released by its reader
+            if not free and dead_readers and slot in self.readers:
+                free = not _pid_alive(self.readers[slot])
+            if free:
+                del self.live[slot]
+                self.readers.pop(slot, None)
+                self.free_slots.append(slot)
+
+    def lend(self, slot: int, gen: int, pid: object) -> None:
+        """The block went to process `pid` (from its authenticated handshake): if that
+        process dies before releasing it, the block is ours again."""
+        if _is_int(pid, 1, 1 << 31):
+            with self.lock:
+                if self.live.get(slot, (0, 0, -1))[2] == gen:
+                    self.readers[slot] = pid
 
     def close_inherited(self) -> None:
         """In a forked child: drop the parent's arena (the child makes its own)."""
@@ -350,17 +385,28 @@ class Bulk:
 
     # ---- messages ----------------------------------------------------------------
 
+    def store(self, obj: object) -> tuple[list, Arena | None]:
+        """A message carrying `obj` to keep (in a queue) for whichever reader: its frames
+        and the arena its large payloads went to (None: all in the frames)."""
+        frames, used = self._pack(obj, None)
+        return frames, (self.arena if used else None)
+
     def pack(self, obj: object, link: Link | None) -> list:
         """The frames of a message carrying `obj`, its large payloads in our arena when
         `link`'s peer reads it (`link=None`: keep them there for whichever reader, see
         `for_link`; the small payloads are then copied, so `obj` may change once this
         returns; with a link, `send` copies them into the socket)."""
+        return self._pack(obj, link)[0]
+
+    def _pack(self, obj: object, link: Link | None) -> tuple[list, bool]:
         meta, frames = wire.encode(obj)
+        used = False
         if self.arena is not None and (link is None or link in self.readers):
             big = [i for i, f in enumerate(frames) if len(f) >= LARGE_FRAME]
             total = sum(len(frames[i]) for i in big)
             block = self.arena.alloc(total) if total >= MIN_BYTES else None
-            if block is not None:
+            used = block is not None
+            if used:
                 view, at, spans = self.arena.view, block.offset, []
                 for i in big:
                     n = len(frames[i])
@@ -369,6 +415,7 @@ class Bulk:
                     at += n
                 meta["shm"] = {"s": block.slot, "g": block.gen, "o": block.offset, "f": spans}
                 if link is not None:
+                    self.arena.lend(block.slot, block.gen, link.info.get("pid"))
                     count = self.sent.setdefault(link, [0, 0])
                     count[0] += 1
                     count[1] += total
@@ -376,7 +423,7 @@ class Bulk:
                 frames = [f for i, f in enumerate(frames) if i not in bigset]
         if link is None:  # kept in a queue: a copy of what is not in the arena
             frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
-        return [wire.control(wire.Kind.MESSAGE, meta), *frames]
+        return [wire.control(wire.Kind.MESSAGE, meta), *frames], used
 
     def send(self, link: Link, obj: object) -> None:
         """Send `obj` on `link`; its tensors may change as soon as this returns."""
@@ -391,7 +438,12 @@ class Bulk:
         """The frames of a stored message (its large payloads in `memory`) to send on
         `link`: as they are when its peer reads that memory (our arena), else with the
         payloads copied out of it (and the block released)."""
-        if memory is None or (memory is self.arena and link in self.readers):
+        if memory is None:
+            return frames
+        if memory is self.arena and link in self.readers:
+            ref = wire.parse_control(_header(frames)).get("shm")
+            if isinstance(ref, dict):
+                self.arena.lend(ref.get("s"), ref.get("g"), link.info.get("pid"))
             return frames
         meta = wire.parse_control(_header(frames))
         ref = meta.pop("shm", None)

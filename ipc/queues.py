@@ -16,6 +16,9 @@ itself reads and writes the queues directly, under a lock.
 Each item is one link message (an :mod:`ipc.wire` value: tensors, nested
 containers, scalars, bytes): the broker keeps the frames it received and
 forwards them as they are, so it never decodes an item or copies its tensors.
+Large tensors lie in shared memory (:mod:`ipc.bulk`): an item the owner writes
+in the owner's arena, one a worker writes in the worker's; a reader that does
+not map that arena gets the bytes copied onto the link instead.
 A read from another process asks the broker for one item and waits for it,
 so an item goes to exactly one reader, and none is held by a reader that did
 not ask: a reader that dies loses at most the item in flight to it. Nothing
@@ -78,6 +81,7 @@ def _decode(shared: bulk.Bulk, item: tuple | None, label: str) -> object:
 class _Queue:
     # each: (the frames of one value, the arena its large payloads lie in or None)
     items: deque = field(default_factory=deque)
+    maxsize: int = 0  # local writes wait while it holds this many (0: no bound)
     closed: bool = False
     waiting: deque = field(default_factory=deque)  # remote blocked readers: Link
 
@@ -105,7 +109,7 @@ class _Broker:
             self.secret,
             label,
             bind=["ipc"],
-            info={"name": label, **self.bulk.info()},
+            info={"name": label, "pid": os.getpid(), **self.bulk.info()},
             accept=self._accept,
         )
         self.address = self.endpoint.addresses[0]
@@ -123,13 +127,22 @@ class _Broker:
 
     # ---- local side (any thread of this process) -----------------------------------
 
-    def put(self, name: str, obj: object) -> str:
+    def put(self, name: str, obj: object, timeout: float | None = None) -> str:
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            if self.queues[name].closed:
-                return self.queues[name].state()
+            q = self.queues[name]
+            while q.maxsize and len(q.items) >= q.maxsize and not q.closed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise IPCTimeoutError(
+                        f"ipc {self.label}: still {q.maxsize} items waiting after {timeout} s"
+                    )
+                self.lock.wait(remaining)
+            if q.closed:
+                return q.state()
         # Large tensors are copied into our arena, the rest into bytes: the caller may
         # change its tensors once write returns.
-        item = (self.bulk.pack(obj, None), self.bulk.arena)
+        item = self.bulk.store(obj)
         with self.lock:
             q = self.queues[name]
             if q.closed:
@@ -246,6 +259,8 @@ class _Broker:
 
     def _serve(self) -> None:
         for q in self.queues.values():
+            if q.maxsize and q.waiting and q.items:
+                self.lock.notify_all()  # room for a writer waiting in put
             while q.waiting and (q.items or q.closed):
                 link = q.waiting.popleft()
                 if q.items:
@@ -371,11 +386,15 @@ class WorkQueue:
     """A named work queue on this host. The first process to open `name` owns it: its
     writes go to the workers (each item to exactly one), and it reads what they write.
     Every other process that opens `name` is a worker: it reads the owner's items and
-    writes results back. `read()` returns None once the queue is closed and drained."""
+    writes results back. `read()` returns None once the queue is closed and drained.
+    `maxsize` (the owner's; 0: no bound) bounds the items waiting for a worker: the
+    owner's `write` then waits for room, so a fast producer cannot outgrow memory."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, maxsize: int = 0):
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"WorkQueue: name must match {_NAME.pattern}, not {name!r}")
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
+            raise ValueError(f"WorkQueue: maxsize must be an int >= 0, not {maxsize!r}")
         self.name = name
         self._file = f"workqueue-{name}.json"
         self._broker: _Broker | None = None
@@ -389,6 +408,7 @@ class WorkQueue:
                 self.owner = False
                 return
             broker = _Broker(("down", "up"), f"work queue {name!r}")
+            broker.queues["down"].maxsize = maxsize
             record = {"address": broker.address, "secret": broker.secret.text, "pid": os.getpid()}
             try:
                 runtime.create_private(directory, self._file, json.dumps(record).encode())
@@ -426,11 +446,13 @@ class WorkQueue:
         if self._closed:
             raise IPCError(f"ipc: the work queue {self.name!r} is closed here")
 
-    def write(self, obj: object) -> None:
-        """Owner: one item for one worker. Worker: one result for the owner."""
+    def write(self, obj: object, timeout: float | None = None) -> None:
+        """Owner: one item for one worker; with `maxsize`, waits while that many items
+        wait for a worker (IPCTimeoutError after `timeout` s). Worker: one result for the
+        owner, sent without waiting."""
         self._check()
         if self._broker is not None:
-            if self._broker.put("down", obj) != OPEN:
+            if self._broker.put("down", obj, timeout) != OPEN:
                 raise IPCError(f"ipc: the work queue {self.name!r} is closed")
         else:
             self._remote.put("up", obj)

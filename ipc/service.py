@@ -16,7 +16,8 @@ runtime directory (0700) under its port, where a client of the same user on
 the same host finds it: nothing is derived from public values. Strangers are
 refused by ZeroMQ's handshake before they can queue a byte, and every frame is
 capped (`Limits.max_frame`) before it is read; large tensors travel in frames
-of at most 1 MiB.
+of at most 1 MiB, or, between processes of one host, through shared memory
+(:mod:`ipc.bulk`: a header on the link, the bytes in the sender's arena).
 
 Everything runs in the caller's thread (no hand-off, so a round trip costs two
 socket hops); ZeroMQ's own I/O thread answers heartbeats meanwhile, so a dead

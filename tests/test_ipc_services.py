@@ -694,3 +694,42 @@ def test_workqueue_moves_large_tensors_through_shared_memory():
     finally:
         q.close(timeout=60)
         workers.join(timeout=60)
+
+
+def test_blocks_lent_to_a_reader_that_died_are_taken_back_when_the_arena_is_full():
+    from distlearn.ipc import bulk
+
+    arena = bulk.Arena(bulk.DATA + (4 << 20))
+    dead = CTX.Process(target=os._exit, args=(0,))
+    dead.start()
+    dead.join()
+    first = arena.alloc(2 << 20)
+    second = arena.alloc(2 << 20)
+    assert first and second and arena.alloc(1 << 20) is None  # full
+    arena.lend(first.slot, first.gen, dead.pid)  # its reader died without releasing it
+    arena.lend(second.slot, second.gen, os.getpid())  # a live reader keeps its block
+    again = arena.alloc(2 << 20)
+    assert again is not None and again.offset == first.offset
+    assert arena.alloc(1 << 20) is None
+    arena.release(second.slot, second.gen)  # read: free for the next one
+    assert arena.alloc(2 << 20).offset == second.offset
+
+
+def test_workqueue_maxsize_makes_the_owner_wait_for_room():
+    q = ipc.WorkQueue(f"bounded-{os.getpid()}", maxsize=3)
+    workers = None
+    try:
+        for k in range(3):
+            q.write(k)
+        with pytest.raises(ipc.IPCTimeoutError, match="3 items waiting"):
+            q.write(3, timeout=0.2)  # nobody reads: no room
+        workers = ipc.map(2, queue_echo_worker, q.name)
+        for k in range(3, 30):
+            q.write(k, timeout=60)  # waits for the workers to take items
+        assert sorted(q.read(timeout=60) for _ in range(30)) == list(range(1, 31))
+    finally:
+        q.close(timeout=60)
+        if workers is not None:
+            workers.join(timeout=60)
+    with pytest.raises(ValueError, match="maxsize"):
+        ipc.WorkQueue("x", maxsize=-1)
