@@ -459,10 +459,13 @@ class Bulk:
         """The arena that large payloads received on `link` lie in."""
         return self.peers.get(link)
 
-    def unpack(self, frames: list, memory: _Memory | None, into: object = None) -> object:
+    def unpack(
+        self, frames: list, memory: _Memory | None, into: object = None, release: bool = True
+    ) -> object:
         """The value of a message (a received or stored one whose large payloads lie in
         `memory`), tensors copied out (into `into`'s where it has them); the block is
-        released whatever happens. WireError for a malformed message."""
+        released then (`release=False`: only if decoding fails; the caller releases it
+        with `drop` later). WireError for a malformed message."""
         if not frames:
             raise WireError("no frames")
         meta = wire.parse_control(_header(frames))
@@ -472,11 +475,34 @@ class Bulk:
         if memory is None:
             raise WireError("a shared-memory reference from a peer whose arena is not mapped")
         self.received += 1
+        done = False
         try:
-            return wire.decode(meta, memory.payload(ref, list(frames[1:])), into=into)
+            value = wire.decode(meta, memory.payload(ref, list(frames[1:])), into=into)
+            done = True
+            return value
         finally:
-            if isinstance(ref, dict):
+            if isinstance(ref, dict) and (release or not done):
                 memory.release(ref.get("s"), ref.get("g"))
+
+    def take_back(self, frames: list, memory: _Memory | None) -> bool:
+        """A message lent to a reader that died before reading it comes back: False when
+        its block was released meanwhile (its bytes are gone), else True (kept for the
+        next reader, no longer counted as the dead reader's)."""
+        if memory is None:
+            return True
+        try:
+            ref = wire.parse_control(_header(frames)).get("shm")
+        except WireError:
+            return False
+        if not isinstance(ref, dict):
+            return True
+        slot, gen = ref.get("s"), ref.get("g")
+        if not (_is_int(slot, 0, SLOTS) and memory.slots[slot] == gen):
+            return False
+        if memory is self.arena:
+            with self.arena.lock:
+                self.arena.readers.pop(slot, None)
+        return True
 
     @staticmethod
     def drop(frames: list, memory: _Memory | None) -> None:

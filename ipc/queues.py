@@ -21,8 +21,12 @@ in the owner's arena, one a worker writes in the worker's; a reader that does
 not map that arena gets the bytes copied onto the link instead.
 A read from another process asks the broker for one item and waits for it,
 so an item goes to exactly one reader, and none is held by a reader that did
-not ask: a reader that dies loses at most the item in flight to it. Nothing
-received is unpickled.
+not ask. The broker keeps the item it sent a reader until that reader asks
+for the next one or leaves: if it dies first (SIGKILL, a crash), the item
+goes to the next reader. So no item is lost with a reader, and one whose
+reader died after working on it but before asking again is worked on twice
+(at least once, as task queues that acknowledge late do). Nothing received is
+unpickled.
 
 Closing: a closed queue takes no more writes; its remaining items can still
 be read; once it is empty it is *drained* and every read says so at once
@@ -66,13 +70,13 @@ def _ctl(body: dict) -> bytes:
     return wire.control(Kind.MESSAGE, body)
 
 
-def _decode(shared: bulk.Bulk, item: tuple | None, label: str) -> object:
+def _decode(shared: bulk.Bulk, item: tuple | None, label: str, release: bool = True) -> object:
     """The value of a stored or received item (frames, the memory its large payloads
     lie in); None for no item."""
     if item is None:
         return None
     try:
-        return shared.unpack(*item)
+        return shared.unpack(*item, release=release)
     except wire.WireError as err:
         raise IPCError(f"ipc {label}: a malformed item: {err}") from None
 
@@ -118,6 +122,9 @@ class _Broker:
         self._stop = False
         self._pid = os.getpid()
         self.links: set[Link] = set()
+        # link -> (queue, frames, memory) of the item it was sent last: it comes back to
+        # the queue if that reader dies before it asks for the next one (or leaves)
+        self.inflight: dict[Link, tuple[_Queue, list, bulk._Memory | None]] = {}
         self._thread = threading.Thread(target=self._run, name=f"ipc {label}", daemon=True)
         self._thread.start()
 
@@ -208,7 +215,11 @@ class _Broker:
                         kind, link = ep.events.popleft()
                         if kind == "accepted":
                             self.bulk.up(link)
-                        elif kind in ("dead", "bye"):
+                        elif kind == "dead" or (link.bye or {}).get("unread") is True:
+                            self._take_back(link)
+                        else:
+                            self.inflight.pop(link, None)  # it left having read its item
+                        if kind in ("dead", "bye"):
                             self.bulk.forget(link)  # its items keep the arena they lie in
                             self.links.discard(link)
                             for q in self.queues.values():
@@ -238,6 +249,8 @@ class _Broker:
             self.endpoint._drop(f"a bad request from {link.name}: {err}")
             return
         op = body["op"]
+        if op == "get":
+            self.inflight.pop(link, None)  # it asks again: it has the last one
         if op == "put":
             if len(frames) < 2:
                 self.endpoint._drop(f"an empty put from {link.name}")
@@ -273,11 +286,26 @@ class _Broker:
                         q.waiting.appendleft(link)
                         continue
                     state = CLOSED if q.closed else OPEN  # never DRAINED with an item
-                    if not self._reply(link, {"op": "item", "state": state}, out):
-                        # it died before it got it: the next one
-                        q.items.appendleft((out, memory if out is frames else None))
+                    kept = (out, memory if out is frames else None)
+                    if self._reply(link, {"op": "item", "state": state}, out):
+                        self.inflight[link] = (q, *kept)
+                    else:
+                        q.items.appendleft(kept)  # it died before it got it: the next one
                 else:
                     self._reply(link, {"op": "none", "state": q.state()})
+
+    def _take_back(self, link: Link) -> None:
+        """`link`'s reader died (or left) before asking for the next item: the one it was
+        sent goes to the next reader."""
+        entry = self.inflight.pop(link, None)
+        if entry is None:
+            return
+        q, frames, memory = entry
+        if self.bulk.take_back(frames, memory):
+            q.items.appendleft((frames, memory))
+            self.lock.notify_all()
+        else:
+            log.warning("ipc %s: an item went with %s (its memory was released)", self.label, link)
 
     def _reply(self, link: Link, body: dict, frames: list = ()) -> bool:
         try:
@@ -301,6 +329,7 @@ class _Remote:
         self.pid = os.getpid()
         self.closed = False
         self.asked: str | None = None  # the queue of a read still unanswered
+        self.held: tuple[list, bulk._Memory | None] | None = None  # the last item read
         try:
             self.link = self.endpoint.dial(address, reconnect=False)
             self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
@@ -329,6 +358,7 @@ class _Remote:
         if self.asked is None:
             link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
             self.asked = name
+            self._release_held()  # asked again: the broker no longer keeps the last one
         elif self.asked != name:
             raise IPCError(f"ipc {self.label}: a read of {self.asked!r} timed out; read it again")
         # else: the answer to a read that timed out is still to come; it is this read's
@@ -345,9 +375,10 @@ class _Remote:
                 except wire.WireError as err:
                     raise IPCError(f"ipc {self.label}: a malformed reply: {err}") from None
                 if body["op"] == "item":
-                    return body["state"], _decode(
-                        self.bulk, (frames[1:], self.bulk.memory_of(link)), self.label
-                    )
+                    # Its shared memory stays taken until we ask again: if we die before
+                    # that, the broker gives the item to another reader, bytes intact.
+                    self.held = (frames[1:], self.bulk.memory_of(link))
+                    return body["state"], _decode(self.bulk, self.held, self.label, release=False)
                 return body["state"], None
             if link.dead is not None or link.bye is not None:
                 raise PeerError(f"ipc {self.label}: its owner (the process that made it) is gone")
@@ -361,7 +392,14 @@ class _Remote:
             return
         self.closed = True
         _REMOTES.discard(self)
-        self.endpoint.close(linger=5.0)
+        self._release_held()
+        # A read still unanswered: an item the broker sent for it is not ours, give it back.
+        self.endpoint.close({"unread": True} if self.asked else None, linger=5.0)
+
+    def _release_held(self) -> None:
+        if self.held is not None:
+            self.bulk.drop(*self.held)
+            self.held = None
 
 
 # Writes from another process are sent without waiting: closing its links flushes them, at

@@ -733,3 +733,44 @@ def test_workqueue_maxsize_makes_the_owner_wait_for_room():
             workers.join(timeout=60)
     with pytest.raises(ValueError, match="maxsize"):
         ipc.WorkQueue("x", maxsize=-1)
+
+
+def read_one_and_die(name, out):
+    q = ipc.WorkQueue(name)
+    x = q.read()
+    out.put(x if isinstance(x, str) else x.shape)  # it has the item ...
+    out.close()
+    out.join_thread()  # (the put is out of this process)
+    os.kill(os.getpid(), signal.SIGKILL)  # ... and dies before it asks for the next
+
+
+def relay_worker(name):
+    q = ipc.WorkQueue(name)
+    while (x := q.read()) is not None:
+        q.write(x)
+    q.close()
+
+
+@pytest.mark.parametrize("through", ["wire", "shared memory"])
+def test_an_item_whose_reader_is_killed_before_asking_again_goes_to_the_next_reader(through):
+    q = ipc.WorkQueue(f"again-{os.getpid()}")
+    item = "small" if through == "wire" else torch.arange(BIG, dtype=torch.float32)
+    try:
+        q.write(item)
+        q.write("next")
+        out = CTX.Queue()
+        with children(forked(read_one_and_die, q.name, out)) as (p,):
+            assert out.get(timeout=60) == (item if through == "wire" else item.shape)
+            p.join(60)
+            assert p.exitcode == -signal.SIGKILL
+        with children(forked(relay_worker, q.name)):
+            first, second = q.read(timeout=60), q.read(timeout=60)
+            q.close(timeout=60)
+        assert second == "next"
+        if through == "wire":
+            assert first == "small"
+        else:  # its bytes were kept for the next reader: the dead one never released them
+            assert torch.equal(first, item)
+            assert q._broker.bulk.received >= 1
+    finally:
+        q.close(timeout=60)
