@@ -253,7 +253,8 @@ class PeerArena(_Memory):
 
 _local: Arena | None = None
 _local_lock = threading.Lock()
-_attached: weakref.WeakValueDictionary[bytes, PeerArena] = weakref.WeakValueDictionary()
+# (pid, fd, nonce) -> the mapping, while a link or a stored item uses it
+_attached: weakref.WeakValueDictionary[tuple, PeerArena] = weakref.WeakValueDictionary()
 
 
 def local_arena() -> Arena | None:
@@ -296,7 +297,7 @@ def attach(offer: object) -> PeerArena | None:
     ok = _is_int(pid, 1, 1 << 31) and _is_int(fd, 0, 1 << 31) and _is_int(size, DATA, MAX_ARENA)
     if not ok or len(nonce) != NONCE or not boot or boot != _boot_id():
         return None  # another host (or junk): the wire
-    peer = _attached.get(nonce)
+    peer = _attached.get((pid, fd, nonce))
     if peer is not None:
         return peer
     path = f"/proc/{pid}/fd/{fd}"
@@ -327,7 +328,7 @@ def attach(offer: object) -> PeerArena | None:
         m.close()
         return None
     peer = PeerArena(m, size, nonce)
-    _attached[nonce] = peer
+    _attached[pid, fd, nonce] = peer
     return peer
 
 
