@@ -8,6 +8,7 @@ bytes on the port, a planted queue file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing
 import os
 import pickle
@@ -774,3 +775,23 @@ def test_an_item_whose_reader_is_killed_before_asking_again_goes_to_the_next_rea
             assert q._broker.bulk.received >= 1
     finally:
         q.close(timeout=60)
+
+
+def open_as_nobody(path: str, out) -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+    try:
+        os.open(path, os.O_RDWR)
+        out.put("opened")
+    except OSError as err:
+        out.put(err.errno)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
+def test_another_user_cannot_open_the_arena():
+    from distlearn.ipc import bulk
+
+    arena = bulk.local_arena()
+    out = CTX.Queue()
+    with children(forked(open_as_nobody, f"/proc/{os.getpid()}/fd/{arena.fd}", out)):
+        assert out.get(timeout=60) in (errno.EACCES, errno.EPERM)
