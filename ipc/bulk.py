@@ -427,7 +427,10 @@ class Bulk:
         return [wire.control(wire.Kind.MESSAGE, meta), *frames], used
 
     def send(self, link: Link, obj: object) -> None:
-        """Send `obj` on `link`; its tensors may change as soon as this returns."""
+        """Send `obj` on `link`; its tensors may change as soon as this returns. Bytes not
+        in the arena are copied into ZeroMQ's buffers: for a message that is written out at
+        once, a copy costs less than tracking when ZeroMQ lets go of our memory (about 0.2
+        ms against 3 ms a megabyte)."""
         frames = self.pack(obj, link)
         try:
             link.send_frames(frames, copy=True)

@@ -84,15 +84,6 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-def send_value(shared: bulk.Bulk, link: Link, obj: object) -> None:
-    """Send `obj` on `link`; its tensors may change as soon as this returns. Large tensors
-    to a peer on this host are copied into our shared-memory arena (:mod:`ipc.bulk`);
-    other bytes are copied into ZeroMQ's buffers: for a message that is written out at
-    once, a copy costs less than tracking when ZeroMQ lets go of our memory (about 0.2 ms
-    against 3 ms a megabyte here)."""
-    shared.send(link, obj)
-
-
 def recv_value(shared: bulk.Bulk, link: Link, frames: list, into: object) -> object:
     try:
         return shared.unpack(frames, shared.memory_of(link), into=into)
@@ -127,7 +118,7 @@ class Connection:
         self._server._check_open()
         if self.link.bye is not None:
             raise PeerError(f"ipc server: {self.name} has closed its connection", self.index)
-        send_value(self._server._bulk, self.link, obj)
+        self._server._bulk.send(self.link, obj)
 
     def recv(self, into: object = None, timeout: float | None = None) -> object:
         """The next message from this client (tensors written into `into`'s where it has
@@ -442,7 +433,7 @@ class Client:
         self._check()
         if self._link.bye is not None:
             raise PeerError(f"{self.name}: the server has closed the connection")
-        send_value(self._bulk, self._link, obj)
+        self._bulk.send(self._link, obj)
 
     def recv(self, into: object = None, timeout: float | None = None) -> object:
         """The next message from the server (tensors written into `into`'s where it has
