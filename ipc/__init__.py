@@ -8,7 +8,8 @@ Layers, each usable on its own: `ipc.rendezvous` (handlers that end in a
 Roster), `ipc.link` (authenticated links: Endpoint, Link), `ipc.wire` (what
 travels on them), `ipc.engine` and `ipc.shm` (the collectives), `ipc.tree`
 (the public Tree). On the same links: `ipc.service` (Server, Client), `ipc.pool`
-(`ipc.map`) and `ipc.queues` (WorkQueue, Channel), torch-ipc's other half.
+(`ipc.map`) and `ipc.queues` (WorkQueue, Channel), torch-ipc's other half,
+with `ipc.bulk` (their large tensors through shared memory on one host).
 """
 
 if __name__ != "distlearn.ipc":

@@ -16,10 +16,17 @@ itself reads and writes the queues directly, under a lock.
 Each item is one link message (an :mod:`ipc.wire` value: tensors, nested
 containers, scalars, bytes): the broker keeps the frames it received and
 forwards them as they are, so it never decodes an item or copies its tensors.
+Large tensors lie in shared memory (:mod:`ipc.bulk`): an item the owner writes
+in the owner's arena, one a worker writes in the worker's; a reader that does
+not map that arena gets the bytes copied onto the link instead.
 A read from another process asks the broker for one item and waits for it,
 so an item goes to exactly one reader, and none is held by a reader that did
-not ask: a reader that dies loses at most the item in flight to it. Nothing
-received is unpickled.
+not ask. The broker keeps the item it sent a reader until that reader asks
+for the next one or leaves: if it dies first (SIGKILL, a crash), the item
+goes to the next reader. So no item is lost with a reader, and one whose
+reader died after working on it but before asking again is worked on twice
+(at least once, as task queues that acknowledge late do). Nothing received is
+unpickled.
 
 Closing: a closed queue takes no more writes; its remaining items can still
 be read; once it is empty it is *drained* and every read says so at once
@@ -31,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
@@ -41,12 +49,14 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import runtime, wire
+from . import bulk, runtime, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Link
 from .rendezvous import _pid_alive
 from .wire import Kind
+
+log = logging.getLogger(__name__)
 
 OPEN = "open"
 CLOSED = "closed"
@@ -60,15 +70,22 @@ def _ctl(body: dict) -> bytes:
     return wire.control(Kind.MESSAGE, body)
 
 
-def _snapshot(obj: object) -> list:
-    """The frames of `obj`, copied: the caller may change its tensors once write returns."""
-    frames = wire.pack_value(obj)
-    return [bytes(f) if not isinstance(f, bytes) else f for f in frames]
+def _decode(shared: bulk.Bulk, item: tuple | None, label: str, release: bool = True) -> object:
+    """The value of a stored or received item (frames, the memory its large payloads
+    lie in); None for no item."""
+    if item is None:
+        return None
+    try:
+        return shared.unpack(*item, release=release)
+    except wire.WireError as err:
+        raise IPCError(f"ipc {label}: a malformed item: {err}") from None
 
 
 @dataclass
 class _Queue:
-    items: deque = field(default_factory=deque)  # each: the frames of one value
+    # each: (the frames of one value, the arena its large payloads lie in or None)
+    items: deque = field(default_factory=deque)
+    maxsize: int = 0  # local writes wait while it holds this many (0: no bound)
     closed: bool = False
     waiting: deque = field(default_factory=deque)  # remote blocked readers: Link
 
@@ -91,8 +108,13 @@ class _Broker:
         self.queues = {n: _Queue() for n in names}
         self.lock = threading.Condition()
         self.label = label
+        self.bulk = bulk.Bulk()  # large items through shared memory, see ipc.bulk
         self.endpoint = Endpoint(
-            self.secret, label, bind=["ipc"], info={"name": label}, accept=self._accept
+            self.secret,
+            label,
+            bind=["ipc"],
+            info={"name": label, "pid": os.getpid(), **self.bulk.info()},
+            accept=self._accept,
         )
         self.address = self.endpoint.addresses[0]
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -100,6 +122,9 @@ class _Broker:
         self._stop = False
         self._pid = os.getpid()
         self.links: set[Link] = set()
+        # link -> (queue, frames, memory) of the item it was sent last: it comes back to
+        # the queue if that reader dies before it asks for the next one (or leaves)
+        self.inflight: dict[Link, tuple[_Queue, list, bulk._Memory | None]] = {}
         self._thread = threading.Thread(target=self._run, name=f"ipc {label}", daemon=True)
         self._thread.start()
 
@@ -109,19 +134,35 @@ class _Broker:
 
     # ---- local side (any thread of this process) -----------------------------------
 
-    def put(self, name: str, frames: list) -> str:
+    def put(self, name: str, obj: object, timeout: float | None = None) -> str:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            q = self.queues[name]
+            while q.maxsize and len(q.items) >= q.maxsize and not q.closed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise IPCTimeoutError(
+                        f"ipc {self.label}: still {q.maxsize} items waiting after {timeout} s"
+                    )
+                self.lock.wait(remaining)
+            if q.closed:
+                return q.state()
+        # Large tensors are copied into our arena, the rest into bytes: the caller may
+        # change its tensors once write returns.
+        item = self.bulk.store(obj)
         with self.lock:
             q = self.queues[name]
             if q.closed:
+                self.bulk.drop(*item)
                 return q.state()
-            q.items.append(frames)
+            q.items.append(item)
             self.lock.notify()
             wake = bool(q.waiting)
         if wake:
             self.wake()
         return OPEN
 
-    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, list | None]:
+    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, object]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             q = self.queues[name]
@@ -130,10 +171,11 @@ class _Broker:
                 if remaining is not None and remaining <= 0:
                     raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
                 self.lock.wait(remaining)
-            if q.items:
-                frames = q.items.popleft()
-                return CLOSED if q.closed else OPEN, frames
-            return (q.state() if q.closed else EMPTY), None
+            if not q.items:
+                return (q.state() if q.closed else EMPTY), None
+            item = q.items.popleft()
+            state = CLOSED if q.closed else OPEN
+        return state, _decode(self.bulk, item, self.label)
 
     def close_queue(self, name: str) -> None:
         with self.lock:
@@ -171,16 +213,28 @@ class _Broker:
                     ep.process(events)
                     while ep.events:
                         kind, link = ep.events.popleft()
+                        if kind == "accepted":
+                            self.bulk.up(link)
+                        elif kind == "dead" or (link.bye or {}).get("unread") is True:
+                            self._take_back(link)
+                        else:
+                            self.inflight.pop(link, None)  # it left having read its item
                         if kind in ("dead", "bye"):
+                            self.bulk.forget(link)  # its items keep the arena they lie in
                             self.links.discard(link)
                             for q in self.queues.values():
                                 with contextlib.suppress(ValueError):
                                     q.waiting.remove(link)
                     while ep.inbox:
                         link, frames = ep.inbox.popleft()
-                        self._request(link, frames)
+                        if not self.bulk.control(link, frames):
+                            self._request(link, frames)
                     self._serve()
         finally:
+            with self.lock:
+                for q in self.queues.values():  # never read: their blocks are free again
+                    while q.items:
+                        self.bulk.drop(*q.items.popleft())
             os.close(self._wake_r)
             os.close(self._wake_w)
             ep.close(linger=1.0)
@@ -195,12 +249,16 @@ class _Broker:
             self.endpoint._drop(f"a bad request from {link.name}: {err}")
             return
         op = body["op"]
+        if op == "get":
+            self.inflight.pop(link, None)  # it asks again: it has the last one
         if op == "put":
             if len(frames) < 2:
                 self.endpoint._drop(f"an empty put from {link.name}")
             elif not q.closed:  # a write racing a close is refused like a local one
-                q.items.append(frames[1:])
+                q.items.append((frames[1:], self.bulk.memory_of(link)))
                 self.lock.notify()
+            else:
+                self.bulk.drop(frames[1:], self.bulk.memory_of(link))
         elif op == "get":
             if q.items or q.closed or body.get("block") is True:
                 q.waiting.append(link)
@@ -214,15 +272,40 @@ class _Broker:
 
     def _serve(self) -> None:
         for q in self.queues.values():
+            if q.maxsize and q.waiting and q.items:
+                self.lock.notify_all()  # room for a writer waiting in put
             while q.waiting and (q.items or q.closed):
                 link = q.waiting.popleft()
                 if q.items:
-                    frames = q.items.popleft()
+                    frames, memory = q.items.popleft()
+                    try:
+                        # As stored, or copied out of an arena this reader does not map.
+                        out = self.bulk.for_link(frames, memory, link)
+                    except wire.WireError as err:
+                        log.warning("ipc %s: dropped a malformed item: %s", self.label, err)
+                        q.waiting.appendleft(link)
+                        continue
                     state = CLOSED if q.closed else OPEN  # never DRAINED with an item
-                    if not self._reply(link, {"op": "item", "state": state}, frames):
-                        q.items.appendleft(frames)  # it died before it got it: the next one
+                    kept = (out, memory if out is frames else None)
+                    if self._reply(link, {"op": "item", "state": state}, out):
+                        self.inflight[link] = (q, *kept)
+                    else:
+                        q.items.appendleft(kept)  # it died before it got it: the next one
                 else:
                     self._reply(link, {"op": "none", "state": q.state()})
+
+    def _take_back(self, link: Link) -> None:
+        """`link`'s reader died (or left) before asking for the next item: the one it was
+        sent goes to the next reader."""
+        entry = self.inflight.pop(link, None)
+        if entry is None:
+            return
+        q, frames, memory = entry
+        if self.bulk.take_back(frames, memory):
+            q.items.appendleft((frames, memory))
+            self.lock.notify_all()
+        else:
+            log.warning("ipc %s: an item went with %s (its memory was released)", self.label, link)
 
     def _reply(self, link: Link, body: dict, frames: list = ()) -> bool:
         try:
@@ -237,37 +320,53 @@ class _Remote:
 
     def __init__(self, address: str, secret_text: str, label: str):
         self.label = label
+        self.bulk = bulk.Bulk()
         self.endpoint = Endpoint(
-            Secret(secret_text, label), f"{label} user {os.getpid()}", info={"pid": os.getpid()}
+            Secret(secret_text, label),
+            f"{label} user {os.getpid()}",
+            info={"pid": os.getpid(), **self.bulk.info()},
         )
         self.pid = os.getpid()
         self.closed = False
         self.asked: str | None = None  # the queue of a read still unanswered
+        self.held: tuple[list, bulk._Memory | None] | None = None  # the last item read
         try:
             self.link = self.endpoint.dial(address, reconnect=False)
             self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
+            self.bulk.up(self.link)
         except BaseException:
             self.endpoint.close(linger=0)
             raise
         _REMOTES.add(self)
 
-    def put(self, name: str, frames: list) -> None:
-        self.link.send_frames([_ctl({"op": "put", "q": name}), *frames])
+    def put(self, name: str, obj: object) -> str:
+        """Send a write without waiting for it (OPEN: the broker's answer is not awaited)."""
+        frames = self.bulk.pack(obj, self.link)
+        try:
+            # Copied: the caller may change its tensors once write returns.
+            self.link.send_frames([_ctl({"op": "put", "q": name}), *frames], copy=True)
+        except BaseException:
+            self.bulk.drop(frames, self.bulk.arena)
+            raise
+        return OPEN
 
     def close_queue(self, name: str) -> None:
         self.link.send_frames([_ctl({"op": "close", "q": name})])
 
-    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, list | None]:
+    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, object]:
         ep, link = self.endpoint, self.link
         if self.asked is None:
             link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
             self.asked = name
+            self._release_held()  # asked again: the broker no longer keeps the last one
         elif self.asked != name:
             raise IPCError(f"ipc {self.label}: a read of {self.asked!r} timed out; read it again")
         # else: the answer to a read that timed out is still to come; it is this read's
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             item = ep.recv(time.monotonic() + 1.0 if deadline is None else deadline)
+            if item is not None and self.bulk.control(*item):
+                continue
             if item is not None:
                 self.asked = None
                 _, frames = item
@@ -276,7 +375,10 @@ class _Remote:
                 except wire.WireError as err:
                     raise IPCError(f"ipc {self.label}: a malformed reply: {err}") from None
                 if body["op"] == "item":
-                    return body["state"], frames[1:]
+                    # Its shared memory stays taken until we ask again: if we die before
+                    # that, the broker gives the item to another reader, bytes intact.
+                    self.held = (frames[1:], self.bulk.memory_of(link))
+                    return body["state"], _decode(self.bulk, self.held, self.label, release=False)
                 return body["state"], None
             if link.dead is not None or link.bye is not None:
                 raise PeerError(f"ipc {self.label}: its owner (the process that made it) is gone")
@@ -290,7 +392,14 @@ class _Remote:
             return
         self.closed = True
         _REMOTES.discard(self)
-        self.endpoint.close(linger=5.0)
+        self._release_held()
+        # A read still unanswered: an item the broker sent for it is not ours, give it back.
+        self.endpoint.close({"unread": True} if self.asked else None, linger=5.0)
+
+    def _release_held(self) -> None:
+        if self.held is not None:
+            self.bulk.drop(*self.held)
+            self.held = None
 
 
 # Writes from another process are sent without waiting: closing its links flushes them, at
@@ -308,15 +417,6 @@ def close_remotes() -> None:
 atexit.register(close_remotes)
 
 
-def _decode(frames: list | None, label: str) -> object:
-    if frames is None:
-        return None
-    try:
-        return wire.unpack_value(frames)
-    except wire.WireError as err:
-        raise IPCError(f"ipc {label}: a malformed item: {err}") from None
-
-
 # ---- WorkQueue ----------------------------------------------------------------------------
 
 
@@ -324,11 +424,15 @@ class WorkQueue:
     """A named work queue on this host. The first process to open `name` owns it: its
     writes go to the workers (each item to exactly one), and it reads what they write.
     Every other process that opens `name` is a worker: it reads the owner's items and
-    writes results back. `read()` returns None once the queue is closed and drained."""
+    writes results back. `read()` returns None once the queue is closed and drained.
+    `maxsize` (the owner's; 0: no bound) bounds the items waiting for a worker: the
+    owner's `write` then waits for room, so a fast producer cannot outgrow memory."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, maxsize: int = 0):
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"WorkQueue: name must match {_NAME.pattern}, not {name!r}")
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
+            raise ValueError(f"WorkQueue: maxsize must be an int >= 0, not {maxsize!r}")
         self.name = name
         self._file = f"workqueue-{name}.json"
         self._broker: _Broker | None = None
@@ -342,6 +446,7 @@ class WorkQueue:
                 self.owner = False
                 return
             broker = _Broker(("down", "up"), f"work queue {name!r}")
+            broker.queues["down"].maxsize = maxsize
             record = {"address": broker.address, "secret": broker.secret.text, "pid": os.getpid()}
             try:
                 runtime.create_private(directory, self._file, json.dumps(record).encode())
@@ -379,24 +484,24 @@ class WorkQueue:
         if self._closed:
             raise IPCError(f"ipc: the work queue {self.name!r} is closed here")
 
-    def write(self, obj: object) -> None:
-        """Owner: one item for one worker. Worker: one result for the owner."""
+    def write(self, obj: object, timeout: float | None = None) -> None:
+        """Owner: one item for one worker; with `maxsize`, waits while that many items
+        wait for a worker (IPCTimeoutError after `timeout` s). Worker: one result for the
+        owner, sent without waiting."""
         self._check()
         if self._broker is not None:
-            if self._broker.put("down", _snapshot(obj)) != OPEN:
+            if self._broker.put("down", obj, timeout) != OPEN:
                 raise IPCError(f"ipc: the work queue {self.name!r} is closed")
         else:
-            self._remote.put("up", wire.pack_value(obj))
+            self._remote.put("up", obj)
 
     def read(self, timeout: float | None = None) -> object:
         """Owner: the next result. Worker: the next item, or None once the owner closed the
         queue and every item was handed out. Blocks until then."""
         if self._broker is not None:
-            _, frames = self._broker.get("up", True, timeout)
-        else:
-            self._check()
-            _, frames = self._remote.get("down", True, timeout)
-        return _decode(frames, f"work queue {self.name!r}")
+            return self._broker.get("up", True, timeout)[1]
+        self._check()
+        return self._remote.get("down", True, timeout)[1]
 
     def close(self, timeout: float | None = None) -> None:
         """Owner: no more items; waits until every item was handed out and every worker
@@ -474,17 +579,12 @@ class Channel:
         """Append `obj`; returns OPEN, or CLOSED/DRAINED (and drops it) if the channel is
         closed. From another process the write is sent without waiting: a write racing a
         close may be dropped."""
-        side = self._side()
-        if isinstance(side, _Broker):
-            return side.put("c", _snapshot(obj))
-        side.put("c", wire.pack_value(obj))
-        return OPEN
+        return self._side().put("c", obj)
 
     def read(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]:
         """(status, item): (OPEN or CLOSED, item), (DRAINED, None) once closed and empty,
         or (EMPTY, None) for a non-blocking read of an open, empty channel."""
-        state, frames = self._side().get("c", bool(block), timeout)
-        return state, _decode(frames, "channel")
+        return self._side().get("c", bool(block), timeout)
 
     def close(self) -> None:
         """No more writes; readers get the remaining items, then DRAINED."""

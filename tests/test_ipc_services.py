@@ -8,6 +8,7 @@ bytes on the port, a planted queue file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing
 import os
 import pickle
@@ -123,7 +124,8 @@ def test_several_clients_every_dtype_nested_values_into():
                 assert_same(reply["value"], nested(7))
             stats = server.net_stats()
             assert len(stats["per"]) == 3 and stats["msgs_recv"] >= 6 and stats["msgs_sent"] >= 6
-            assert stats["bytes_sent"] > 6 * 3_200_000
+            # on the link, or through shared memory (ipc.bulk) once a client mapped ours
+            assert stats["bytes_sent"] + stats["shm_bytes_sent"] > 6 * 3_200_000
     finally:
         server.close()
 
@@ -525,15 +527,271 @@ def test_junk_requests_from_a_linked_peer_are_dropped_and_the_channel_goes_on():
             [b"\x20" + b"{" * 20_000],  # oversized, not JSON
         ):
             peer.link.send_frames(junk)
-        state, frames = peer.get("c", True, timeout=30)  # still served, in order
-        assert state == ipc.Channel.OPEN and wire.unpack_value(frames) == 1
+        assert peer.get("c", True, timeout=30) == (ipc.Channel.OPEN, 1)  # still served, in order
+        assert peer.link in peer.bulk.readers  # the broker mapped our arena: refs are read
         # a value whose description points at a frame that is not there
         bad = {"v": {"t": [0, 5], "dtype": "float32", "shape": [1]}}
-        peer.put("c", [wire.control(wire.Kind.MESSAGE, bad)])
-        peer.put("c", wire.pack_value("after"))
+        put = _ctl({"op": "put", "q": "c"})
+        peer.link.send_frames([put, wire.control(wire.Kind.MESSAGE, bad)])
+        # shared-memory references that do not hold: a slot that is not the block's, and a
+        # real block whose sizes run past the end of the arena (checked, never read)
+        block = peer.bulk.arena.alloc(64)
+        value = {"v": {"t": [0, 1], "dtype": "uint8", "shape": [64]}}
+        for ref in (
+            {"s": block.slot, "g": block.gen + 1, "o": block.offset, "f": [[0, 64]]},
+            {"s": block.slot, "g": block.gen, "o": 8, "f": [[0, 64]]},  # inside the header
+            {"s": block.slot, "g": block.gen, "o": block.offset, "f": [[0, 1 << 40]]},
+        ):
+            header = wire.control(wire.Kind.MESSAGE, {**value, "shm": ref})
+            peer.link.send_frames([put, header])
+        peer.put("c", "after")
     finally:
-        peer.close()  # returns once the broker has read both puts
-    with pytest.raises(ipc.IPCError, match="malformed item"):
-        ch.read(block=False)
+        peer.close()  # returns once the broker has read every put
+    for _ in range(4):
+        with pytest.raises(ipc.IPCError, match="malformed item"):
+            ch.read(block=False)
     assert ch.read(block=False) == (ipc.Channel.OPEN, "after")
     assert ch.read(block=False) == (ipc.Channel.EMPTY, None)
+
+
+# ---- large tensors through shared memory (ipc.bulk) ------------------------------------------
+
+BIG = 1_000_000  # float32: 4 MB
+
+
+def bulk_echo_client(port: int, rounds: int, elsewhere: bool, out) -> None:
+    if elsewhere:  # as a client on another host: its boot id is not ours
+        from distlearn.ipc import bulk
+
+        bulk._boot_id = lambda: "another-host"
+    c = ipc.Client("127.0.0.1", port, token=TOKEN)
+    buf = torch.empty(BIG)
+    for _ in range(rounds):
+        c.send(c.recv(into=buf) * 2)
+    out.put(c.net_stats())
+    c.close()
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["same host", "other host"])
+def test_large_tensors_go_through_shared_memory_or_the_wire(elsewhere):
+    out = CTX.Queue()
+    server = ipc.Server("127.0.0.1", 0, token=TOKEN)
+    try:
+        with children(forked(bulk_echo_client, server.port, 6, elsewhere, out)):
+            [conn] = server.clients(1, timeout=60)
+            buf = torch.empty(BIG)
+            for _ in range(6):
+                x = torch.randn(BIG)
+                sent = x.clone()
+                conn.send(x)
+                x.add_(1)  # ours again as soon as send returns: the message is unchanged
+                assert torch.equal(conn.recv(into=buf, timeout=60), sent * 2)
+            mine, theirs = server.net_stats()["per"][0], out.get(timeout=60)
+    finally:
+        server.close()
+    if elsewhere:  # neither maps the other's arena: everything on the wire
+        assert mine["shm_msgs_sent"] == theirs["shm_msgs_sent"] == 0
+        assert mine["bytes_sent"] > 6 * 4_000_000 and theirs["bytes_sent"] > 6 * 4_000_000
+    else:  # both ways through shared memory once the peer said it mapped the arena
+        assert mine["shm"] and theirs["shm"]
+        assert mine["shm_msgs_sent"] >= 5 and theirs["shm_msgs_sent"] == 6
+        assert theirs["bytes_sent"] < 100_000
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def bulk_hammer_client(port: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN)
+    x = torch.ones(BIG)
+    while True:
+        c.send(x)  # until the server is killed, or it kills us
+
+
+def bulk_server(out) -> None:
+    server = ipc.Server("127.0.0.1", 0, token=TOKEN)
+    out.put(server.port)
+    [conn] = server.clients(1, timeout=60)
+    x = torch.ones(BIG)
+    while True:
+        conn.send(x)
+        with contextlib.suppress(ipc.IPCTimeoutError):
+            conn.recv(timeout=0.01)
+
+
+def test_sigkill_on_either_side_of_a_shared_memory_exchange_leaves_nothing_in_dev_shm():
+    before = _shm_names()
+    # the client dies in the middle of sending 4 MB messages through its arena
+    server = ipc.Server("127.0.0.1", 0, token=TOKEN)
+    try:
+        with children(forked(bulk_hammer_client, server.port)) as (p,):
+            [conn] = server.clients(1, timeout=60)
+            for _ in range(5):
+                assert conn.recv(timeout=60).shape == (BIG,)
+            os.kill(p.pid, signal.SIGKILL)
+            with pytest.raises(ipc.PeerError):
+                while True:  # what it sent before it died is still readable, then the error
+                    assert torch.equal(conn.recv(timeout=60), torch.ones(BIG))
+            assert server.net_stats()["shm_msgs_sent"] == 0  # only it sent
+    finally:
+        server.close()
+    # the server dies in the middle of sending through its arena to us
+    out = CTX.Queue()
+    with children(forked(bulk_server, out)) as (p,):
+        c = ipc.Client("127.0.0.1", out.get(timeout=60), token=TOKEN)
+        for _ in range(5):
+            assert torch.equal(c.recv(timeout=60), torch.ones(BIG))
+        c.send(torch.ones(BIG))
+        os.kill(p.pid, signal.SIGKILL)
+        with pytest.raises(ipc.PeerError):
+            while True:
+                c.recv(timeout=60)
+        assert c.net_stats()["shm"]
+        c.close()
+    assert _shm_names() == before  # the arenas are anonymous memfds: nothing to leak
+
+
+def test_the_arena_is_private_and_refuses_what_was_not_offered():
+    from distlearn.ipc import bulk
+
+    arena = bulk.local_arena()
+    st = os.fstat(arena.fd)
+    assert st.st_mode & 0o777 == 0o600 and st.st_nlink == 0  # no name anywhere
+    assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:distlearn-bulk")
+    offer = dict(arena.offer)
+    assert bulk.attach(offer) is not None
+    for bad in (
+        {"size": offer["size"] * 2},  # not its size: refused before mapping
+        {"nonce": "00" * 16},  # someone else's arena (a reused pid or fd number)
+        {"boot": "another-host"},
+        {"fd": 0},  # not a memfd of ours
+        {"pid": "1; rm -rf /"},
+        {"nonce": "zz"},
+    ):
+        bulk._attached.clear()
+        assert bulk.attach({**offer, **bad}) is None, bad
+
+
+def queue_echo_worker(name, i):
+    q = ipc.WorkQueue(name)
+    while (x := q.read()) is not None:
+        q.write(x + 1)
+    q.close()
+
+
+def test_workqueue_moves_large_tensors_through_shared_memory():
+    q = ipc.WorkQueue(f"bulk-{os.getpid()}")
+    workers = ipc.map(2, queue_echo_worker, q.name)
+    try:
+        items = {k: torch.full((BIG,), float(k)) for k in range(40)}
+        for x in items.values():
+            q.write(x)
+            x.zero_()  # the queue holds its own copy
+        seen = sorted(q.read(timeout=60)[0].item() for _ in items)
+        assert seen == [k + 1.0 for k in items]
+        broker = q._broker.bulk
+        assert broker.readers and broker.received >= 20  # workers read ours, we theirs
+    finally:
+        q.close(timeout=60)
+        workers.join(timeout=60)
+
+
+def test_blocks_lent_to_a_reader_that_died_are_taken_back_when_the_arena_is_full():
+    from distlearn.ipc import bulk
+
+    arena = bulk.Arena(bulk.DATA + (4 << 20))
+    dead = CTX.Process(target=os._exit, args=(0,))
+    dead.start()
+    dead.join()
+    first = arena.alloc(2 << 20)
+    second = arena.alloc(2 << 20)
+    assert first and second and arena.alloc(1 << 20) is None  # full
+    arena.lend(first.slot, first.gen, dead.pid)  # its reader died without releasing it
+    arena.lend(second.slot, second.gen, os.getpid())  # a live reader keeps its block
+    again = arena.alloc(2 << 20)
+    assert again is not None and again.offset == first.offset
+    assert arena.alloc(1 << 20) is None
+    arena.release(second.slot, second.gen)  # read: free for the next one
+    assert arena.alloc(2 << 20).offset == second.offset
+
+
+def test_workqueue_maxsize_makes_the_owner_wait_for_room():
+    q = ipc.WorkQueue(f"bounded-{os.getpid()}", maxsize=3)
+    workers = None
+    try:
+        for k in range(3):
+            q.write(k)
+        with pytest.raises(ipc.IPCTimeoutError, match="3 items waiting"):
+            q.write(3, timeout=0.2)  # nobody reads: no room
+        workers = ipc.map(2, queue_echo_worker, q.name)
+        for k in range(3, 30):
+            q.write(k, timeout=60)  # waits for the workers to take items
+        assert sorted(q.read(timeout=60) for _ in range(30)) == list(range(1, 31))
+    finally:
+        q.close(timeout=60)
+        if workers is not None:
+            workers.join(timeout=60)
+    with pytest.raises(ValueError, match="maxsize"):
+        ipc.WorkQueue("x", maxsize=-1)
+
+
+def read_one_and_die(name, out):
+    q = ipc.WorkQueue(name)
+    x = q.read()
+    out.put(x if isinstance(x, str) else x.shape)  # it has the item ...
+    out.close()
+    out.join_thread()  # (the put is out of this process)
+    os.kill(os.getpid(), signal.SIGKILL)  # ... and dies before it asks for the next
+
+
+def relay_worker(name):
+    q = ipc.WorkQueue(name)
+    while (x := q.read()) is not None:
+        q.write(x)
+    q.close()
+
+
+@pytest.mark.parametrize("through", ["wire", "shared memory"])
+def test_an_item_whose_reader_is_killed_before_asking_again_goes_to_the_next_reader(through):
+    q = ipc.WorkQueue(f"again-{os.getpid()}")
+    item = "small" if through == "wire" else torch.arange(BIG, dtype=torch.float32)
+    try:
+        q.write(item)
+        q.write("next")
+        out = CTX.Queue()
+        with children(forked(read_one_and_die, q.name, out)) as (p,):
+            assert out.get(timeout=60) == (item if through == "wire" else item.shape)
+            p.join(60)
+            assert p.exitcode == -signal.SIGKILL
+        with children(forked(relay_worker, q.name)):
+            first, second = q.read(timeout=60), q.read(timeout=60)
+            q.close(timeout=60)
+        assert second == "next"
+        if through == "wire":
+            assert first == "small"
+        else:  # its bytes were kept for the next reader: the dead one never released them
+            assert torch.equal(first, item)
+            assert q._broker.bulk.received >= 1
+    finally:
+        q.close(timeout=60)
+
+
+def open_as_nobody(path: str, out) -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+    try:
+        os.open(path, os.O_RDWR)
+        out.put("opened")
+    except OSError as err:
+        out.put(err.errno)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
+def test_another_user_cannot_open_the_arena():
+    from distlearn.ipc import bulk
+
+    arena = bulk.local_arena()
+    out = CTX.Queue()
+    with children(forked(open_as_nobody, f"/proc/{os.getpid()}/fd/{arena.fd}", out)):
+        assert out.get(timeout=60) in (errno.EACCES, errno.EPERM)
