@@ -17,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from . import bytesort
 from . import sources as src
 from .csvscan import Fields, scan, scan_rows
 from .errors import BadIndex, IndexNotFound
 from .fetch import Fetcher, read_bytes
-from .index import Index, NameRows, Resolver, byte_order, fixed_width, labelled, small_int
+from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int
 
 log = logging.getLogger("distlearn.dataset.index")
 
@@ -372,12 +373,8 @@ def _factorize(values: np.ndarray) -> tuple[list[str], np.ndarray]:
     """``(distinct names, id of each value)``; runs of one value (a sorted file) cost one."""
     heads = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
     runs = values[heads]
-    order = byte_order(runs)
-    ordered = runs[order]
-    new = np.concatenate([[True], ordered[1:] != ordered[:-1]])
-    distinct = ordered[new]
-    run_ids = np.empty(len(runs), dtype=np.int64)
-    run_ids[order] = np.cumsum(new) - 1
+    first, run_ids = bytesort.unique(*bytesort.fixed(runs))
+    distinct = runs[first]
     ids = np.repeat(run_ids.astype(np.int64), np.diff(np.append(heads, len(values))))
     return [v.decode("utf-8") for v in distinct.tolist()], ids
 
