@@ -62,16 +62,18 @@ def _words_of(buf, start, length, rows, pos) -> np.ndarray:
 
 
 def _next_difference(buf, start, length, rows, run, pos):
-    """``(pos, words at pos)``: the first byte at or after `pos` that differs within some
-    run (each run shares the bytes before it, so those need no sorting); None: none does."""
-    same = run[1:] == run[:-1]
+    """``(pos, words at pos)``: the first byte at or after `pos` where a string differs from
+    another of its run (so every run shares the bytes before it, and sorting skips them);
+    None where none does. Each string is compared with one member of its run."""
+    table = np.empty(int(run.max()) + 1, dtype=np.int64)
+    table[run] = np.arange(len(run))  # some member of each run (whichever was written last)
+    member = table[run]
     longest = int((length if rows is None else length[rows]).max())
     while pos < longest:
         w = _words_of(buf, start, length, rows, pos)
-        differ = same & (w[1:] != w[:-1])
-        if differ.any():
-            # the pair that differs soonest says how many bytes all runs share
-            skip = (64 - int((w[1:][differ] ^ w[:-1][differ]).max()).bit_length()) // 8
+        most = int(np.bitwise_xor(w, w[member]).max())
+        if most:  # the string that differs soonest says how many bytes all runs share
+            skip = (64 - most.bit_length()) // 8
             return pos + skip, w if not skip else _words_of(buf, start, length, rows, pos + skip)
         pos += 8
     return None
@@ -84,7 +86,10 @@ def order(
     major: np.ndarray | None = None,
     minor: tuple[np.ndarray, ...] = (),
 ) -> np.ndarray:
-    """Stable argsort of the strings by (`major`, bytes, `minor`, position)."""
+    """Stable argsort of the strings by (`major`, bytes, `minor`, position).
+
+    `major`: small non-negative integers (a label id), or None.
+    """
     seq, head = _sort(buf, start, length, major)
     return _break_ties(seq, head, length, minor)
 
@@ -92,15 +97,44 @@ def order(
 def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     """``(first, ids)``: a string of each distinct value, in bytes order, and each string's
     value (an index into `first`): ``np.unique(..., return_inverse=True)`` for strings."""
+    start = start.astype(np.int64, copy=False)
+    length = length.astype(np.int64, copy=False)
+    if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
+        found = _next_difference(buf, start, length, None, np.zeros(len(start), np.int64), 0)
+        if found is not None and int(length.max()) <= found[0] + 8:
+            got = _factorize_words(found[1])
+            if got is not None and (length[got[0]][got[1]] == length).all():
+                return got
     seq, head = _sort(buf, start, length, None)
-    size = np.asarray(length)[seq]
+    size = length[seq]
     if ((size[1:] != size[:-1]) & ~head[1:]).any():  # "ab" and "ab\0": equal words only
         seq = _break_ties(seq, head, length, ())
-        size = np.asarray(length)[seq]
+        size = length[seq]
         head[1:] |= size[1:] != size[:-1]
     ids = np.empty(len(seq), dtype=np.int64)
     ids[seq] = np.cumsum(head) - 1
     return seq[head], ids
+
+
+def _factorize_words(key: np.ndarray):
+    """``(first, ids)`` of few distinct 64-bit keys by a hash table, or None (too many)."""
+    n = len(key)
+    for bits in (12, 16, 20):
+        slot = ((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(np.int64)
+        table = np.zeros(1 << bits, dtype=np.uint64)
+        table[slot] = key
+        if not (table[slot] == key).all():
+            continue  # two keys in one slot: a larger table
+        used = np.zeros(1 << bits, dtype=bool)
+        used[slot] = True
+        slots = np.flatnonzero(used)
+        slots = slots[np.argsort(table[slots])]  # the distinct keys, in order
+        rank = np.empty(1 << bits, dtype=np.int64)
+        rank[slots] = np.arange(len(slots))
+        member = np.empty(1 << bits, dtype=np.int64)
+        member[slot] = np.arange(n)
+        return member[slots], rank[slot]
+    return None
 
 
 def fixed(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,40 +148,37 @@ def fixed(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _sort(buf, start, length, major):
     """``(seq, head)``: the strings sorted by (`major`, bytes), ``head`` where a value starts
-    (strings equal to the end of the shorter one share a value)."""
+    (strings equal to the end of the shorter one share a value).
+
+    The first pass reads every string in buffer order with its major key as its run; each
+    later pass, the strings still tied, in their runs.
+    """
     n = len(start)
     start = start.astype(np.int64, copy=False)
     length = length.astype(np.int64, copy=False)
-    moved = major is not None and n and bool((major[1:] < major[:-1]).any())
-    if moved:
-        seq = np.argsort(major, kind="stable")  # a small integer: numpy's radix sort
-    else:
-        seq = np.arange(n, dtype=np.int64)
+    seq = np.arange(n, dtype=np.int64)
     head = np.ones(n, dtype=bool)
-    if major is not None:
-        m = major[seq]
-        head[1:] = m[1:] != m[:-1]
-    else:
-        head[1:] = False
-    pos = 0
-    tied, run = _ties(head)
+    if n < 2:
+        return seq, head
+    tied, rows, pos = np.arange(n, dtype=np.int64), None, 0
+    run = np.zeros(n, dtype=np.int64) if major is None else major.astype(np.int64)
     while len(tied):
-        rows = None if not moved and len(tied) == n else seq[tied]  # None: all, in order
         found = _next_difference(buf, start, length, rows, run, pos)
-        if found is None:
-            break
-        pos, w = found
-        width = min(8, (64 - int(run[-1]).bit_length()) // 8)  # bytes beside the run's number
+        done = found is None  # equal to the end: one more pass, for the major key
+        pos, w = (pos, np.zeros(len(tied), np.uint64)) if done else found
+        width = min(8, (64 - int(run.max()).bit_length()) // 8)  # bytes beside the run
         key = w >> np.uint64(64 - 8 * width) if width < 8 else w
         if width < 8:
             key |= run.astype(np.uint64) << np.uint64(8 * width)
         if (key[1:] < key[:-1]).any():
             perm = np.argsort(key)
             seq[tied], key = (tied if rows is None else rows)[perm], key[perm]
-            moved = True
         head[tied] = np.r_[True, key[1:] != key[:-1]]
+        if done:
+            break
         pos += width
         tied, run = _ties(head)
+        rows = seq[tied]
     return seq, head
 
 
