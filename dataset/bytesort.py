@@ -65,13 +65,18 @@ def _next_difference(buf, start, length, rows, run, pos):
     """``(pos, words at pos)``: the first byte at or after `pos` where a string differs from
     another of its run (so every run shares the bytes before it, and sorting skips them);
     None where none does. Each string is compared with one member of its run."""
-    table = np.empty(int(run.max()) + 1, dtype=np.int64)
-    table[run] = np.arange(len(run))  # some member of each run (whichever was written last)
-    member = table[run]
+    runs = int(run.max()) + 1 if run is not None else 1
     longest = int((length if rows is None else length[rows]).max())
     while pos < longest:
         w = _words_of(buf, start, length, rows, pos)
-        most = int(np.bitwise_xor(w, w[member]).max())
+        if run is None:
+            other = w ^ w[0]
+        else:  # each string against one member of its run (whichever is written last)
+            table = np.zeros(runs, dtype=np.uint64)
+            table[run] = w
+            other = table[run]
+            other ^= w
+        most = int(other.max())
         if most:  # the string that differs soonest says how many bytes all runs share
             skip = (64 - most.bit_length()) // 8
             return pos + skip, w if not skip else _words_of(buf, start, length, rows, pos + skip)
@@ -100,7 +105,7 @@ def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     start = start.astype(np.int64, copy=False)
     length = length.astype(np.int64, copy=False)
     if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
-        found = _next_difference(buf, start, length, None, np.zeros(len(start), np.int64), 0)
+        found = _next_difference(buf, start, length, None, None, 0)
         if found is not None and int(length.max()) <= found[0] + 8:
             got = _factorize_words(found[1])
             if got is not None and (length[got[0]][got[1]] == length).all():
@@ -116,25 +121,27 @@ def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     return seq[head], ids
 
 
-def _factorize_words(key: np.ndarray):
-    """``(first, ids)`` of few distinct 64-bit keys by a hash table, or None (too many)."""
-    n = len(key)
-    for bits in (12, 16, 20):
-        slot = ((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(np.int64)
-        table = np.zeros(1 << bits, dtype=np.uint64)
-        table[slot] = key
-        if not (table[slot] == key).all():
-            continue  # two keys in one slot: a larger table
-        used = np.zeros(1 << bits, dtype=bool)
-        used[slot] = True
-        slots = np.flatnonzero(used)
-        slots = slots[np.argsort(table[slots])]  # the distinct keys, in order
-        rank = np.empty(1 << bits, dtype=np.int64)
-        rank[slots] = np.arange(len(slots))
-        member = np.empty(1 << bits, dtype=np.int64)
-        member[slot] = np.arange(n)
-        return member[slots], rank[slot]
-    return None
+def _factorize_words(key: np.ndarray, bits: int = 16):
+    """``(first, ids)`` of 64-bit keys with few distinct values (labels), by a hash table
+    of ``2 ** bits`` slots: no sort of every key. None: too many distinct values for it."""
+    slot = ((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(np.intp)
+    table = np.zeros(1 << bits, dtype=np.uint64)
+    table[slot] = key  # one key of each slot wins it
+    miss = np.flatnonzero(table[slot] != key)  # keys that share a slot with another value
+    if len(miss) > len(key) // 8:
+        return None
+    used = np.zeros(1 << bits, dtype=bool)
+    used[slot] = True
+    won = np.flatnonzero(used)
+    distinct = np.sort(np.concatenate([table[won], key[miss]]))  # (np.unique imports numpy.ma)
+    distinct = distinct[np.r_[True, distinct[1:] != distinct[:-1]]]
+    rank = np.zeros(1 << bits, dtype=np.int64)
+    rank[won] = np.searchsorted(distinct, table[won])
+    ids = rank[slot]
+    ids[miss] = np.searchsorted(distinct, key[miss])
+    first = np.zeros(len(distinct), dtype=np.int64)
+    first[ids] = np.arange(len(key))  # a string of each value (whichever was written last)
+    return first, ids
 
 
 def fixed(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -161,7 +168,7 @@ def _sort(buf, start, length, major):
     if n < 2:
         return seq, head
     tied, rows, pos = np.arange(n, dtype=np.int64), None, 0
-    run = np.zeros(n, dtype=np.int64) if major is None else major.astype(np.int64)
+    run = np.zeros(n, dtype=np.int64) if major is None else major
     while len(tied):
         found = _next_difference(buf, start, length, rows, run, pos)
         done = found is None  # equal to the end: one more pass, for the major key
