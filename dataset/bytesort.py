@@ -25,30 +25,36 @@ _ALL = np.arange(8)
 
 def words(buf: np.ndarray, start: np.ndarray, length: np.ndarray, pos: int) -> np.ndarray:
     """Bytes ``pos:pos + 8`` of each string as a big-endian number (zero past its end)."""
-    at = start + pos
-    last = len(buf) - 8
-    if len(at) and last >= 0 and int(at.max()) <= last:
-        # every byte offset of the buffer read as a little-endian word (unaligned), swapped
-        every = np.ndarray((last + 1,), dtype="<u8", buffer=buf, strides=(1,))
-        value = every[at].byteswap(inplace=True)
+    last = len(buf) - 8 - pos  # the last start whose word is inside the buffer
+    if len(start) and last >= 0 and int(start.max()) <= last:
+        # every byte offset of the buffer (from pos) read as a little-endian word, swapped
+        every = np.ndarray((last + 1,), dtype="<u8", buffer=buf, offset=pos, strides=(1,))
+        value = every[start].byteswap(inplace=True)
     else:  # near the end of the buffer: byte by byte (what is past the end is masked)
-        got = (
-            buf[np.minimum(at[:, None] + _ALL, len(buf) - 1)]
-            if len(buf)
-            else np.zeros((len(at), 8), dtype=np.uint8)
-        )
+        at = np.minimum(start[:, None] + pos + _ALL, len(buf) - 1)
+        got = buf[at] if len(buf) else np.zeros((len(start), 8), dtype=np.uint8)
         value = np.ascontiguousarray(got).view(">u8").ravel().astype(np.uint64)
-    if len(length) and int(length.min()) < pos + 8:
-        value &= _KEEP[np.clip(length - pos, 0, 8)]
+    short = np.flatnonzero(length < pos + 8)
+    if len(short):
+        value[short] &= _KEEP[np.clip(length[short] - pos, 0, 8)]
     return value
 
 
 def _ties(head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Positions in runs of two or more (a run starts at each `head`), and their run (0, 1...)."""
+    if head.all():
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
     heads = np.flatnonzero(head)
     size = np.diff(np.append(heads, len(head)))
     tied = np.flatnonzero(np.repeat(size > 1, size))
     return tied, np.cumsum(head[tied]) - 1
+
+
+def _starts(run: np.ndarray) -> np.ndarray | None:
+    """Where each run begins when runs are contiguous (sorted), else None."""
+    if len(run) and (run[1:] < run[:-1]).any():
+        return None
+    return np.flatnonzero(np.r_[True, run[1:] != run[:-1]])
 
 
 def _words_of(buf, start, length, rows, pos) -> np.ndarray:
@@ -64,20 +70,20 @@ def _words_of(buf, start, length, rows, pos) -> np.ndarray:
 def _next_difference(buf, start, length, rows, run, pos):
     """``(pos, words at pos)``: the first byte at or after `pos` where a string differs from
     another of its run (so every run shares the bytes before it, and sorting skips them);
-    None where none does. Each string is compared with one member of its run."""
-    runs = int(run.max()) + 1 if run is not None else 1
+    None where none does. `run`: each string's run (None: all in one)."""
+    starts = np.zeros(1, dtype=np.intp) if run is None else _starts(run)
     longest = int((length if rows is None else length[rows]).max())
     while pos < longest:
         w = _words_of(buf, start, length, rows, pos)
-        if run is None:
-            other = w ^ w[0]
+        if starts is not None:  # contiguous runs: a run's smallest and largest word differ
+            most = int((np.maximum.reduceat(w, starts) ^ np.minimum.reduceat(w, starts)).max())
         else:  # each string against one member of its run (whichever is written last)
-            table = np.zeros(runs, dtype=np.uint64)
+            table = np.zeros(int(run.max()) + 1, dtype=np.uint64)
             table[run] = w
             other = table[run]
             other ^= w
-        most = int(other.max())
-        if most:  # the string that differs soonest says how many bytes all runs share
+            most = int(other.max())
+        if most:  # the run that differs soonest says how many bytes all runs share
             skip = (64 - most.bit_length()) // 8
             return pos + skip, w if not skip else _words_of(buf, start, length, rows, pos + skip)
         pos += 8
