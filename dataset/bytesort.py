@@ -67,6 +67,31 @@ def _words_of(buf, start, length, rows, pos) -> np.ndarray:
     return words(buf, start[rows], length[rows], pos)
 
 
+def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 18):
+    """:func:`_next_difference` of every string, in buffer order: read a chunk at a time
+    against one member of each run, so the bytes every run shares are skipped without
+    a word array as large as the index (fresh memory is what a large index pays most for)."""
+    n = len(start)
+    longest = int(length.max())
+    member = np.zeros(1 if run is None else int(run.max()) + 1, dtype=np.int64)
+    for lo in range(0, n, chunk):
+        if run is None:
+            break
+        member[run[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
+    while pos < longest:
+        mine = words(buf, start[member], length[member], pos)
+        most = 0
+        for lo in range(0, n, chunk):
+            w = words(buf, start[lo : lo + chunk], length[lo : lo + chunk], pos)
+            w ^= mine[0] if run is None else mine[run[lo : lo + chunk]]
+            most = max(most, int(w.max()))
+        if most:
+            pos += (64 - most.bit_length()) // 8
+            return pos, words(buf, start, length, pos)
+        pos += 8
+    return None
+
+
 def _next_difference(buf, start, length, rows, run, pos):
     """``(pos, words at pos)``: the first byte at or after `pos` where a string differs from
     another of its run (so every run shares the bytes before it, and sorting skips them);
@@ -111,7 +136,7 @@ def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     start = start.astype(np.int64, copy=False)
     length = length.astype(np.int64, copy=False)
     if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
-        found = _next_difference(buf, start, length, None, None, 0)
+        found = _first_difference(buf, start, length, None, 0)
         if found is not None and int(length.max()) <= found[0] + 8:
             got = _factorize_words(found[1])
             if got is not None and (length[got[0]][got[1]] == length).all():
@@ -127,10 +152,12 @@ def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     return seq[head], ids
 
 
-def _factorize_words(key: np.ndarray, bits: int = 16):
+def _factorize_words(key: np.ndarray, bits: int = 16, chunk: int = 1 << 18):
     """``(first, ids)`` of 64-bit keys with few distinct values (labels), by a hash table
     of ``2 ** bits`` slots: no sort of every key. None: too many distinct values for it."""
-    slot = ((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)).astype(np.intp)
+    slot = key * np.uint64(0x9E3779B97F4A7C15)
+    slot >>= np.uint64(64 - bits)
+    slot = slot.view(np.int64)  # < 2 ** bits: the same numbers, no copy
     table = np.zeros(1 << bits, dtype=np.uint64)
     table[slot] = key  # one key of each slot wins it
     miss = np.flatnonzero(table[slot] != key)  # keys that share a slot with another value
@@ -146,7 +173,8 @@ def _factorize_words(key: np.ndarray, bits: int = 16):
     ids = rank[slot]
     ids[miss] = np.searchsorted(distinct, key[miss])
     first = np.zeros(len(distinct), dtype=np.int64)
-    first[ids] = np.arange(len(key))  # a string of each value (whichever was written last)
+    for lo in range(0, len(key), chunk):  # a string of each value (whichever is written last)
+        first[ids[lo : lo + chunk]] = np.arange(lo, min(len(key), lo + chunk))
     return first, ids
 
 
@@ -173,20 +201,32 @@ def _sort(buf, start, length, major):
     head = np.ones(n, dtype=bool)
     if n < 2:
         return seq, head
-    tied, rows, pos = np.arange(n, dtype=np.int64), None, 0
-    run = np.zeros(n, dtype=np.int64) if major is None else major
-    while len(tied):
-        found = _next_difference(buf, start, length, rows, run, pos)
+    # the first pass takes every string (tied None), in buffer order (rows None)
+    tied, rows, run, pos = None, None, major, 0
+    while tied is None or len(tied):
+        if rows is None:
+            found = _first_difference(buf, start, length, run, pos)
+        else:
+            found = _next_difference(buf, start, length, rows, run, pos)
         done = found is None  # equal to the end: one more pass, for the major key
-        pos, w = (pos, np.zeros(len(tied), np.uint64)) if done else found
-        width = min(8, (64 - int(run.max()).bit_length()) // 8)  # bytes beside the run
+        pos, w = (pos, np.zeros(n if tied is None else len(tied), np.uint64)) if done else found
+        top = 0 if run is None else int(run.max())
+        width = min(8, (64 - top.bit_length()) // 8)  # bytes beside the run's number
         key = w >> np.uint64(64 - 8 * width) if width < 8 else w
         if width < 8:
             key |= run.astype(np.uint64) << np.uint64(8 * width)
         if (key[1:] < key[:-1]).any():
             perm = np.argsort(key)
-            seq[tied], key = (tied if rows is None else rows)[perm], key[perm]
-        head[tied] = np.r_[True, key[1:] != key[:-1]]
+            if tied is None:
+                seq = perm
+            else:
+                seq[tied] = rows[perm]
+            key = key[perm]
+        change = np.r_[True, key[1:] != key[:-1]]
+        if tied is None:
+            head = change
+        else:
+            head[tied] = change
         if done:
             break
         pos += width
