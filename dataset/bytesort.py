@@ -133,8 +133,7 @@ def order(
 def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     """``(first, ids)``: a string of each distinct value, in bytes order, and each string's
     value (an index into `first`): ``np.unique(..., return_inverse=True)`` for strings."""
-    start = start.astype(np.int64, copy=False)
-    length = length.astype(np.int64, copy=False)
+    start, length = np.asarray(start), np.asarray(length)  # any integer type: no copies
     if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
         found = _first_difference(buf, start, length, None, 0)
         if found is not None and int(length.max()) <= found[0] + 8:
@@ -195,8 +194,7 @@ def _sort(buf, start, length, major):
     later pass, the strings still tied, in their runs.
     """
     n = len(start)
-    start = start.astype(np.int64, copy=False)
-    length = length.astype(np.int64, copy=False)
+    start, length = np.asarray(start), np.asarray(length)  # any integer type: no copies
     seq = np.arange(n, dtype=np.int64)
     head = np.ones(n, dtype=bool)
     if n < 2:

@@ -169,10 +169,12 @@ class NameRows:
             out["range_offset"], out["range_length"] = self.ranges
         return out
 
-    def order(self, rows: np.ndarray, major: np.ndarray) -> np.ndarray:
-        """The stable argsort of `rows` by (`major`, name, offset, length)."""
-        minor = () if self.ranges is None else (self.ranges[0][rows], self.ranges[1][rows])
-        return bytesort.order(self.buf, self.start[rows], self.length[rows], major, minor)
+    def order(self, rows: np.ndarray | None, major: np.ndarray) -> np.ndarray:
+        """The stable argsort of `rows` (None: every row, in order) by (`major`, name,
+        offset, length)."""
+        pick = slice(None) if rows is None else rows
+        minor = () if self.ranges is None else (self.ranges[0][pick], self.ranges[1][pick])
+        return bytesort.order(self.buf, self.start[pick], self.length[pick], major, minor)
 
 
 class TensorRows:
@@ -456,7 +458,7 @@ def labelled(
         ex_start = np.cumsum(k) - k
         targets[np.repeat(ex_start - ptr[:-1], cnt) + np.arange(len(ids))] = ids
     group = np.where(targets < 0, len(labels), targets).astype(label_dt, copy=False)
-    order = table.order(ex_rows, group)
+    order = table.order(None if len(ex_rows) == n else ex_rows, group)  # a row per example
     seq = ex_rows[order]
     row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False)), ids)
     return Index(table, row_labels, labels, origin, rows=seq, targets=targets[order],
