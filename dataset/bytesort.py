@@ -67,7 +67,7 @@ def _words_of(buf, start, length, rows, pos) -> np.ndarray:
     return words(buf, start[rows], length[rows], pos)
 
 
-def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 18):
+def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 18, read: bool = True):
     """:func:`_next_difference` of every string, in buffer order: read a chunk at a time
     against one member of each run, so the bytes every run shares are skipped without
     a word array as large as the index (fresh memory is what a large index pays most for)."""
@@ -87,7 +87,7 @@ def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 18):
             most = max(most, int(w.max()))
         if most:
             pos += (64 - most.bit_length()) // 8
-            return pos, words(buf, start, length, pos)
+            return pos, words(buf, start, length, pos) if read else None
         pos += 8
     return None
 
@@ -135,10 +135,13 @@ def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     value (an index into `first`): ``np.unique(..., return_inverse=True)`` for strings."""
     start, length = np.asarray(start), np.asarray(length)  # any integer type: no copies
     if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
-        found = _first_difference(buf, start, length, None, 0)
+        found = _first_difference(buf, start, length, None, 0, read=False)
         if found is not None and int(length.max()) <= found[0] + 8:
-            got = _factorize_words(found[1])
-            if got is not None and (length[got[0]][got[1]] == length).all():
+            pos = found[0]
+            got = _factorize_words(
+                lambda lo, hi: words(buf, start[lo:hi], length[lo:hi], pos), len(start), length
+            )
+            if got is not None:
                 return got
     seq, head = _sort(buf, start, length, None)
     size = length[seq]
@@ -151,29 +154,49 @@ def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     return seq[head], ids
 
 
-def _factorize_words(key: np.ndarray, bits: int = 16, chunk: int = 1 << 18):
-    """``(first, ids)`` of 64-bit keys with few distinct values (labels), by a hash table
-    of ``2 ** bits`` slots: no sort of every key. None: too many distinct values for it."""
-    slot = key * np.uint64(0x9E3779B97F4A7C15)
-    slot >>= np.uint64(64 - bits)
-    slot = slot.view(np.int64)  # < 2 ** bits: the same numbers, no copy
+def _factorize_words(key_of, n: int, length=None, bits: int = 16, chunk: int = 1 << 18):
+    """``(first, ids)`` of `n` 64-bit keys with few distinct values (labels), by a hash
+    table of ``2 ** bits`` slots: no sort of every key, and nothing as large as the keys
+    but the ids (``key_of(lo, hi)`` gives keys ``lo:hi``, a chunk at a time). None: too
+    many distinct values for it, or keys of one value with different `length`."""
     table = np.zeros(1 << bits, dtype=np.uint64)
-    table[slot] = key  # one key of each slot wins it
-    miss = np.flatnonzero(table[slot] != key)  # keys that share a slot with another value
-    if len(miss) > len(key) // 8:
-        return None
     used = np.zeros(1 << bits, dtype=bool)
-    used[slot] = True
+
+    def chunks():
+        for lo in range(0, n, chunk):
+            key = key_of(lo, min(n, lo + chunk))
+            slot = key * np.uint64(0x9E3779B97F4A7C15)
+            slot >>= np.uint64(64 - bits)
+            yield lo, key, slot.view(np.int64)  # < 2 ** bits: the same numbers, no copy
+
+    for _, key, slot in chunks():
+        table[slot] = key  # one key of each slot wins it
+        used[slot] = True
+    miss_at, miss_key = [], []  # keys that share a slot with another value
+    for lo, key, slot in chunks():
+        lost = np.flatnonzero(table[slot] != key)
+        miss_at.append(lost + lo)
+        miss_key.append(key[lost])
+    miss, missed = np.concatenate(miss_at), np.concatenate(miss_key)
+    if len(miss) > n // 8:
+        return None
     won = np.flatnonzero(used)
-    distinct = np.sort(np.concatenate([table[won], key[miss]]))  # (np.unique imports numpy.ma)
+    distinct = np.sort(np.concatenate([table[won], missed]))  # (np.unique imports numpy.ma)
     distinct = distinct[np.r_[True, distinct[1:] != distinct[:-1]]]
     rank = np.zeros(1 << bits, dtype=np.int64)
     rank[won] = np.searchsorted(distinct, table[won])
-    ids = rank[slot]
-    ids[miss] = np.searchsorted(distinct, key[miss])
+    ids = np.empty(n, dtype=np.int32 if len(distinct) < 2**31 else np.int64)
     first = np.zeros(len(distinct), dtype=np.int64)
-    for lo in range(0, len(key), chunk):  # a string of each value (whichever is written last)
-        first[ids[lo : lo + chunk]] = np.arange(lo, min(len(key), lo + chunk))
+    for lo, _, slot in chunks():
+        ids[lo : lo + chunk] = rank[slot]
+    ids[miss] = np.searchsorted(distinct, missed)
+    for lo in range(0, n, chunk):  # a string of each value (whichever is written last)
+        first[ids[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
+    if length is not None:  # equal words, different lengths: "ab" and "ab\0"
+        size = length[first]
+        for lo in range(0, n, chunk):
+            if (size[ids[lo : lo + chunk]] != length[lo : lo + chunk]).any():
+                return None
     return first, ids
 
 
