@@ -11,6 +11,12 @@ only the strings still tied, by their tie group and their next bytes packed
 into one ``uint64``, after skipping the bytes every tied group shares (the
 names of one label share a long prefix, ``n01440764/n01440764_``). A pass
 whose keys come already sorted (a sorted file) costs a comparison, no sort.
+
+:func:`unique` gives the distinct strings and each string's id; strings that
+all differ within one word (labels) are hashed, with no sort of every string.
+The first pass reads the strings a chunk at a time in buffer order: a large
+index pays more for fresh memory and for reading its buffer out of order than
+for the arithmetic.
 """
 
 from __future__ import annotations
@@ -198,15 +204,6 @@ def _factorize_words(key_of, n: int, length=None, bits: int = 16, chunk: int = 1
             if (size[ids[lo : lo + chunk]] != length[lo : lo + chunk]).any():
                 return None
     return first, ids
-
-
-def fixed(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(buf, start, length)`` of a fixed-width bytes array (NUL padding is not the string)."""
-    w = values.dtype.itemsize
-    buf = np.ascontiguousarray(values).view(np.uint8)
-    filled = buf.reshape(len(values), w) != 0
-    length = np.where(filled.any(axis=1), w - np.argmax(filled[:, ::-1], axis=1), 0)
-    return buf, np.arange(len(values), dtype=np.int64) * w, length
 
 
 def _sort(buf, start, length, major):

@@ -99,14 +99,6 @@ def fixed_width(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.nd
     return out.view(f"S{w}").ravel()
 
 
-def byte_order(values: np.ndarray, *minor: np.ndarray) -> np.ndarray:
-    """The stable argsort of fixed-width bytes `values` (then of `minor` keys, major first).
-
-    NUL padding sorts first, as the shorter string does (see :mod:`dataset.bytesort`).
-    """
-    return bytesort.order(*bytesort.fixed(values), None, minor)
-
-
 class Resolver:
     """How a name written in an index becomes a source: its folder, URL prefix and query."""
 
