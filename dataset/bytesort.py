@@ -56,18 +56,9 @@ def _ties(head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return tied, np.cumsum(head[tied]) - 1
 
 
-def _starts(run: np.ndarray) -> np.ndarray | None:
-    """Where each run begins when runs are contiguous (sorted), else None."""
-    if len(run) and (run[1:] < run[:-1]).any():
-        return None
-    return np.flatnonzero(np.r_[True, run[1:] != run[:-1]])
-
-
 def _words_of(buf, start, length, rows, pos) -> np.ndarray:
-    """:func:`words` of strings `rows` (None: all, in order): read in buffer order when they
-    are most strings (reading a buffer at random costs a cache miss a string, 5x the time)."""
-    if rows is None:
-        return words(buf, start, length, pos)
+    """:func:`words` of strings `rows`: read in buffer order when they are most strings
+    (reading a buffer at random costs a cache miss a string, 5x the time)."""
     if len(rows) > len(start) // 4:
         return words(buf, start, length, pos)[rows]
     return words(buf, start[rows], length[rows], pos)
@@ -80,10 +71,9 @@ def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 18, read: 
     n = len(start)
     longest = int(length.max())
     member = np.zeros(1 if run is None else int(run.max()) + 1, dtype=np.int64)
-    for lo in range(0, n, chunk):
-        if run is None:
-            break
-        member[run[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
+    if run is not None:  # some string of each run (whichever is written last)
+        for lo in range(0, n, chunk):
+            member[run[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
     while pos < longest:
         mine = words(buf, start[member], length[member], pos)
         most = 0
@@ -99,21 +89,15 @@ def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 18, read: 
 
 
 def _next_difference(buf, start, length, rows, run, pos):
-    """``(pos, words at pos)``: the first byte at or after `pos` where a string differs from
-    another of its run (so every run shares the bytes before it, and sorting skips them);
-    None where none does. `run`: each string's run (None: all in one)."""
-    starts = np.zeros(1, dtype=np.intp) if run is None else _starts(run)
-    longest = int((length if rows is None else length[rows]).max())
+    """``(pos, words at pos)``: the first byte at or after `pos` where a string of `rows`
+    differs from another of its run (so every run shares the bytes before it, and sorting
+    skips them); None where none does. Runs are contiguous (`run` does not decrease)."""
+    starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]])
+    longest = int(length[rows].max())
     while pos < longest:
         w = _words_of(buf, start, length, rows, pos)
-        if starts is not None:  # contiguous runs: a run's smallest and largest word differ
-            most = int((np.maximum.reduceat(w, starts) ^ np.minimum.reduceat(w, starts)).max())
-        else:  # each string against one member of its run (whichever is written last)
-            table = np.zeros(int(run.max()) + 1, dtype=np.uint64)
-            table[run] = w
-            other = table[run]
-            other ^= w
-            most = int(other.max())
+        # the bytes a run shares are those its smallest and largest word share
+        most = int((np.maximum.reduceat(w, starts) ^ np.minimum.reduceat(w, starts)).max())
         if most:  # the run that differs soonest says how many bytes all runs share
             skip = (64 - most.bit_length()) // 8
             return pos + skip, w if not skip else _words_of(buf, start, length, rows, pos + skip)
