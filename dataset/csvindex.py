@@ -17,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from . import bytesort
 from . import sources as src
 from .csvscan import Fields, scan, scan_rows
 from .errors import BadIndex, IndexNotFound
 from .fetch import Fetcher, read_bytes
-from .index import Index, NameRows, Resolver, byte_order, fixed_width, labelled, small_int
+from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int
 
 log = logging.getLogger("distlearn.dataset.index")
 
@@ -279,17 +280,25 @@ def _names(fields: Fields, start: np.ndarray, end: np.ndarray):
         inside = np.cumsum(mark[:-1], dtype=np.int8).view(bool)
         buf = buf[inside]
         start = np.cumsum(length) - length
-    if len(esc):  # an escaped quote: the value, unescaped, after the other names
-        tail = [bytes(buf[start[i] : start[i] + length[i]]).replace(b'""', b'"') for i in esc]
-        at = len(buf) + np.cumsum([0] + [len(t) for t in tail[:-1]])
-        buf = np.concatenate([buf, np.frombuffer(b"".join(tail), dtype=np.uint8)])
-        start, length = start.copy(), length.copy()
-        start[esc], length[esc] = at, [len(t) for t in tail]
+    buf, start, length = _unescape(buf, start, length, esc)
     return (
         buf,
         start.astype(small_int(len(buf), signed=False)),
         length.astype(small_int(length.max())),
     )
+
+
+def _unescape(buf: np.ndarray, start: np.ndarray, length: np.ndarray, esc: np.ndarray):
+    """``(buf, start, length)`` where the strings `esc`, which hold ``""`` escapes, are
+    their values, unescaped, after the other bytes."""
+    if not len(esc):
+        return buf, start, length
+    tail = [bytes(buf[start[i] : start[i] + length[i]]).replace(b'""', b'"') for i in esc]
+    at = len(buf) + np.cumsum([0] + [len(t) for t in tail[:-1]])
+    buf = np.concatenate([buf, np.frombuffer(b"".join(tail), dtype=np.uint8)])
+    start, length = start.copy(), length.copy()
+    start[esc], length[esc] = at, [len(t) for t in tail]
+    return buf, start, length
 
 
 def _ints(fields: Fields, index: str, col: int, body: _Body) -> np.ndarray:
@@ -327,14 +336,8 @@ def _labels(fields: Fields, cols: Columns, body: _Body):
         key, start, end = _label_fields(fields, cols, body)
     if not len(start):
         return none
-    values = fixed_width(fields.buf, start, end - start)
     esc = np.flatnonzero(_escaped(fields, start, end))
-    if len(esc):
-        values = values.astype(object)
-        for i in esc.tolist():
-            values[i] = bytes(fields.buf[start[i] : end[i]]).replace(b'""', b'"')
-        values = values.astype(bytes)
-    names, ids = _factorize(values)
+    names, ids = _factorize(*_unescape(fields.buf, start, end - start, esc))
     if key is None:  # one label on every row
         return np.arange(body.count + 1, dtype=np.int64), ids, names
     ptr = np.zeros(body.count + 1, dtype=np.int64)
@@ -368,18 +371,12 @@ def _label_fields(fields: Fields, cols: Columns, body: _Body):
     return key, start, end
 
 
-def _factorize(values: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """``(distinct names, id of each value)``; runs of one value (a sorted file) cost one."""
-    heads = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
-    runs = values[heads]
-    order = byte_order(runs)
-    ordered = runs[order]
-    new = np.concatenate([[True], ordered[1:] != ordered[:-1]])
-    distinct = ordered[new]
-    run_ids = np.empty(len(runs), dtype=np.int64)
-    run_ids[order] = np.cumsum(new) - 1
-    ids = np.repeat(run_ids.astype(np.int64), np.diff(np.append(heads, len(values))))
-    return [v.decode("utf-8") for v in distinct.tolist()], ids
+def _factorize(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
+    """``(distinct names, id of each string)``, names in bytes order."""
+    first, ids = bytesort.unique(buf, start, length)
+    names = [bytes(buf[s : s + n]).decode("utf-8") for s, n in zip(start[first].tolist(),
+             length[first].tolist(), strict=True)]  # fmt: skip
+    return names, ids
 
 
 def _from_rows(data: bytes, index: str, sep: str, resolver: Resolver):

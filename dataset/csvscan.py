@@ -144,7 +144,7 @@ def _clean(buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndar
     the few that do.
     """
     n = len(buf)
-    first = buf[np.minimum(start, n - 1)]
+    first = buf[start] if len(start) and int(start.max()) < n else buf[np.minimum(start, n - 1)]
     last = buf[end - 1]  # end >= 1 where the field is not empty (-1 reads a byte, unused)
     odd = np.flatnonzero(_ODD[first] | _ODD[last])
     odd = odd[end[odd] > start[odd]]

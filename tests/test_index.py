@@ -236,29 +236,6 @@ def test_bad_arguments(tmp_path):
         Dataset({"x": torch.zeros(3, 2), "y": torch.zeros(2, dtype=torch.long)})
 
 
-@pytest.mark.parametrize("width", [1, 7, 8, 9, 16, 23])
-def test_byte_order_sorts_as_python_sorts_bytes(width):
-    """The word-wise sort of names agrees with Python's bytes order, ties by the minor keys."""
-    import random
-
-    import numpy as np
-
-    from distlearn.dataset.index import byte_order
-
-    rng = random.Random(width)
-    alphabet = [b"a", b"b", b"/", b"\x7f", b"\x80", b"\xc3\xa9", b"\xff", b"0"]
-    values = [b"".join(rng.choices(alphabet, k=rng.randrange(1, width + 1)))[:width]
-              for _ in range(3000)]  # fmt: skip
-    values += values[:500]  # ties
-    minor = [rng.randrange(3) for _ in values]
-    arr = np.array(values, dtype=f"S{width}")
-    got = byte_order(arr).tolist()
-    assert got == sorted(range(len(values)), key=lambda i: (values[i], i))
-    got = byte_order(arr, np.array(minor)).tolist()
-    assert got == sorted(range(len(values)), key=lambda i: (values[i], minor[i], i))
-    assert byte_order(np.array([], dtype="S3")).tolist() == []
-
-
 def test_an_unsorted_file_gives_the_sorted_files_index(tmp_path):
     import random
 

@@ -1,0 +1,247 @@
+"""Sorting millions of byte strings held in one buffer, with no Python object per string.
+
+A string is ``buf[start:start + length]``; :func:`order` gives the stable
+argsort of the strings by (``major``, their bytes, ``*minor``): bytes order is
+Python's order of ``bytes`` (a string before the longer ones it begins).
+
+numpy sorts 64-bit integers many times faster than strings or several keys
+(``np.lexsort`` of four words is a sort per word), so this is a radix sort,
+most significant digit first, whose digit is a 64-bit word: each pass sorts
+only the strings still tied, by their tie group and their next bytes packed
+into one ``uint64``, after skipping the bytes every tied group shares (the
+names of one label share a long prefix, ``n01440764/n01440764_``). A pass
+whose keys come already sorted (a sorted file) costs a comparison, no sort.
+
+:func:`unique` gives the distinct strings and each string's id; strings that
+all differ within one word (labels) are hashed, with no sort of every string.
+The first pass reads the strings a chunk at a time in buffer order: a large
+index pays more for fresh memory and for reading its buffer out of order than
+for the arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# _KEEP[k]: the k most significant bytes of a 64-bit word
+_KEEP = np.array([0] + [((1 << 64) - 1) ^ ((1 << (64 - 8 * k)) - 1) for k in range(1, 9)],
+                 dtype=np.uint64)  # fmt: skip
+_ALL = np.arange(8)
+
+
+def words(buf: np.ndarray, start: np.ndarray, length: np.ndarray, pos: int) -> np.ndarray:
+    """Bytes ``pos:pos + 8`` of each string as a big-endian number (zero past its end)."""
+    last = len(buf) - 8 - pos  # the last start whose word is inside the buffer
+    if len(start) and last >= 0 and int(start.max()) <= last:
+        # every byte offset of the buffer (from pos) read as a little-endian word, swapped
+        every = np.ndarray((last + 1,), dtype="<u8", buffer=buf, offset=pos, strides=(1,))
+        value = every[start].byteswap(inplace=True)
+    else:  # near the end of the buffer: byte by byte (what is past the end is masked)
+        at = np.minimum(start[:, None] + pos + _ALL, len(buf) - 1)
+        got = buf[at] if len(buf) else np.zeros((len(start), 8), dtype=np.uint8)
+        value = np.ascontiguousarray(got).view(">u8").ravel().astype(np.uint64)
+    short = np.flatnonzero(length < pos + 8)
+    if len(short):
+        value[short] &= _KEEP[np.clip(length[short] - pos, 0, 8)]
+    return value
+
+
+def _ties(head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in runs of two or more (a run starts at each `head`), and their run (0, 1...)."""
+    if head.all():
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    heads = np.flatnonzero(head)
+    size = np.diff(np.append(heads, len(head)))
+    tied = np.flatnonzero(np.repeat(size > 1, size))
+    return tied, np.cumsum(head[tied]) - 1
+
+
+def _words_of(buf, start, length, rows, pos) -> np.ndarray:
+    """:func:`words` of strings `rows`: read in buffer order when they are most strings
+    (reading a buffer at random costs a cache miss a string, 5x the time)."""
+    if len(rows) > len(start) // 4:
+        return words(buf, start, length, pos)[rows]
+    return words(buf, start[rows], length[rows], pos)
+
+
+def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 18, read: bool = True):
+    """:func:`_next_difference` of every string, in buffer order: read a chunk at a time
+    against one member of each run, so the bytes every run shares are skipped without
+    a word array as large as the index (fresh memory is what a large index pays most for)."""
+    n = len(start)
+    longest = int(length.max())
+    member = np.zeros(1 if run is None else int(run.max()) + 1, dtype=np.int64)
+    if run is not None:  # some string of each run (whichever is written last)
+        for lo in range(0, n, chunk):
+            member[run[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
+    while pos < longest:
+        mine = words(buf, start[member], length[member], pos)
+        most = 0
+        for lo in range(0, n, chunk):
+            w = words(buf, start[lo : lo + chunk], length[lo : lo + chunk], pos)
+            w ^= mine[0] if run is None else mine[run[lo : lo + chunk]]
+            most = max(most, int(w.max()))
+        if most:
+            pos += (64 - most.bit_length()) // 8
+            return pos, words(buf, start, length, pos) if read else None
+        pos += 8
+    return None
+
+
+def _next_difference(buf, start, length, rows, run, pos):
+    """``(pos, words at pos)``: the first byte at or after `pos` where a string of `rows`
+    differs from another of its run (so every run shares the bytes before it, and sorting
+    skips them); None where none does. Runs are contiguous (`run` does not decrease)."""
+    starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]])
+    longest = int(length[rows].max())
+    while pos < longest:
+        w = _words_of(buf, start, length, rows, pos)
+        # the bytes a run shares are those its smallest and largest word share
+        most = int((np.maximum.reduceat(w, starts) ^ np.minimum.reduceat(w, starts)).max())
+        if most:  # the run that differs soonest says how many bytes all runs share
+            skip = (64 - most.bit_length()) // 8
+            return pos + skip, w if not skip else _words_of(buf, start, length, rows, pos + skip)
+        pos += 8
+    return None
+
+
+def order(
+    buf: np.ndarray,
+    start: np.ndarray,
+    length: np.ndarray,
+    major: np.ndarray | None = None,
+    minor: tuple[np.ndarray, ...] = (),
+) -> np.ndarray:
+    """Stable argsort of the strings by (`major`, bytes, `minor`, position).
+
+    `major`: small non-negative integers (a label id), or None.
+    """
+    seq, head = _sort(buf, start, length, major)
+    return _break_ties(seq, head, length, minor)
+
+
+def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
+    """``(first, ids)``: a string of each distinct value, in bytes order, and each string's
+    value (an index into `first`): ``np.unique(..., return_inverse=True)`` for strings."""
+    start, length = np.asarray(start), np.asarray(length)  # any integer type: no copies
+    if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
+        found = _first_difference(buf, start, length, None, 0, read=False)
+        if found is not None and int(length.max()) <= found[0] + 8:
+            pos = found[0]
+            got = _factorize_words(
+                lambda lo, hi: words(buf, start[lo:hi], length[lo:hi], pos), len(start), length
+            )
+            if got is not None:
+                return got
+    seq, head = _sort(buf, start, length, None)
+    size = length[seq]
+    if ((size[1:] != size[:-1]) & ~head[1:]).any():  # "ab" and "ab\0": equal words only
+        seq = _break_ties(seq, head, length, ())
+        size = length[seq]
+        head[1:] |= size[1:] != size[:-1]
+    ids = np.empty(len(seq), dtype=np.int64)
+    ids[seq] = np.cumsum(head) - 1
+    return seq[head], ids
+
+
+def _factorize_words(key_of, n: int, length=None, bits: int = 16, chunk: int = 1 << 18):
+    """``(first, ids)`` of `n` 64-bit keys with few distinct values (labels), by a hash
+    table of ``2 ** bits`` slots: no sort of every key, and nothing as large as the keys
+    but the ids (``key_of(lo, hi)`` gives keys ``lo:hi``, a chunk at a time). None: too
+    many distinct values for it, or keys of one value with different `length`."""
+    table = np.zeros(1 << bits, dtype=np.uint64)
+    used = np.zeros(1 << bits, dtype=bool)
+
+    def chunks():
+        for lo in range(0, n, chunk):
+            key = key_of(lo, min(n, lo + chunk))
+            slot = key * np.uint64(0x9E3779B97F4A7C15)
+            slot >>= np.uint64(64 - bits)
+            yield lo, key, slot.view(np.int64)  # < 2 ** bits: the same numbers, no copy
+
+    for _, key, slot in chunks():
+        table[slot] = key  # one key of each slot wins it
+        used[slot] = True
+    miss_at, miss_key = [], []  # keys that share a slot with another value
+    for lo, key, slot in chunks():
+        lost = np.flatnonzero(table[slot] != key)
+        miss_at.append(lost + lo)
+        miss_key.append(key[lost])
+    miss, missed = np.concatenate(miss_at), np.concatenate(miss_key)
+    if len(miss) > n // 8:
+        return None
+    won = np.flatnonzero(used)
+    distinct = np.sort(np.concatenate([table[won], missed]))  # (np.unique imports numpy.ma)
+    distinct = distinct[np.r_[True, distinct[1:] != distinct[:-1]]]
+    rank = np.zeros(1 << bits, dtype=np.int64)
+    rank[won] = np.searchsorted(distinct, table[won])
+    ids = np.empty(n, dtype=np.int32 if len(distinct) < 2**31 else np.int64)
+    first = np.zeros(len(distinct), dtype=np.int64)
+    for lo, _, slot in chunks():
+        ids[lo : lo + chunk] = rank[slot]
+    ids[miss] = np.searchsorted(distinct, missed)
+    for lo in range(0, n, chunk):  # a string of each value (whichever is written last)
+        first[ids[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
+    if length is not None:  # equal words, different lengths: "ab" and "ab\0"
+        size = length[first]
+        for lo in range(0, n, chunk):
+            if (size[ids[lo : lo + chunk]] != length[lo : lo + chunk]).any():
+                return None
+    return first, ids
+
+
+def _sort(buf, start, length, major):
+    """``(seq, head)``: the strings sorted by (`major`, bytes), ``head`` where a value starts
+    (strings equal to the end of the shorter one share a value).
+
+    The first pass reads every string in buffer order with its major key as its run; each
+    later pass, the strings still tied, in their runs.
+    """
+    n = len(start)
+    start, length = np.asarray(start), np.asarray(length)  # any integer type: no copies
+    seq = np.arange(n, dtype=np.int64)
+    head = np.ones(n, dtype=bool)
+    if n < 2:
+        return seq, head
+    # the first pass takes every string (tied None), in buffer order (rows None)
+    tied, rows, run, pos = None, None, major, 0
+    while tied is None or len(tied):
+        if rows is None:
+            found = _first_difference(buf, start, length, run, pos)
+        else:
+            found = _next_difference(buf, start, length, rows, run, pos)
+        done = found is None  # equal to the end: one more pass, for the major key
+        pos, w = (pos, np.zeros(n if tied is None else len(tied), np.uint64)) if done else found
+        top = 0 if run is None else int(run.max())
+        width = min(8, (64 - top.bit_length()) // 8)  # bytes beside the run's number
+        key = w >> np.uint64(64 - 8 * width) if width < 8 else w
+        if width < 8:
+            key |= run.astype(np.uint64) << np.uint64(8 * width)
+        if (key[1:] < key[:-1]).any():
+            perm = np.argsort(key)
+            if tied is None:
+                seq = perm
+            else:
+                seq[tied] = rows[perm]
+            key = key[perm]
+        change = np.r_[True, key[1:] != key[:-1]]
+        if tied is None:
+            head = change
+        else:
+            head[tied] = change
+        if done:
+            break
+        pos += width
+        tied, run = _ties(head)
+        rows = seq[tied]
+    return seq, head
+
+
+def _break_ties(seq, head, length, minor):
+    """`seq` with each run of equal words sorted by (length, `minor`, position)."""
+    tied, run = _ties(head)
+    if len(tied):
+        rows = seq[tied]
+        perm = np.lexsort((rows, *(k[rows] for k in minor[::-1]), np.asarray(length)[rows], run))
+        seq[tied] = rows[perm]
+    return seq

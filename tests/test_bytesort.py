@@ -1,0 +1,126 @@
+"""dataset.bytesort against Python's own order of bytes (sorted, set) on generated strings.
+
+The sort skips the bytes each group of strings shares and packs the next ones
+beside the group's number, so the cases that matter are shared prefixes of
+every length around the 8-byte word, strings that end inside a word, NUL and
+high bytes, duplicates, strings at the very end of their buffer, and groups
+(major keys) given in any order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from distlearn.dataset import bytesort
+
+ALPHABET = [b"a", b"b", b"/", b"0", b"\x00", b"\x7f", b"\x80", b"\xc3\xa9", b"\xff"]
+
+
+def strings(seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    alphabet = ALPHABET if seed % 3 else [b"a", b"b"]  # two letters: long equal runs
+    prefix = b"".join(rng.choices(alphabet, k=rng.randrange(0, 30)))
+    out = [
+        (prefix if rng.random() < 0.8 else b"")
+        + b"".join(rng.choices(alphabet, k=rng.randrange(0, 25)))
+        for _ in range(rng.randrange(0, 400))
+    ]
+    return out + out[: len(out) // 5]  # duplicates
+
+
+def packed(values: list[bytes]):
+    size = np.array([len(v) for v in values], dtype=np.int64)
+    buf = np.frombuffer(b"".join(values), dtype=np.uint8)  # the last string ends the buffer
+    return buf, np.cumsum(size) - size, size
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_order_is_pythons_order_of_bytes_within_major_then_minor_then_position(seed):
+    values = strings(seed)
+    rng = random.Random(seed)
+    major = np.array([rng.randrange(1 + seed % 7) for _ in values], dtype=np.int16)
+    minor = np.array([rng.randrange(3) for _ in values], dtype=np.int64)
+    buf, start, length = packed(values)
+
+    got = bytesort.order(buf, start, length).tolist()
+    assert got == sorted(range(len(values)), key=lambda i: (values[i], i))
+    got = bytesort.order(buf, start, length, major, (minor,)).tolist()
+    want = sorted(range(len(values)), key=lambda i: (major[i], values[i], minor[i], i))
+    assert got == want
+    # a major key already in order (a sorted file) takes the same path without a sort
+    by_major = sorted(range(len(values)), key=lambda i: major[i])
+    vals = [values[i] for i in by_major]
+    buf, start, length = packed(vals)
+    got = bytesort.order(buf, start, length, major[by_major]).tolist()
+    assert got == sorted(range(len(vals)), key=lambda i: (major[by_major][i], vals[i], i))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_unique_is_sorted_set_with_each_strings_index(seed):
+    values = strings(seed)
+    buf, start, length = packed(values)
+    first, ids = bytesort.unique(buf, start, length)
+    distinct = sorted(set(values))
+    assert [values[i] for i in first.tolist()] == distinct
+    assert [distinct[i] for i in ids.tolist()] == values
+
+
+@pytest.mark.parametrize("labels", [1, 7, 1000, 5000])
+def test_unique_labels_with_a_shared_prefix_hashed_or_sorted(labels):
+    """ImageNet-like labels (``n01440764``: 9 bytes, 2 shared), few or many values."""
+    rng = random.Random(labels)
+    names = [b"n%08d" % rng.randrange(10**8) for _ in range(labels)]
+    values = [rng.choice(names) for _ in range(20_000)]
+    buf, start, length = packed(values)
+    first, ids = bytesort.unique(buf, start, length)
+    distinct = sorted(set(values))
+    assert [values[i] for i in first.tolist()] == distinct
+    assert np.array_equal(ids, np.searchsorted(np.array(distinct), np.array(values)))
+
+
+def chunked(keys):
+    return lambda lo, hi: keys[lo:hi].copy()  # what words() gives: a fresh array
+
+
+def test_hash_factorize_resolves_keys_that_share_a_slot():
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 9, 40):
+        keys = rng.integers(0, 2**63, size).astype(np.uint64)[rng.integers(0, size, 500)]
+        for bits in (2, 5, 16):  # 4 slots for 40 values: most keys collide
+            got = bytesort._factorize_words(chunked(keys), len(keys), bits=bits, chunk=37)
+            if got is None:
+                assert bits < 16
+                continue
+            first, ids = got
+            distinct, inverse = np.unique(keys, return_inverse=True)
+            assert np.array_equal(keys[first], distinct) and np.array_equal(ids, inverse)
+
+
+def test_hash_factorize_sorts_only_the_keys_that_lost_their_slot():
+    """Six values in 4 slots: the common value has a slot of its own, the rare ones share."""
+    bits = 2
+
+    def slot(k):
+        return ((k * 0x9E3779B97F4A7C15) % 2**64) >> (64 - bits)  # the same hash, in Python
+
+    common = 12345
+    rare = [k for k in range(1, 10_000) if slot(k) != slot(common)][:5]
+    keys = np.array(rare * 6 + [common] * 470, dtype=np.uint64)
+    np.random.default_rng(1).shuffle(keys)
+    first, ids = bytesort._factorize_words(chunked(keys), len(keys), bits=bits, chunk=100)
+    distinct, inverse = np.unique(keys, return_inverse=True)
+    assert np.array_equal(keys[first], distinct) and np.array_equal(ids, inverse)
+
+
+def test_empty_one_and_all_equal():
+    for values in ([], [b"x"], [b"same"] * 5, [b""] * 3, [b"ab", b"ab\x00", b"ab"]):
+        buf, start, length = packed(values)
+        assert bytesort.order(buf, start, length).tolist() == sorted(
+            range(len(values)), key=lambda i: (values[i], i)
+        )
+        first, ids = bytesort.unique(buf, start, length)
+        assert [values[i] for i in first.tolist()] == sorted(set(values))
+        assert [values[first[i]] for i in ids.tolist()] == values
