@@ -86,10 +86,11 @@ class Handle:
     """A collective in flight. `wait()` returns what the synchronous call returns (the
     number of contributing nodes for all_reduce) or raises what it would raise.
 
-    A thread that waits without a `timeout` runs the collectives queued up to its own
-    itself (in order, as the communication thread would) instead of sleeping while the
-    communication thread does: handing each collective from thread to thread, and the
-    interpreter's lock back and forth, cost more than the collective on a busy host."""
+    A thread that waits without a `timeout` runs the queued collectives, up to and
+    including this one, in its own thread (in order, as the communication thread would)
+    instead of sleeping while the communication thread does: handing each collective
+    from thread to thread, and the interpreter's lock back and forth, cost more than the
+    collective on a busy host."""
 
     __slots__ = ("_done", "_error", "_queue", "_result")
 
