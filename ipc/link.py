@@ -412,15 +412,20 @@ class Endpoint:
         link.tag = tag
         link.sock = sock
         link.monitor = sock.get_monitor_socket(_DIALER_EVENTS)
-        sock.connect(address)
-        link._nonce = nonce()
-        hello = {"name": self.name, "nonce": link._nonce.hex(), "info": self.info}
-        sock.send(wire.control(Kind.HELLO, hello), zmq.NOBLOCK)
+        # Ours before anything can fail, so close() closes it (a context with a socket
+        # left open never terminates).
         self.links[rid] = link
         self._by_sock[sock] = link
         self._by_monitor[link.monitor] = link
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(link.monitor, zmq.POLLIN)
+        sock.connect(address)
+        link._nonce = nonce()
+        hello = {"name": self.name, "nonce": link._nonce.hex(), "info": self.info}
+        # Again: the connection has already ended (on a busy host the listener can refuse
+        # our credentials before this line runs): the monitor says why, wait_up raises.
+        with contextlib.suppress(zmq.Again):
+            sock.send(wire.control(Kind.HELLO, hello), zmq.NOBLOCK)
         return link
 
     def wait_up(self, links: Iterable[Link], deadline: float, what: str = "") -> None:

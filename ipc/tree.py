@@ -11,7 +11,11 @@ Threads: one communication thread per tree runs asynchronous collectives
 answers the links (goodbyes, errors, early data, progress reports). A
 synchronous call made while nothing is in flight runs in the caller's thread
 instead, under the same lock, so it costs no thread hand-off; one made while
-handles are in flight queues behind them. Collectives are issued by one
+handles are in flight queues behind them. A thread that waits on a handle
+runs the queued collectives up to it itself, in order, rather than sleep
+while the communication thread runs them: on a host with more processes than
+cores, each hand-off between the two threads (and of the interpreter's lock)
+cost more than a collective of several MiB. Collectives are issued by one
 thread at a time, in the same order on every node (as with torch.distributed).
 
 Forks: a forked child cannot use its parent's tree (every call raises), and
@@ -51,6 +55,9 @@ DEFAULT_TIMEOUT = float(os.environ.get("IPC_TIMEOUT", "300"))
 DEFAULT_CHUNK = 1 << 20
 DEFAULT_STALL_WARNING = float(os.environ.get("IPC_STALL_WARNING", "30"))
 SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the links
+# While collectives run back to back the communication thread has nothing to do; it looks
+# ever less often (each wake-up takes the interpreter's lock from the caller), up to this.
+SERVICE_NAP_MAX_S = 0.4
 
 Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 _TREES: weakref.WeakSet = weakref.WeakSet()
@@ -77,14 +84,21 @@ def _reducer(op: Op) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 class Handle:
     """A collective in flight. `wait()` returns what the synchronous call returns (the
-    number of contributing nodes for all_reduce) or raises what it would raise."""
+    number of contributing nodes for all_reduce) or raises what it would raise.
 
-    __slots__ = ("_done", "_error", "_result")
+    A thread that waits without a `timeout` runs the queued collectives, up to and
+    including this one, in its own thread (in order, as the communication thread would)
+    instead of sleeping while the communication thread does: handing each collective
+    from thread to thread, and the interpreter's lock back and forth, cost more than the
+    collective on a busy host."""
 
-    def __init__(self):
+    __slots__ = ("_done", "_error", "_queue", "_result")
+
+    def __init__(self, queue: _CommThread | None = None):
         self._done = threading.Event()
         self._result: int | None = None
         self._error: BaseException | None = None
+        self._queue = queue
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -92,6 +106,8 @@ class Handle:
     def wait(self, timeout: float | None = None) -> int | None:
         """Block until the collective is done (its own timeout bounds this); `timeout`
         only bounds this wait, raising TimeoutError with the collective still running."""
+        if timeout is None and self._queue is not None and not self._done.is_set():
+            self._queue.help(self)
         if not self._done.wait(timeout):
             raise TimeoutError(f"the collective is still running after {timeout}s")
         if self._error is not None:
@@ -100,6 +116,7 @@ class Handle:
 
     def _finish(self, result: int | None, error: BaseException | None) -> None:
         self._result, self._error = result, error
+        self._queue = None
         self._done.set()
 
 
@@ -112,70 +129,144 @@ class _Job:
 
 
 class _CommThread(threading.Thread):
-    """Runs queued collectives in order; answers the links while there are none."""
+    """Runs queued collectives in order; answers the links while there are none.
+
+    The queue's head is the collective running or next to run; whoever runs it (this
+    thread, or a thread waiting on a handle: see `help`) is its `runner` and leaves it
+    at the head until it is done, so collectives run one at a time, in submission order.
+    Two conditions on one lock: this thread is woken only when the queue is its to run
+    (or the tree closes), waiters only when a collective finishes; a wake-up that finds
+    nothing to do costs a hand-off of the interpreter's lock all the same.
+    The links are answered once nothing has run for SERVICE_EVERY_S: a collective
+    answers them itself, and a service between two back-to-back collectives would only
+    hold the caller up. While collectives keep coming, this thread looks at doubling
+    intervals (up to SERVICE_NAP_MAX_S), so a busy loop wakes it a few times a second."""
 
     def __init__(self, tree: Tree):
         super().__init__(name=f"ipc-tree-{tree.node_index}", daemon=True)
         self.tree = weakref.proxy(tree)
         self.lock = tree._lock
-        self.cond = threading.Condition()
+        mutex = threading.Lock()
+        self.mutex = mutex
+        self.to_comm = threading.Condition(mutex)  # the queue is ours to run; closing
+        self.to_waiters = threading.Condition(mutex)  # a collective finished
         self.queue: deque[_Job] = deque()
-        self.running = False
+        self.runner: int | None = None  # the thread running the queue's head
+        self.helpers = 0  # threads in help(): they run the queue, not this thread
         self.stopping = False
+        self.active = time.monotonic()  # when a collective (or a service) last ended
+        self.nap = SERVICE_EVERY_S
 
     def idle(self) -> bool:
-        # Under the condition: `run` takes a job off the queue and marks itself running
-        # in one step under it, so no caller can see the queue empty before `running`.
-        with self.cond:
-            return not self.queue and not self.running
+        with self.mutex:
+            return not self.queue and self.runner is None
 
     def submit(self, args: tuple) -> Handle:
-        handle = Handle()
-        with self.cond:
+        handle = Handle(self)
+        with self.mutex:
             if self.stopping:
                 raise IPCError("the tree is closing", node=None)
             self.queue.append(_Job(args, handle))
-            self.cond.notify()
+            if self.runner is None and not self.helpers:
+                self.to_comm.notify()
         return handle
 
     def drain(self, timeout: float) -> None:
         """Wait until every queued collective has run."""
         deadline = time.monotonic() + timeout
-        with self.cond:
-            while not self.idle() and time.monotonic() < deadline:
-                self.cond.wait(0.1)
+        with self.mutex:
+            while (self.queue or self.runner is not None) and time.monotonic() < deadline:
+                self.to_waiters.wait(0.1)
 
     def stop(self) -> None:
-        with self.cond:
+        with self.mutex:
             self.stopping = True
-            self.cond.notify()
+            self.to_comm.notify()
+
+    def _run_head(self, reraise: bool) -> None:
+        """Run the collective at the head of the queue (the caller is its `runner`) and
+        take it off. Its error goes to its handle; a KeyboardInterrupt in a helping main
+        thread (`reraise`) goes on to that thread too, as from a synchronous call."""
+        job = self.queue[0]
+        try:
+            with self.lock:
+                result = self.tree._collective(*job.args)
+        except BaseException as exc:
+            job.handle._finish(None, exc)
+            if reraise and not isinstance(exc, Exception):
+                raise
+        else:
+            job.handle._finish(result, None)
+        finally:
+            self.active = time.monotonic()
+            with self.mutex:
+                self.queue.popleft()
+                self.runner = None
+                self.to_waiters.notify_all()
+
+    def help(self, handle: Handle) -> None:
+        """Run queued collectives in this thread, in order, until `handle`'s is done. While
+        a thread helps, the communication thread leaves the queue to it (it only finishes
+        the collective it is running): two runners racing for each next collective would
+        bring the hand-offs back."""
+        if os.getpid() != self.tree._pid:
+            self.tree._check()  # a forked child: raises, naming the parent
+        me = threading.get_ident()
+        counted = False
+        try:
+            with self.mutex:
+                self.helpers += 1
+                counted = True
+            while not handle.is_completed():
+                with self.mutex:
+                    if self.runner is not None:
+                        self.to_waiters.wait(SERVICE_EVERY_S)
+                        continue
+                    if handle.is_completed():
+                        break
+                    self.runner = me  # the queue holds our job: it is not empty
+                self._run_head(reraise=True)
+        finally:
+            with self.mutex:
+                self.helpers -= counted
+                if self.runner == me:  # interrupted before the head ran: it stays queued
+                    self.runner = None
+                    self.to_waiters.notify_all()
+                # What is still queued is this thread's again; it looks within
+                # SERVICE_EVERY_S. No wake-up here: the waiter usually comes right back
+                # for the next handle, and waking this thread for nothing costs a hand-off.
 
     def run(self) -> None:
         try:
             while True:
-                with self.cond:
-                    if not self.queue and not self.stopping:
-                        self.cond.wait(SERVICE_EVERY_S)
-                    if self.stopping and not self.queue:
+                service = False
+                with self.mutex:
+                    if self.stopping and not self.queue and self.runner is None:
                         return
-                    job = self.queue.popleft() if self.queue else None
-                    self.running = job is not None
-                if job is None:
+                    if self.queue and self.runner is None and not self.helpers:
+                        self.runner = self.ident
+                    else:
+                        # A helper runs the queue, or answer the links once quiet.
+                        busy = self.runner is not None or bool(self.queue)
+                        quiet = time.monotonic() - self.active
+                        if busy:  # within SERVICE_EVERY_S of a helper leaving work here
+                            self.to_comm.wait(SERVICE_EVERY_S)
+                            continue
+                        if quiet < SERVICE_EVERY_S:
+                            self.to_comm.wait(self.nap)
+                            self.nap = min(2 * self.nap, SERVICE_NAP_MAX_S)
+                            continue
+                        self.nap = SERVICE_EVERY_S
+                        service = True
+                if service:
                     if self.lock.acquire(blocking=False):
                         try:
                             self.tree._service()
                         finally:
                             self.lock.release()
+                    self.active = time.monotonic()
                     continue
-                try:
-                    with self.lock:
-                        result = self.tree._collective(*job.args)
-                    job.handle._finish(result, None)
-                except BaseException as exc:  # handed to whoever waits on the handle
-                    job.handle._finish(None, exc)
-                with self.cond:
-                    self.running = False
-                    self.cond.notify_all()
+                self._run_head(reraise=False)
         except ReferenceError:
             return  # the tree was collected
 
@@ -489,8 +580,11 @@ class Tree:
             if async_op:
                 return comm.submit(args)
             if comm.idle():
-                with self._lock:
-                    return self._collective(*args)
+                try:
+                    with self._lock:
+                        return self._collective(*args)
+                finally:
+                    comm.active = time.monotonic()
             handle = comm.submit(args)
         return handle.wait()
 

@@ -390,6 +390,52 @@ def async_uneven(node: int, n: int, key: str) -> dict:
 
 
 @scenario
+def async_helpers(node: int, n: int, key: str) -> dict:
+    """Who runs a queue of handles. A thread that waits runs the queued collectives
+    itself (a custom op records which thread reduced); one that waits for the first
+    handle only and walks away leaves the rest to the communication thread, which
+    finishes them; two threads waiting on different handles at once keep the order."""
+    tree = tree_from_args(node, n, key)
+    ran: list[str] = []
+
+    def op(acc: torch.Tensor, src: torch.Tensor) -> None:
+        ran.append(threading.current_thread().name)
+        acc.add_(src)
+
+    def right(ts: list[torch.Tensor], base: int) -> bool:
+        return all(bool((t == sum(i + base + k for i in range(n))).all()) for k, t in enumerate(ts))
+
+    xs = [torch.full((1000,), float(node + k)) for k in range(8)]
+    counts = [h.wait() for h in [tree.all_reduce(x, op=op, async_op=True) for x in xs]]
+    queued_ok = right(xs, 0)
+    ys = [torch.full((1000,), float(node + 10 + k)) for k in range(4)]
+    handles = [tree.all_reduce(y, async_op=True) for y in ys]
+    handles[0].wait()
+    deadline = time.monotonic() + 60
+    while not all(h.is_completed() for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    walked = [h.is_completed() for h in handles]
+    walked_ok = right(ys, 10)
+    sys.setswitchinterval(1e-6)  # thread switches at every moment of the hand-over
+    bad = 0
+    for step in range(150):
+        zs = [torch.full((300,), float(node + step + k)) for k in range(4)]
+        handles = [tree.all_reduce(z, async_op=True) for z in zs]
+        other = threading.Thread(target=handles[3].wait)
+        other.start()
+        handles[1].wait()
+        other.join()
+        handles[0].wait()
+        handles[2].wait()
+        bad += int(not right(zs, step))
+    tree.close()
+    return {
+        "counts": counts, "queued_ok": queued_ok, "ran": sorted(set(ran)), "walked": walked,
+        "walked_ok": walked_ok, "bad": bad,
+    }  # fmt: skip
+
+
+@scenario
 def async_killed(node: int, n: int, key: str) -> dict:
     """Node n-1 dies while the others have four handles in flight: every wait raises,
     naming it."""

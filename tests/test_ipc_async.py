@@ -65,6 +65,24 @@ def test_peer_killed_with_handles_in_flight(shm, tmp_path):
         assert r["elapsed"] < 20
 
 
+@pytest.mark.parametrize("shm", TRANSPORTS)
+def test_waiting_thread_runs_the_queue(shm, tmp_path):
+    """wait() runs the queued collectives in the waiting thread (no hand-off per handle
+    between threads); handles nobody waits for still finish; two waiting threads keep
+    the order."""
+    n = 3
+    results, texts = run_tree("async_helpers", n, tmp_path, shm=shm)
+    reducers = set()
+    for r, text in zip(results, texts, strict=True):
+        assert r is not None, text
+        assert r["counts"] == [n] * 8 and r["queued_ok"], text
+        assert r["walked"] == [True] * 4 and r["walked_ok"], text
+        assert r["bad"] == 0, text
+        reducers.update(r["ran"])
+    # Over sockets only the nodes with children reduce; on shared memory every node does.
+    assert "MainThread" in reducers, reducers
+
+
 def test_handles_in_one_process():
     """A tree of one: handles complete with the synchronous results, errors surface in
     wait(), and a closed tree refuses new work."""
