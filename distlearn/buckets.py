@@ -267,8 +267,9 @@ class GradientBuckets:
     def _launch(self, bucket: _Bucket, contribute: bool, wait: bool = False) -> None:
         if self.counted:
             # The bucket's own memory with the count in its last slot: one collective.
-            out = self.comm.all_reduce_counted(bucket.flat, finished=not contribute,
-                                               async_op=not wait)  # fmt: skip
+            out = self.comm.all_reduce_counted(
+                bucket.flat, finished=not contribute, async_op=not wait
+            )
             bucket.handle = Completed(out) if wait else out
         elif wait:
             # The last bucket, started when nothing is left to overlap with: the
