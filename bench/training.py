@@ -11,6 +11,9 @@ compares the gradient buckets sent during backward with one all-reduce after it
 (`overlap=False`, the loop before issue 16), job by job in alternating order:
 
     python -m bench.training --nodes 4 --backends ipc gloo --overlap on off --reps 3
+
+Its table also splits the allreduce share by arrival (`arrival_split`): waiting for
+the last rank to call the all-reduce, and the all-reduce after it.
 """
 
 from __future__ import annotations
