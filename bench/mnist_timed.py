@@ -12,7 +12,10 @@ allreduce, `after_step` ends the optimizer step. Per step:
     allreduce = sum_and_normalize_gradients (+ the epoch-end synchronize): with
                 buckets sent during backward, the wait for what has not arrived
 
-Each rank writes its totals to $BENCH_PHASES_DIR/rank{RANK}.json.
+Each rank writes its totals to $BENCH_PHASES_DIR/rank{RANK}.json, with the moments
+(time.perf_counter: CLOCK_MONOTONIC, one clock for every process of a host) each
+step entered and left sum_and_normalize_gradients, from which bench/training.py
+splits the allreduce phase into waiting for the last rank to arrive and the rest.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class TimedSGD(mnist.SGD):
     def start(self, comm, model):
         self.phases = {"loading_s": 0.0, "compute_s": 0.0, "allreduce_s": 0.0}
         self.steps = 0
+        self.entered: list[float] = []  # per step: sum_and_normalize_gradients called
+        self.left: list[float] = []  # and returned
         self.training = True
         t0 = time.perf_counter()
         super().start(comm, model)
@@ -65,6 +70,8 @@ class TimedSGD(mnist.SGD):
         super().after_backward(model)
         self.t_reduced = time.perf_counter()
         self.phases["allreduce_s"] += self.t_reduced - t0
+        self.entered.append(t0)
+        self.left.append(self.t_reduced)
 
     def after_step(self, model):
         t0 = time.perf_counter()
@@ -83,7 +90,8 @@ class TimedSGD(mnist.SGD):
         if out:
             rank = int(os.environ.get("RANK", "0"))
             record = {**self.phases, "steps": self.steps, "epoch_s": t1 - self.t_start,
-                      "setup_sync_s": self.setup_sync_s}  # fmt: skip
+                      "setup_sync_s": self.setup_sync_s, "entered": self.entered,
+                      "left": self.left}  # fmt: skip
             Path(out, f"rank{rank}.json").write_text(json.dumps(record))
         return evaluated
 

@@ -11,6 +11,9 @@ compares the gradient buckets sent during backward with one all-reduce after it
 (`overlap=False`, the loop before issue 16), job by job in alternating order:
 
     python -m bench.training --nodes 4 --backends ipc gloo --overlap on off --reps 3
+
+Its table also splits the allreduce share by arrival (`arrival_split`): waiting for
+the last rank to call the all-reduce, and the all-reduce after it.
 """
 
 from __future__ import annotations
@@ -96,7 +99,28 @@ def run_once(
         # share of each phase in the epoch, averaged over ranks
         for ph in PHASES:
             res[ph.replace("_s", "_pct")] = 100 * sum(r[ph] / r["epoch_s"] for r in ranks) / nodes
+        res.update(arrival_split(ranks))
         return res
+
+
+def arrival_split(ranks: list[dict]) -> dict:
+    """The per-step allreduce split in two, as shares of the epoch averaged over ranks:
+    `wait_last_pct`, from a rank's call until the last rank's (no all-reduce can end
+    before every rank has called it: the price of the slowest), and `after_last_pct`,
+    from the last rank's call until this rank's return (what communication itself
+    costs). Steps every rank took; the rest of the allreduce phase (epoch-end
+    synchronize, a longer rank's extra steps) is in neither."""
+    if not all(r.get("entered") for r in ranks):
+        return {}
+    steps = min(len(r["entered"]) for r in ranks)
+    last = [max(r["entered"][s] for r in ranks) for s in range(steps)]
+    wait = after = 0.0
+    for r in ranks:
+        w = sum(min(last[s], r["left"][s]) - r["entered"][s] for s in range(steps))
+        a = sum(max(0.0, r["left"][s] - last[s]) for s in range(steps))
+        wait += w / r["epoch_s"]
+        after += a / r["epoch_s"]
+    return {"wait_last_pct": 100 * wait / len(ranks), "after_last_pct": 100 * after / len(ranks)}
 
 
 def run(args, emit) -> list[dict]:
@@ -183,22 +207,26 @@ def main(argv: list[str] | None = None) -> int:
     cmd = " ".join(["python -m bench.training", *(argv if argv is not None else sys.argv[1:])])
     print(f"`{cmd}`, one epoch of examples/mnist.py per job, median (min-max) of {a.reps}.\n")
     print("| processes | backend | buckets during backward | samples/s | allreduce % | "
+          "waiting for the last rank % | after the last rank called % | "
           "loading % | compute % | test accuracy |")  # fmt: skip
-    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
         ok = [r for r in results[cfg] if "error" not in r]
         if not ok:
             print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | error: "
-                  f"{results[cfg][0]['error'][:100]} | | | | |")  # fmt: skip
+                  f"{results[cfg][0]['error'][:100]} | | | | | | |")  # fmt: skip
             continue
 
         def col(key, digits=0, ok=ok):
             vals = [r[key] for r in ok if r.get(key) is not None]
+            if not vals:
+                return "-"
             med = statistics.median(vals)
             return f"{med:,.{digits}f} ({min(vals):,.{digits}f}-{max(vals):,.{digits}f})"
 
         print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {col('items_per_s')} | "
-              f"{col('allreduce_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
+              f"{col('allreduce_pct', 1)} | {col('wait_last_pct', 1)} | "
+              f"{col('after_last_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
               f"{col('test_accuracy', 4)} |")  # fmt: skip
     return 0
 

@@ -17,6 +17,11 @@ late, or the trainable parameters changed, every node all-reduces its gradients 
 more, so the result is always the sum of what each node holds when it ends the step.
 Nodes that finished their epoch run the same sequence with `finished=True`
 (`finish_step(contribute=False)`), until a step in which nobody contributes.
+
+A communicator with `all_reduce_counted` (the flat backends: TorchDistributed) gets one
+more slot at the end of every bucket for its contributor count, so a bucket travels in
+its own memory as one collective, as DDP's do; otherwise a bucket is an ordinary
+`all_reduce` (the `ipc` tree counts the nodes in its own messages).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from torch import nn
 from .comm import Communicator, Completed, start_all_reduce
 
 __all__ = ["GradientBuckets", "compressed_scale", "wire_dtype"]
+
+# Buckets up to this size that backward did not fill are copied in with one call.
+_BULK_BYTES = 1 << 20
 
 
 def wire_dtype(dtype: torch.dtype, compress: torch.dtype | None) -> torch.dtype:
@@ -61,13 +69,14 @@ class _Bucket:
     """
 
     __slots__ = (
-        "alias", "cur", "extra", "filling", "flats", "handle", "params", "pending",
+        "alias", "cur", "extra", "filling", "flats", "handle", "numel", "params", "pending",
         "ready", "scale", "views",
     )  # fmt: skip
 
     def __init__(self, params: list[nn.Parameter], wire: torch.dtype, extra: int) -> None:
         self.params = params
-        self.extra = extra  # the last bucket's slot for the "late" flag
+        self.numel = sum(p.numel() for p in params)  # the gradients; then `extra` slots:
+        self.extra = extra  # the last bucket's "late" flag, the communicator's count
         self.alias = wire == params[0].dtype
         self.flats: list[torch.Tensor] = []
         self.views: list[list[torch.Tensor]] = []
@@ -78,8 +87,7 @@ class _Bucket:
         self.reset()
 
     def _add_buffer(self, wire: torch.dtype) -> None:
-        numel = sum(p.numel() for p in self.params)
-        flat = torch.zeros(numel + self.extra, dtype=wire, device=self.params[0].device)
+        flat = torch.zeros(self.numel + self.extra, dtype=wire, device=self.params[0].device)
         views, offset = [], 0
         for p in self.params:
             views.append(flat[offset : offset + p.numel()].view(p.shape))
@@ -153,6 +161,9 @@ class GradientBuckets:
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
         self.wire_dtype = wire_dtype
+        # The communicator sums a buffer with a slot for the count (backends/_flat.py):
+        # every bucket carries that slot and travels as it is, in one collective.
+        self.counted = callable(getattr(comm, "all_reduce_counted", None))
         self.syncing = True  # False inside AllReduceSGD.no_sync(): hooks only accumulate
         self.expect_normalize = True  # the mean, not the sum (as the last step asked)
         self.buckets: list[_Bucket] = []
@@ -199,7 +210,7 @@ class GradientBuckets:
             )
         last = len(groups) - 1
         self.buckets = [
-            _Bucket(members, self._wire(members[0].dtype), extra=int(i == last))
+            _Bucket(members, self._wire(members[0].dtype), extra=int(i == last) + self.counted)
             for i, members in enumerate(groups)
         ]
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -254,7 +265,13 @@ class GradientBuckets:
             self.stats["started_in_backward"] += 1
 
     def _launch(self, bucket: _Bucket, contribute: bool, wait: bool = False) -> None:
-        if wait:
+        if self.counted:
+            # The bucket's own memory with the count in its last slot: one collective.
+            out = self.comm.all_reduce_counted(
+                bucket.flat, finished=not contribute, async_op=not wait
+            )
+            bucket.handle = Completed(out) if wait else out
+        elif wait:
             # The last bucket, started when nothing is left to overlap with: the
             # synchronous call skips the hand-off to a communication thread.
             count = self.comm.all_reduce(bucket.flat, finished=not contribute)
@@ -282,6 +299,26 @@ class GradientBuckets:
             else:
                 view.copy_(grad)
 
+    def _copy_rest(self, bucket: _Bucket, views: list[torch.Tensor]) -> None:
+        """Copy in what the hooks did not (no hooks, no_sync(), unused parameters)."""
+        grads = [p.grad for p in bucket.params]
+        if (
+            bucket.alias
+            and bucket.numel * bucket.flat.element_size() <= _BULK_BYTES
+            and not any(bucket.ready)
+            and all(g is not None for g in grads)
+        ):
+            # A small bucket in two calls, not two per parameter: here Python costs more
+            # than a second pass over the bytes (the MNIST model: 35 us against 13 us).
+            with torch.no_grad():
+                torch._foreach_copy_(views, grads)
+                if bucket.scale != 1.0:
+                    bucket.flat[: bucket.numel].mul_(bucket.scale)
+            return
+        for i, ready in enumerate(bucket.ready):
+            if not ready:
+                self._copy_in(bucket, i, views)
+
     def _land(self, count: int | None) -> None:
         """Results into `.grad`: the sum, or the mean over `count` nodes."""
         with torch.no_grad():
@@ -290,7 +327,7 @@ class GradientBuckets:
                 views = bucket.views[bucket.cur]
                 if bucket.alias:
                     if factor != 1.0:  # e.g. fewer contributors than nodes
-                        bucket.flat[: bucket.flat.numel() - bucket.extra].mul_(factor)
+                        bucket.flat[: bucket.numel].mul_(factor)
                     for p, view in zip(bucket.params, views, strict=True):
                         if p.grad is not view:
                             p.grad = view
@@ -310,18 +347,16 @@ class GradientBuckets:
         and leaves in `self.late_nodes` how many nodes said they were late."""
         last = self.buckets[-1]
         for bucket in self.buckets[self.launched :]:
-            self._target(bucket)  # (a finished node's buffer is overwritten too)
+            views = self._target(bucket)  # (a finished node's buffer is overwritten too)
             if contribute:
-                for i, ready in enumerate(bucket.ready):
-                    if not ready:
-                        self._copy_in(bucket, i)
+                self._copy_rest(bucket, views)
             if bucket is last:
-                last.flat[-1] = 1 if (late and contribute) else 0
+                last.flat[last.numel] = 1 if (late and contribute) else 0
             self._launch(bucket, contribute, wait=bucket is last)
         count = 0
         for bucket in self.buckets:
             count = bucket.handle.wait()
-        self.late_nodes = round(last.flat[-1].item())
+        self.late_nodes = round(last.flat[last.numel].item())
         return count
 
     def _reset(self) -> None:

@@ -10,6 +10,11 @@ its collectives in the same order.
 
 A communicator offers the asynchronous form if its `all_reduce` takes `async_op`
 (`supports_async`); `start_all_reduce` gives callers one way to use either.
+
+The flat backends (backends/_flat.py) also offer `all_reduce_counted(flat, finished,
+async_op)`: the sum of one 1-D buffer whose last element the caller left free for the
+count, so the count needs neither a copy of the data nor a collective of its own.
+Gradient buckets use it where it exists (distlearn.buckets).
 """
 
 from __future__ import annotations

@@ -82,6 +82,17 @@ def protocol(comm, cfg) -> dict:
     view = big.t()
     comm.all_reduce(view)
     out["noncontiguous"] = big
+    if hasattr(comm, "all_reduce_counted"):
+        # A buffer whose last slot is left for the count (how gradient buckets travel),
+        # odd nodes finished; then every node in, synchronously.
+        for dtype in (torch.float32, torch.bfloat16):
+            flat = torch.full((6,), r + 1.0, dtype=dtype)
+            handle = comm.all_reduce_counted(flat, finished=r % 2 == 1, async_op=True)
+            out[f"counted.{dtype}.count"] = handle.wait()
+            out[f"counted.{dtype}.value"] = flat[:-1]
+        flat = torch.full((3,), r + 1.0, dtype=torch.float64)
+        out["counted.sync.count"] = comm.all_reduce_counted(flat)
+        out["counted.sync.value"] = flat[:-1]
     comm.barrier()
     return out
 

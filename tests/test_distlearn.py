@@ -245,6 +245,15 @@ def test_protocol(run, comm, num_nodes):
         assert_same(
             res["noncontiguous"], torch.arange(12, dtype=torch.float32).reshape(3, 4) * total
         )
+        if comm == "gloo":  # the flat backends' count in the caller's last slot
+            for dtype in (torch.float32, torch.bfloat16):
+                assert res[f"counted.{dtype}.count"] == len(even)
+                want = torch.full((5,), float(sum(r + 1 for r in even)), dtype=dtype)
+                assert_same(res[f"counted.{dtype}.value"], want, what=f"counted {dtype}")
+            assert res["counted.sync.count"] == n
+            assert_same(
+                res["counted.sync.value"], torch.full((2,), float(total), dtype=torch.float64)
+            )
 
 
 # -- AllReduceSGD ----------------------------------------------------------------------

@@ -14,6 +14,7 @@ backends whose primitive cannot run in the background (XLA) keep the synchronous
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from ..tensors import leaves
 _OPS = ("sum", "max", "min")
 
 
+@functools.cache
 def _exact_integers(dtype: torch.dtype) -> int:
     """The largest count a dtype holds exactly (a sum of 0/1 flags must not round)."""
     if dtype.is_floating_point:
@@ -206,6 +208,38 @@ class FlatCommunicator:
             raise ValueError("all_reduce needs at least one tensor (to carry the count)")
         handle = self._start(members, op, finished)
         return handle if async_op else handle.wait()
+
+    def all_reduce_counted(
+        self, flat: torch.Tensor, finished: bool = False, async_op: bool = False
+    ) -> Any:
+        """Sum one 1-D buffer whose last element the caller left free for the count.
+
+        This node's flag (1, or 0 if `finished`, whose other elements become 0) goes in
+        that slot and the whole buffer is one collective, in the caller's memory: no
+        packing, no second collective. Returns the count (a handle with `async_op`);
+        the slot holds the count afterwards. Gradient buckets travel this way. Where
+        the dtype cannot count the nodes exactly, the slot is left out and the count
+        travels the usual way.
+        """
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() < 2:
+            raise ValueError("all_reduce_counted takes a contiguous 1-D buffer of 2+ elements")
+        if self.num_nodes > _exact_integers(flat.dtype):
+            handle = self._start([flat[:-1]], "sum", finished)
+            return handle if async_op else handle.wait()
+        with torch.no_grad():
+            if finished:
+                flat.zero_()
+            else:
+                flat[-1] = 1
+
+        def count() -> int:
+            return round(flat[-1].item())
+
+        if async_op:
+            return _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
+        self._all_reduce_flat(flat, "sum")
+        self._sync()
+        return count()
 
     def _start(self, members: list[torch.Tensor], op: str, finished: bool) -> _Pending:
         """Start one collective per (device, dtype) group. The count rides in the first
