@@ -34,14 +34,13 @@ import json
 import logging
 import mmap
 import os
-import stat
 import threading
 import weakref
 from dataclasses import dataclass
 
 import zmq
 
-from . import wire
+from . import runtime, wire
 from .errors import PeerError
 from .link import Link
 from .wire import WireError
@@ -311,13 +310,7 @@ def attach(offer: object) -> PeerArena | None:
         return None
     try:
         st = os.fstat(hfd)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or st.st_uid != os.getuid()
-            or st.st_mode & 0o077
-            or st.st_nlink != 0
-            or st.st_size != size
-        ):
+        if not runtime.private_file(st) or st.st_nlink != 0 or st.st_size != size:
             return None
         m = mmap.mmap(hfd, size)
     except OSError:

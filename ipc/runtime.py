@@ -105,6 +105,11 @@ def create_private(directory: Path, name: str, data: bytes) -> None:
         os.close(dfd)
 
 
+def private_file(st: os.stat_result) -> bool:
+    """Whether `st` is a regular file of ours that no other user can read or write."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
 def read_private(directory: Path, name: str) -> bytes | None:
     """The content of `directory/name` if it is a regular file of ours that only we
     can read (at most MAX_FILE bytes); None if it is missing or fails a check."""
@@ -117,12 +122,7 @@ def read_private(directory: Path, name: str) -> bytes | None:
         os.close(dfd)
     try:
         st = os.fstat(fd)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or st.st_uid != os.getuid()
-            or st.st_mode & 0o077
-            or st.st_size > MAX_FILE
-        ):
+        if not private_file(st) or st.st_size > MAX_FILE:
             log.warning("ipc: ignored %s/%s: not a private regular file of ours", directory, name)
             return None
         return os.read(fd, MAX_FILE)
