@@ -17,10 +17,9 @@ import csv
 import random
 
 import pytest
+from test_csvscan import summary, write_rows
 
 from distlearn.dataset import BadIndex, csvarrow, csvindex, open_index
-
-from test_csvscan import summary, write_rows
 
 pytestmark = pytest.mark.skipif(csvarrow.pa is None, reason="pyarrow is not installed")
 
