@@ -199,6 +199,8 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
     table = NameRows(names.buf, start.astype(small_int(len(names.buf), signed=False)),
                      length.astype(small_int(int(length.max()))), resolver)  # fmt: skip
     ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], len(start))
+    del columns, names
+    csvarrow.pool().release_unused()  # what the split held, back to the system
     return table, ptr, ids, label_names, lambda r: _line_of(source, sep, r), ascending
 
 
