@@ -3,13 +3,15 @@
 pyarrow's reader (C++, both cores) splits a file several times faster than the
 numpy passes of :mod:`dataset.csvscan`, and hands each column over as one
 buffer of values and an array of offsets into it: the layout of
-:class:`dataset.index.NameRows`, with no copy. It is used only where its
-result is provably the csv module's: :func:`split` returns None, and the
-caller falls back to :func:`dataset.csvscan.scan`, for a file with NUL bytes,
-a ``\\r`` that does not end a line with the ``\\n`` after it (or any ``\\r`` in
-a file with quotes), quotes that RFC 4180 does not allow where they stand
-(checked by :func:`dataset.csvscan.check_quotes`), or rows with fewer or more
-fields than the header (ragged rows, which pyarrow refuses).
+:class:`dataset.index.NameRows`. It is used only where its rows are provably
+the csv module's. A file without quotes is split with quotes off (a local one
+read by pyarrow a block at a time): NUL, lone ``\r`` line ends and blank lines
+are then read as the csv module reads them. A file with quotes is split as
+quoted only when its quotes are RFC 4180's (:func:`dataset.csvscan.check_quotes`)
+and it holds no ``\r`` or NUL (a quoted ``\r`` and a lone one differ there).
+Otherwise, and for rows with fewer or more fields than the header (ragged
+rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
+None and the caller falls back to :func:`dataset.csvscan.scan`.
 
 Values come unquoted, their ``""`` escapes undone, NOT stripped: the caller
 strips them (:func:`dataset.csvscan.strip`). No pyarrow: :func:`split` is
@@ -33,15 +35,14 @@ except ImportError:  # pragma: no cover - pyarrow is optional; csvscan does the 
 
 # pyarrow parses the file a block of this many bytes at a time (in parallel), a
 # column comes back as a chunk per block. Small blocks reuse the parser's buffers
-# from the heap: a block of 16 MiB costs 1.5x the page faults of the whole split
-# (most of what a split of millions of rows spends), and leaves 1.4x the memory.
+# from the heap: blocks of 16 MiB cost 1.8x the page faults of the parse (most of
+# what a split of millions of rows spends) and leave 1.4x the memory.
 BLOCK = 1 << 20
 
 
 def pool():
-    """The C library's allocator: pyarrow's default (mimalloc) spends more time in
-    the kernel than parsing on a file of millions of rows (fresh pages, each
-    zeroed again on reuse), 1.7x the wall time of the whole split for 10M rows."""
+    """The C library's allocator: with pyarrow's default (mimalloc) a 10M-row split
+    spent 2.5-5x the kernel time (fresh pages), more than its parse."""
     return pa.system_memory_pool()
 
 

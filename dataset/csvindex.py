@@ -182,9 +182,9 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
     if got is None:
         return None
     header, columns = got
+    if "offset" in header or "length" in header or not sum(len(c) for c in columns[0].chunks):
+        return None  # (before Columns, which logs the unknown columns: once)
     cols = Columns(header, index)
-    if cols.offset is not None or not sum(len(c) for c in columns[0].chunks):
-        return None
     names = columns[cols.file].joined()
     start, end = strip(names.buf, names.start, names.end)
     if (start == end).any():
