@@ -196,8 +196,9 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
             pc.less_equal(names.array[:-1], names.array[1:], memory_pool=pool)
         )
     length = end - start
-    table = NameRows(names.buf, start.astype(small_int(len(names.buf), signed=False)),
-                     length.astype(small_int(int(length.max()))), resolver)  # fmt: skip
+    dt = small_int(len(names.buf), signed=False)
+    start = start.view(dt) if start.dtype == np.int32 and dt == np.uint32 else start.astype(dt)
+    table = NameRows(names.buf, start, length.astype(small_int(int(length.max()))), resolver)
     ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], len(start))
     del columns, names
     csvarrow.pool().release_unused()  # what the split held, back to the system
