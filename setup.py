@@ -27,6 +27,8 @@ install_requires = [
     "fsspec>=2023.6",
     "filelock>=3.12",
     "tqdm>=4.60",
+    # CSV indexes split by its C++ reader (dataset/csvarrow.py); without it, by numpy
+    "pyarrow>=14",
 ]
 
 extras = {

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from . import bytesort
+from . import bytesort, csvarrow
 from . import sources as src
-from .csvscan import Fields, scan, scan_rows
+from .csvarrow import pa, pc
+from .csvscan import Fields, scan, scan_rows, strip
 from .errors import BadIndex, IndexNotFound
 from .fetch import Fetcher, read_bytes
 from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int
@@ -133,29 +134,118 @@ def from_csv(
     when there is one, else resolve against the index's own folder. Absolute
     URLs and paths are used as they are, within :func:`dataset.sources.check_scheme`.
     """
-    try:
-        data = read_bytes(index, cache=cache, fetcher=fetcher)
-    except IndexNotFound as err:
-        raise IndexNotFound(f"index not found: {err}") from None
-    assert data is not None
+    path = src.local_path(index)
+    local = path is not None and os.path.isfile(path)  # read by pyarrow, a block at a time
+    data = None if local else _read(index, cache, fetcher)
     if sep is None:
         sep = "\t" if index.lower().split("?", 1)[0].endswith(".tsv") else ","
     prefix, meta_params = read_meta(index, meta, cache, fetcher)
     query = src.query_string(url_params if url_params is not None else meta_params)
     resolver = Resolver(src.parent_of(index), prefix, query)
-    if not data.isascii():
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise BadIndex(f"{index}: not UTF-8 text ({err})") from err
-    fields = scan(data, sep)
-    if fields is not None:
+    got = _from_arrow(path if local else data, index, sep, resolver)
+    if got is None and data is None:
+        data = _read(index, cache, fetcher)
+        got = _from_arrow(data, index, sep, resolver) if b'"' in data else None
+    ascending = None
+    if got is not None:
+        table, ptr, ids, names, line_of, ascending = got
+    elif (fields := scan(data, sep)) is not None:
         table, ptr, ids, names, line_of = _from_fields(fields, index, sep, resolver)
     else:
         table, ptr, ids, names, line_of = _from_rows(data, index, sep, resolver)
     if src.scheme(index) != "file":
         _check_schemes(table, index, allow_schemes, line_of)
-    return labelled(table, ptr, ids, names, index, multi_hot=multi_hot)
+    return labelled(table, ptr, ids, names, index, multi_hot=multi_hot, ascending=ascending)
+
+
+def _read(index: str, cache: Any, fetcher: Fetcher | None) -> bytes:
+    """The index file's bytes, checked to be UTF-8."""
+    try:
+        data = read_bytes(index, cache=cache, fetcher=fetcher)
+    except IndexNotFound as err:
+        raise IndexNotFound(f"index not found: {err}") from None
+    assert data is not None
+    if not data.isascii():
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadIndex(f"{index}: not UTF-8 text ({err})") from err
+    return data
+
+
+def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
+    """The rows as :func:`_from_fields` reads them, split by pyarrow (see
+    :mod:`dataset.csvarrow`), and whether each name is <= the next; None where the
+    scanner must read the file (what pyarrow refuses, offset/length columns, an
+    empty filename: the scanner's errors name the line)."""
+    got = csvarrow.split(source, sep)
+    if got is None:
+        return None
+    header, columns = got
+    if "offset" in header or "length" in header or not sum(len(c) for c in columns[0].chunks):
+        return None  # (before Columns, which logs the unknown columns: once)
+    cols = Columns(header, index)
+    names = columns[cols.file].joined()
+    start, end = strip(names.buf, names.start, names.end)
+    if (start == end).any():
+        return None
+    ascending = None
+    if start is names.start and end is names.end:  # the values as pyarrow holds them
+        pool = csvarrow.pool()
+        ascending = csvarrow.flags(
+            pc.less_equal(names.array[:-1], names.array[1:], memory_pool=pool)
+        )
+    length = end - start
+    dt = small_int(len(names.buf), signed=False)
+    start = start.view(dt) if start.dtype == np.int32 and dt == np.uint32 else start.astype(dt)
+    table = NameRows(names.buf, start, length.astype(small_int(int(length.max()))), resolver)
+    ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], len(start))
+    del columns, names
+    csvarrow.pool().release_unused()  # what the split held, back to the system
+    return table, ptr, ids, label_names, lambda r: _line_of(source, sep, r), ascending
+
+
+def _arrow_labels(columns: list[list], n: int):
+    """``(ptr, ids, names)`` for :func:`dataset.index.labelled`, from the chunks of pyarrow's
+    label columns: one dictionary over all of them, its few values stripped in Python."""
+    if not columns:
+        return np.zeros(n + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
+    chunks = [c for col in columns for c in col if len(c)]
+    pool = csvarrow.pool()
+    if all(pa.types.is_dictionary(c.type) for c in chunks):
+        coded = pa.chunked_array(chunks).unify_dictionaries(memory_pool=pool)
+    else:
+        plain = [c.dictionary_decode() if pa.types.is_dictionary(c.type) else c for c in chunks]
+        coded = pc.dictionary_encode(pa.chunked_array(plain), memory_pool=pool)
+    names = [v.strip() for v in coded.chunk(0).dictionary.to_pylist()]
+    ids = np.concatenate([np.frombuffer(c.indices.buffers()[1], dtype=np.int32, count=c.offset +
+                          len(c))[c.offset :] for c in coded.chunks])  # fmt: skip
+    if len(columns) > 1:  # row by row, in column order
+        ids = ids.reshape(len(columns), n).T.ravel()
+    used = np.bincount(ids, minlength=len(names)) > 0  # the header's is in the dictionary
+    names = [name if use else None for name, use in zip(names, used.tolist(), strict=True)]
+    if all(name is None or name for name in names):
+        if len(columns) == 1:
+            return None, ids, names
+        keep = np.ones(len(ids), dtype=bool)
+    else:  # empty labels (a row without one) are left out
+        keep = np.asarray([name != "" for name in names])[ids]
+        names = [name or None for name in names]
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(keep.reshape(n, len(columns)).sum(axis=1), out=ptr[1:])
+    return ptr, ids[keep], names
+
+
+def _line_of(source: str | bytes, sep: str, r: int) -> int:
+    """The line on which row `r` after the header starts (for an error message)."""
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            source = f.read()
+    fields = scan(source, sep)
+    if fields is not None:
+        return fields.line_of(_Body(fields).row(r))
+    _, rows = scan_rows(source.decode("utf-8-sig"), sep, "")
+    return [line for line, row in rows if row and (len(row) > 1 or row[0].strip())][r]
 
 
 def _check_schemes(table: NameRows, index: str, allow: frozenset[str], line_of) -> None:

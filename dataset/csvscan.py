@@ -135,6 +135,8 @@ def _per_row(seps: np.ndarray, nl: np.ndarray, body: int) -> int | None:
 _ODD = _SPACE.copy()
 _ODD[[QUOTE, CR]] = True
 _ODD[128:] = True
+_SPACE_OR_HIGH = _SPACE.copy()
+_SPACE_OR_HIGH[128:] = True
 
 
 def _clean(buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -162,6 +164,31 @@ def _clean_some(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
     quoted = (end > start) & (buf[np.minimum(start, n - 1)] == QUOTE)
     start[quoted] += 1
     end[quoted] -= 1
+    return _strip_some(buf, start, end)
+
+
+def strip(
+    buf: np.ndarray, start: np.ndarray, end: np.ndarray, chunk: int = 1 << 16
+) -> tuple[np.ndarray, np.ndarray]:
+    """Value ranges without their surrounding whitespace, as ``str.strip`` strips it
+    (new arrays where some range changes; one look at the edge bytes finds them)."""
+    n = len(buf)
+    found = []
+    for lo in range(0, len(start), chunk):  # small temporaries, reused: no fresh pages
+        s, e = start[lo : lo + chunk], end[lo : lo + chunk]
+        edge = _SPACE_OR_HIGH[buf[np.minimum(s, n - 1)]]
+        edge |= _SPACE_OR_HIGH[buf[e - 1]]
+        if edge.any():
+            found.append(np.flatnonzero(edge & (e > s)) + lo)
+    some = np.concatenate(found) if found else ()
+    if len(some):
+        start, end = start.astype(np.int64), end.astype(np.int64)
+        start[some], end[some] = _strip_some(buf, start[some], end[some])
+    return start, end
+
+
+def _strip_some(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
+    n = len(buf)
     for edge, step in ((start, 1), (end, -1)):
         while True:
             at = edge if step == 1 else edge - 1
@@ -195,7 +222,7 @@ def scan(data: bytes, sep: str) -> Fields | None:
     drop = np.empty(0, dtype=np.int64)
     quotes = find(a, QUOTE)[0] if b'"' in data else None
     if quotes is not None:
-        found = _quotes(a, quotes, body, ord(sep))
+        found = check_quotes(a, quotes, body, ord(sep))
         if found is None:
             return None
         drop = found
@@ -215,7 +242,7 @@ def scan(data: bytes, sep: str) -> Fields | None:
     return Fields(a, body, nl, seps, _per_row(seps, nl, body), drop)
 
 
-def _quotes(a: np.ndarray, quotes: np.ndarray, body: int, sep: int) -> np.ndarray | None:
+def check_quotes(a: np.ndarray, quotes: np.ndarray, body: int, sep: int) -> np.ndarray | None:
     """Check the quotes are RFC 4180's; the positions of the escape quotes to drop, or None.
 
     Quotes alternate open/close. An opening quote starts a field, or is the

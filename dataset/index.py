@@ -412,32 +412,39 @@ def sort_labels(names) -> list[str]:
 
 def labelled(
     table: Any,
-    ptr: np.ndarray,
+    ptr: np.ndarray | None,
     ids: np.ndarray,
-    names: Sequence[str],
+    names: Sequence[str | None],
     origin: str,
     multi_hot: bool = False,
+    ascending: np.ndarray | None = None,
 ) -> Index:
     """An Index of rows with labels, in torch-dataset's example order.
 
     Row r has the labels ``names[ids[j]]`` for j in ``ptr[r]:ptr[r + 1]`` (in
-    column order; a label repeated in a row counts once). Each row with k
+    column order; a label repeated in a row counts once); ``ptr`` None: row r
+    has the one label ``ids[r]``; a name None is one no id refers to. Each row with k
     labels becomes k examples (one with ``multi_hot``); examples are ordered by
     label (unlabeled last), then by the row's name (then offset, length), then
-    by row.
+    by row. `ascending` (optional, n - 1 flags): row r's name is <= row r + 1's, as
+    the parser found it; a file already in that order then costs no sort.
     """
     n = len(table)
-    labels = sort_labels(names)
+    labels = sort_labels(name for name in names if name is not None)
     label_dt = small_int(len(labels) + 1)
     ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids] if len(ids) else ids
     ids = ids.astype(label_dt, copy=False)
-    ptr = ptr.astype(np.int64, copy=False)
-    cnt = np.diff(ptr)
-    if len(cnt) and cnt.max() > 1:
-        ptr, ids, cnt = _dedupe(ptr, ids, cnt)
     row_dt = small_int(n)
-    if len(ids) == n and (cnt == 1).all():  # one label per row: an example per row
-        ex_rows, targets = np.arange(n, dtype=row_dt), ids
+    if ptr is None:
+        ptr = np.arange(n + 1, dtype=small_int(n, signed=False))
+        cnt = None
+    else:
+        ptr = ptr.astype(np.int64, copy=False)
+        cnt = np.diff(ptr)
+        if len(cnt) and cnt.max() > 1:
+            ptr, ids, cnt = _dedupe(ptr, ids, cnt)
+    if cnt is None or (len(ids) == n and (cnt == 1).all()):  # one label per row: an
+        ex_rows, targets = np.arange(n, dtype=row_dt), ids  # example per row
     elif multi_hot:
         ex_rows = np.arange(n, dtype=row_dt)
         targets = np.full(n, -1, dtype=label_dt)
@@ -449,17 +456,30 @@ def labelled(
         targets = np.full(len(ex_rows), -1, dtype=label_dt)
         ex_start = np.cumsum(k) - k
         targets[np.repeat(ex_start - ptr[:-1], cnt) + np.arange(len(ids))] = ids
-    group = np.where(targets < 0, len(labels), targets).astype(label_dt, copy=False)
-    order = table.order(None if len(ex_rows) == n else ex_rows, group)  # a row per example
-    seq = ex_rows[order]
-    row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False)), ids)
-    return Index(table, row_labels, labels, origin, rows=seq, targets=targets[order],
+    group = targets if targets is ids else np.where(targets < 0, len(labels), targets)
+    group = group.astype(label_dt, copy=False)
+    row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False), copy=False), ids)
+    if ascending is not None and len(ex_rows) == n and _in_order(group, ascending):
+        seq = ex_rows  # already in order: no sort, no gathers
+    else:
+        order = table.order(None if len(ex_rows) == n else ex_rows, group)  # a row per example
+        seq, targets = ex_rows[order], targets[order]
+    return Index(table, row_labels, labels, origin, rows=seq, targets=targets,
                  multi_hot=multi_hot)  # fmt: skip
 
 
-def _remap(names: Sequence[str], labels: list[str]) -> list[int]:
+def _in_order(group: np.ndarray, ascending: np.ndarray) -> bool:
+    """Whether rows are already sorted by (group, name): groups never decrease, and
+    within one the names never do (`ascending`)."""
+    if len(group) < 2:
+        return True
+    step = np.subtract(group[1:], group[:-1])  # label ids: no overflow in their own type
+    return bool((step >= 0).all() and (ascending | (step > 0)).all())
+
+
+def _remap(names: Sequence[str | None], labels: list[str]) -> list[int]:
     where = {name: i for i, name in enumerate(labels)}
-    return [where[x] for x in names]
+    return [where.get(x, 0) if x is None else where[x] for x in names]
 
 
 def _dedupe(ptr: np.ndarray, ids: np.ndarray, cnt: np.ndarray):

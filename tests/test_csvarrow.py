@@ -1,0 +1,154 @@
+"""pyarrow's CSV split against the numpy scanner and the csv module: the same index.
+
+Index files are written by ``csv.writer`` (minimal and full quoting, LF and
+CRLF line ends, a byte order mark, no newline at the end, blank lines) from
+names and labels full of separators, quotes, newlines, whitespace (ASCII and
+not) and non-ASCII text, with empty labels and several label columns, then
+opened three ways: as :func:`dataset.csvindex.from_csv` chooses (pyarrow where
+it vouches for the result), with pyarrow refused (the numpy scanner), and with
+both refused (``csv.reader``). Ragged rows, lone CRs, NULs and quotes RFC 4180
+does not allow must reach the scanner or the csv module, and give their index
+or their error as before.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+
+import pytest
+from test_csvscan import summary, write_rows
+
+from distlearn.dataset import BadIndex, csvarrow, csvindex, open_index
+
+pytestmark = pytest.mark.skipif(csvarrow.pa is None, reason="pyarrow is not installed")
+
+NAME = ["a", "b", "/", ".", "é", "x y", ",", '"', "\n", "\r\n", "\t", " ", "\u00a0", "\u3000"]
+LABELS = ["cat", "dog", "10", "2", "a,b", 'say "hi"', "  x  ", "x", "\u00a0é\u00a0", ""]
+
+
+def _rows(rng: random.Random, n: int, plain: bool, width: int) -> list[list[str]]:
+    alphabet = NAME[:6] if plain else NAME
+    labels = [x for x in LABELS if not (plain and ('"' in x or "," in x))]
+    rows = [["filename"] + [f"label{k}" for k in range(width)]]
+    for _ in range(n):
+        name = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6)))
+        rows.append([f"n{name}z", *(rng.choice(labels) for _ in range(width))])
+    return rows
+
+
+class Routes:
+    """Which reader gave each open: pyarrow by path, pyarrow from bytes, or neither."""
+
+    def __init__(self, monkeypatch):
+        self.taken: list[str] = []
+        real = csvarrow.split
+
+        def split(source, sep):
+            got = real(source, sep)
+            if got is not None:
+                self.taken.append("path" if isinstance(source, str) else "bytes")
+            return got
+
+        monkeypatch.setattr(csvarrow, "split", split)
+
+
+def three_ways(path, monkeypatch, **kw):
+    """The index as from_csv reads it, by the numpy scanner, and by the csv module."""
+    got = []
+    for refuse in ((), ("arrow",), ("arrow", "scan")):
+        with monkeypatch.context() as m:
+            if "arrow" in refuse:
+                m.setattr(csvarrow, "pa", None)
+            if "scan" in refuse:
+                m.setattr(csvindex, "scan", lambda data, sep: None)
+            try:
+                got.append(open_index(str(path), **kw))
+            except BadIndex as err:
+                got.append(str(err))
+    return got
+
+
+def same(indexes) -> None:
+    first, *others = indexes
+    for other in others:
+        if isinstance(first, str) or isinstance(other, str):
+            assert first == other
+            continue
+        assert first.labels == other.labels
+        assert summary(first) == summary(other)
+        assert first.rows.tolist() == other.rows.tolist()
+        assert [first.table.raw(r) for r in range(first.num_rows)] == [
+            other.table.raw(r) for r in range(other.num_rows)
+        ]
+
+
+@pytest.mark.parametrize("quoting", [csv.QUOTE_MINIMAL, csv.QUOTE_ALL])
+@pytest.mark.parametrize("terminator", ["\n", "\r\n"])
+@pytest.mark.parametrize("plain", [True, False])
+def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting, terminator, plain):
+    rng = random.Random(f"{quoting}{terminator!r}{plain}")
+    path = tmp_path / "index.csv"
+    routes = Routes(monkeypatch)
+    for trial in range(8):
+        rows = _rows(rng, 150, plain, width=trial % 3)
+        if trial % 2:
+            rows[1:] = sorted(rows[1:], key=lambda r: (r[1:2], r[0]))  # the sorted-file shortcut
+        data = write_rows(rows, quoting, terminator)
+        if trial % 4 == 1:
+            data = b"\xef\xbb\xbf" + data  # a byte order mark
+        if trial % 4 == 2:
+            data = data[: -len(terminator)]  # no newline at the end
+        if trial % 4 == 3:
+            data = data.replace(terminator.encode(), terminator.encode() * 2, 3)  # blank lines
+        path.write_bytes(data)
+        routes.taken.clear()
+        got = three_ways(path, monkeypatch)
+        assert not isinstance(got[0], str), got[0]
+        same(got)
+        if b'"' not in data:
+            assert routes.taken == ["path"]
+        elif b"\r" not in data:  # a quoted file with a "\r" is the scanner's
+            assert routes.taken == ["bytes"]
+        else:
+            assert routes.taken == []
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"filename,label\na.png,x\nb.png\nc.png,y\n",  # ragged: fewer fields
+        b"filename,label1,label2\na.png,x\nb.png,y,z\n",
+        b"filename,label\na.png,x\nb.png,y,z\n",  # more fields than the header
+        b"filename,label\na.png,x\n   \nb.png,y\n",  # a line of spaces is blank
+        b'filename,label\na.png,x\n"b.png",y\nab"c,d\n',  # a quote inside a field
+        b'filename,label\na.png,x\n"x"y,d\n',  # text after a closing quote
+        b"filename,label\na.png,x\rb.png,y\r\n",  # a lone CR ends a line
+        b"filename,label\na.png,x\nb\0.png,y\n",  # NUL
+        b"filename,label\na.png,x\n,y\n",  # an empty filename
+        b"filename,label\na.png,x\n  ,y\n",
+        b"filename\na.png\n\n  \nb.png\n",
+        b"filename,label\n",  # no items
+        b"filename,label\na.png,\xff\n",  # not UTF-8
+        b"filename,label\na.png,\xed\xa0\x80\n",  # a surrogate: not UTF-8 for Python
+        b"filename,offset,length\na.bin,1,2\nb.bin, 3 ,4\n",
+        b'filename,label\n"a\rb.png",x\n',  # a quoted CR
+        b"filename,label\na.png,x\nb.png,\t\n c.png , y \n",
+        b"file,label\na.png,x\n",  # no filename column
+    ],
+)
+def test_what_pyarrow_refuses_reads_as_before(tmp_path, monkeypatch, data):
+    path = tmp_path / "i.csv"
+    path.write_bytes(data)
+    same(three_ways(path, monkeypatch))
+
+
+def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)  # many blocks: chunks joined
+    rng = random.Random(0)
+    rows = _rows(rng, 3000, plain=True, width=2)
+    path = tmp_path / "i.tsv"
+    path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n", sep="\t"))
+    routes = Routes(monkeypatch)
+    same(three_ways(path, monkeypatch))
+    assert routes.taken[:1] == ["path"]
