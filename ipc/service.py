@@ -19,9 +19,11 @@ capped (`Limits.max_frame`) before it is read; large tensors travel in frames
 of at most 1 MiB, or, between processes of one host, through shared memory
 (:mod:`ipc.bulk`: a header on the link, the bytes in the sender's arena).
 
-Everything runs in the caller's thread (no hand-off, so a round trip costs two
-socket hops); ZeroMQ's own I/O thread answers heartbeats meanwhile, so a dead
-or frozen peer is noticed while you compute. A dead client is named by
+A client of the same user on the same host sends and receives on a direct Unix
+stream socket bound to its authenticated link by a one-time nonce (:mod:`ipc.direct`):
+a round trip is two plain socket writes, without ZeroMQ's I/O threads. Everything
+runs in the caller's thread; ZeroMQ's own I/O thread answers heartbeats meanwhile,
+so a dead or frozen peer is noticed while you compute. A dead client is named by
 `PeerError` once its last message has been read; `broadcast` skips it.
 Not thread-safe: use a Server or a Client from one thread at a time.
 """
@@ -198,7 +200,10 @@ class Server:
                 self._listener.on_change = self._watch_waiting
                 self._endpoint.watch(self._epoll.fileno())
             except BaseException:
-                self._close_direct()
+                if self._listener is not None:
+                    self._listener.close()
+                if self._epoll is not None:
+                    self._epoll.close()
                 self._endpoint.close(linger=0)
                 raise
         if local:
@@ -562,6 +567,7 @@ class Client:
         if "direct" in record and direct.enabled() and not encrypt:
             raw = direct.connect(record["direct"], timeout)
         self._direct: direct.Direct | None = None
+        self._direct_end: PeerError | None = None  # why the direct socket ended
         self._bulk = bulk.Bulk()
         info = {"pid": os.getpid(), **self._bulk.info()}
         if raw is not None:
@@ -586,7 +592,7 @@ class Client:
             self._endpoint.wait_up([self._link], deadline, f"the server at {host}:{port}")
             self._bulk.up(self._link)
             if raw is not None:
-                if not direct.await_ack(raw[0], deadline, self._service_link):
+                if not direct.await_ack(raw[0], deadline, self._service_refused):
                     raise IPCError(
                         f"{name}: the server at {host}:{port} did not take our direct socket"
                     )
@@ -627,6 +633,11 @@ class Client:
         if self._link.dead is not None:
             raise ep.dead_error(self._link)
 
+    def _service_refused(self) -> None:
+        self._service_link()
+        if self._link.bye is not None:
+            raise PeerError(f"{self.name}: the server dropped the connection")
+
     def _direct_gone(self, why: Exception) -> PeerError:
         """What the end (direct.Closed) or breakage (DirectError) of the socket means."""
         d, link, ep = self._direct, self._link, self._endpoint
@@ -637,14 +648,16 @@ class Client:
             while link.bye is None and link.dead is None and time.monotonic() < until:
                 ep.poll(0.02)
                 ep.inbox.clear()
-            return PeerError(f"{self.name}: the server has closed the connection")
-        ep.mark_dead(
-            link,
-            "its connection closed"
-            if isinstance(why, direct.Closed)
-            else f"it broke the framing ({why})",
-        )
-        return ep.dead_error(link)
+            self._direct_end = PeerError(f"{self.name}: the server has closed the connection")
+        else:
+            ep.mark_dead(
+                link,
+                "its connection closed"
+                if isinstance(why, direct.Closed)
+                else f"it broke the framing ({why})",
+            )
+            self._direct_end = ep.dead_error(link)
+        return self._direct_end
 
     def send(self, obj: object) -> None:
         """Send `obj` to the server; PeerError if it is gone."""
@@ -655,8 +668,8 @@ class Client:
         if d is None:
             self._bulk.send(self._link, obj)
             return
-        if d.sock.fileno() < 0:
-            raise self._endpoint.dead_error(self._link)
+        if self._direct_end is not None:
+            raise self._direct_end
         try:
             if d.send_tensor(obj, self._service_link):
                 return
@@ -680,10 +693,8 @@ class Client:
         deadline = _deadline(timeout)
         d = self._direct
         if d is not None:
-            if d.sock.fileno() < 0:
-                raise PeerError(f"{self.name}: the server has closed the connection") if (
-                    self._link.bye is not None
-                ) else ep.dead_error(self._link)  # fmt: skip
+            if self._direct_end is not None:
+                raise self._direct_end
             try:
                 msg = d.read(True, self._service_link, deadline)
             except (direct.Closed, direct.DirectError) as why:
