@@ -361,6 +361,29 @@ def test_lone_tensors_of_every_dtype_shape_and_layout_round_trip(path):
         server.close()
 
 
+def eager_client(port: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name="eager")
+    c.send(torch.full((2_000_000,), 2.0))  # 8 MB on the socket, while the server sends too
+    got = c.recv()
+    c.send(float(got.sum()))
+    c.close()
+
+
+def test_both_sides_sending_large_messages_at_once_do_not_deadlock(path, monkeypatch):
+    monkeypatch.setenv("IPC_BULK", "0")  # on the socket: far more than its buffers hold
+    server = ipc.Server(token=TOKEN)
+    p = forked(eager_client, server.port)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            on_path([conn], path)
+            conn.send(torch.ones(2_000_000))
+            assert torch.equal(conn.recv(timeout=60), torch.full((2_000_000,), 2.0))
+            assert conn.recv(timeout=60) == 2_000_000.0
+    finally:
+        server.close()
+
+
 def closing_client(port: int, out) -> None:
     c = ipc.Client("127.0.0.1", port, token=TOKEN, name="closer")
     c.send("hello")
