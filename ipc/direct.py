@@ -9,9 +9,11 @@ services take a plain socket instead, bound to the authenticated link:
    then dials the ZeroMQ link with the nonce in its handshake info, which the link's
    challenge authenticates. The nonce is in the socket before the handshake starts.
 3. When the server accepts that link it takes the socket that showed the same nonce
-   (once: a nonce is never taken twice), answers one ACK byte on it, and from then on
-   every message between the two goes over it. A socket whose nonce no link claims
-   gets nothing and is closed; strangers of another user cannot reach the directory.
+   (once: a nonce is never taken twice) and answers on it an HMAC of the nonce with
+   the job's secret, which the client checks (whoever answers on that path knows the
+   secret); from then on every message between the two goes over it. A socket whose
+   nonce no link claims gets nothing and is closed; strangers of another user cannot
+   reach the directory.
 
 Framing (every length checked against its cap before anything is read past it):
     prefix  <B kind, B dtype code, H ndim, I nbytes or frame count>
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hmac
 import math
 import os
 import select
@@ -41,10 +44,12 @@ from collections.abc import Callable
 import torch
 
 from . import runtime, wire
+from .auth import Secret
 from .wire import WireError
 
 NONCE = 32
-ACK = b"\x01"
+ACK = b"distlearn-ipc direct ack"  # the server answers secret.mac(ACK, nonce)
+ACK_BYTES = 32
 SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
 HELLO_TIMEOUT = 5.0  # an accepted socket has this long to show a nonce
 MAX_WAITING = 64  # sockets that have not shown a nonce, at most (the oldest go first)
@@ -102,7 +107,8 @@ class Listener:
     """The server's listening socket, and the accepted sockets whose nonce no link has
     claimed yet."""
 
-    def __init__(self):
+    def __init__(self, secret: Secret):
+        self.secret = secret
         self.path = runtime.socket_path("d")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -197,7 +203,7 @@ class Listener:
         if s is None:
             return None
         try:
-            s.send(ACK, _FLAGS)
+            s.send(self.secret.mac(ACK, nonce), _FLAGS)
         except OSError:
             s.close()
             return None
@@ -235,23 +241,31 @@ def connect(path: object, timeout: float) -> tuple[socket.socket, bytes] | None:
     return s, nonce
 
 
-def await_ack(s: socket.socket, deadline: float, service: Callable[[], None]) -> bool:
-    """The client's last step: wait for the server's ACK byte (True), calling `service`
-    between slices (it raises if the link failed); False if the socket ended instead."""
+def await_ack(
+    s: socket.socket, nonce: bytes, secret: Secret, deadline: float, service: Callable[[], None]
+) -> bool:
+    """The client's last step: wait for the server's answer and check it (True), calling
+    `service` between slices (it raises if the link failed); False if the socket ended,
+    the answer was wrong or the deadline passed."""
     p = select.poll()
     p.register(s, _POLLIN)
-    while True:
+    got = b""
+    while len(got) < ACK_BYTES:
         if p.poll(int(SLICE * 1000)):
             try:
-                got = s.recv(1)
+                chunk = s.recv(ACK_BYTES - len(got))
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError:
                 return False
-            return got == ACK
+            if not chunk:
+                return False
+            got += chunk
+            continue
         service()
         if time.monotonic() > deadline:
             return False
+    return hmac.compare_digest(got, secret.mac(ACK, nonce))
 
 
 # ---- one bound connection ----------------------------------------------------------------

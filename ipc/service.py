@@ -194,7 +194,7 @@ class Server:
         self._reading: Connection | None = None  # its socket is read by the caller
         if local and direct.enabled() and not encrypt:
             try:
-                self._listener = direct.Listener()
+                self._listener = direct.Listener(secret)
                 self._epoll = select.epoll()
                 self._epoll.register(self._listener.fileno(), select.EPOLLIN)
                 self._listener.on_change = self._watch_waiting
@@ -592,7 +592,8 @@ class Client:
             self._endpoint.wait_up([self._link], deadline, f"the server at {host}:{port}")
             self._bulk.up(self._link)
             if raw is not None:
-                if not direct.await_ack(raw[0], deadline, self._service_refused):
+                ok = direct.await_ack(*raw, secret, deadline, self._service_refused)
+                if not ok:
                     raise IPCError(
                         f"{name}: the server at {host}:{port} did not take our direct socket"
                     )

@@ -515,6 +515,61 @@ def test_strangers_on_the_direct_socket_get_nothing_and_inject_nothing(monkeypat
         server.close()
 
 
+def impostor_client(port: int, out) -> None:
+    try:
+        c = ipc.Client("127.0.0.1", port, token=TOKEN, timeout=20)
+        c.send("secret stuff")
+        out.send("connected")
+    except ipc.IPCError as err:
+        out.send(f"{type(err).__name__}: {err}")
+
+
+def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
+    import threading
+
+    server = ipc.Server(token=TOKEN)
+    name = f"server-{server.port}.json"
+    record = json.loads(runtime.read_private(runtime.runtime_dir(), name))
+    fake = runtime.socket_path("fake")
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    impostor.bind(fake)
+    impostor.listen(1)
+    heard = []
+
+    def answer():  # takes the nonce, answers without knowing the secret, listens on
+        s, _ = impostor.accept()
+        with s:
+            s.settimeout(15)
+            heard.append(s.recv(direct.NONCE))
+            s.sendall(bytes(direct.ACK_BYTES))
+            with contextlib.suppress(OSError):
+                while chunk := s.recv(4096):
+                    heard.append(chunk)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    # the record file planted by someone who could write our private directory
+    runtime.remove(runtime.runtime_dir(), name)
+    runtime.create_private(
+        runtime.runtime_dir(), name, json.dumps({**record, "direct": fake}).encode()
+    )
+    a, b = CTX.Pipe()
+    p = forked(impostor_client, server.port, b)
+    try:
+        with children(p):
+            with contextlib.suppress(ipc.IPCError):
+                server.clients(1, timeout=5)  # the handshake; the link is then dropped
+            assert a.poll(60)
+            assert a.recv().startswith(("IPCError", "PeerError"))
+        t.join(20)
+        assert len(heard[0]) == direct.NONCE and heard[1:] == []  # nothing more reached it
+        assert server.connections() == []
+    finally:
+        impostor.close()
+        os.unlink(fake)
+        server.close()
+
+
 BAD_FRAMES = {
     "oversized length": direct.PREFIX.pack(direct.FRAMES, 0, 0, 2)
     + struct.pack("<2I", 10, 1 << 31),
