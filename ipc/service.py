@@ -353,8 +353,6 @@ class Server:
                 conn.direct.close(bye=True)
         if self._listener is not None:
             self._listener.close()
-        if self._epoll is not None:
-            self._epoll.close()
 
     def _wait(self, deadline: float | None, what: str) -> None:
         remaining = 3600.0 if deadline is None else deadline - time.monotonic()
@@ -513,6 +511,8 @@ class Server:
             self._close_direct()  # a BYE on each direct socket, then the link's
             self._endpoint.close()
         finally:
+            if self._epoll is not None:
+                self._epoll.close()  # only now: the endpoint's poll watched it
             if self._local_file is not None:
                 runtime.remove(runtime.runtime_dir(), self._local_file)
 
