@@ -192,6 +192,7 @@ class Server:
         self._epoll: select.epoll | None = None
         self._by_fd: dict[int, Connection] = {}
         self._reading: Connection | None = None  # its socket is read by the caller
+        self._serviced = 0.0  # when the endpoint was last looked after
         if local and direct.enabled() and not encrypt:
             try:
                 self._listener = direct.Listener(secret)
@@ -245,6 +246,7 @@ class Server:
 
     def _service(self, timeout: float) -> None:
         ep = self._endpoint
+        self._serviced = time.monotonic()
         ep.poll(timeout)
         while ep.events:
             kind, link = ep.events.popleft()
@@ -370,7 +372,9 @@ class Server:
         """The next message from `conn` (valid until the next read from it)."""
         self._check_open()
         d = conn.direct
-        if d is None:
+        if d is None or time.monotonic() - self._serviced > direct.SLICE:
+            # Handshakes, other clients, liveness: at least every SLICE, even while a
+            # direct client keeps us busy
             self._service(0)
         while True:
             for k, (c, frames) in enumerate(self._pending):
@@ -568,6 +572,7 @@ class Client:
             raw = direct.connect(record["direct"], timeout)
         self._direct: direct.Direct | None = None
         self._direct_end: PeerError | None = None  # why the direct socket ended
+        self._serviced = 0.0  # when the link layer was last looked after
         self._bulk = bulk.Bulk()
         info = {"pid": os.getpid(), **self._bulk.info()}
         if raw is not None:
@@ -625,6 +630,7 @@ class Client:
         """The link layer's work (heartbeats, BYE, BULK_OK) while the direct socket carries
         the messages; raises once the link is dead."""
         ep = self._endpoint
+        self._serviced = time.monotonic()
         ep.poll(0)
         ep.events.clear()
         while ep.inbox:
@@ -697,6 +703,8 @@ class Client:
             if self._direct_end is not None:
                 raise self._direct_end
             try:
+                if time.monotonic() - self._serviced > direct.SLICE:
+                    self._service_link()  # BYE, BULK_OK, liveness, even while busy
                 msg = d.read(True, self._service_link, deadline)
             except (direct.Closed, direct.DirectError) as why:
                 raise self._direct_gone(why) from None

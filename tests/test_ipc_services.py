@@ -384,6 +384,28 @@ def test_both_sides_sending_large_messages_at_once_do_not_deadlock(path, monkeyp
         server.close()
 
 
+def test_a_busy_server_still_lets_new_clients_in(path):
+    server = ipc.Server(token=TOKEN)
+    busy = forked(tensor_echo_client, server.port, 10**9)
+    try:
+        with children(busy):
+            [conn] = server.clients(1, timeout=60)
+            on_path([conn], path)
+            late = forked(echo_client, server.port, 1, 1)
+            with children(late):
+                x, until = torch.ones(2), time.monotonic() + 60
+                while len(server.connections()) < 2:  # never waits: the handshake is
+                    assert time.monotonic() < until  # looked after between messages
+                    conn.send(x)
+                    conn.recv(timeout=60)
+                newcomer = server.connections()[1]
+                newcomer.send("welcome")
+                assert newcomer.recv(timeout=60) == {"from": 1, "value": "welcome"}
+            busy.kill()
+    finally:
+        server.close()
+
+
 def closing_client(port: int, out) -> None:
     c = ipc.Client("127.0.0.1", port, token=TOKEN, name="closer")
     c.send("hello")
