@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hmac
+import itertools
 import math
 import os
 import select
@@ -39,6 +40,7 @@ import socket
 import struct
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -56,6 +58,7 @@ MAX_WAITING = 64  # sockets that have not shown a nonce, at most (the oldest go 
 FAST_MAX = 64 << 10  # tensors up to this size go as TENSOR (larger: FRAMES, maybe bulk)
 MAX_DIMS = 32
 BUF = 256 << 10
+IOV_MAX = 512  # buffers in one sendmsg (the kernel takes at most 1024)
 
 PREFIX = struct.Struct("<BBHI")
 TENSOR, FRAMES, BYE = 1, 2, 3
@@ -343,9 +346,10 @@ class Direct:
         views = None
         while True:
             try:
-                n = self.sock.sendmsg(bufs, (), _FLAGS) if len(bufs) > 1 else (
-                    self.sock.send(bufs[0], _FLAGS)
-                )  # fmt: skip
+                if len(bufs) == 1:
+                    n = self.sock.send(bufs[0], _FLAGS)
+                else:
+                    n = self.sock.sendmsg(bufs[:IOV_MAX], (), _FLAGS)
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError:
@@ -353,22 +357,22 @@ class Direct:
                 raise self.closed from None
             total += n
             if views is None:
-                left = sum(len(b) for b in bufs) if len(bufs) > 1 else len(bufs[0])
-                if n == left:
+                if len(bufs) == 1 and n == len(bufs[0]):
                     break
-                views = [memoryview(b).cast("B") for b in bufs]
-            # Drop what went out; wait for room, reading what the peer sends meanwhile.
-            while n and views:
+                views = deque(memoryview(b).cast("B") for b in bufs)
+            progress = n > 0
+            while n and views:  # drop what went out
                 if n >= len(views[0]):
                     n -= len(views[0])
-                    views.pop(0)
+                    views.popleft()
                 else:
                     views[0] = views[0][n:]
                     n = 0
             if not views:
                 break
-            bufs = views
-            self._wait_writable(service)
+            bufs = list(itertools.islice(views, IOV_MAX)) if len(views) > 1 else [views[0]]
+            if not progress:  # wait for room, reading what the peer sends meanwhile
+                self._wait_writable(service)
         self.msgs_sent += 1
         self.bytes_sent += total
 
