@@ -396,9 +396,9 @@ class Direct:
             if len(buf) > 4 * BUF:  # a large message passed: give its buffer back
                 self._set_buf(bytearray(BUF))
                 buf = self._buf
-        elif self._hi == len(buf):  # full: move the partial message to the front, or grow
-            k = self._hi - self._lo
-            new = buf if self._lo > 0 else bytearray(2 * len(buf))
+        elif len(buf) - self._hi < BUF // 4:  # little room left: move what is unread
+            k = self._hi - self._lo  # to the front, or to a larger buffer
+            new = buf if k <= len(buf) // 2 else bytearray(2 * len(buf))
             if new is buf:
                 buf[:k] = buf[self._lo : self._hi]
             else:
