@@ -55,6 +55,7 @@ ACK_BYTES = 32
 SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
 HELLO_TIMEOUT = 5.0  # an accepted socket has this long to show a nonce
 MAX_WAITING = 64  # sockets that have not shown a nonce, at most (the oldest go first)
+MAX_TAKEN = 1 << 16
 FAST_MAX = 64 << 10  # tensors up to this size go as TENSOR (larger: FRAMES, maybe bulk)
 MAX_DIMS = 32
 BUF = 256 << 10
@@ -124,7 +125,9 @@ class Listener:
         self.sock = sock
         self.waiting: dict[socket.socket, tuple[bytearray, float]] = {}
         self.shown: dict[bytes, tuple[socket.socket, float]] = {}  # nonces not yet claimed
-        self.taken: set[bytes] = set()  # claimed once: a replay is refused
+        # Claimed (or replayed) nonces, the latest MAX_TAKEN: a replay is refused. (Only a
+        # handshake with the secret can claim a nonce at all; this is defence in depth.)
+        self.taken: dict[bytes, None] = {}
         self.on_change: Callable[[socket.socket, bool], None] | None = None
         _open.add(self)
 
@@ -136,6 +139,11 @@ class Listener:
         if self.on_change is not None:
             self.on_change(s, False)
         s.close()
+
+    def _take(self, nonce: bytes) -> None:
+        self.taken[nonce] = None
+        if len(self.taken) > MAX_TAKEN:
+            del self.taken[next(iter(self.taken))]
 
     def _sockets(self) -> list[socket.socket]:
         return [*self.waiting, *(s for s, _ in self.shown.values())]
@@ -178,7 +186,7 @@ class Listener:
                     old = self.shown.pop(nonce, None)
                     if old is not None:
                         old[0].close()
-                    self.taken.add(nonce)
+                    self._take(nonce)
                 else:
                     self.shown[nonce] = (s, since)
             elif now - since > HELLO_TIMEOUT:
@@ -201,7 +209,7 @@ class Listener:
         self.poll()
         if nonce in self.taken:
             return None
-        self.taken.add(nonce)
+        self._take(nonce)
         s, _ = self.shown.pop(nonce, (None, 0.0))
         if s is None:
             return None
