@@ -476,6 +476,29 @@ def test_a_frozen_client_is_named_by_the_heartbeats(path):
         server.close()
 
 
+def test_a_frozen_server_is_named_by_its_clients_heartbeats(path):
+    def freezer(port_pipe):
+        s = ipc.Server(token=TOKEN, liveness=ipc.Liveness(0.5, 3))
+        port_pipe.send(s.port)
+        [conn] = s.clients(1, timeout=60)
+        conn.send(conn.recv(timeout=60))
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    a, b = CTX.Pipe()
+    p = forked(freezer, b)
+    with children(p):
+        c = ipc.Client("127.0.0.1", a.recv(), token=TOKEN, liveness=ipc.Liveness(0.5, 3))
+        try:
+            assert (c._direct is not None) == (path == "direct")
+            c.send("still there?")
+            assert c.recv(timeout=60) == "still there?"
+            with pytest.raises(ipc.PeerError, match=r"ipc server.*frozen"):
+                c.recv(timeout=60)
+        finally:
+            p.kill()
+            c.close()
+
+
 def _direct_path(server: ipc.Server) -> str:
     record = runtime.read_private(runtime.runtime_dir(), f"server-{server.port}.json")
     return json.loads(record)["direct"]
