@@ -19,9 +19,11 @@ capped (`Limits.max_frame`) before it is read; large tensors travel in frames
 of at most 1 MiB, or, between processes of one host, through shared memory
 (:mod:`ipc.bulk`: a header on the link, the bytes in the sender's arena).
 
-Everything runs in the caller's thread (no hand-off, so a round trip costs two
-socket hops); ZeroMQ's own I/O thread answers heartbeats meanwhile, so a dead
-or frozen peer is noticed while you compute. A dead client is named by
+A client of the same user on the same host sends and receives on a direct Unix
+stream socket bound to its authenticated link by a one-time nonce (:mod:`ipc.direct`):
+a round trip is two plain socket writes, without ZeroMQ's I/O threads. Everything
+runs in the caller's thread; ZeroMQ's own I/O thread answers heartbeats meanwhile,
+so a dead or frozen peer is noticed while you compute. A dead client is named by
 `PeerError` once its last message has been read; `broadcast` skips it.
 Not thread-safe: use a Server or a Client from one thread at a time.
 """
@@ -33,13 +35,14 @@ import ipaddress
 import json
 import logging
 import os
+import select
 import socket
 import time
 from collections import deque
 
 import zmq
 
-from . import bulk, runtime, wire
+from . import bulk, direct, runtime, wire
 from .auth import Secret, given_secret, missing_secret_error, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Limits, Link, Liveness
@@ -62,7 +65,8 @@ def _local_record(port: int) -> dict:
         return {}
     if not isinstance(record, dict):
         return {}
-    return {k: v for k, v in record.items() if k in ("unix", "token") and isinstance(v, str)}
+    keep = ("unix", "token", "direct")
+    return {k: v for k, v in record.items() if k in keep and isinstance(v, str)}
 
 
 def _is_loopback(host: str) -> bool:
@@ -84,8 +88,11 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-def recv_value(shared: bulk.Bulk, link: Link, frames: list, into: object) -> object:
+def recv_value(shared: bulk.Bulk, link: Link, frames: list | tuple, into: object) -> object:
+    """The value of a received message: frames of ipc.wire, or a direct TENSOR."""
     try:
+        if isinstance(frames, tuple):
+            return direct.tensor_of(frames, into)
         return shared.unpack(frames, shared.memory_of(link), into=into)
     except wire.WireError as err:
         raise IPCError(f"ipc: a malformed message from {link.name}: {err}") from None
@@ -100,6 +107,8 @@ class Connection:
         self.link = link
         self.index = index
         link.tag = index
+        self.direct: direct.Direct | None = None  # the same-host socket, once bound
+        self.said_bye = False  # on the direct socket
 
     @property
     def name(self) -> str:
@@ -107,18 +116,22 @@ class Connection:
 
     @property
     def alive(self) -> bool:
-        return self.link.dead is None and self.link.bye is None
+        return self.link.dead is None and self.link.bye is None and not self.said_bye
 
     def __repr__(self) -> str:
-        state = "alive" if self.alive else "closed" if self.link.bye is not None else "dead"
+        closed = self.link.bye is not None or self.said_bye
+        state = "alive" if self.alive else "closed" if closed else "dead"
         return f"Connection({self.index}, {self.name!r}, {state})"
 
     def send(self, obj: object) -> None:
         """Send `obj` to this client; PeerError if it is gone."""
         self._server._check_open()
-        if self.link.bye is not None:
+        if self.link.bye is not None or self.said_bye:
             raise PeerError(f"ipc server: {self.name} has closed its connection", self.index)
-        self._server._bulk.send(self.link, obj)
+        if self.direct is not None:
+            self._server._send_direct(self, obj)
+        else:
+            self._server._bulk.send(self.link, obj)
 
     def recv(self, into: object = None, timeout: float | None = None) -> object:
         """The next message from this client (tensors written into `into`'s where it has
@@ -172,11 +185,34 @@ class Server:
         )
         self.address = self._endpoint.addresses[0]
         self.port = int(self.address.rpartition(":")[2])
+        self._max_frame = max_frame
         self._local_file: str | None = None
+        # Same-host clients get a direct socket (ipc.direct), watched through one epoll.
+        self._listener: direct.Listener | None = None
+        self._epoll: select.epoll | None = None
+        self._by_fd: dict[int, Connection] = {}
+        self._reading: Connection | None = None  # its socket is read by the caller
+        self._serviced = 0.0  # when the endpoint was last looked after
+        if local and direct.enabled() and not encrypt:
+            try:
+                self._listener = direct.Listener(secret)
+                self._epoll = select.epoll()
+                self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+                self._listener.on_change = self._watch_waiting
+                self._endpoint.watch(self._epoll.fileno())
+            except BaseException:
+                if self._listener is not None:
+                    self._listener.close()
+                if self._epoll is not None:
+                    self._epoll.close()
+                self._endpoint.close(linger=0)
+                raise
         if local:
             # Only this user can read it. The port is ours now, so a file left under that
             # name by a server that died is stale.
             record = {"unix": self._endpoint.addresses[1]}
+            if self._listener is not None:
+                record["direct"] = self._listener.path
             if secret.origin.startswith("random"):
                 record["token"] = secret.text
             self._local_file = _local_name(self.port)
@@ -210,6 +246,7 @@ class Server:
 
     def _service(self, timeout: float) -> None:
         ep = self._endpoint
+        self._serviced = time.monotonic()
         ep.poll(timeout)
         while ep.events:
             kind, link = ep.events.popleft()
@@ -218,6 +255,7 @@ class Server:
                 self._conns.append(conn)
                 self._by_link[id(link)] = conn
                 self._bulk.up(link)
+                self._bind_direct(conn)
             elif kind == "dead" and id(link) in self._by_link:
                 log.info("ipc server: %s is gone (%s)", link.name, link.dead)
         while ep.inbox:
@@ -227,6 +265,96 @@ class Server:
             conn = self._by_link.get(id(link))
             if conn is not None:
                 self._pending.append((conn, frames))
+        if self._epoll is not None:
+            for fd, _ in self._epoll.poll(0):
+                conn = self._by_fd.get(fd)
+                if conn is None:
+                    self._listener.poll()  # a new socket, or one showing its nonce
+                elif conn is not self._reading:
+                    self._drain_direct(conn)
+
+    # ---- the direct sockets ------------------------------------------------------------
+
+    def _watch_waiting(self, sock: socket.socket, add: bool) -> None:
+        if add:
+            self._epoll.register(sock.fileno(), select.EPOLLIN)
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                self._epoll.unregister(sock.fileno())
+
+    def _bind_direct(self, conn: Connection) -> None:
+        """Give an accepted client the direct socket that showed its handshake's nonce."""
+        nonce = conn.link.info.get("direct")
+        if nonce is None or self._listener is None:
+            return
+        sock = self._listener.claim(nonce)
+        if sock is None:
+            log.warning("ipc server: %s showed no direct socket for its nonce", conn.name)
+            self._drop(conn)
+            return
+        conn.direct = direct.Direct(sock, self._max_frame)
+        self._by_fd[sock.fileno()] = conn
+        self._epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _end_direct(self, conn: Connection, why: Exception) -> None:
+        """The direct socket ended (`why`: direct.Closed) or broke (DirectError)."""
+        d = conn.direct
+        if d is None or d.sock.fileno() < 0:
+            return
+        self._by_fd.pop(d.fileno(), None)
+        with contextlib.suppress(OSError, ValueError):
+            self._epoll.unregister(d.fileno())
+        if isinstance(why, direct.Closed) and why.bye:
+            conn.said_bye = True
+            d.close(bye=False)
+            return
+        d.close(bye=False)
+        if isinstance(why, direct.Closed):
+            self._endpoint.mark_dead(conn.link, "its connection closed")
+        else:
+            log.warning("ipc server: dropped %s: %s", conn.name, why)
+            self._endpoint.mark_dead(conn.link, f"it broke the framing ({why})")
+
+    def _drain_direct(self, conn: Connection) -> None:
+        """Queue every whole message its socket holds now."""
+        d = conn.direct
+        try:
+            while (msg := d.read(block=False)) is not None:
+                self._pending.append((conn, direct.copy_of(msg)))
+        except (direct.Closed, direct.DirectError) as why:
+            self._end_direct(conn, why)
+
+    def _direct_service(self, conn: Connection) -> None:
+        """Between slices of a wait on `conn`'s socket: the link layer and the others."""
+        self._service(0)
+        if conn.link.dead is not None:
+            raise self._endpoint.dead_error(conn.link)
+
+    def _send_direct(self, conn: Connection, obj: object) -> None:
+        d = conn.direct
+        if conn.link.dead is not None:
+            raise self._endpoint.dead_error(conn.link)
+        try:
+            if d.send_tensor(obj, lambda: self._direct_service(conn)):
+                return
+            if self._bulk.arena is not None and conn.link not in self._bulk.readers:
+                self._service(0)  # its BULK_OK may be waiting on the link
+            frames = self._bulk.pack(obj, conn.link)
+            try:
+                d.send_frames(frames, lambda: self._direct_service(conn))
+            except BaseException:
+                self._bulk.drop(frames, self._bulk.arena)
+                raise
+        except direct.Closed as why:
+            self._end_direct(conn, why)
+            raise self._gone(conn) from None
+
+    def _close_direct(self) -> None:
+        for conn in self._conns:
+            if conn.direct is not None:
+                conn.direct.close(bye=True)
+        if self._listener is not None:
+            self._listener.close()
 
     def _wait(self, deadline: float | None, what: str) -> None:
         remaining = 3600.0 if deadline is None else deadline - time.monotonic()
@@ -236,23 +364,49 @@ class Server:
 
     def _gone(self, conn: Connection) -> PeerError:
         link = conn.link
-        if link.bye is not None:
+        if link.bye is not None or conn.said_bye:
             return PeerError(f"ipc server: {conn.name} has closed its connection", conn.index)
         return self._endpoint.dead_error(link)
 
-    def _next_from(self, conn: Connection, deadline: float | None) -> list:
+    def _next_from(self, conn: Connection, deadline: float | None) -> list | tuple:
+        """The next message from `conn` (valid until the next read from it)."""
         self._check_open()
-        self._service(0)
+        d = conn.direct
+        if d is None or time.monotonic() - self._serviced > direct.SLICE:
+            # Handshakes, other clients, liveness: at least every SLICE, even while a
+            # direct client keeps us busy
+            self._service(0)
         while True:
             for k, (c, frames) in enumerate(self._pending):
                 if c is conn:
                     del self._pending[k]
                     return frames
+            if d is not None and d.sock.fileno() >= 0:
+                # Straight from its socket, in this thread; the rest is looked after
+                # between slices of the wait.
+                self._reading = conn
+                try:
+                    msg = d.read(True, lambda: self._direct_service(conn), deadline)
+                except (direct.Closed, direct.DirectError) as why:
+                    self._end_direct(conn, why)
+                    continue
+                finally:
+                    self._reading = None
+                if msg is not None:
+                    return msg
+                raise IPCTimeoutError(
+                    f"ipc server: timed out waiting for a message from {conn.name}"
+                )
             if not conn.alive:
                 raise self._gone(conn)
             self._wait(deadline, f"a message from {conn.name}")
 
     def _drop(self, conn: Connection) -> None:
+        if conn.direct is not None and conn.direct.sock.fileno() >= 0:
+            self._by_fd.pop(conn.direct.fileno(), None)
+            with contextlib.suppress(OSError, ValueError):
+                self._epoll.unregister(conn.direct.fileno())
+            conn.direct.close(bye=True)
         if conn.link.dead is None and conn.link.bye is None:
             with contextlib.suppress(PeerError, zmq.ZMQError):
                 conn.link.send_control(Kind.BYE, {})  # its recv raises PeerError
@@ -316,10 +470,17 @@ class Server:
         reached = 0
         for conn in self.connections():
             try:
-                conn.link.send_frames(frames, copy=False)
+                if conn.direct is not None:
+                    service = lambda c=conn: self._direct_service(c)
+                    if not conn.direct.send_tensor(obj, service):
+                        conn.direct.send_frames(frames, service)
+                else:
+                    conn.link.send_frames(frames, copy=False)
                 reached += 1
             except PeerError:
                 continue
+            except direct.Closed as why:
+                self._end_direct(conn, why)
         return reached
 
     def net_stats(self) -> dict:
@@ -328,7 +489,7 @@ class Server:
             c.index: {
                 "name": c.name,
                 "alive": c.alive,
-                **vars(c.link.stats),
+                **_traffic(c.link, c.direct),
                 **self._bulk.stats(c.link),
             }
             for c in self._conns
@@ -351,10 +512,22 @@ class Server:
         if os.getpid() != self._pid:
             return
         try:
+            self._close_direct()  # a BYE on each direct socket, then the link's
             self._endpoint.close()
         finally:
+            if self._epoll is not None:
+                self._epoll.close()  # only now: the endpoint's poll watched it
             if self._local_file is not None:
                 runtime.remove(runtime.runtime_dir(), self._local_file)
+
+
+def _traffic(link: Link, d: direct.Direct | None) -> dict:
+    """A link's traffic counts plus its direct socket's."""
+    stats = dict(vars(link.stats))
+    if d is not None:
+        for key in ("bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv"):
+            stats[key] += getattr(d, key)
+    return stats
 
 
 class Client:
@@ -390,28 +563,53 @@ class Client:
         if not address.startswith("ipc://"):
             address = f"tcp://{host}:{port}"
         name = name or f"client {socket.gethostname()}/{os.getpid()}"
+        self.name = name
+        deadline = time.monotonic() + timeout
+        # A server of ours on this host: first show a fresh nonce on its direct socket,
+        # then name the nonce in the (authenticated) handshake; see ipc.direct.
+        raw = None
+        if "direct" in record and direct.enabled() and not encrypt:
+            raw = direct.connect(record["direct"], timeout)
+        self._direct: direct.Direct | None = None
+        self._direct_end: PeerError | None = None  # why the direct socket ended
+        self._serviced = 0.0  # when the link layer was last looked after
         self._bulk = bulk.Bulk()
-        self._endpoint = Endpoint(
-            secret,
-            name,
-            encrypt=encrypt,
-            limits=Limits(max_frame=max_frame),
-            liveness=liveness,
-            info={"pid": os.getpid(), **self._bulk.info()},
-        )
+        info = {"pid": os.getpid(), **self._bulk.info()}
+        if raw is not None:
+            info["direct"] = raw[1].hex()
+        try:
+            self._endpoint = Endpoint(
+                secret,
+                name,
+                encrypt=encrypt,
+                limits=Limits(max_frame=max_frame),
+                liveness=liveness,
+                info=info,
+            )
+        except BaseException:
+            if raw is not None:
+                raw[0].close()
+            raise
         self._pid = os.getpid()
         self._closed = False
         try:
             self._link = self._endpoint.dial(address, reconnect=False)
-            self._endpoint.wait_up(
-                [self._link], time.monotonic() + timeout, f"the server at {host}:{port}"
-            )
+            self._endpoint.wait_up([self._link], deadline, f"the server at {host}:{port}")
             self._bulk.up(self._link)
+            if raw is not None:
+                ok = direct.await_ack(*raw, secret, deadline, self._service_refused)
+                if not ok:
+                    raise IPCError(
+                        f"{name}: the server at {host}:{port} did not take our direct socket"
+                    )
+                self._direct = direct.Direct(raw[0], max_frame)
+                raw = None
         except BaseException:
             self._closed = True
+            if raw is not None:
+                raw[0].close()
             self._endpoint.close(linger=0)
             raise
-        self.name = name
 
     def __repr__(self) -> str:
         return f"Client({self._link.address})"
@@ -428,12 +626,70 @@ class Client:
         if os.getpid() != self._pid:
             raise IPCError("ipc client: a forked child cannot use its parent's client")
 
+    def _service_link(self) -> None:
+        """The link layer's work (heartbeats, BYE, BULK_OK) while the direct socket carries
+        the messages; raises once the link is dead."""
+        ep = self._endpoint
+        self._serviced = time.monotonic()
+        ep.poll(0)
+        ep.events.clear()
+        while ep.inbox:
+            link, frames = ep.inbox.popleft()
+            if not self._bulk.control(link, frames):
+                log.warning("%s: dropped a message on the link beside the direct socket", self.name)
+        if self._link.dead is not None:
+            raise ep.dead_error(self._link)
+
+    def _service_refused(self) -> None:
+        self._service_link()
+        if self._link.bye is not None:
+            raise PeerError(f"{self.name}: the server dropped the connection")
+
+    def _direct_gone(self, why: Exception) -> PeerError:
+        """What the end (direct.Closed) or breakage (DirectError) of the socket means."""
+        d, link, ep = self._direct, self._link, self._endpoint
+        d.close(bye=False)
+        if isinstance(why, direct.Closed) and why.bye:
+            # Its BYE on the link follows: acknowledge it (its close() waits for that).
+            until = time.monotonic() + 1.0
+            while link.bye is None and link.dead is None and time.monotonic() < until:
+                ep.poll(0.02)
+                ep.inbox.clear()
+            self._direct_end = PeerError(f"{self.name}: the server has closed the connection")
+        else:
+            ep.mark_dead(
+                link,
+                "its connection closed"
+                if isinstance(why, direct.Closed)
+                else f"it broke the framing ({why})",
+            )
+            self._direct_end = ep.dead_error(link)
+        return self._direct_end
+
     def send(self, obj: object) -> None:
         """Send `obj` to the server; PeerError if it is gone."""
         self._check()
         if self._link.bye is not None:
             raise PeerError(f"{self.name}: the server has closed the connection")
-        self._bulk.send(self._link, obj)
+        d = self._direct
+        if d is None:
+            self._bulk.send(self._link, obj)
+            return
+        if self._direct_end is not None:
+            raise self._direct_end
+        try:
+            if d.send_tensor(obj, self._service_link):
+                return
+            if self._bulk.arena is not None and self._link not in self._bulk.readers:
+                self._service_link()  # the server's BULK_OK may be waiting on the link
+            frames = self._bulk.pack(obj, self._link)
+            try:
+                d.send_frames(frames, self._service_link)
+            except BaseException:
+                self._bulk.drop(frames, self._bulk.arena)
+                raise
+        except direct.Closed as why:
+            raise self._direct_gone(why) from None
 
     def recv(self, into: object = None, timeout: float | None = None) -> object:
         """The next message from the server (tensors written into `into`'s where it has
@@ -442,6 +698,19 @@ class Client:
         self._check()
         ep = self._endpoint
         deadline = _deadline(timeout)
+        d = self._direct
+        if d is not None:
+            if self._direct_end is not None:
+                raise self._direct_end
+            try:
+                if time.monotonic() - self._serviced > direct.SLICE:
+                    self._service_link()  # BYE, BULK_OK, liveness, even while busy
+                msg = d.read(True, self._service_link, deadline)
+            except (direct.Closed, direct.DirectError) as why:
+                raise self._direct_gone(why) from None
+            if msg is None:
+                raise IPCTimeoutError(f"{self.name}: timed out waiting for the server")
+            return recv_value(self._bulk, self._link, msg, into)
         while True:
             item = ep.recv(None)  # polls once
             ep.events.clear()  # the link's own state says what happened to it
@@ -461,7 +730,7 @@ class Client:
     def net_stats(self) -> dict:
         return {
             "server": self._link.address,
-            **vars(self._link.stats),
+            **_traffic(self._link, self._direct),
             **self._bulk.stats(self._link),
         }
 
@@ -472,4 +741,6 @@ class Client:
         self._closed = True
         if os.getpid() != self._pid:
             return
+        if self._direct is not None:
+            self._direct.close(bye=True)  # everything we sent is in the server's socket
         self._endpoint.close()

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import multiprocessing
 import os
 import pickle
 import signal
 import socket
+import struct
 import time
 
 import pytest
@@ -21,7 +23,7 @@ import torch
 import zmq
 
 from distlearn import ipc
-from distlearn.ipc import runtime, wire
+from distlearn.ipc import direct, runtime, wire
 
 pytestmark = pytest.mark.timeout(120)
 CTX = multiprocessing.get_context("fork")
@@ -89,6 +91,18 @@ def assert_same(a, b):
 # ---- client/server ------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["direct", "zeromq"])
+def path(request, monkeypatch):
+    """Client/server on one host: over the direct socket (ipc.direct, the default), and
+    over the ZeroMQ link alone ($IPC_DIRECT=0, as for a client on another host)."""
+    monkeypatch.setenv("IPC_DIRECT", "1" if request.param == "direct" else "0")
+    return request.param
+
+
+def on_path(conns, path: str) -> None:
+    assert all((c.direct is not None) == (path == "direct") for c in conns), conns
+
+
 def echo_client(port: int, k: int, rounds: int) -> None:
     c = ipc.Client("127.0.0.1", port, token=TOKEN, name=f"echo {k}")
     for _ in range(rounds):
@@ -97,12 +111,13 @@ def echo_client(port: int, k: int, rounds: int) -> None:
     c.close()
 
 
-def test_several_clients_every_dtype_nested_values_into():
+def test_several_clients_every_dtype_nested_values_into(path):
     server = ipc.Server("127.0.0.1", 0, token=TOKEN)
     procs = [forked(echo_client, server.port, k, 2) for k in range(3)]
     try:
         with children(*procs):
             conns = server.clients(3, timeout=60)
+            on_path(conns, path)
             assert sorted(c.name for c in conns) == ["echo 0", "echo 1", "echo 2"]
             # one message to each, answered through recv_any, in any order
             for i, conn in enumerate(conns):
@@ -130,15 +145,29 @@ def test_several_clients_every_dtype_nested_values_into():
         server.close()
 
 
-def test_into_with_the_wrong_shape_is_a_clear_error():
+def tensor_echo_client(port: int, rounds: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name="tensor echo")
+    for _ in range(rounds):
+        c.send(c.recv())
+    c.close()
+
+
+def test_into_with_the_wrong_shape_is_a_clear_error(path):
     server = ipc.Server(token=TOKEN)
     p = forked(echo_client, server.port, 0, 1)
+    q = forked(tensor_echo_client, server.port, 1)
     try:
-        with children(p):
-            [conn] = server.clients(1, timeout=60)
-            conn.send(torch.ones(3))
+        with children(p, q):
+            conns = server.clients(2, timeout=60)
+            on_path(conns, path)
+            nested_conn, tensor_conn = sorted(conns, key=lambda c: c.name)
+            nested_conn.send(torch.ones(3))
             with pytest.raises(ipc.IPCError, match=r"received torch.float32 \[3\].*into"):
-                conn.recv(into={"from": None, "value": torch.empty(4)}, timeout=60)
+                nested_conn.recv(into={"from": None, "value": torch.empty(4)}, timeout=60)
+            # a lone small tensor (the direct socket's compact form) says the same
+            tensor_conn.send(torch.ones(3))
+            with pytest.raises(ipc.IPCError, match=r"received torch.float32 \[3\].*into"):
+                tensor_conn.recv(into=torch.empty(4), timeout=60)
     finally:
         server.close()
 
@@ -153,12 +182,13 @@ def killed_client(port: int, k: int) -> None:
         c.send(c.recv())
 
 
-def test_a_client_killed_mid_exchange_is_named_and_broadcast_does_not_hang():
+def test_a_client_killed_mid_exchange_is_named_and_broadcast_does_not_hang(path):
     server = ipc.Server(token=TOKEN, liveness=ipc.Liveness(0.5, 3))
     procs = [forked(killed_client, server.port, k) for k in range(2)]
     try:
         with children(*procs):
             conns = server.clients(2, timeout=60)
+            on_path(conns, path)
             for _ in range(2):
                 server.recv_any(timeout=60)
             victim = next(c for c in conns if c.name == "victim 0")
@@ -181,7 +211,7 @@ def test_a_client_killed_mid_exchange_is_named_and_broadcast_does_not_hang():
         server.close()
 
 
-def test_a_server_that_dies_is_a_peer_error_for_its_client():
+def test_a_server_that_dies_is_a_peer_error_for_its_client(path):
     def doomed(port_pipe):
         s = ipc.Server(token=TOKEN)
         port_pipe.send(s.port)
@@ -240,15 +270,18 @@ def oversize_client(port: int) -> None:
     time.sleep(60)
 
 
-def test_oversized_frames_are_refused_before_they_are_read():
+def test_oversized_frames_are_refused_before_they_are_read(path, monkeypatch):
+    monkeypatch.setenv("IPC_BULK", "0")  # frames on the socket, not in shared memory
     server = ipc.Server(token=TOKEN, max_frame=64 << 10, liveness=ipc.Liveness(0.5, 3))
     p = forked(oversize_client, server.port)
     try:
         with children(p):
-            [conn] = server.clients(1, timeout=60)
-            # ZeroMQ drops the connection at the frame's size, before reading it
+            # ZeroMQ drops the connection at the frame's size, before reading it; the
+            # direct socket's reader refuses the length before reading past it (maybe
+            # before clients() would have returned it)
             with pytest.raises(ipc.PeerError, match="client"):
-                conn.recv(timeout=60)
+                server.recv_any(timeout=60)
+            on_path(server._conns, path)
             p.kill()
     finally:
         server.close()
@@ -299,6 +332,325 @@ def test_token_sources(monkeypatch):
 
 
 # ---- map ---------------------------------------------------------------------------------
+
+
+def test_lone_tensors_of_every_dtype_shape_and_layout_round_trip(path):
+    values = [
+        *every_dtype().values(),
+        torch.tensor(3.5),  # 0-dim
+        torch.zeros(0, 4),
+        torch.arange(12.0).view(3, 4).t(),  # not contiguous
+        torch.ones(3, requires_grad=True),
+        torch.arange(100_000, dtype=torch.int16),  # above the compact form's 64 KB
+        [bytes([k % 256]) * 300 for k in range(1500)],  # more buffers than one sendmsg
+    ]
+    server = ipc.Server(token=TOKEN)
+    p = forked(tensor_echo_client, server.port, 2 * len(values))
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            on_path([conn], path)
+            for v in values:
+                want = v.detach() if isinstance(v, torch.Tensor) else v
+                conn.send(v)
+                assert_same(conn.recv(timeout=60), want)
+                into = torch.empty_like(want) if isinstance(v, torch.Tensor) else None
+                conn.send(v)
+                got = conn.recv(into=into, timeout=60)
+                assert into is None or got is into
+                assert_same(got, want)
+    finally:
+        server.close()
+
+
+def eager_client(port: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name="eager")
+    c.send(torch.full((2_000_000,), 2.0))  # 8 MB on the socket, while the server sends too
+    got = c.recv()
+    c.send(float(got.sum()))
+    c.close()
+
+
+def test_both_sides_sending_large_messages_at_once_do_not_deadlock(path, monkeypatch):
+    monkeypatch.setenv("IPC_BULK", "0")  # on the socket: far more than its buffers hold
+    server = ipc.Server(token=TOKEN)
+    p = forked(eager_client, server.port)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            on_path([conn], path)
+            conn.send(torch.ones(2_000_000))
+            assert torch.equal(conn.recv(timeout=60), torch.full((2_000_000,), 2.0))
+            assert conn.recv(timeout=60) == 2_000_000.0
+    finally:
+        server.close()
+
+
+def test_a_busy_server_still_lets_new_clients_in(path):
+    server = ipc.Server(token=TOKEN)
+    busy = forked(tensor_echo_client, server.port, 10**9)
+    try:
+        with children(busy):
+            [conn] = server.clients(1, timeout=60)
+            on_path([conn], path)
+            late = forked(echo_client, server.port, 1, 1)
+            with children(late):
+                x, until = torch.ones(2), time.monotonic() + 60
+                while len(server.connections()) < 2:  # never waits: the handshake is
+                    assert time.monotonic() < until  # looked after between messages
+                    conn.send(x)
+                    conn.recv(timeout=60)
+                newcomer = server.connections()[1]
+                newcomer.send("welcome")
+                assert newcomer.recv(timeout=60) == {"from": 1, "value": "welcome"}
+            busy.kill()
+    finally:
+        server.close()
+
+
+def closing_client(port: int, out) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name="closer")
+    c.send("hello")
+    if c.recv() == "you go":
+        c.close()
+        return
+    try:  # "I go": the server closes; we read what it sent before, then hear it
+        out.send(c.recv(timeout=60))
+        c.recv(timeout=60)
+    except ipc.PeerError as err:
+        out.send(f"PeerError: {err}")
+    c.close()
+
+
+def test_close_on_either_side_tells_the_other(path):
+    server = ipc.Server(token=TOKEN)
+    p = forked(closing_client, server.port, None)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            on_path([conn], path)
+            assert conn.recv(timeout=60) == "hello"
+            conn.send("you go")
+            with pytest.raises(ipc.PeerError, match="closer has closed its connection"):
+                conn.recv(timeout=60)
+            with pytest.raises(ipc.IPCTimeoutError):
+                server.recv_any(timeout=0.5)  # a client that closed is not reported dead
+    finally:
+        server.close()
+    server = ipc.Server(token=TOKEN)
+    a, b = CTX.Pipe()
+    p = forked(closing_client, server.port, b)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            assert conn.recv(timeout=60) == "hello"
+            conn.send("I go")
+            conn.send("last words")
+            server.close()
+            assert a.poll(60) and a.recv() == "last words"
+            assert a.poll(60) and "the server has closed the connection" in a.recv()
+    finally:
+        server.close()
+
+
+def frozen_client(port: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name="sleeper")
+    c.send("about to freeze")
+    c.recv()  # ZeroMQ's I/O thread has sent it: freeze now
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_frozen_client_is_named_by_the_heartbeats(path):
+    server = ipc.Server(token=TOKEN, liveness=ipc.Liveness(0.5, 3))
+    p = forked(frozen_client, server.port)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            on_path([conn], path)
+            assert conn.recv(timeout=60) == "about to freeze"
+            conn.send("freeze")
+            with pytest.raises(ipc.PeerError, match=r"sleeper.*frozen"):
+                conn.recv(timeout=60)
+            p.kill()
+    finally:
+        server.close()
+
+
+def test_a_frozen_server_is_named_by_its_clients_heartbeats(path):
+    def freezer(port_pipe):
+        s = ipc.Server(token=TOKEN, liveness=ipc.Liveness(0.5, 3))
+        port_pipe.send(s.port)
+        [conn] = s.clients(1, timeout=60)
+        conn.send(conn.recv(timeout=60))
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    a, b = CTX.Pipe()
+    p = forked(freezer, b)
+    with children(p):
+        c = ipc.Client("127.0.0.1", a.recv(), token=TOKEN, liveness=ipc.Liveness(0.5, 3))
+        try:
+            assert (c._direct is not None) == (path == "direct")
+            c.send("still there?")
+            assert c.recv(timeout=60) == "still there?"
+            with pytest.raises(ipc.PeerError, match=r"ipc server.*frozen"):
+                c.recv(timeout=60)
+        finally:
+            p.kill()
+            c.close()
+
+
+def _direct_path(server: ipc.Server) -> str:
+    record = runtime.read_private(runtime.runtime_dir(), f"server-{server.port}.json")
+    return json.loads(record)["direct"]
+
+
+def _stranger(where: str, first: bytes) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(where)
+    if first:
+        s.sendall(first)
+    return s
+
+
+def _got_nothing(s: socket.socket) -> bool:
+    """True when the server sent nothing on `s` (it may have closed it)."""
+    s.settimeout(0.5)
+    try:
+        return s.recv(64) == b""
+    except TimeoutError:
+        return True
+    except ConnectionResetError:
+        return True
+
+
+def test_strangers_on_the_direct_socket_get_nothing_and_inject_nothing(monkeypatch):
+    monkeypatch.setattr(direct, "HELLO_TIMEOUT", 0.5)
+    server = ipc.Server(token=TOKEN)
+    where = _direct_path(server)
+    assert os.path.dirname(where) == str(runtime.runtime_dir())  # 0700: this user only
+    tensor = direct.PREFIX.pack(direct.TENSOR, 1, 1, 8) + struct.pack("<q", 2) + bytes(8)
+    huge = direct.PREFIX.pack(direct.FRAMES, 0, 0, 2) + struct.pack("<2I", 10, 0xFFFFFFF0)
+    strangers = [
+        _stranger(where, b""),  # says nothing
+        _stranger(where, os.urandom(direct.NONCE) + tensor * 3),  # a guessed nonce, then data
+        _stranger(where, os.urandom(4096)),  # junk
+        _stranger(where, huge * 4 + huge),  # an oversized length prefix first
+    ]
+    p = forked(echo_client, server.port, 7, 2)
+    try:
+        with children(p):
+            with pytest.raises(ipc.IPCTimeoutError):
+                server.recv_any(timeout=1.0)  # nothing they sent is a message
+            assert all(_got_nothing(s) for s in strangers)
+            [conn] = server.clients(1, timeout=60)
+            assert conn.direct is not None
+            conn.send("ping")
+            assert conn.recv(timeout=60) == {"from": 7, "value": "ping"}
+            # a replay of the nonce this client's handshake carried: closed, never served
+            replay = _stranger(where, bytes.fromhex(conn.link.info["direct"]) + tensor)
+            with pytest.raises(ipc.IPCTimeoutError):
+                server.recv_any(timeout=1.0)
+            replay.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):  # closed with bytes unread
+                assert replay.recv(64) == b""
+            conn.send("pong")
+            assert conn.recv(timeout=60) == {"from": 7, "value": "pong"}
+            assert len(server.connections()) == 1
+    finally:
+        for s in strangers:
+            s.close()
+        server.close()
+
+
+def impostor_client(port: int, out) -> None:
+    try:
+        c = ipc.Client("127.0.0.1", port, token=TOKEN, timeout=20)
+        c.send("secret stuff")
+        out.send("connected")
+    except ipc.IPCError as err:
+        out.send(f"{type(err).__name__}: {err}")
+
+
+def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
+    import threading
+
+    server = ipc.Server(token=TOKEN)
+    name = f"server-{server.port}.json"
+    record = json.loads(runtime.read_private(runtime.runtime_dir(), name))
+    fake = runtime.socket_path("fake")
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    impostor.bind(fake)
+    impostor.listen(1)
+    heard = []
+
+    def answer():  # takes the nonce, answers without knowing the secret, listens on
+        s, _ = impostor.accept()
+        with s:
+            s.settimeout(15)
+            heard.append(s.recv(direct.NONCE))
+            s.sendall(bytes(direct.ACK_BYTES))
+            with contextlib.suppress(OSError):
+                while chunk := s.recv(4096):
+                    heard.append(chunk)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    # the record file planted by someone who could write our private directory
+    runtime.remove(runtime.runtime_dir(), name)
+    runtime.create_private(
+        runtime.runtime_dir(), name, json.dumps({**record, "direct": fake}).encode()
+    )
+    a, b = CTX.Pipe()
+    p = forked(impostor_client, server.port, b)
+    try:
+        with children(p):
+            with contextlib.suppress(ipc.IPCError):
+                server.clients(1, timeout=5)  # the handshake; the link is then dropped
+            assert a.poll(60)
+            assert a.recv().startswith(("IPCError", "PeerError"))
+        t.join(20)
+        assert len(heard[0]) == direct.NONCE and heard[1:] == []  # nothing more reached it
+        assert server.connections() == []
+    finally:
+        impostor.close()
+        os.unlink(fake)
+        server.close()
+
+
+BAD_FRAMES = {
+    "oversized length": direct.PREFIX.pack(direct.FRAMES, 0, 0, 2)
+    + struct.pack("<2I", 10, 1 << 31),
+    "too many frames": direct.PREFIX.pack(direct.FRAMES, 0, 0, 1 << 30),
+    "huge tensor": direct.PREFIX.pack(direct.TENSOR, 1, 1, 1 << 31) + struct.pack("<q", 1 << 29),
+    "shape and size disagree": (
+        direct.PREFIX.pack(direct.TENSOR, 1, 1, 8) + struct.pack("<q", 3) + bytes(8)
+    ),
+    "junk": b"\x63" + os.urandom(64),
+}
+
+
+def framing_breaker(port: int, junk: bytes) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name="breaker")
+    c.send(c.recv())
+    c._direct.sock.sendall(junk)  # an authenticated peer that breaks the framing
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("junk", list(BAD_FRAMES.values()), ids=list(BAD_FRAMES))
+def test_a_client_that_breaks_the_direct_framing_is_dropped_before_it_is_read(junk):
+    server = ipc.Server(token=TOKEN)
+    p = forked(framing_breaker, server.port, junk)
+    try:
+        with children(p):
+            [conn] = server.clients(1, timeout=60)
+            conn.send("fine so far")
+            assert conn.recv(timeout=60) == "fine so far"
+            with pytest.raises(ipc.PeerError, match=r"breaker.*framing"):
+                conn.recv(timeout=60)
+            assert not conn.alive
+            p.kill()
+    finally:
+        server.close()
 
 
 def scaled(table, factor, i):

@@ -1,0 +1,544 @@
+"""A direct Unix stream socket between a Server and a Client of one host.
+
+A round trip through ZeroMQ costs four hand-offs to its I/O threads; on one host the
+services take a plain socket instead, bound to the authenticated link:
+
+1. The loopback server listens on a Unix socket in this user's verified private
+   runtime directory (0700) and names it in its private record file.
+2. A client of the same user connects there, writes a fresh random nonce (32 bytes),
+   then dials the ZeroMQ link with the nonce in its handshake info, which the link's
+   challenge authenticates. The nonce is in the socket before the handshake starts.
+3. When the server accepts that link it takes the socket that showed the same nonce
+   (once: a nonce is never taken twice) and answers on it an HMAC of the nonce with
+   the job's secret, which the client checks (whoever answers on that path knows the
+   secret); from then on every message between the two goes over it. A socket whose
+   nonce no link claims gets nothing and is closed; strangers of another user cannot
+   reach the directory.
+
+Framing (every length checked against its cap before anything is read past it):
+    prefix  <B kind, B dtype code, H ndim, I nbytes or frame count>
+    TENSOR  prefix, ndim x int64 shape, the tensor's bytes (one contiguous CPU tensor)
+    FRAMES  prefix, count x uint32 lengths, then the frames of an ipc.wire message
+            (its JSON header first; large payloads may lie in shared memory, ipc.bulk)
+    BYE     prefix only: the sender is leaving; end of stream follows.
+The socket is non-blocking; waits go through poll() in slices of SLICE seconds, so a
+caller can look after the ZeroMQ link (heartbeats, a frozen peer) meanwhile. A send
+that cannot finish reads what the peer sends meanwhile (two peers sending large
+messages at once never deadlock). End of stream without a BYE: the peer died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hmac
+import itertools
+import math
+import os
+import select
+import socket
+import struct
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from . import runtime, wire
+from .auth import Secret
+from .wire import WireError
+
+NONCE = 32
+ACK = b"distlearn-ipc direct ack"  # the server answers secret.mac(ACK, nonce)
+ACK_BYTES = 32
+SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
+HELLO_TIMEOUT = 5.0  # an accepted socket has this long to show a nonce
+MAX_WAITING = 64  # sockets that have not shown a nonce, at most (the oldest go first)
+MAX_TAKEN = 1 << 16
+FAST_MAX = 64 << 10  # tensors up to this size go as TENSOR (larger: FRAMES, maybe bulk)
+MAX_DIMS = 32
+BUF = 256 << 10
+IOV_MAX = 512  # buffers in one sendmsg (the kernel takes at most 1024)
+
+PREFIX = struct.Struct("<BBHI")
+TENSOR, FRAMES, BYE = 1, 2, 3
+_BYE = PREFIX.pack(BYE, 0, 0, 0)
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
+_HEADS = [struct.Struct(f"<BBHI{n}q") for n in range(MAX_DIMS + 1)]
+# Complex tensors may carry a conjugate bit that raw bytes would lose: they take FRAMES.
+_DTYPES = [dt for dt in wire.DTYPES.values() if not dt.is_complex]
+_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
+_ITEMSIZE = [torch.empty(0, dtype=dt).element_size() for dt in _DTYPES]
+_POLLIN = select.POLLIN | select.POLLHUP | select.POLLERR
+_FLAGS = socket.MSG_NOSIGNAL
+
+
+def enabled() -> bool:
+    """$IPC_DIRECT=0 turns the direct path off (everything goes over ZeroMQ)."""
+    return os.environ.get("IPC_DIRECT", "1") != "0"
+
+
+class DirectError(WireError):
+    """The peer broke the framing: the connection is dropped."""
+
+
+class Closed(Exception):
+    """The peer's end is gone; `bye` says whether it said BYE first."""
+
+    def __init__(self, bye: bool):
+        super().__init__("said goodbye" if bye else "its connection closed")
+        self.bye = bye
+
+
+_open: weakref.WeakSet = weakref.WeakSet()  # sockets to drop in a forked child
+
+
+def _after_fork_in_child() -> None:
+    # A child must not keep its parent's sockets open: the peer would not see the
+    # parent die. Closing the child's copies leaves the parent's as they are.
+    for owner in list(_open):
+        owner.close_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ---- setting up ----------------------------------------------------------------------
+
+
+class Listener:
+    """The server's listening socket, and the accepted sockets whose nonce no link has
+    claimed yet."""
+
+    def __init__(self, secret: Secret):
+        self.secret = secret
+        self.path = runtime.socket_path("d")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)
+            sock.listen(MAX_WAITING)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.waiting: dict[socket.socket, tuple[bytearray, float]] = {}
+        self.shown: dict[bytes, tuple[socket.socket, float]] = {}  # nonces not yet claimed
+        # Claimed (or replayed) nonces, the latest MAX_TAKEN: a replay is refused. (Only a
+        # handshake with the secret can claim a nonce at all; this is defence in depth.)
+        self.taken: dict[bytes, None] = {}
+        self.on_change: Callable[[socket.socket, bool], None] | None = None
+        _open.add(self)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def _forget(self, s: socket.socket) -> None:
+        self.waiting.pop(s, None)
+        if self.on_change is not None:
+            self.on_change(s, False)
+        s.close()
+
+    def _take(self, nonce: bytes) -> None:
+        self.taken[nonce] = None
+        if len(self.taken) > MAX_TAKEN:
+            del self.taken[next(iter(self.taken))]
+
+    def _sockets(self) -> list[socket.socket]:
+        return [*self.waiting, *(s for s, _ in self.shown.values())]
+
+    def poll(self) -> None:
+        """Accept what is queued, read the nonces shown so far, drop the expired."""
+        now = time.monotonic()
+        while True:
+            try:
+                s, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            s.setblocking(False)
+            if len(self.waiting) >= MAX_WAITING:
+                self._forget(next(iter(self.waiting)))
+            self.waiting[s] = (bytearray(), now)
+            if self.on_change is not None:
+                self.on_change(s, True)
+        for s, (got, since) in list(self.waiting.items()):
+            try:
+                chunk = s.recv(NONCE - len(got))
+            except (BlockingIOError, InterruptedError):
+                chunk = None
+            except OSError:
+                chunk = b""
+            if chunk == b"":  # gone before showing a whole nonce
+                self._forget(s)
+                continue
+            if chunk:
+                got += chunk
+            if len(got) == NONCE:
+                nonce = bytes(got)
+                self.waiting.pop(s)
+                if self.on_change is not None:
+                    self.on_change(s, False)
+                if nonce in self.taken or nonce in self.shown:
+                    s.close()  # a replay, or a copy racing the first: neither is served
+                    old = self.shown.pop(nonce, None)
+                    if old is not None:
+                        old[0].close()
+                    self._take(nonce)
+                else:
+                    self.shown[nonce] = (s, since)
+            elif now - since > HELLO_TIMEOUT:
+                self._forget(s)
+        # A nonce that no handshake claimed soon after it was shown is a stranger's.
+        for nonce, (s, since) in list(self.shown.items()):
+            if now - since > HELLO_TIMEOUT or len(self.shown) > MAX_WAITING:
+                del self.shown[nonce]
+                s.close()
+
+    def claim(self, nonce_hex: object) -> socket.socket | None:
+        """The socket that showed this nonce (which the link's handshake carried), acked;
+        None when none did."""
+        if not isinstance(nonce_hex, str) or len(nonce_hex) != 2 * NONCE:
+            return None
+        try:
+            nonce = bytes.fromhex(nonce_hex)
+        except ValueError:
+            return None
+        self.poll()
+        if nonce in self.taken:
+            return None
+        self._take(nonce)
+        s, _ = self.shown.pop(nonce, (None, 0.0))
+        if s is None:
+            return None
+        try:
+            s.send(self.secret.mac(ACK, nonce), _FLAGS)
+        except OSError:
+            s.close()
+            return None
+        return s
+
+    def close(self) -> None:
+        for s in self._sockets():
+            s.close()
+        self.waiting.clear()
+        self.shown.clear()
+        self.sock.close()
+        runtime.remove(runtime.runtime_dir(), os.path.basename(self.path))
+
+    def close_inherited(self) -> None:
+        for s in self._sockets():
+            s.close()
+        self.sock.close()
+
+
+def connect(path: object, timeout: float) -> tuple[socket.socket, bytes] | None:
+    """A client's first step: connect to the server's socket and show a fresh nonce.
+    None when the path is not one in our private runtime directory, or nobody listens."""
+    if not isinstance(path, str) or os.path.dirname(path) != str(runtime.runtime_dir()):
+        return None
+    nonce = os.urandom(NONCE)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(nonce)
+        s.setblocking(False)
+    except OSError:
+        s.close()
+        return None
+    return s, nonce
+
+
+def await_ack(
+    s: socket.socket, nonce: bytes, secret: Secret, deadline: float, service: Callable[[], None]
+) -> bool:
+    """The client's last step: wait for the server's answer and check it (True), calling
+    `service` between slices (it raises if the link failed); False if the socket ended,
+    the answer was wrong or the deadline passed."""
+    p = select.poll()
+    p.register(s, _POLLIN)
+    got = b""
+    while len(got) < ACK_BYTES:
+        if p.poll(int(SLICE * 1000)):
+            try:
+                chunk = s.recv(ACK_BYTES - len(got))
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            got += chunk
+            continue
+        service()
+        if time.monotonic() > deadline:
+            return False
+    return hmac.compare_digest(got, secret.mac(ACK, nonce))
+
+
+# ---- one bound connection ----------------------------------------------------------------
+
+
+class Direct:
+    """One end of a bound direct socket. `max_frame` caps every frame the peer sends
+    (as the link's Limits do); `service()` runs between slices of a wait and raises
+    when the peer is known dead by other means (heartbeats)."""
+
+    def __init__(self, sock: socket.socket, max_frame: int):
+        sock.setblocking(False)
+        self.sock = sock
+        self.max_frame = max_frame
+        self._poll = select.poll()
+        self._poll.register(sock, _POLLIN)
+        self._set_buf(bytearray(BUF))
+        self._lo = self._hi = 0
+        self.closed: Closed | None = None  # the peer's end, once seen
+        self.msgs_sent = self.bytes_sent = self.msgs_recv = self.bytes_recv = 0
+        _open.add(self)
+
+    def _set_buf(self, buf: bytearray) -> None:
+        self._buf = buf
+        self._view = memoryview(buf)
+        self._addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self, bye: bool = True) -> None:
+        """Say BYE (best effort, never waits) and close."""
+        if self.sock.fileno() < 0:
+            return
+        if bye and self.closed is None:
+            with contextlib.suppress(OSError):
+                self.sock.send(_BYE, _FLAGS)
+        self.sock.close()
+
+    def close_inherited(self) -> None:
+        self.sock.close()
+
+    # ---- sending ---------------------------------------------------------------------
+
+    def send_tensor(self, t: object, service: Callable[[], None]) -> bool:
+        """Send `t` as one TENSOR message if it is a contiguous CPU tensor of at most
+        FAST_MAX bytes (True); False (nothing sent) for anything else."""
+        if type(t) is not torch.Tensor or not t.is_cpu or t.layout is not torch.strided:
+            return False
+        code = _CODES.get(t.dtype)
+        if code is None or not t.is_contiguous() or t.is_neg():
+            return False
+        n = t.nbytes
+        if n > FAST_MAX:
+            return False
+        shape = t.shape
+        head = _HEADS[len(shape)].pack(TENSOR, code, len(shape), n, *shape)
+        self._send([head + ctypes.string_at(t.data_ptr(), n)] if n else [head], service)
+        return True
+
+    def send_frames(self, frames: list, service: Callable[[], None]) -> None:
+        """Send an ipc.wire message (its header frame first)."""
+        lens = [len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames]
+        head = PREFIX.pack(FRAMES, 0, 0, len(frames)) + struct.pack(f"<{len(lens)}I", *lens)
+        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+        if sum(lens) < 4096:  # one small write
+            self._send([head + b"".join(bufs)], service)
+        else:
+            self._send([head, *bufs], service)
+
+    def _send(self, bufs: list, service: Callable[[], None]) -> None:
+        if self.closed is not None:
+            raise self.closed
+        total = 0
+        views = None
+        while True:
+            try:
+                if len(bufs) == 1:
+                    n = self.sock.send(bufs[0], _FLAGS)
+                else:
+                    n = self.sock.sendmsg(bufs[:IOV_MAX], (), _FLAGS)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                self.closed = Closed(False)
+                raise self.closed from None
+            total += n
+            if views is None:
+                if len(bufs) == 1 and n == len(bufs[0]):
+                    break
+                views = deque(memoryview(b).cast("B") for b in bufs)
+            progress = n > 0
+            while n and views:  # drop what went out
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.popleft()
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+            if not views:
+                break
+            bufs = list(itertools.islice(views, IOV_MAX)) if len(views) > 1 else [views[0]]
+            if not progress:  # wait for room, reading what the peer sends meanwhile
+                self._wait_writable(service)
+        self.msgs_sent += 1
+        self.bytes_sent += total
+
+    def _wait_writable(self, service: Callable[[], None]) -> None:
+        p = select.poll()
+        p.register(self.sock, select.POLLOUT | _POLLIN)
+        events = p.poll(int(SLICE * 1000))
+        if not events:
+            service()
+            return
+        if events[0][1] & _POLLIN:
+            self._fill(block=False)  # never deadlock with a peer that sends too
+
+    # ---- receiving -------------------------------------------------------------------
+
+    def _fill(self, block: bool) -> bool:
+        """Read what the socket has (waiting up to SLICE if `block`); False if nothing."""
+        buf = self._buf
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+            if len(buf) > 4 * BUF:  # a large message passed: give its buffer back
+                self._set_buf(bytearray(BUF))
+                buf = self._buf
+        elif len(buf) - self._hi < BUF // 4:  # little room left: move what is unread
+            k = self._hi - self._lo  # to the front, or to a larger buffer
+            new = buf if k <= len(buf) // 2 else bytearray(2 * len(buf))
+            if new is buf:
+                buf[:k] = buf[self._lo : self._hi]
+            else:
+                new[:k] = buf[self._lo : self._hi]
+                self._set_buf(new)
+            self._lo, self._hi = 0, k
+        if block and not self._poll.poll(int(SLICE * 1000)):
+            return False
+        try:
+            n = self.sock.recv_into(self._view[self._hi :])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            n = 0
+        if n == 0:
+            if self.closed is None:
+                self.closed = Closed(False)
+            return False
+        self._hi += n
+        return True
+
+    def _need(self, n: int) -> None:
+        """Make room for a message of n bytes from `_lo` (a new buffer if it is larger)."""
+        if n > len(self._buf) - self._lo:
+            new = bytearray(max(n, len(self._buf)))
+            k = self._hi - self._lo
+            new[:k] = self._buf[self._lo : self._hi]
+            self._set_buf(new)
+            self._lo, self._hi = 0, k
+
+    def _parse(self) -> tuple | list | None:
+        """The next whole message in the buffer, or None. A TENSOR is (dtype, shape,
+        address, nbytes), valid until the next read; FRAMES are views, likewise."""
+        lo, avail = self._lo, self._hi - self._lo
+        if avail < 8:
+            return None
+        buf = self._buf
+        kind, code, ndim, n = PREFIX.unpack_from(buf, lo)
+        if kind == TENSOR:
+            if code >= len(_DTYPES) or ndim > MAX_DIMS or n > self.max_frame:
+                raise DirectError(f"bad tensor header ({code}, {ndim} dims, {n} bytes)")
+            need = 8 + 8 * ndim + n
+            if avail < need:
+                self._need(need)
+                return None
+            shape = _SHAPES[ndim].unpack_from(buf, lo + 8)
+            if min(shape, default=0) < 0 or math.prod(shape) * _ITEMSIZE[code] != n:
+                raise DirectError(f"{n} bytes for {_DTYPES[code]} of shape {list(shape)}")
+            self._lo = lo + need
+            self.msgs_recv += 1
+            self.bytes_recv += need
+            return (_DTYPES[code], shape, self._addr + lo + need - n, n)
+        if kind == FRAMES:
+            if code or ndim or not 1 <= n <= wire.MAX_FRAMES + 1:
+                raise DirectError(f"bad message header ({n} frames)")
+            head = 8 + 4 * n
+            if avail < head:
+                self._need(head)
+                return None
+            lens = struct.unpack_from(f"<{n}I", buf, lo + 8)
+            if lens[0] > wire.MAX_CONTROL or max(lens) > self.max_frame:
+                raise DirectError(
+                    f"a frame of {max(lens)} bytes (limit {self.max_frame}; header "
+                    f"{wire.MAX_CONTROL})"
+                )
+            need = head + sum(lens)
+            if avail < need:
+                self._need(need)
+                return None
+            frames, at = [], lo + head
+            for k in lens:
+                frames.append(self._view[at : at + k])
+                at += k
+            self._lo = lo + need
+            self.msgs_recv += 1
+            self.bytes_recv += need
+            return frames
+        if kind == BYE and not (code or ndim or n):
+            self._lo = lo + 8
+            self.closed = Closed(True)
+            return None
+        raise DirectError(f"unknown message kind {kind}")
+
+    def read(self, block: bool, service: Callable[[], None] | None = None,
+             deadline: float | None = None) -> tuple | list | None:  # fmt: skip
+        """The next message; None if there is none (`block=False`) or the deadline
+        passed. Raises Closed once the peer's end is gone and its messages are read,
+        DirectError for a broken frame."""
+        while True:
+            msg = self._parse()
+            if msg is not None:
+                return msg
+            if self.closed is not None:
+                raise self.closed
+            if self._fill(block):
+                continue
+            if self.closed is not None:
+                continue  # parse what is left, then raise
+            if not block:
+                return None
+            if service is not None:
+                service()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+
+def copy_of(msg: tuple | list) -> tuple | list:
+    """A message that outlives the next read (for a queue of pending messages)."""
+    if isinstance(msg, list):
+        return [bytes(f) for f in msg]
+    dtype, shape, addr, n = msg
+    return (dtype, shape, ctypes.string_at(addr, n), n)
+
+
+def tensor_of(msg: tuple, into: object) -> torch.Tensor:
+    """The tensor a TENSOR message carries: written into `into` if it is a tensor (same
+    dtype and shape required, as ipc.wire's), else a new one."""
+    dtype, shape, src, n = msg
+    if isinstance(into, torch.Tensor):
+        if into.dtype != dtype or into.shape != shape:
+            raise WireError(
+                f"value: received {dtype} {list(shape)}, `into` has {into.dtype} {list(into.shape)}"
+            )
+        dst = into
+    else:
+        dst = torch.empty(shape, dtype=dtype)
+    if n:
+        if isinstance(src, bytes):
+            src = ctypes.cast(ctypes.c_char_p(src), ctypes.c_void_p).value
+        if dst.is_cpu and dst.is_contiguous() and not dst.is_neg():
+            ctypes.memmove(dst.data_ptr(), src, n)
+        else:
+            raw = (ctypes.c_char * n).from_address(src)
+            dst.detach().copy_(torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape))
+    return dst
