@@ -99,30 +99,6 @@ class _Pending:
         return self._count is not None or all(w is None or w.is_completed() for w in self._works)
 
 
-class _Counted:
-    """An `all_reduce_counted` in flight: its backend work and the buffer whose last
-    slot holds the count once it is done (one gradient bucket per step: kept lean)."""
-
-    __slots__ = ("_comm", "_count", "_flat", "_work")
-
-    def __init__(self, comm: FlatCommunicator, work: Any, flat: torch.Tensor) -> None:
-        self._comm = comm
-        self._work = work
-        self._flat = flat
-        self._count: int | None = None
-
-    def wait(self) -> int:
-        if self._count is None:
-            if self._work is not None:
-                self._work.wait()
-            self._comm._sync()
-            self._count = round(self._flat[-1].item())
-        return self._count
-
-    def is_completed(self) -> bool:
-        return self._count is not None or self._work is None or self._work.is_completed()
-
-
 class FlatCommunicator:
     """Base of the backends: `all_reduce`, `scatter` and `barrier` over flat buffers.
 
@@ -256,7 +232,11 @@ class FlatCommunicator:
             flat.zero_()
         else:
             flat[-1] = 1
-        handle = _Counted(self, self._start_all_reduce_flat(flat, "sum"), flat)
+
+        def count() -> int:
+            return round(flat[-1].item())
+
+        handle = _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
         return handle if async_op else handle.wait()
 
     def _start(self, members: list[torch.Tensor], op: str, finished: bool) -> _Pending:
