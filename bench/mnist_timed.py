@@ -91,9 +91,22 @@ class TimedSGD(mnist.SGD):
             rank = int(os.environ.get("RANK", "0"))
             record = {**self.phases, "steps": self.steps, "epoch_s": t1 - self.t_start,
                       "setup_sync_s": self.setup_sync_s, "entered": self.entered,
-                      "left": self.left}  # fmt: skip
+                      "left": self.left, "buckets": self._buckets()}  # fmt: skip
             Path(out, f"rank{rank}.json").write_text(json.dumps(record))
         return evaluated
+
+    def _buckets(self) -> dict:
+        """How this rank's gradients travelled: buckets per step, and how many of them
+        left during backward (AllReduceSGD.stats; none: one all-reduce after backward)."""
+        stats = self.sgd.stats
+        if not stats["modules"]:
+            return {"buckets": 0, "in_backward_per_step": 0.0}
+        mod = stats["modules"][0]
+        return {
+            "buckets": len(mod["bucket_bytes"]),
+            "bucket_bytes": mod["bucket_bytes"],
+            "in_backward_per_step": mod["started_in_backward"] / max(1, mod["steps"]),
+        }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,9 @@ An AllReduceSGD row takes `@BUCKET_MB/FIRST_MB` (bucket sizes) and `+bfloat16` o
 `+float16` (grad_dtype), e.g. `gloo@4/0.25+bfloat16`.
 
 Every row of a job runs in the same N processes, each on its own copy of the
-model, in blocks of `--block` timed steps (after one untimed step), the rows in
+model, in blocks of `--block` timed steps (by default 5 for the conv net and 20 for
+the MNIST model, whose step is ten times shorter: as many samples per row as
+there is time for), each after one untimed step, the rows in
 alternating order round after round, so a noisy neighbour slows every row alike.
 A row's figure in a job is rank 0's median step; the table shows the median
 (min-max) over `--reps` jobs, each a fresh set of processes, and the median of
@@ -56,6 +58,8 @@ KINDS = (
     "ea-gloo", "ea-gloo-sync", "ea-ipc", "ea-ipc-sync",
 )  # fmt: skip
 MODELS = ("convnet", "mnist")
+# Timed steps per row and round: the MNIST model's ~10 ms step gets more of them.
+BLOCK = {"convnet": 5, "mnist": 20}
 _MiB = 1 << 20
 _ROW = re.compile(r"^(?P<kind>[a-z-]+)(@(?P<bucket>[\d.]+)/(?P<first>[\d.]+))?(\+(?P<dtype>\w+))?$")
 
@@ -181,7 +185,7 @@ def _worker(a: argparse.Namespace) -> None:
             step = steps[row][0]
             step(i)  # untimed: the other rows' blocks cooled the caches
             dist.barrier()
-            for _ in range(a.block):
+            for _ in range(a.block or BLOCK[a.model]):
                 i += 1
                 t0 = time.perf_counter()
                 step(i)
@@ -211,7 +215,8 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
         out = Path(tmp, "rank0.json")
         args = [
             "--worker", "--model", model, "--world", str(nodes), "--port", str(port),
-            "--rounds", str(a.rounds), "--block", str(a.block), "--batch", str(a.batch),
+            "--rounds", str(a.rounds), "--block", str(a.block or BLOCK[model]),
+            "--batch", str(a.batch),
             "--threads", str(threads), "--out", str(out), "--rows", *a.rows,
         ]  # fmt: skip
         procs = [
@@ -271,7 +276,8 @@ def markdown(jobs: dict, a: argparse.Namespace, elapsed: float) -> str:
         f"{m['versions'].get('torch', '?')}.",
         "",
         f"Each process: batch {a.batch}, {a.threads or 'cores / processes'} torch thread(s). "
-        f"All rows of a job run in the same processes, {a.rounds} rounds of {a.block} timed "
+        f"All rows of a job run in the same processes, {a.rounds} rounds of "
+        f"{a.block or ' or '.join(f'{n} ({m})' for m, n in BLOCK.items())} timed "
         f"steps per row in alternating order. ms per step: rank 0's median step in a job, "
         f"median (min-max) over {a.reps} jobs. vs DDP: median over the jobs of the ratio "
         "to DDP in the same job (below 1.00x is faster than DDP). mean ms: the mean step "
@@ -307,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", default=["none", "ddp", "gloo", "ipc"])
     p.add_argument("--reps", type=int, default=3, help="jobs per (model, processes)")
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--block", type=int, default=5, help="timed steps per row and round")
+    p.add_argument(
+        "--block", type=int, default=0, help="timed steps per row and round (0: per model)"
+    )
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / processes)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")

@@ -13,7 +13,9 @@ compares the gradient buckets sent during backward with one all-reduce after it
     python -m bench.training --nodes 4 --backends ipc gloo --overlap on off --reps 3
 
 Its table also splits the allreduce share by arrival (`arrival_split`): waiting for
-the last rank to call the all-reduce, and the all-reduce after it.
+the last rank to call the all-reduce, and the all-reduce after it; and says how
+many of a step's gradient buckets left during backward (with one bucket, "on" has
+nothing to overlap and is the same all-reduce after backward as "off").
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def run_once(
         for ph in PHASES:
             res[ph.replace("_s", "_pct")] = 100 * sum(r[ph] / r["epoch_s"] for r in ranks) / nodes
         res.update(arrival_split(ranks))
+        if "buckets" in ranks[0]:
+            res["buckets"] = ranks[0]["buckets"]
         return res
 
 
@@ -121,6 +125,17 @@ def arrival_split(ranks: list[dict]) -> dict:
         wait += w / r["epoch_s"]
         after += a / r["epoch_s"]
     return {"wait_last_pct": 100 * wait / len(ranks), "after_last_pct": 100 * after / len(ranks)}
+
+
+def sent(buckets: dict | None) -> str:
+    """What "overlap" did in a job: how many of a step's buckets left during backward
+    (the rest, always the last, leave when the loop calls the all-reduce)."""
+    if not buckets:
+        return "-"
+    if not buckets["buckets"]:
+        return "none (one all-reduce after backward)"
+    kib = "+".join(f"{b / 1024:.0f}" for b in buckets["bucket_bytes"])
+    return f"{buckets['in_backward_per_step']:.1f} of {buckets['buckets']} ({kib} KiB)"
 
 
 def run(args, emit) -> list[dict]:
@@ -206,15 +221,15 @@ def main(argv: list[str] | None = None) -> int:
             })  # fmt: skip
     cmd = " ".join(["python -m bench.training", *(argv if argv is not None else sys.argv[1:])])
     print(f"`{cmd}`, one epoch of examples/mnist.py per job, median (min-max) of {a.reps}.\n")
-    print("| processes | backend | buckets during backward | samples/s | allreduce % | "
-          "waiting for the last rank % | after the last rank called % | "
+    print("| processes | backend | overlap | buckets sent during backward | samples/s | "
+          "allreduce % | waiting for the last rank % | after the last rank called % | "
           "loading % | compute % | test accuracy |")  # fmt: skip
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
         ok = [r for r in results[cfg] if "error" not in r]
         if not ok:
             print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | error: "
-                  f"{results[cfg][0]['error'][:100]} | | | | | | |")  # fmt: skip
+                  f"{results[cfg][0]['error'][:100]} | | | | | | | |")  # fmt: skip
             continue
 
         def col(key, digits=0, ok=ok):
@@ -224,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(vals)
             return f"{med:,.{digits}f} ({min(vals):,.{digits}f}-{max(vals):,.{digits}f})"
 
-        print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {col('items_per_s')} | "
+        print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {sent(ok[0].get('buckets'))} | "
+              f"{col('items_per_s')} | "
               f"{col('allreduce_pct', 1)} | {col('wait_last_pct', 1)} | "
               f"{col('after_last_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
               f"{col('test_accuracy', 4)} |")  # fmt: skip

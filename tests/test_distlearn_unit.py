@@ -301,6 +301,61 @@ def test_sgd_follows_a_model_that_changes_dtype(comm):
     assert sgd._buckets[model].buckets[0].flat.dtype == torch.float64
 
 
+class _Scaled(nn.Module):
+    """A parameter whose shape can change under the buckets (its gradient then no
+    longer fits the slot the buckets kept for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum()
+
+
+def test_sgd_follows_a_parameter_that_changes_shape(comm):
+    model = _Scaled()
+    sgd = AllReduceSGD(comm)  # one bucket: the gradient is copied in after backward
+    sgd.synchronize_parameters(model)
+    model(torch.ones(3)).backward()
+    sgd.sum_and_normalize_gradients(model)
+    model.zero_grad()
+    model.w.data = torch.ones(5)  # the same Parameter, now 5 elements
+    model(torch.arange(5.0)).backward()
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    assert torch.equal(model.w.grad, torch.arange(5.0))
+    assert sgd.stats["modules"][0]["resent"] == 1
+    assert sgd._buckets[model].buckets[0].numel == 5
+
+
+def test_buckets_walk_the_module_tree_like_parameters(comm):
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(2, 1))
+    model[1].register_module("absent", None)
+    model[3].register_parameter("unused", None)
+    # Frozen from the start, with several buckets (hooks): it gets no hook (a tensor
+    # that does not require grad refuses one; that used to fail here).
+    model[1].register_parameter("frozen", nn.Parameter(torch.ones(1), requires_grad=False))
+    sgd = AllReduceSGD(comm, bucket_bytes=16, first_bucket_bytes=8)
+    sgd.synchronize_parameters(model)
+    buckets = sgd._buckets[model]
+    # Each trainable parameter once, in backward order, as model.parameters() has them.
+    held = [id(p) for b in buckets.buckets for p in b.params]
+    assert held == [id(p) for p in model.parameters() if p.requires_grad][::-1]
+    assert not buckets.changed()
+    model[1].frozen.requires_grad_(True)
+    assert buckets.changed()
+    model[1].frozen.requires_grad_(False)
+    assert not buckets.changed()
+    model.append(nn.Linear(1, 1))
+    assert buckets.changed()
+    model(torch.ones(3, 2)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    got = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(got, grads, strict=True))
+
+
 def test_a_newer_sgd_takes_over_the_hooks(comm):
     model = _deep()
     old = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)

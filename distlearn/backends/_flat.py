@@ -226,20 +226,18 @@ class FlatCommunicator:
         if self.num_nodes > _exact_integers(flat.dtype):
             handle = self._start([flat[:-1]], "sum", finished)
             return handle if async_op else handle.wait()
-        with torch.no_grad():
-            if finished:
-                flat.zero_()
-            else:
-                flat[-1] = 1
+        if flat.requires_grad:
+            flat = flat.detach()  # the same memory; in place without autograd
+        if finished:
+            flat.zero_()
+        else:
+            flat[-1] = 1
 
         def count() -> int:
             return round(flat[-1].item())
 
-        if async_op:
-            return _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
-        self._all_reduce_flat(flat, "sum")
-        self._sync()
-        return count()
+        handle = _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
+        return handle if async_op else handle.wait()
 
     def _start(self, members: list[torch.Tensor], op: str, finished: bool) -> _Pending:
         """Start one collective per (device, dtype) group. The count rides in the first
