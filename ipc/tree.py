@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -58,6 +59,10 @@ SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the li
 # While collectives run back to back the communication thread has nothing to do; it looks
 # ever less often (each wake-up takes the interpreter's lock from the caller), up to this.
 SERVICE_NAP_MAX_S = 0.4
+# At most this many queued all-reduces run as one collective (ipc.shm.run_fused).
+FUSE_MAX = shm_mod.MAX_GROUPS
+# The ops whose queued all-reduces may run fused (each job's own reduce is the same).
+_FUSABLE = ("all_reduce:sum", "all_reduce:max", "all_reduce:min")
 
 Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 _TREES: weakref.WeakSet = weakref.WeakSet()
@@ -185,22 +190,28 @@ class _CommThread(threading.Thread):
 
     def _run_head(self, reraise: bool) -> None:
         """Run the collective at the head of the queue (the caller is its `runner`) and
-        take it off. Its error goes to its handle; a KeyboardInterrupt in a helping main
+        take it off, with those queued behind it that ran fused with it (see
+        Tree._collective). Its error goes to its handle (the ones behind it stay queued
+        and raise what their own calls would); a KeyboardInterrupt in a helping main
         thread (`reraise`) goes on to that thread too, as from a synchronous call."""
-        job = self.queue[0]
+        done, jobs = 1, [self.queue[0]]
         try:
             with self.lock:
-                result = self.tree._collective(*job.args)
+                with self.mutex:  # what is queued once we hold the engine (appends go on)
+                    jobs = list(itertools.islice(self.queue, FUSE_MAX))
+                result, done = self.tree._collective_fused([job.args for job in jobs])
         except BaseException as exc:
-            job.handle._finish(None, exc)
+            jobs[0].handle._finish(None, exc)
             if reraise and not isinstance(exc, Exception):
                 raise
         else:
-            job.handle._finish(result, None)
+            for job in jobs[:done]:
+                job.handle._finish(result, None)
         finally:
             self.active = time.monotonic()
             with self.mutex:
-                self.queue.popleft()
+                for _ in range(done):
+                    self.queue.popleft()
                 self.runner = None
                 self.to_waiters.notify_all()
 
@@ -599,8 +610,42 @@ class Tree:
     def _collective(
         self, leaves: list[torch.Tensor], kind: str, reduce, up: bool, contribute: bool
     ) -> int | None:
+        return self._collective_fused([(leaves, kind, reduce, up, contribute)])[0]
+
+    def _fusable(self, packed: Packed, jobs: list[tuple]) -> list[tuple[list, bytes]]:
+        """What this node offers to run fused with `packed` (the first of `jobs`): the
+        queued all-reduces right behind it with the same op and `finished`, each a single
+        contiguous CPU tensor (reduced in place, nothing to pack), large enough that shared
+        memory reads it out of the peers' memory (ipc.shm.fusable). Every node offers
+        what it has queued; they run the longest run that all of them offered."""
+        shm = self._shm
+        _, kind, _, up, contribute = jobs[0]
+        head = [g.flat for g in packed.groups]
+        if len(jobs) < 2 or not up or kind not in _FUSABLE or not shm.fusable(head):
+            return []
+        size = shm_mod.aligned_bytes
+        offers, groups, nbytes = [(head, b"")], len(head), size(head)
+        for leaves, k, _, _, c in jobs[1:]:
+            if k != kind or c != contribute or len(leaves) != 1:
+                break
+            t = leaves[0]
+            flat = [t.view(-1)] if t.device.type == "cpu" and t.is_contiguous() else []
+            if not flat or groups + 1 > shm_mod.MAX_GROUPS or not shm.fusable(flat):
+                break
+            groups, nbytes = groups + 1, nbytes + size(flat)
+            if nbytes > shm.limit:
+                break
+            offers.append((flat, Packed([t]).signature(kind)))
+        return offers if len(offers) > 1 else []
+
+    def _collective_fused(self, jobs: list[tuple]) -> tuple[int | None, int]:
+        """Run the first of `jobs` (args as for `_collective`) and, on shared memory, those
+        behind it that every node has queued too, as one collective: returns its result
+        and how many jobs it ran (each one's result is the same count of contributors)."""
+        leaves, kind, reduce, up, contribute = jobs[0]
         engine = self._engine
         start = time.perf_counter()
+        done = 1
         try:
             # begin() inside: a Ctrl-C that lands as it returns is still told to the peers
             engine.begin(kind)
@@ -613,9 +658,15 @@ class Tree:
                     for g in packed.groups:
                         g.flat.zero_()
             elif self._shm is not None:
-                total = self._shm.run(
-                    [g.flat for g in packed.groups], sig, reduce, contribute, scatter=not up
-                )
+                offers = self._fusable(packed, jobs)
+                if offers:
+                    offers[0] = (offers[0][0], sig)
+                    total, done = self._shm.run_fused(offers, reduce, contribute)
+                    engine.fused(done - 1)
+                else:
+                    total = self._shm.run(
+                        [g.flat for g in packed.groups], sig, reduce, contribute, scatter=not up
+                    )
             if total is None:
                 total = engine.run(packed, sig, reduce, up, contribute, self.chunk_bytes)
             packed.unpack()
@@ -627,9 +678,9 @@ class Tree:
             raise
         finally:
             engine.end()
-        self._collectives += 1
+        self._collectives += done
         self._collective_time += time.perf_counter() - start
-        return None if kind == "scatter" or kind == "barrier" else total
+        return (None if kind == "scatter" or kind == "barrier" else total), done
 
     def _forked(self) -> None:
         """In a forked child (os.register_at_fork): let go of the parent's sockets."""
