@@ -215,6 +215,16 @@ class _CommThread(threading.Thread):
                 self.runner = None
                 self.to_waiters.notify_all()
 
+    def _let_submitters_finish(self) -> None:
+        """Woken by a submission: give the interpreter's lock back while the submitting
+        thread is still queueing (a step's buckets come in a burst), so the run starts
+        with all of them queued and they can run fused. Costs one yield when nothing
+        more comes (a bucket hook that returns to backward)."""
+        queued = -1
+        while queued != len(self.queue) < FUSE_MAX and not self.helpers:
+            queued = len(self.queue)
+            time.sleep(0)
+
     def help(self, handle: Handle) -> None:
         """Run queued collectives in this thread, in order, until `handle`'s is done. While
         a thread helps, the communication thread leaves the queue to it (it only finishes
@@ -277,6 +287,7 @@ class _CommThread(threading.Thread):
                             self.lock.release()
                     self.active = time.monotonic()
                     continue
+                self._let_submitters_finish()
                 self._run_head(reraise=False)
         except ReferenceError:
             return  # the tree was collected
