@@ -491,20 +491,22 @@ class SharedMemoryGroup:
         else:
             nbytes = head_bytes
             offsets = offsets[: len(groups)]
-        self.stats["collectives"] += 1
-        self.stats["bytes"] += nbytes
-        self.stats["direct"] += direct
-        self.stats["fused"] += fused - 1
         if nbytes > self.capacity:
-            if not self._grow(nbytes):
-                self.stats["collectives"] -= 1
-                self.stats["bytes"] -= nbytes
-                self.stats["direct"] -= direct
-                self.stats["fused"] -= fused - 1
+            grown = self._grow(nbytes)
+            if not grown and fused > 1 and head_bytes <= self.capacity:
+                # No room for the fused slots (the limit is now what we have, so no
+                # later run asks again): the first job alone, as its own call would.
+                fused, nbytes, groups = 1, head_bytes, head_groups
+                offsets = offsets[: len(groups)]
+            elif not grown:
                 return None, 1
             if writes and not direct:
                 self._copy_in(groups, offsets, parity, sliced)
             self.barrier()
+        self.stats["collectives"] += 1
+        self.stats["bytes"] += nbytes
+        self.stats["direct"] += direct
+        self.stats["fused"] += fused - 1
         total = len(contributors)
         if nbytes == 0:
             return total, fused

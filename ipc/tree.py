@@ -59,8 +59,11 @@ SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the li
 # While collectives run back to back the communication thread has nothing to do; it looks
 # ever less often (each wake-up takes the interpreter's lock from the caller), up to this.
 SERVICE_NAP_MAX_S = 0.4
-# At most this many queued all-reduces run as one collective (ipc.shm.run_fused).
+# At most this many queued all-reduces, of this many bytes together, run as one
+# collective (ipc.shm.run_fused; Horovod's fusion buffer is 64 MiB too): the slots in
+# /dev/shm grow to hold them, twice over.
 FUSE_MAX = shm_mod.MAX_GROUPS
+FUSE_BYTES = 64 << 20
 # The ops whose queued all-reduces may run fused (each job's own reduce is the same).
 _FUSABLE = ("all_reduce:sum", "all_reduce:max", "all_reduce:min")
 
@@ -644,7 +647,7 @@ class Tree:
             if not flat or groups + 1 > shm_mod.MAX_GROUPS or not shm.fusable(flat):
                 break
             groups, nbytes = groups + 1, nbytes + size(flat)
-            if nbytes > shm.limit:
+            if nbytes > min(shm.limit, FUSE_BYTES):
                 break
             offers.append((flat, Packed([t]).signature(kind)))
         return offers if len(offers) > 1 else []

@@ -240,13 +240,25 @@ def big_shm(node: int, n: int, key: str) -> dict:
     tree = tree_from_args(node, n, key, shm=True)
     small = torch.full((1 << 16,), float(node + 1))  # 256 KiB: fits in 64 MB
     tree.all_reduce(small)
+    # 4 MiB buckets fit one at a time, but not 8 fused: each runs alone, in /dev/shm.
+    buckets = [torch.full((1 << 20,), float(node + i)) for i in range(8)]
+    tree.all_reduce(buckets[0])
+    with tree._lock:  # queued together: whoever runs them offers all 8
+        handles = [tree.all_reduce(b, async_op=True) for b in buckets]
+    counts = [h.wait() for h in handles]
+    fused_shm = dict(tree.net_stats()["shm"])
     t = torch.full((16 << 20,), float(node + 1))
     count = tree.all_reduce(t)
     want = n * (n + 1) / 2
+    sums = [sum(j + i for j in range(n)) for i in range(8)]
+    sums[0] *= n  # reduced twice
     out = {
         "count": count,
         "ok": bool((t == want).all()) and bool((small == want).all()),
         "shm": tree.net_stats()["shm"],
+        "bucket_counts": counts,
+        "buckets_ok": [bool((b == s).all()) for b, s in zip(buckets, sums, strict=True)],
+        "fused_shm": fused_shm,
     }
     tree.close()
     return out
