@@ -15,8 +15,11 @@ handles are in flight queues behind them. A thread that waits on a handle
 runs the queued collectives up to it itself, in order, rather than sleep
 while the communication thread runs them: on a host with more processes than
 cores, each hand-off between the two threads (and of the interpreter's lock)
-cost more than a collective of several MiB. Collectives are issued by one
-thread at a time, in the same order on every node (as with torch.distributed).
+cost more than a collective of several MiB. On shared memory, large
+all-reduces queued one behind another run fused, as one collective (see
+`Tree._fusable` and ipc.shm.run_fused), each with its own call's results.
+Collectives are issued by one thread at a time, in the same order on every
+node (as with torch.distributed).
 
 Forks: a forked child cannot use its parent's tree (every call raises), and
 the tree's sockets are closed in the child, so a child that outlives its
@@ -531,7 +534,8 @@ class Tree:
 
     def net_stats(self) -> dict:
         """Bytes and messages per link, time spent in collectives, and shared-memory traffic
-        (``shm``: collectives, bytes, and ``direct``: those read out of peers' tensors)."""
+        (``shm``: collectives, bytes, ``direct``: those read out of peers' tensors, and
+        ``fused``: queued all-reduces that ran inside the collective before them)."""
         return {
             "node": self.node_index,
             "parent": self.parent,
