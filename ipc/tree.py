@@ -638,21 +638,29 @@ class Tree:
         what it has queued; they run the longest run that all of them offered."""
         shm = self._shm
         _, kind, _, up, contribute = jobs[0]
-        head = [g.flat for g in packed.groups]
-        if len(jobs) < 2 or not up or kind not in _FUSABLE or not shm.fusable(head):
+        if len(jobs) < 2 or not up or kind not in _FUSABLE or len(packed.groups) != 1:
+            return []
+        head = packed.groups[0]
+        if not head.aliased or not shm.fusable([head.flat]):
             return []
         size = shm_mod.aligned_bytes
-        offers, groups, nbytes = [(head, b"")], len(head), size(head)
+        offers, nbytes = [([head.flat], b"")], size([head.flat])
+        spans = [_span(head.flat)]
         for leaves, k, _, _, c in jobs[1:]:
             if k != kind or c != contribute or len(leaves) != 1:
                 break
             t = leaves[0]
             flat = [t.view(-1)] if t.device.type == "cpu" and t.is_contiguous() else []
-            if not flat or groups + 1 > shm_mod.MAX_GROUPS or not shm.fusable(flat):
+            if not flat or len(offers) >= FUSE_MAX or not shm.fusable(flat):
                 break
-            groups, nbytes = groups + 1, nbytes + size(flat)
+            # A tensor reduced twice in a row must see the first result: not fused with it.
+            lo, hi = span = _span(flat[0])
+            if any(lo < b and a < hi for a, b in spans):
+                break
+            nbytes += size(flat)
             if nbytes > min(shm.limit, FUSE_BYTES):
                 break
+            spans.append(span)
             offers.append((flat, Packed([t]).signature(kind)))
         return offers if len(offers) > 1 else []
 
@@ -705,6 +713,11 @@ class Tree:
         self._closed = True
         if self._endpoint is not None:
             self._endpoint.close_inherited_fds()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a contiguous tensor covers in memory."""
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
 def _depth(placements, i: int) -> int:

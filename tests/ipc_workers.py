@@ -402,11 +402,20 @@ def async_fused(node: int, n: int, key: str) -> dict:
             hs = [tree.all_reduce(t, async_op=True) for t in ts]
         alike_counts.append([h.wait() for h in hs])
     fused = (tree.net_stats()["shm"] or {}).get("fused", 0)
+    # One tensor twice in a row (the second must reduce the first's result), then the
+    # two halves of one buffer (disjoint: they may run fused with it).
+    x = node_tensor(node, (300_000,), torch.float32, 40)
+    whole = node_tensor(node, (600_000,), torch.float32, 41)
+    with tree._lock:
+        hs = [tree.all_reduce(t, async_op=True) for t in (x, x, whole[:300_000], whole[300_000:])]
+    overlap_counts = [h.wait() for h in hs]
+    overlap_fused = (tree.net_stats()["shm"] or {}).get("fused", 0) - fused
     tree.close()
     return {
         "counts": counts, "tensors": tensors, "alike": alike, "alike_counts": alike_counts,
         "fused": stats.get("fused", 0), "fused_alike": fused - stats.get("fused", 0),
-        "cma": bool(stats.get("cma")),
+        "cma": bool(stats.get("cma")), "x": x, "whole": whole, "overlap_counts": overlap_counts,
+        "overlap_fused": overlap_fused,
     }  # fmt: skip
 
 

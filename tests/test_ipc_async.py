@@ -60,14 +60,20 @@ def test_queued_handles_fused_keep_their_results(n, shm, tmp_path):
         assert r["alike_counts"] == [[n] * 8, [n] * 12]
         for got, w in zip(r["alike"][0] + r["alike"][1], alike[:8] + alike, strict=True):
             assert torch.equal(got, w)
+        x = sum(node_tensor(i, (300_000,), torch.float32, 40) for i in range(n))
+        assert r["overlap_counts"] == [n] * 4 and torch.equal(r["x"], n * x)
+        assert torch.equal(
+            r["whole"], sum(node_tensor(i, (600_000,), torch.float32, 41) for i in range(n))
+        )
         if shm and r["cma"]:
-            # Jobs 0-2 run as one (node 1 finished job 3), 3, 4 and 5 alone (node 1's
-            # `finished`, then the max), 6-7 as one (8 is small), 8 and 9 alone; 8 alike
-            # as one collective; 12 alike as 8 and 4.
-            assert r["fused"] == 2 + 1, text
+            # Jobs 0-2 run as one (node 1 finished job 3); the others alone (node 1's
+            # `finished`, the max, a transposed view that is packed, small ones); 8 alike
+            # as one collective; 12 alike as 8 and 4; x alone, then x with both halves.
+            assert r["fused"] == 2, text
             assert r["fused_alike"] == 7 + 7 + 3, text
+            assert r["overlap_fused"] == 2, text
         elif not shm:
-            assert r["fused"] == 0 and r["fused_alike"] == 0
+            assert r["fused"] == 0 and r["fused_alike"] == 0 and r["overlap_fused"] == 0
 
 
 @pytest.mark.parametrize("shm", TRANSPORTS)
