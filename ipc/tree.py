@@ -631,14 +631,15 @@ class Tree:
         return self._collective_fused([(leaves, kind, reduce, up, contribute)])[0]
 
     def _fusable(self, packed: Packed, jobs: list[tuple]) -> list[tuple[list, bytes]]:
-        """What this node offers to run fused with `packed` (the first of `jobs`): the
-        queued all-reduces right behind it with the same op and `finished`, each a single
-        contiguous CPU tensor (reduced in place, nothing to pack), large enough that shared
-        memory reads it out of the peers' memory (ipc.shm.fusable). Every node offers
-        what it has queued; they run the longest run that all of them offered."""
+        """What this node offers to run fused with `packed` (the first of `jobs`, two or
+        more): the queued all-reduces right behind it with the same op and `finished`,
+        each a single contiguous CPU tensor (reduced in place, nothing to pack), large
+        enough that shared memory reads it out of the peers' memory (ipc.shm.fusable),
+        none overlapping another. Every node offers what it has queued; they run the
+        longest run that all of them offered."""
         shm = self._shm
         _, kind, _, up, contribute = jobs[0]
-        if len(jobs) < 2 or not up or kind not in _FUSABLE or len(packed.groups) != 1:
+        if not up or kind not in _FUSABLE or len(packed.groups) != 1:
             return []
         head = packed.groups[0]
         if not head.aliased or not shm.fusable([head.flat]):
@@ -684,7 +685,7 @@ class Tree:
                     for g in packed.groups:
                         g.flat.zero_()
             elif self._shm is not None:
-                offers = self._fusable(packed, jobs)
+                offers = self._fusable(packed, jobs) if len(jobs) > 1 else None
                 if offers:
                     offers[0] = (offers[0][0], sig)
                     total, done = self._shm.run_fused(offers, reduce, contribute)
