@@ -327,8 +327,9 @@ def report(a: argparse.Namespace) -> None:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit `{head}` against "
         f"`{a.baseline}` (`{base}`); {os.cpu_count()} cores, load average at start "
         f"{os.getloadavg()[0]:.2f}. Figures: median (min-max) of the repetitions, each in "
-        "fresh processes (rows compared within one process set alternate their order). "
-        "Ratios are taken repetition by repetition.",
+        "fresh processes (rows compared within one process set alternate their order; in "
+        "the before/after rows a repetition's figure is the median of three timed runs in "
+        "its process set). Ratios are taken repetition by repetition.",
         "",
     ]
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
@@ -344,11 +345,13 @@ def report(a: argparse.Namespace) -> None:
             for rep in range(a.reps):
                 order = [("base", base_path), ("this", None)]
                 for name, path in order if rep % 2 == 0 else order[::-1]:
-                    recs = run(world, SIZES, reps=1, target_s=a.target_s, impls=("tree",),
+                    # Three timed runs in each process set, their median its figure: a
+                    # burst of load elsewhere hits one run, not the set's figure.
+                    recs = run(world, SIZES, reps=3, target_s=a.target_s / 3, impls=("tree",),
                                path_first=path)  # fmt: skip
                     for r in recs:
                         if "times_s" in r:
-                            times.setdefault((name, r["size"]), []).extend(r["times_s"])
+                            times.setdefault((name, r["size"]), []).append(_median(r["times_s"]))
                 print(f"before/after, {world} processes, repetition {rep + 1}", flush=True)
             for size in SIZES:
                 b, t = times.get(("base", size), []), times.get(("this", size), [])

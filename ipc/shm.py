@@ -12,6 +12,14 @@ node i reads its slice straight out of the peers' tensors. Slots alternate
 between two halves, so a collective never overwrites data a slower node
 may still be reading from the previous one.
 
+Several large all-reduces queued one after another (asynchronous handles)
+can run as one collective (`run_fused`): each node offers the ones it has
+queued, the barrier that starts the collective shows every node's offer,
+and all reduce the longest run of jobs that every node offered with the
+same signatures. One collective of eight buckets costs two barriers instead
+of sixteen; each bucket's result, bit for bit, and its count of
+contributors are those of its own call.
+
 The barrier is a counter per node in the shared control page: a node posts
 its arrival there, then spins briefly on the others' counters (yielding the
 core between looks), which is what makes a small all-reduce cost tens of
@@ -50,8 +58,9 @@ from .errors import IPCTimeoutError, MismatchError, PeerError
 
 log = logging.getLogger(__name__)
 
-# Per node and parity: sequence, contributes (0/1), signature, payload bytes.
-CONTROL = struct.Struct("<QQ8sQ")
+# Per node and parity: sequence, contributes (0/1), signature, payload bytes, and how
+# many queued jobs it offers to run fused (see run_fused; 1: only this one).
+CONTROL = struct.Struct("<QQ8sQQ")
 # Per node: the last barrier it arrived at, and the barrier it sleeps in (0: awake).
 ARRIVAL = struct.Struct("<QQ")
 # Per node, after ARRIVAL in the same line, written once at setup: pid, address
@@ -63,10 +72,13 @@ GROW = struct.Struct("<QQ")
 # Per node and parity: where its groups lie, for peers to read them (see ipc.cma).
 MAX_GROUPS = 8
 ADDRESSES = struct.Struct(f"<{MAX_GROUPS}Q")
-# Each node's lines: control for parity 0 and 1, its arrival line, then its
-# addresses for parity 0 and 1; 64 bytes apart so nodes never share a cache line.
+# Per node and parity: the signatures of the jobs it offers to run fused.
+SIGNATURES = struct.Struct(f"<{MAX_GROUPS * 8}s")
+# Each node's lines: control for parity 0 and 1, its arrival line, its addresses
+# for parity 0 and 1, then its offered signatures for parity 0 and 1; 64 bytes
+# apart so nodes never share a cache line.
 CONTROL_SLOT = 64
-LINES = 5
+LINES = 7
 # How long a node may spin on the counters before it sleeps on its FIFO: enough to
 # cover the skew of back-to-back small collectives. The budget adapts (see
 # barrier): it halves, down to SPIN_MIN_S, each time a spin ends in sleep anyway
@@ -91,6 +103,11 @@ SHM_DIR = Path("/dev/shm")
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def aligned_bytes(groups: list[torch.Tensor]) -> int:
+    """The bytes flat buffers take in a slot, one after another."""
+    return sum(_align(g.numel() * g.element_size()) for g in groups)
 
 
 def _segment(prefix: str, what: str, pid: int) -> Path:
@@ -182,7 +199,8 @@ class SharedMemoryGroup:
         self._barriers = 0
         self._spin = SPIN_S  # the current spin budget, in seconds (see SPIN_S)
         # collectives run here, their bytes, and how many read peers' tensors directly
-        self.stats = {"collectives": 0, "bytes": 0, "direct": 0}
+        # (and "fused": all-reduces that ran inside another one's collective)
+        self.stats = {"collectives": 0, "bytes": 0, "direct": 0, "fused": 0}
         self.capacity = 0  # bytes per slot
         self._views: dict[tuple, torch.Tensor] = {}
         self._scratches: dict[torch.dtype, torch.Tensor] = {}
@@ -236,7 +254,8 @@ class SharedMemoryGroup:
     # ---- barrier -----------------------------------------------------------
 
     def _line(self, j: int, k: int) -> int:
-        """Offset of node j's line k: 0, 1 control and 3, 4 addresses for that parity, 2 arrival."""
+        """Offset of node j's line k: 0, 1 control, 3, 4 addresses and 5, 6 offered
+        signatures for that parity, 2 arrival."""
         return (j * LINES + k) * CONTROL_SLOT
 
     def _all_arrived(self, b: int) -> bool:
@@ -392,61 +411,114 @@ class SharedMemoryGroup:
         Returns the number of contributing nodes, or None (on every node alike) when
         /dev/shm has no room for the collective: the caller then uses the sockets.
         """
-        offsets, nbytes = [], 0
-        for g in groups:
-            offsets.append(nbytes)
-            nbytes = _align(nbytes + g.numel() * g.element_size())
-        if nbytes > self.limit:
-            return None
+        return self._run([(groups, sig)], reduce, contribute, scatter)[0]
+
+    def fusable(self, groups: list[torch.Tensor]) -> bool:
+        """Whether an all-reduce of these flat buffers may be offered to `run_fused`: one
+        that reads the peers' tensors directly (no copy into the slots before it starts,
+        so offering it and then leaving it for later costs nothing)."""
+        nbytes = aligned_bytes(groups)
+        return self.cma and 0 < len(groups) <= MAX_GROUPS and SMALL < nbytes <= self.limit
+
+    def run_fused(
+        self,
+        jobs: list[tuple[list[torch.Tensor], bytes]],
+        reduce: Callable[[torch.Tensor, torch.Tensor], None],
+        contribute: bool,
+    ) -> tuple[int | None, int]:
+        """All-reduce the first k of `jobs` ((flat buffers, signature) each, every one
+        `fusable`, together at most MAX_GROUPS buffers and `limit` bytes) as one
+        collective, in place: k (at least 1) is the longest run of jobs that every node
+        offered with the same signatures. Returns (contributors, k); contributors as for
+        `run`, the same for each of the k jobs."""
+        return self._run(jobs, reduce, contribute, False)
+
+    def _run(self, jobs, reduce, contribute: bool, scatter: bool) -> tuple[int | None, int]:
+        offsets, nbytes, ends = [], 0, []
+        for groups, _ in jobs:
+            for g in groups:
+                offsets.append(nbytes)
+                nbytes = _align(nbytes + g.numel() * g.element_size())
+            ends.append((len(offsets), nbytes))
+        head_groups, sig = jobs[0]
+        offered = len(jobs)
+        head_bytes = ends[0][1]
+        if head_bytes > self.limit:
+            return None, 1
         self._seq += 1
         seq, parity = self._seq, self._seq & 1
-        self.stats["collectives"] += 1
-        self.stats["bytes"] += nbytes
-        writes = contribute and (not scatter or self.node == 0)
-        CONTROL.pack_into(self._ctl, self._line(self.node, parity), seq, int(writes), sig, nbytes)
-        sliced = not scatter and reduce is not None and nbytes > SMALL
+        me, ctl, line = self.node, self._ctl, self._line
+        writes = contribute and (not scatter or me == 0)
+        CONTROL.pack_into(ctl, line(me, parity), seq, int(writes), sig, head_bytes, offered)
+        sliced = not scatter and reduce is not None and head_bytes > SMALL
         # Large reductions read the peers' tensors where they lie when the host allows.
-        direct = sliced and self.cma and len(groups) <= MAX_GROUPS
+        direct = sliced and self.cma and len(head_groups) <= MAX_GROUPS
+        if offered > 1:  # only fusable jobs are offered: direct, whatever k turns out
+            sigs = b"".join(s for _, s in jobs)
+            SIGNATURES.pack_into(ctl, line(me, 5 + parity), sigs)
         if direct:
-            self.stats["direct"] += 1
-            ptrs = [g.data_ptr() for g in groups] + [0] * (MAX_GROUPS - len(groups))
-            ADDRESSES.pack_into(self._ctl, self._line(self.node, 3 + parity), *ptrs)
-        fits = nbytes <= self.capacity
-        if fits and writes and not direct:
+            ptrs = [g.data_ptr() for gs, _ in jobs for g in gs]
+            ADDRESSES.pack_into(ctl, line(me, 3 + parity), *ptrs, *[0] * (MAX_GROUPS - len(ptrs)))
+        groups = head_groups
+        if head_bytes <= self.capacity and writes and not direct:
             self._copy_in(groups, offsets, parity, sliced)
         self.barrier()
         contributors = []
+        fused = offered
         for j in range(self.n):
-            j_seq, j_contrib, j_sig, j_bytes = CONTROL.unpack_from(self._ctl, self._line(j, parity))
-            if j_seq != seq or j_sig != sig or j_bytes != nbytes:
+            j_seq, j_contrib, j_sig, j_bytes, j_offered = CONTROL.unpack_from(ctl, line(j, parity))
+            if j_seq != seq or j_sig != sig or j_bytes != head_bytes:
                 raise MismatchError(
-                    f"node {self.node}: node {j} is in a different collective "
-                    f"(sequence {j_seq} vs {seq}, {j_bytes} vs {nbytes} bytes, "
+                    f"node {me}: node {j} is in a different collective "
+                    f"(sequence {j_seq} vs {seq}, {j_bytes} vs {head_bytes} bytes, "
                     f"{'same' if j_sig == sig else 'different'} op/shapes/dtypes)",
                     node=j,
                 )
             if j_contrib:
                 contributors.append(j)
-        if not fits:
-            if not self._grow(nbytes):
-                self.stats["collectives"] -= 1
-                self.stats["bytes"] -= nbytes
-                return None
+            fused = min(fused, j_offered)
+        if fused > 1:
+            # The longest run every node offered alike (a job whose signatures differ runs
+            # on its own later, and raises there as its own call would).
+            mine = SIGNATURES.unpack_from(ctl, line(me, 5 + parity))[0]
+            for j in range(self.n):
+                theirs = SIGNATURES.unpack_from(ctl, line(j, 5 + parity))[0]
+                while fused > 1 and theirs[: 8 * fused] != mine[: 8 * fused]:
+                    fused -= 1
+            count, nbytes = ends[fused - 1]
+            groups = [g for gs, _ in jobs[:fused] for g in gs]
+            offsets = offsets[:count]
+        else:
+            nbytes = head_bytes
+            offsets = offsets[: len(groups)]
+        if nbytes > self.capacity:
+            grown = self._grow(nbytes)
+            if not grown and fused > 1 and head_bytes <= self.capacity:
+                # No room for the fused slots (the limit is now what we have, so no
+                # later run asks again): the first job alone, as its own call would.
+                fused, nbytes, groups = 1, head_bytes, head_groups
+                offsets = offsets[: len(groups)]
+            elif not grown:
+                return None, 1
             if writes and not direct:
                 self._copy_in(groups, offsets, parity, sliced)
             self.barrier()
+        self.stats["collectives"] += 1
+        self.stats["bytes"] += nbytes
+        self.stats["direct"] += direct
+        self.stats["fused"] += fused - 1
         total = len(contributors)
         if nbytes == 0:
-            return total
+            return total, fused
         if not contributors:
             for g in groups:
                 g.zero_()
-            return 0
+            return 0, fused
         if sliced:
             self._reduce_sliced(groups, offsets, parity, contributors, reduce, direct)
         else:
             self._reduce_all(groups, offsets, parity, contributors, reduce)
-        return total
+        return total, fused
 
     def _view(self, j: int, parity: int, off: int, g: torch.Tensor) -> torch.Tensor:
         """Node j's copy of group `g` (at `off` in the `parity` half of its slot)."""

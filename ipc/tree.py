@@ -15,8 +15,11 @@ handles are in flight queues behind them. A thread that waits on a handle
 runs the queued collectives up to it itself, in order, rather than sleep
 while the communication thread runs them: on a host with more processes than
 cores, each hand-off between the two threads (and of the interpreter's lock)
-cost more than a collective of several MiB. Collectives are issued by one
-thread at a time, in the same order on every node (as with torch.distributed).
+cost more than a collective of several MiB. On shared memory, large
+all-reduces queued one behind another run fused, as one collective (see
+`Tree._fusable` and ipc.shm.run_fused), each with its own call's results.
+Collectives are issued by one thread at a time, in the same order on every
+node (as with torch.distributed).
 
 Forks: a forked child cannot use its parent's tree (every call raises), and
 the tree's sockets are closed in the child, so a child that outlives its
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -58,6 +62,13 @@ SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the li
 # While collectives run back to back the communication thread has nothing to do; it looks
 # ever less often (each wake-up takes the interpreter's lock from the caller), up to this.
 SERVICE_NAP_MAX_S = 0.4
+# At most this many queued all-reduces, of this many bytes together, run as one
+# collective (ipc.shm.run_fused; Horovod's fusion buffer is 64 MiB too): the slots in
+# /dev/shm grow to hold them, twice over.
+FUSE_MAX = shm_mod.MAX_GROUPS
+FUSE_BYTES = 64 << 20
+# The ops whose queued all-reduces may run fused (each job's own reduce is the same).
+_FUSABLE = ("all_reduce:sum", "all_reduce:max", "all_reduce:min")
 
 Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 _TREES: weakref.WeakSet = weakref.WeakSet()
@@ -185,24 +196,40 @@ class _CommThread(threading.Thread):
 
     def _run_head(self, reraise: bool) -> None:
         """Run the collective at the head of the queue (the caller is its `runner`) and
-        take it off. Its error goes to its handle; a KeyboardInterrupt in a helping main
+        take it off, with those queued behind it that ran fused with it (see
+        Tree._collective). Its error goes to its handle (the ones behind it stay queued
+        and raise what their own calls would); a KeyboardInterrupt in a helping main
         thread (`reraise`) goes on to that thread too, as from a synchronous call."""
-        job = self.queue[0]
+        done, jobs = 1, [self.queue[0]]
         try:
             with self.lock:
-                result = self.tree._collective(*job.args)
+                with self.mutex:  # what is queued once we hold the engine (appends go on)
+                    jobs = list(itertools.islice(self.queue, FUSE_MAX))
+                result, done = self.tree._collective_fused([job.args for job in jobs])
         except BaseException as exc:
-            job.handle._finish(None, exc)
+            jobs[0].handle._finish(None, exc)
             if reraise and not isinstance(exc, Exception):
                 raise
         else:
-            job.handle._finish(result, None)
+            for job in jobs[:done]:
+                job.handle._finish(result, None)
         finally:
             self.active = time.monotonic()
             with self.mutex:
-                self.queue.popleft()
+                for _ in range(done):
+                    self.queue.popleft()
                 self.runner = None
                 self.to_waiters.notify_all()
+
+    def _let_submitters_finish(self) -> None:
+        """Woken by a submission: give the interpreter's lock back while the submitting
+        thread is still queueing (a step's buckets come in a burst), so the run starts
+        with all of them queued and they can run fused. Costs one yield when nothing
+        more comes (a bucket hook that returns to backward)."""
+        queued = -1
+        while queued != len(self.queue) < FUSE_MAX and not self.helpers:
+            queued = len(self.queue)
+            time.sleep(0)
 
     def help(self, handle: Handle) -> None:
         """Run queued collectives in this thread, in order, until `handle`'s is done. While
@@ -266,6 +293,7 @@ class _CommThread(threading.Thread):
                             self.lock.release()
                     self.active = time.monotonic()
                     continue
+                self._let_submitters_finish()
                 self._run_head(reraise=False)
         except ReferenceError:
             return  # the tree was collected
@@ -506,7 +534,8 @@ class Tree:
 
     def net_stats(self) -> dict:
         """Bytes and messages per link, time spent in collectives, and shared-memory traffic
-        (``shm``: collectives, bytes, and ``direct``: those read out of peers' tensors)."""
+        (``shm``: collectives, bytes, ``direct``: those read out of peers' tensors, and
+        ``fused``: queued all-reduces that ran inside the collective before them)."""
         return {
             "node": self.node_index,
             "parent": self.parent,
@@ -599,8 +628,51 @@ class Tree:
     def _collective(
         self, leaves: list[torch.Tensor], kind: str, reduce, up: bool, contribute: bool
     ) -> int | None:
+        return self._collective_fused([(leaves, kind, reduce, up, contribute)])[0]
+
+    def _fusable(self, packed: Packed, jobs: list[tuple]) -> list[tuple[list, bytes]]:
+        """What this node offers to run fused with `packed` (the first of `jobs`, two or
+        more): the queued all-reduces right behind it with the same op and `finished`,
+        each a single contiguous CPU tensor (reduced in place, nothing to pack), large
+        enough that shared memory reads it out of the peers' memory (ipc.shm.fusable),
+        none overlapping another. Every node offers what it has queued; they run the
+        longest run that all of them offered."""
+        shm = self._shm
+        _, kind, _, up, contribute = jobs[0]
+        if not up or kind not in _FUSABLE or len(packed.groups) != 1:
+            return []
+        head = packed.groups[0]
+        if not head.aliased or not shm.fusable([head.flat]):
+            return []
+        size = shm_mod.aligned_bytes
+        offers, nbytes = [([head.flat], b"")], size([head.flat])
+        spans = [_span(head.flat)]
+        for leaves, k, _, _, c in jobs[1:]:
+            if k != kind or c != contribute or len(leaves) != 1:
+                break
+            t = leaves[0]
+            flat = [t.view(-1)] if t.device.type == "cpu" and t.is_contiguous() else []
+            if not flat or len(offers) >= FUSE_MAX or not shm.fusable(flat):
+                break
+            # A tensor reduced twice in a row must see the first result: not fused with it.
+            lo, hi = span = _span(flat[0])
+            if any(lo < b and a < hi for a, b in spans):
+                break
+            nbytes += size(flat)
+            if nbytes > min(shm.limit, FUSE_BYTES):
+                break
+            spans.append(span)
+            offers.append((flat, Packed([t]).signature(kind)))
+        return offers if len(offers) > 1 else []
+
+    def _collective_fused(self, jobs: list[tuple]) -> tuple[int | None, int]:
+        """Run the first of `jobs` (args as for `_collective`) and, on shared memory, those
+        behind it that every node has queued too, as one collective: returns its result
+        and how many jobs it ran (each one's result is the same count of contributors)."""
+        leaves, kind, reduce, up, contribute = jobs[0]
         engine = self._engine
         start = time.perf_counter()
+        done = 1
         try:
             # begin() inside: a Ctrl-C that lands as it returns is still told to the peers
             engine.begin(kind)
@@ -613,9 +685,15 @@ class Tree:
                     for g in packed.groups:
                         g.flat.zero_()
             elif self._shm is not None:
-                total = self._shm.run(
-                    [g.flat for g in packed.groups], sig, reduce, contribute, scatter=not up
-                )
+                offers = self._fusable(packed, jobs) if len(jobs) > 1 else None
+                if offers:
+                    offers[0] = (offers[0][0], sig)
+                    total, done = self._shm.run_fused(offers, reduce, contribute)
+                    engine.fused(done - 1)
+                else:
+                    total = self._shm.run(
+                        [g.flat for g in packed.groups], sig, reduce, contribute, scatter=not up
+                    )
             if total is None:
                 total = engine.run(packed, sig, reduce, up, contribute, self.chunk_bytes)
             packed.unpack()
@@ -627,15 +705,20 @@ class Tree:
             raise
         finally:
             engine.end()
-        self._collectives += 1
+        self._collectives += done
         self._collective_time += time.perf_counter() - start
-        return None if kind == "scatter" or kind == "barrier" else total
+        return (None if kind == "scatter" or kind == "barrier" else total), done
 
     def _forked(self) -> None:
         """In a forked child (os.register_at_fork): let go of the parent's sockets."""
         self._closed = True
         if self._endpoint is not None:
             self._endpoint.close_inherited_fds()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a contiguous tensor covers in memory."""
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
 def _depth(placements, i: int) -> int:

@@ -240,13 +240,25 @@ def big_shm(node: int, n: int, key: str) -> dict:
     tree = tree_from_args(node, n, key, shm=True)
     small = torch.full((1 << 16,), float(node + 1))  # 256 KiB: fits in 64 MB
     tree.all_reduce(small)
+    # 4 MiB buckets fit one at a time, but not 8 fused: each runs alone, in /dev/shm.
+    buckets = [torch.full((1 << 20,), float(node + i)) for i in range(8)]
+    tree.all_reduce(buckets[0])
+    with tree._lock:  # queued together: whoever runs them offers all 8
+        handles = [tree.all_reduce(b, async_op=True) for b in buckets]
+    counts = [h.wait() for h in handles]
+    fused_shm = dict(tree.net_stats()["shm"])
     t = torch.full((16 << 20,), float(node + 1))
     count = tree.all_reduce(t)
     want = n * (n + 1) / 2
+    sums = [sum(j + i for j in range(n)) for i in range(8)]
+    sums[0] *= n  # reduced twice
     out = {
         "count": count,
         "ok": bool((t == want).all()) and bool((small == want).all()),
         "shm": tree.net_stats()["shm"],
+        "bucket_counts": counts,
+        "buckets_ok": [bool((b == s).all()) for b, s in zip(buckets, sums, strict=True)],
+        "fused_shm": fused_shm,
     }
     tree.close()
     return out
@@ -341,6 +353,70 @@ def async_many(node: int, n: int, key: str) -> dict:
     }  # fmt: skip
     tree.close()
     return out
+
+
+# Queued together by async_fused: (shape, dtype, op, finished on node 1, salt). Above
+# ipc.shm.SMALL each, so shared memory may run them fused; the ones that cannot join a
+# run (another op or dtype, a node that finished, a view that is not contiguous, a
+# small one) break it where they stand.
+FUSED_JOBS = [
+    ((300_000,), torch.float32, "sum", False, 10),
+    ((600, 500), torch.float32, "sum", False, 11),
+    ((300_000,), torch.float64, "sum", False, 12),
+    ((300_000,), torch.float32, "sum", True, 13),
+    ((300_000,), torch.float32, "sum", False, 14),
+    ((300_000,), torch.float32, "max", False, 15),
+    ((500, 600), torch.float32, "transposed", False, 16),
+    ((300_000,), torch.float32, "sum", False, 17),
+    ((100,), torch.float32, "sum", False, 18),
+    ((300_000,), torch.float32, "sum", False, 19),
+]
+
+
+@scenario
+def async_fused(node: int, n: int, key: str) -> dict:
+    """Large all-reduces queued together, as a training step's gradient buckets. The
+    tree's engine lock is held while they are queued, so whoever runs them finds them
+    all queued and, on shared memory, runs them fused; each one's values and count must
+    still be those of its own call. Then 8 alike (one collective on shared memory) and 8
+    more than fit one collective."""
+    tree = tree_from_args(node, n, key)
+    tensors, handles = [], []
+    with tree._lock:
+        for shape, dtype, op, finished, salt in FUSED_JOBS:
+            t = node_tensor(node, shape, dtype, salt)
+            if op == "transposed":
+                t, op = t.t(), "sum"
+            tensors.append(t)
+            handles.append(
+                tree.all_reduce(t, op=op, finished=finished and node == 1, async_op=True)
+            )
+    counts = [h.wait() for h in handles]
+    stats = tree.net_stats()["shm"] or {}
+    alike = [
+        [node_tensor(node, (300_000,), torch.float32, 20 + i) for i in range(k)] for k in (8, 12)
+    ]
+    alike_counts = []
+    for ts in alike:
+        with tree._lock:
+            hs = [tree.all_reduce(t, async_op=True) for t in ts]
+        alike_counts.append([h.wait() for h in hs])
+    fused = (tree.net_stats()["shm"] or {}).get("fused", 0)
+    # One tensor twice in a row (the second must reduce the first's result), then the
+    # two halves of one buffer (disjoint: they may run fused with it).
+    x = node_tensor(node, (300_000,), torch.float32, 40)
+    whole = node_tensor(node, (600_000,), torch.float32, 41)
+    with tree._lock:
+        hs = [tree.all_reduce(t, async_op=True) for t in (x, x, whole[:300_000], whole[300_000:])]
+    overlap_counts = [h.wait() for h in hs]
+    overlap_fused = (tree.net_stats()["shm"] or {}).get("fused", 0) - fused
+    tree.close()
+    return {
+        "counts": counts, "tensors": tensors, "alike": alike, "alike_counts": alike_counts,
+        "fused": stats.get("fused", 0), "fused_alike": fused - stats.get("fused", 0),
+        "cma": bool(stats.get("cma")), "x": x, "whole": whole, "overlap_counts": overlap_counts,
+        "overlap_fused": overlap_fused,
+    }  # fmt: skip
 
 
 @scenario

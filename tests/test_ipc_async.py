@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ipc_harness import TRANSPORTS, local_reduce, run_tree
-from ipc_workers import nested, node_tensor
+from ipc_workers import FUSED_JOBS, nested, node_tensor
 
 from distlearn import ipc
 
@@ -32,6 +32,48 @@ def test_several_handles_in_flight(n, shm, tmp_path):
         assert torch.equal(r["nest"]["b"][1]["h"], sum(s["b"][1]["h"] for s in structs))
         assert torch.equal(r["scattered"], node_tensor(0, (50,), torch.float32, 4))
         assert torch.equal(r["sync"], want_sync)
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_queued_handles_fused_keep_their_results(n, shm, tmp_path):
+    """Large all-reduces queued together run as one collective on shared memory (as a
+    training step's buckets); a job another op, dtype or `finished` breaks the run there,
+    and every job's values and count are those of its own call."""
+    results, texts = run_tree("async_fused", n, tmp_path, shm=shm)
+    want_counts, want = [], []
+    for shape, dtype, op, finished, salt in FUSED_JOBS:
+        ts = [node_tensor(i, shape, dtype, salt) for i in range(n)]
+        if op == "transposed":
+            ts = [t.t() for t in ts]
+        contributing = [t for i, t in enumerate(ts) if not (finished and i == 1)]
+        want_counts.append(len(contributing))
+        want.append(local_reduce(torch.maximum, ts) if op == "max" else sum(contributing))
+    alike = [
+        sum(node_tensor(i, (300_000,), torch.float32, 20 + j) for i in range(n)) for j in range(12)
+    ]
+    for r, text in zip(results, texts, strict=True):
+        assert r is not None, text
+        assert r["counts"] == want_counts, text
+        for got, w in zip(r["tensors"], want, strict=True):
+            assert torch.equal(got, w)
+        assert r["alike_counts"] == [[n] * 8, [n] * 12]
+        for got, w in zip(r["alike"][0] + r["alike"][1], alike[:8] + alike, strict=True):
+            assert torch.equal(got, w)
+        x = sum(node_tensor(i, (300_000,), torch.float32, 40) for i in range(n))
+        assert r["overlap_counts"] == [n] * 4 and torch.equal(r["x"], n * x)
+        assert torch.equal(
+            r["whole"], sum(node_tensor(i, (600_000,), torch.float32, 41) for i in range(n))
+        )
+        if shm and r["cma"]:
+            # Jobs 0-2 run as one (node 1 finished job 3); the others alone (node 1's
+            # `finished`, the max, a transposed view that is packed, small ones); 8 alike
+            # as one collective; 12 alike as 8 and 4; x alone, then x with both halves.
+            assert r["fused"] == 2, text
+            assert r["fused_alike"] == 7 + 7 + 3, text
+            assert r["overlap_fused"] == 2, text
+        elif not shm:
+            assert r["fused"] == 0 and r["fused_alike"] == 0 and r["overlap_fused"] == 0
 
 
 @pytest.mark.parametrize("shm", TRANSPORTS)

@@ -238,4 +238,7 @@ def test_small_dev_shm_falls_back_to_sockets(tmp_path):
     for r in results:
         assert r["count"] == n and r["ok"], r
         assert r["shm"]["collectives"] >= 1  # the small one still went through /dev/shm
+        # 8 buckets queued together: no room to run them fused, so each ran alone
+        assert r["bucket_counts"] == [n] * 8 and all(r["buckets_ok"]), r
+        assert r["fused_shm"]["fused"] == 0 and r["fused_shm"]["collectives"] == 1 + 1 + 8, r
     assert "go through the sockets instead" in texts[0], texts[0]
