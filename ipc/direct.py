@@ -47,12 +47,17 @@ import torch
 
 from . import runtime, wire
 from .auth import Secret
+from .link import _env_float
 from .wire import WireError
 
 NONCE = 32
 ACK = b"distlearn-ipc direct ack"  # the server answers secret.mac(ACK, nonce)
 ACK_BYTES = 32
 SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
+# A blocked reader polls without sleeping for this long first ($IPC_DIRECT_SPIN_US):
+# a reply that comes within a round trip is then read without a sleep and a wake-up,
+# which on an idle virtual machine (a halted vCPU to wake) cost more than the trip.
+SPIN_S = _env_float("IPC_DIRECT_SPIN_US", 100.0) * 1e-6
 HELLO_TIMEOUT = 5.0  # an accepted socket has this long to show a nonce
 MAX_WAITING = 64  # sockets that have not shown a nonce, at most (the oldest go first)
 MAX_TAKEN = 1 << 16
@@ -413,7 +418,7 @@ class Direct:
                 new[:k] = buf[self._lo : self._hi]
                 self._set_buf(new)
             self._lo, self._hi = 0, k
-        if block and not self._poll.poll(int(SLICE * 1000)):
+        if block and not self._spin() and not self._poll.poll(int(SLICE * 1000)):
             return False
         try:
             n = self.sock.recv_into(self._view[self._hi :])
@@ -427,6 +432,16 @@ class Direct:
             return False
         self._hi += n
         return True
+
+    def _spin(self) -> bool:
+        """Whether the socket became readable within SPIN_S, polled without sleeping."""
+        poll, clock = self._poll.poll, time.perf_counter
+        end = clock() + SPIN_S
+        while True:
+            if poll(0):
+                return True
+            if clock() >= end:
+                return False
 
     def _need(self, n: int) -> None:
         """Make room for a message of n bytes from `_lo` (a new buffer if it is larger)."""

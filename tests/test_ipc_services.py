@@ -482,6 +482,9 @@ def test_a_frozen_server_is_named_by_its_clients_heartbeats(path):
         port_pipe.send(s.port)
         [conn] = s.clients(1, timeout=60)
         conn.send(conn.recv(timeout=60))
+        # frozen once the echo has arrived (over ZeroMQ it leaves from an I/O thread,
+        # which SIGSTOP would freeze with it still queued)
+        assert conn.recv(timeout=60) == "got it"
         os.kill(os.getpid(), signal.SIGSTOP)
 
     a, b = CTX.Pipe()
@@ -492,6 +495,7 @@ def test_a_frozen_server_is_named_by_its_clients_heartbeats(path):
             assert (c._direct is not None) == (path == "direct")
             c.send("still there?")
             assert c.recv(timeout=60) == "still there?"
+            c.send("got it")
             with pytest.raises(ipc.PeerError, match=r"ipc server.*frozen"):
                 c.recv(timeout=60)
         finally:
@@ -553,9 +557,11 @@ def test_strangers_on_the_direct_socket_get_nothing_and_inject_nothing(monkeypat
             replay.settimeout(10)
             with contextlib.suppress(ConnectionResetError):  # closed with bytes unread
                 assert replay.recv(64) == b""
+            # no second connection (asked while the client still waits for its second
+            # message: once it has it, it leaves and its own connection ends too)
+            assert len(server.connections()) == 1
             conn.send("pong")
             assert conn.recv(timeout=60) == {"from": 7, "value": "pong"}
-            assert len(server.connections()) == 1
     finally:
         for s in strangers:
             s.close()
