@@ -479,7 +479,7 @@ def _in_order(group: np.ndarray, ascending: np.ndarray) -> bool:
 
 def _remap(names: Sequence[str | None], labels: list[str]) -> list[int]:
     where = {name: i for i, name in enumerate(labels)}
-    return [where.get(x, 0) if x is None else where[x] for x in names]
+    return [0 if x is None else where[x] for x in names]  # None: no id refers to it
 
 
 def _dedupe(ptr: np.ndarray, ids: np.ndarray, cnt: np.ndarray):
