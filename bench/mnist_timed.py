@@ -33,6 +33,16 @@ sys.path.insert(0, str(EXAMPLES))
 import mnist  # noqa: E402  (examples/ is a folder of scripts, not a package)
 
 
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(idle, total) jiffies of every core of the host since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields[:8])  # idle + iowait; user .. steal
+
+
 class TimedSGD(mnist.SGD):
     """examples/mnist.py's AllReduceSGD with timers around each phase of a step.
 
@@ -62,6 +72,7 @@ class TimedSGD(mnist.SGD):
         model.register_forward_pre_hook(self._before_forward)
         self.t_start = self.last = time.perf_counter()
         self.cpu_start = time.process_time()
+        self.jiffies_start = _cpu_jiffies()
 
     def _before_forward(self, module, inputs):
         if self.training:  # evaluation forwards are not part of the epoch's phases
@@ -91,13 +102,17 @@ class TimedSGD(mnist.SGD):
         evaluated = super().end_epoch(model)
         t1 = time.perf_counter()
         cpu_s = time.process_time() - self.cpu_start
+        jiffies = _cpu_jiffies()
+        idle = None
+        if jiffies and self.jiffies_start and jiffies[1] > self.jiffies_start[1]:
+            idle = (jiffies[0] - self.jiffies_start[0]) / (jiffies[1] - self.jiffies_start[1])
         self.phases["allreduce_s"] += t1 - t0
         self.training = False
         out = os.environ.get("BENCH_PHASES_DIR")
         if out:
             rank = int(os.environ.get("RANK", "0"))
             record = {**self.phases, "steps": self.steps, "epoch_s": t1 - self.t_start,
-                      "cpu_s": cpu_s,
+                      "cpu_s": cpu_s, "host_idle": idle,
                       "setup_sync_s": self.setup_sync_s, "began": self.began, "fwd": self.fwd,
                       "entered": self.entered, "left": self.left,
                       "buckets": self._buckets()}  # fmt: skip

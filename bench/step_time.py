@@ -30,9 +30,9 @@ alternating order round after round, so a noisy neighbour slows every row alike.
 A row's figure in a job is rank 0's median step, in wall time and in CPU time of
 its whole process (communication threads included: on a loaded machine the CPU
 figure moves far less); the table shows the median (min-max) over `--reps` jobs,
-each a fresh set of processes, and of the per-job ratios to DDP. Models: `convnet`, 9.5M parameters (two 3x3
-convolutions, three linear layers, on 3x32x32 inputs) and `mnist`,
-examples/mnist_lib.py's Net; batch 32 per process.
+each a fresh set of processes, and of the per-job ratios to DDP. Models:
+`convnet`, 9.5M parameters (two 3x3 convolutions, three linear layers, on
+3x32x32 inputs) and `mnist`, examples/mnist_lib.py's Net; batch 32 per process.
 """
 
 from __future__ import annotations

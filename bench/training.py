@@ -103,6 +103,9 @@ def run_once(
             # epoch: near 100%, a rank's waiting is time another rank computes in.
             cores = len(os.sched_getaffinity(0))
             res["ranks_cpu_pct"] = 100 * sum(r["cpu_s"] for r in ranks) / (res["epoch_s"] * cores)
+        if ranks[0].get("host_idle") is not None:
+            # ... and what nobody used: near 0, the waiting is not lost capacity.
+            res["host_idle_pct"] = 100 * ranks[0]["host_idle"]
         # share of each phase in the epoch, averaged over ranks
         for ph in PHASES:
             res[ph.replace("_s", "_pct")] = 100 * sum(r[ph] / r["epoch_s"] for r in ranks) / nodes
@@ -276,13 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| processes | backend | overlap | buckets sent during backward | samples/s | "
           "allreduce % | waiting for the last rank % | ... its loading / compute / other "
           "lead % | same rank last % | after the last rank called % | "
-          "loading % | compute % | ranks' CPU % of the cores | test accuracy |")  # fmt: skip
-    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "loading % | compute % | ranks' CPU % of the cores | cores idle % | "
+          "test accuracy |")  # fmt: skip
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
         ok = [r for r in results[cfg] if "error" not in r]
         if not ok:
             print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | error: "
-                  f"{results[cfg][0]['error'][:100]} | | | | | | | | | | |")  # fmt: skip
+                  f"{results[cfg][0]['error'][:100]} | | | | | | | | | | | |")  # fmt: skip
             continue
 
         def col(key, digits=0, ok=ok):
@@ -298,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{col('late_loading_pct', 1)} / {col('late_compute_pct', 1)} / "
               f"{col('late_other_pct', 1)} | {col('last_same_pct')} | "
               f"{col('after_last_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
-              f"{col('ranks_cpu_pct')} | {col('test_accuracy', 4)} |")  # fmt: skip
+              f"{col('ranks_cpu_pct')} | {col('host_idle_pct')} | "
+              f"{col('test_accuracy', 4)} |")  # fmt: skip
     return 0
 
 
