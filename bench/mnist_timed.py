@@ -14,8 +14,9 @@ allreduce, `after_step` ends the optimizer step. Per step:
 
 Each rank writes its totals to $BENCH_PHASES_DIR/rank{RANK}.json, with the moments
 (time.perf_counter: CLOCK_MONOTONIC, one clock for every process of a host) each
-step entered and left sum_and_normalize_gradients, from which bench/training.py
-splits the allreduce phase into waiting for the last rank to arrive and the rest.
+step began loading, began its forward, entered and left sum_and_normalize_gradients,
+from which bench/training.py splits the allreduce phase into waiting for the last
+rank to arrive and the rest, and the waiting into what made the last rank late.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import mnist  # noqa: E402  (examples/ is a folder of scripts, not a package)
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(idle, total) jiffies of every core of the host since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields[:8])  # idle + iowait; user .. steal
 
 
 class TimedSGD(mnist.SGD):
@@ -49,7 +60,9 @@ class TimedSGD(mnist.SGD):
     def start(self, comm, model):
         self.phases = {"loading_s": 0.0, "compute_s": 0.0, "allreduce_s": 0.0}
         self.steps = 0
-        self.entered: list[float] = []  # per step: sum_and_normalize_gradients called
+        self.began: list[float] = []  # per step: the previous step ended (loading begins)
+        self.fwd: list[float] = []  # the batch arrived (forward begins)
+        self.entered: list[float] = []  # sum_and_normalize_gradients called
         self.left: list[float] = []  # and returned
         self.training = True
         t0 = time.perf_counter()
@@ -58,11 +71,15 @@ class TimedSGD(mnist.SGD):
         self.setup_sync_s = time.perf_counter() - t0
         model.register_forward_pre_hook(self._before_forward)
         self.t_start = self.last = time.perf_counter()
+        self.cpu_start = time.process_time()
+        self.jiffies_start = _cpu_jiffies()
 
     def _before_forward(self, module, inputs):
         if self.training:  # evaluation forwards are not part of the epoch's phases
             self.t_fwd = time.perf_counter()
             self.phases["loading_s"] += self.t_fwd - self.last
+            self.began.append(self.last)
+            self.fwd.append(self.t_fwd)
 
     def after_backward(self, model):
         t0 = time.perf_counter()
@@ -84,14 +101,21 @@ class TimedSGD(mnist.SGD):
         t0 = time.perf_counter()
         evaluated = super().end_epoch(model)
         t1 = time.perf_counter()
+        cpu_s = time.process_time() - self.cpu_start
+        jiffies = _cpu_jiffies()
+        idle = None
+        if jiffies and self.jiffies_start and jiffies[1] > self.jiffies_start[1]:
+            idle = (jiffies[0] - self.jiffies_start[0]) / (jiffies[1] - self.jiffies_start[1])
         self.phases["allreduce_s"] += t1 - t0
         self.training = False
         out = os.environ.get("BENCH_PHASES_DIR")
         if out:
             rank = int(os.environ.get("RANK", "0"))
             record = {**self.phases, "steps": self.steps, "epoch_s": t1 - self.t_start,
-                      "setup_sync_s": self.setup_sync_s, "entered": self.entered,
-                      "left": self.left, "buckets": self._buckets()}  # fmt: skip
+                      "cpu_s": cpu_s, "host_idle": idle,
+                      "setup_sync_s": self.setup_sync_s, "began": self.began, "fwd": self.fwd,
+                      "entered": self.entered, "left": self.left,
+                      "buckets": self._buckets()}  # fmt: skip
             Path(out, f"rank{rank}.json").write_text(json.dumps(record))
         return evaluated
 

@@ -27,11 +27,12 @@ model, in blocks of `--block` timed steps (by default 5 for the conv net and 20 
 the MNIST model, whose step is ten times shorter: as many samples per row as
 there is time for), each after one untimed step, the rows in
 alternating order round after round, so a noisy neighbour slows every row alike.
-A row's figure in a job is rank 0's median step; the table shows the median
-(min-max) over `--reps` jobs, each a fresh set of processes, and the median of
-the per-job ratios to DDP. Models: `convnet`, 9.5M parameters (two 3x3
-convolutions, three linear layers, on 3x32x32 inputs) and `mnist`,
-examples/mnist_lib.py's Net; batch 32 per process.
+A row's figure in a job is rank 0's median step, in wall time and in CPU time of
+its whole process (communication threads included: on a loaded machine the CPU
+figure moves far less); the table shows the median (min-max) over `--reps` jobs,
+each a fresh set of processes, and of the per-job ratios to DDP. Models:
+`convnet`, 9.5M parameters (two 3x3 convolutions, three linear layers, on
+3x32x32 inputs) and `mnist`, examples/mnist_lib.py's Net; batch 32 per process.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def _worker(a: argparse.Namespace) -> None:
 
     steps = {row: make_step(row) for row in a.rows}
     times: dict[str, list[float]] = {row: [] for row in a.rows}
+    cpu: dict[str, list[float]] = {row: [] for row in a.rows}
     i = 0
     for rnd in range(a.rounds):
         for row in a.rows if rnd % 2 == 0 else a.rows[::-1]:
@@ -187,13 +189,19 @@ def _worker(a: argparse.Namespace) -> None:
             dist.barrier()
             for _ in range(a.block or BLOCK[a.model]):
                 i += 1
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(i)
                 times[row].append(time.perf_counter() - t0)
+                cpu[row].append(time.process_time() - c0)
     dist.barrier()
     if a.rank == 0:
         result = {
-            row: {"times_s": times[row], "params": params, "sgd": sgd.stats if sgd else None}
+            row: {
+                "times_s": times[row],
+                "cpu_s": cpu[row],
+                "params": params,
+                "sgd": sgd.stats if sgd else None,
+            }
             for row, (_, sgd, params) in steps.items()
         }
         Path(a.out).write_text(json.dumps(result))
@@ -241,14 +249,15 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
     for rec in res.values():
         rec["ms"] = 1e3 * statistics.median(rec["times_s"])
         rec["mean_ms"] = 1e3 * statistics.fmean(rec["times_s"])
+        rec["cpu_ms"] = 1e3 * statistics.median(rec["cpu_s"])
     return res
 
 
-def _fmt(values: list[float], digits: int = 1) -> str:
+def _fmt(values: list[float], digits: int = 1, unit: str = "") -> str:
     if not values:
         return "-"
     med = statistics.median(values)
-    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return f"{med:.{digits}f}{unit} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def _overlap(stats: dict | None) -> str:
@@ -279,25 +288,31 @@ def markdown(jobs: dict, a: argparse.Namespace, elapsed: float) -> str:
         f"All rows of a job run in the same processes, {a.rounds} rounds of "
         f"{a.block or ' or '.join(f'{n} ({m})' for m, n in BLOCK.items())} timed "
         f"steps per row in alternating order. ms per step: rank 0's median step in a job, "
-        f"median (min-max) over {a.reps} jobs. vs DDP: median over the jobs of the ratio "
-        "to DDP in the same job (below 1.00x is faster than DDP). mean ms: the mean step "
-        "(what AllReduceEA's rows are compared on).",
+        f"median (min-max) over {a.reps} jobs. vs DDP: the ratio to DDP in the same job, "
+        "median (min-max) over the jobs (below 1.00x is faster than DDP). CPU ms: rank 0's "
+        "median step in CPU time of its whole process (every thread: the backends' "
+        "communication threads too), which a loaded machine distorts far less than wall "
+        "time; CPU vs DDP: its ratio, as above. mean ms: the mean step (what AllReduceEA's "
+        "rows are compared on).",
         "",
-        "| model | processes | row | ms per step | vs DDP | mean ms | buckets sent in backward |",
-        "|---|---:|---|---:|---:|---:|---|",
+        "| model | processes | row | ms per step | vs DDP | CPU ms per step | CPU vs DDP "
+        "| mean ms | buckets sent in backward |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for (model, nodes), results in jobs.items():
         ok = [r for r in results if "error" not in r]
         if not ok:
-            lines.append(f"| {model} | {nodes} | error: {results[0]['error'][:160]} | | | | |")
+            lines.append(f"| {model} | {nodes} | error: {results[0]['error'][:160]} | | | | | | |")
             continue
         for row in a.rows:
-            ratio = "-"
+            ratio = cpu_ratio = "-"
             if row != "ddp" and "ddp" in a.rows:
-                ratio = f"{statistics.median(r[row]['ms'] / r['ddp']['ms'] for r in ok):.2f}x"
+                ratio = _fmt([r[row]["ms"] / r["ddp"]["ms"] for r in ok], 2, "x")
+                cpu_ratio = _fmt([r[row]["cpu_ms"] / r["ddp"]["cpu_ms"] for r in ok], 2, "x")
             lines.append(
                 f"| {model} ({ok[0][row]['params'] / 1e6:.2f}M) | {nodes} | {row} "
                 f"| {_fmt([r[row]['ms'] for r in ok])} | {ratio} "
+                f"| {_fmt([r[row]['cpu_ms'] for r in ok])} | {cpu_ratio} "
                 f"| {_fmt([r[row]['mean_ms'] for r in ok])} | {_overlap(ok[0][row]['sgd'])} |"
             )
     lines += ["", f"Reproduce: `python -m bench.step_time {' '.join(a.argv)}`.", ""]
@@ -347,7 +362,13 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in res:
                 log.warning("%s: %s", what, res["error"])
             else:
-                log.info("%s: %s", what, ", ".join(f"{r} {res[r]['ms']:.1f}" for r in a.rows))
+                log.info(
+                    "%s: %s",
+                    what,
+                    ", ".join(
+                        f"{r} {res[r]['ms']:.1f} (CPU {res[r]['cpu_ms']:.1f})" for r in a.rows
+                    ),
+                )
     text = markdown(jobs, a, time.time() - started)
     print(text)
     if a.out:

@@ -98,6 +98,14 @@ def run_once(
             "epoch_s": max(r["epoch_s"] for r in ranks),
             "steps": max(r["steps"] for r in ranks),
         }
+        if all("cpu_s" in r for r in ranks):
+            # What the ranks (with their loader threads) used of the machine over the
+            # epoch: near 100%, a rank's waiting is time another rank computes in.
+            cores = len(os.sched_getaffinity(0))
+            res["ranks_cpu_pct"] = 100 * sum(r["cpu_s"] for r in ranks) / (res["epoch_s"] * cores)
+        if ranks[0].get("host_idle") is not None:
+            # ... and what nobody used: near 0, the waiting is not lost capacity.
+            res["host_idle_pct"] = 100 * ranks[0]["host_idle"]
         # share of each phase in the epoch, averaged over ranks
         for ph in PHASES:
             res[ph.replace("_s", "_pct")] = 100 * sum(r[ph] / r["epoch_s"] for r in ranks) / nodes
@@ -113,7 +121,9 @@ def arrival_split(ranks: list[dict]) -> dict:
     before every rank has called it: the price of the slowest), and `after_last_pct`,
     from the last rank's call until this rank's return (what communication itself
     costs). Steps every rank took; the rest of the allreduce phase (epoch-end
-    synchronize, a longer rank's extra steps) is in neither."""
+    synchronize, a longer rank's extra steps) is in neither.
+
+    The waiting is then split by what made the last rank late (`late_split`)."""
     if not all(r.get("entered") for r in ranks):
         return {}
     steps = min(len(r["entered"]) for r in ranks)
@@ -124,7 +134,52 @@ def arrival_split(ranks: list[dict]) -> dict:
         a = sum(max(0.0, r["left"][s] - last[s]) for s in range(steps))
         wait += w / r["epoch_s"]
         after += a / r["epoch_s"]
-    return {"wait_last_pct": 100 * wait / len(ranks), "after_last_pct": 100 * after / len(ranks)}
+    out = {"wait_last_pct": 100 * wait / len(ranks), "after_last_pct": 100 * after / len(ranks)}
+    out.update(late_split(ranks))
+    return out
+
+
+def late_split(ranks: list[dict]) -> dict:
+    """What the waiting for the last rank is made of, as shares of the epoch averaged
+    over ranks. A rank that waits in step s waits `last - entered`; both ranks began the
+    step when they left the previous all-reduce (nearly together), so the wait is exactly
+    the last rank's lead in each phase of the step over this rank's:
+
+        late_loading_pct   it waited longer for its batch (loading)
+        late_compute_pct   its forward + backward took longer (computing, or descheduled
+                           while computing: 4 processes on 2 cores)
+        late_other_pct     the rest: it left the previous all-reduce later, or its
+                           optimizer step took longer
+
+    and `last_same_pct`: the share of steps in which the rank that was last most often
+    was last (100 / N for a draw each step: jitter; near 100: one rank is always slow)."""
+    if not all(r.get("began") and r.get("fwd") for r in ranks):
+        return {}
+    steps = min(min(len(r["entered"]), len(r["fwd"]), len(r["began"])) for r in ranks)
+    if steps == 0:
+        return {}
+    lasts = [max(range(len(ranks)), key=lambda i: ranks[i]["entered"][s]) for s in range(steps)]
+    loading = compute = other = 0.0
+    for r in ranks:
+        lo = co = ot = 0.0
+        for s, li in enumerate(lasts):
+            late = ranks[li]
+            wait = min(late["entered"][s], r["left"][s]) - r["entered"][s]
+            if wait <= 0:
+                continue  # the last rank itself
+            dl = (late["fwd"][s] - late["began"][s]) - (r["fwd"][s] - r["began"][s])
+            dc = (late["entered"][s] - late["fwd"][s]) - (r["entered"][s] - r["fwd"][s])
+            lo, co, ot = lo + dl, co + dc, ot + wait - dl - dc
+        loading += lo / r["epoch_s"]
+        compute += co / r["epoch_s"]
+        other += ot / r["epoch_s"]
+    n = len(ranks)
+    return {
+        "late_loading_pct": 100 * loading / n,
+        "late_compute_pct": 100 * compute / n,
+        "late_other_pct": 100 * other / n,
+        "last_same_pct": 100 * max(lasts.count(i) for i in range(n)) / steps,
+    }
 
 
 def sent(buckets: dict | None) -> str:
@@ -222,14 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     cmd = " ".join(["python -m bench.training", *(argv if argv is not None else sys.argv[1:])])
     print(f"`{cmd}`, one epoch of examples/mnist.py per job, median (min-max) of {a.reps}.\n")
     print("| processes | backend | overlap | buckets sent during backward | samples/s | "
-          "allreduce % | waiting for the last rank % | after the last rank called % | "
-          "loading % | compute % | test accuracy |")  # fmt: skip
-    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "allreduce % | waiting for the last rank % | ... its loading / compute / other "
+          "lead % | same rank last % | after the last rank called % | "
+          "loading % | compute % | ranks' CPU % of the cores | cores idle % | "
+          "test accuracy |")  # fmt: skip
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
         ok = [r for r in results[cfg] if "error" not in r]
         if not ok:
             print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | error: "
-                  f"{results[cfg][0]['error'][:100]} | | | | | | | |")  # fmt: skip
+                  f"{results[cfg][0]['error'][:100]} | | | | | | | | | | | |")  # fmt: skip
             continue
 
         def col(key, digits=0, ok=ok):
@@ -242,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | {sent(ok[0].get('buckets'))} | "
               f"{col('items_per_s')} | "
               f"{col('allreduce_pct', 1)} | {col('wait_last_pct', 1)} | "
+              f"{col('late_loading_pct', 1)} / {col('late_compute_pct', 1)} / "
+              f"{col('late_other_pct', 1)} | {col('last_same_pct')} | "
               f"{col('after_last_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
+              f"{col('ranks_cpu_pct')} | {col('host_idle_pct')} | "
               f"{col('test_accuracy', 4)} |")  # fmt: skip
     return 0
 

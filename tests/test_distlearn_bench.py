@@ -1,0 +1,55 @@
+"""bench.training's account of the waiting for the last rank, on made-up timelines
+(what each phase of each rank took is known, so the split has one right answer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.training import arrival_split
+
+
+def _rank(loading: list[float], compute: list[float]) -> dict:
+    """A rank's moments over steps that all leave the all-reduce together (as they do)."""
+    began, fwd, entered, left = [], [], [], []
+    t = 0.0
+    for lo, co in zip(loading, compute, strict=True):
+        began.append(t)
+        fwd.append(t + lo)
+        entered.append(t + lo + co)
+        t += 1.0  # every rank leaves step s at s + 1.0 (>= the last arrival)
+        left.append(t)
+    return {"began": began, "fwd": fwd, "entered": entered, "left": left, "epoch_s": t}
+
+
+def test_waiting_is_split_into_the_last_ranks_lead_per_phase():
+    # step 0: rank 1 is last, its batch came 0.2 s later; step 1: rank 0 is last, it
+    # computed 0.1 s longer; step 2: rank 1 is last by 0.05 s of loading and 0.05 of compute
+    r0 = _rank([0.1, 0.1, 0.1], [0.3, 0.4, 0.3])
+    r1 = _rank([0.3, 0.1, 0.15], [0.3, 0.3, 0.35])
+    out = arrival_split([r0, r1])
+    # the waiting: rank 0 waits 0.2 (step 0) and 0.1 (step 2), rank 1 waits 0.1 (step 1)
+    assert out["wait_last_pct"] == pytest.approx(100 * (0.3 / 3 + 0.1 / 3) / 2)
+    assert out["late_loading_pct"] == pytest.approx(100 * (0.25 / 3) / 2)
+    assert out["late_compute_pct"] == pytest.approx(100 * (0.05 / 3 + 0.1 / 3) / 2)
+    assert out["late_other_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert out["last_same_pct"] == pytest.approx(100 * 2 / 3)
+    total = out["late_loading_pct"] + out["late_compute_pct"] + out["late_other_pct"]
+    assert total == pytest.approx(out["wait_last_pct"])
+
+
+def test_a_late_start_is_neither_loading_nor_compute():
+    # rank 1 began step 1 0.2 s later (it left the previous step late): "other"
+    r0 = _rank([0.1, 0.1], [0.3, 0.3])
+    r1 = _rank([0.1, 0.1], [0.3, 0.3])
+    for key in ("began", "fwd", "entered"):
+        r1[key][1] += 0.2
+    out = arrival_split([r0, r1])
+    assert out["late_other_pct"] == pytest.approx(100 * (0.2 / 2) / 2)
+    assert out["late_loading_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert out["late_compute_pct"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_timelines_without_phase_moments_give_only_the_two_way_split():
+    r = _rank([0.1], [0.2])
+    old = [{k: v for k, v in r.items() if k not in ("began", "fwd")} for _ in range(2)]
+    assert set(arrival_split(old)) == {"wait_last_pct", "after_last_pct"}
