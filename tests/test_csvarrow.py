@@ -152,3 +152,33 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     routes = Routes(monkeypatch)
     same(three_ways(path, monkeypatch))
     assert routes.taken[:1] == ["path"]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"filename\tlabel\na.png\tx\n\t\nb.png\ty\n",  # a line of one separator: two fields
+        b"filename\tlabel\na.png\tx\n  \nb.png\ty\n",  # a line of spaces is blank
+        b"filename\tlabel\na.png\tx\n \t \nb.png\ty\n",
+        b"filename\tlabel\na.png\tx\nb.png\t\n",
+    ],
+)
+def test_tsv_blank_and_separator_lines(tmp_path, monkeypatch, data):
+    path = tmp_path / "i.tsv"
+    path.write_bytes(data)
+    same(three_ways(path, monkeypatch))
+
+
+def test_numeric_text_stays_text(tmp_path, monkeypatch):
+    """pandas reads a file in blocks and guesses each block's type: a block of digits
+    must still give the file's text ("007", not 7), or leave the file to pyarrow."""
+    rows = [["filename", "label"]] + [[f"x{i}.png", "cat"] for i in range(20_000)]
+    rows += [[f"{i:07d}", f"{i % 1000:03d}"] for i in range(300_000)]
+    path = tmp_path / "i.csv"
+    path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
+    if csvarrow.pd is not None:  # the numbers come after what split looks at first
+        assert csvarrow._read_pandas(str(path), ",") is None
+    index = open_index(str(path))
+    assert index.labels == sorted(["cat", *(f"{i:03d}" for i in range(1000))])
+    raw = {index.table.raw(r) for r in range(index.num_rows)}
+    assert "0000007" in raw and "x7.png" in raw and len(raw) == 320_000
