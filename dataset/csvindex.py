@@ -254,11 +254,12 @@ def _encode_runs(values, pool):
     open), one comparison of neighbours finds them."""
     n = len(values)
     if n > 1:
-        same = pc.equal(values[1:], values[:-1], memory_pool=pool).combine_chunks(memory_pool=pool)
-        starts = np.flatnonzero(~csvarrow.flags(same))
-        if len(starts) < n // 8:
-            starts += 1
-            starts = np.concatenate([[0], starts])
+        differ = pc.not_equal(values[1:], values[:-1], memory_pool=pool)
+        at = pc.indices_nonzero(differ, memory_pool=pool)  # (no array of n flags)
+        if len(at) < n // 8:
+            starts = np.zeros(len(at) + 1, dtype=np.int64)
+            starts[1:] = at.to_numpy()
+            starts[1:] += 1
             coded = pc.dictionary_encode(values.take(starts), memory_pool=pool)
             heads = _indices(coded)
             ids = csvarrow.fresh(4 * n).view(np.int32)  # zeros; each run's start marks its
