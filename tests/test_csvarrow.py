@@ -27,9 +27,11 @@ NAME = ["a", "b", "/", ".", "é", "x y", ",", '"', "\n", "\r\n", "\t", " ", "\u0
 LABELS = ["cat", "dog", "10", "2", "a,b", 'say "hi"', "  x  ", "x", "\u00a0é\u00a0", ""]
 
 
-def _rows(rng: random.Random, n: int, plain: bool, width: int) -> list[list[str]]:
+def _rows(rng: random.Random, n: int, plain: bool, width: int, numbers: bool = True):
     alphabet = NAME[:6] if plain else NAME
     labels = [x for x in LABELS if not (plain and ('"' in x or "," in x))]
+    if not numbers:  # (pandas splits a file only when no value reads as a number)
+        labels = [x for x in labels if not x.strip().isdigit()]
     rows = [["filename"] + [f"label{k}" for k in range(width)]]
     for _ in range(n):
         name = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6)))
@@ -38,11 +40,21 @@ def _rows(rng: random.Random, n: int, plain: bool, width: int) -> list[list[str]
 
 
 class Routes:
-    """Which reader gave each open: pyarrow by path, pyarrow from bytes, or neither."""
+    """Which reader gave each open: a path (pandas or pyarrow), pyarrow from bytes, or
+    neither; "pandas" where pandas split it."""
 
     def __init__(self, monkeypatch):
         self.taken: list[str] = []
         real = csvarrow.split
+        by_pandas = csvarrow._read_pandas
+
+        def read_pandas(path, sep):
+            got = by_pandas(path, sep)
+            if got is not None:
+                self.taken.append("pandas")
+            return got
+
+        monkeypatch.setattr(csvarrow, "_read_pandas", read_pandas)
 
         def split(source, sep):
             got = real(source, sep)
@@ -91,7 +103,7 @@ def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting,
     path = tmp_path / "index.csv"
     routes = Routes(monkeypatch)
     for trial in range(8):
-        rows = _rows(rng, 150, plain, width=trial % 3)
+        rows = _rows(rng, 150, plain, width=trial % 3, numbers=trial < 4)
         if trial % 2:
             rows[1:] = sorted(rows[1:], key=lambda r: (r[1:2], r[0]))  # the sorted-file shortcut
         data = write_rows(rows, quoting, terminator)
@@ -107,7 +119,8 @@ def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting,
         assert not isinstance(got[0], str), got[0]
         same(got)
         if b'"' not in data:
-            assert routes.taken == ["path"]
+            pandas = csvarrow.pd is not None and trial >= 4 and plain
+            assert routes.taken == ["pandas", "path"] if pandas else ["path"]
         elif b"\r" not in data:  # a quoted file with a "\r" is the scanner's
             assert routes.taken == ["bytes"]
         else:
@@ -161,12 +174,19 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
         b"filename\tlabel\na.png\tx\n  \nb.png\ty\n",  # a line of spaces is blank
         b"filename\tlabel\na.png\tx\n \t \nb.png\ty\n",
         b"filename\tlabel\na.png\tx\nb.png\t\n",
+        b"filename label\na.png x\n  \nb.png y\n",  # spaces: three empty fields
+        b"filename label\na.png x\n\t\nb.png y\n",
+        b"filename;label\na.png;x\n \t\nb.png;y\n",
+        b"filename|label\na.png|x\n\x0b\nb.png|y\n",
+        b"filename,label\na.png,x\n\x0c\nb.png,y\n",
     ],
 )
-def test_tsv_blank_and_separator_lines(tmp_path, monkeypatch, data):
-    path = tmp_path / "i.tsv"
+def test_blank_and_separator_lines(tmp_path, monkeypatch, data):
+    """Lines of whitespace, or of separators, with any separator: blank or fields, as the
+    csv module reads them (pandas leaves out a line of whitespace)."""
+    path = tmp_path / "i.csv"
     path.write_bytes(data)
-    same(three_ways(path, monkeypatch))
+    same(three_ways(path, monkeypatch, sep=chr(data[8])))
 
 
 def test_numeric_text_stays_text(tmp_path, monkeypatch):
