@@ -13,14 +13,6 @@ Otherwise, and for rows with fewer or more fields than the header (ragged
 rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
 None and the caller falls back to :func:`dataset.csvscan.scan`.
 
-A local file without quotes goes to pandas' C reader first, where pandas
-writes its strings straight into Arrow buffers (pandas 3; one thread): on a
-10M-row file it takes two thirds of the CPU time of pyarrow's reader, which
-spends most of its own on fresh memory. pandas reads quotes off, as above,
-and a blank line or a line of whitespace as the csv module's blank row; it
-is refused (then pyarrow reads the file) where it would read a value as a
-number (:func:`_read_pandas`).
-
 Values come unquoted, their ``""`` escapes undone, NOT stripped: the caller
 strips them (:func:`dataset.csvscan.strip`). No pyarrow: :func:`split` is
 always None.
@@ -28,10 +20,7 @@ always None.
 
 from __future__ import annotations
 
-import csv
-import mmap
 import os
-import warnings
 
 import numpy as np
 
@@ -44,23 +33,12 @@ try:
 except ImportError:  # pragma: no cover - pyarrow is optional; csvscan does the work
     pa = pc = None
 
-try:  # pandas' C reader, where it writes strings straight into Arrow buffers (pandas 3):
-    # one thread, its own buffers; 1.3-3x faster than pyarrow's reader on a 10M-row file,
-    # most of which pyarrow spends on fresh memory. Older pandas makes a str per value.
-    import pandas as pd
-    from pandas._libs import parsers as _pd_parsers
-
-    if not hasattr(_pd_parsers, "_PendingStringColumn"):
-        pd = None
-except ImportError:  # pragma: no cover - pandas is optional; pyarrow's reader does the work
-    pd = None
-
 # pyarrow parses the file a block of this many bytes at a time (in parallel), a
 # column comes back as a chunk per block. Small blocks reuse the parser's buffers
 # from the heap: blocks of 16 MiB cost 1.8x the page faults of the parse (most of
 # what a split of millions of rows spends) and leave 1.4x the memory.
 BLOCK = 1 << 20
-# The bytes after the header looked at for values pandas would read as numbers.
+# A local file whose first bytes after the header hold a quote is handed back at once.
 PEEK = 1 << 16
 
 
@@ -79,38 +57,10 @@ class Column:
 
     def joined(self) -> Names:
         """The values as one buffer and offsets into it (a copy where the file was
-        read in several blocks, into memory mapped in one call: :func:`fresh`)."""
-        chunks = self.chunks
-        if len(chunks) == 1 or not all(pa.types.is_string(c.type) for c in chunks):
-            array = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks, memory_pool=pool())
-            return Names(array)
-        parts = [Names(c) for c in chunks if len(c)]
-        n = sum(len(c) for c in chunks)
-        size = sum(len(p.buf) if p.end[-1] else 0 for p in parts)
-        buf, off = fresh(size), fresh(4 * (n + 1)).view(np.int32)[: n + 1]
-        row = at = 0
-        for p in parts:
-            k, used = len(p.start), int(p.end[-1])
-            buf[at : at + used] = p.buf[:used]
-            np.add(p.end, at, out=off[row + 1 : row + k + 1])
-            row, at = row + k, at + used
-        array = pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(off), pa.py_buffer(buf)])
+        read in several blocks)."""
+        array = pa.concat_arrays(self.chunks, memory_pool=pool()) if len(self.chunks) > 1 else (
+            self.chunks[0])  # fmt: skip
         return Names(array)
-
-
-def fresh(nbytes: int) -> np.ndarray:
-    """`nbytes` of zeroed memory, mapped and faulted in by one call (``MAP_POPULATE``).
-
-    A page touched for the first time costs a fault, and on a VM a fault costs
-    several microseconds of kernel time: copying a 10M-row file's names (300 MB)
-    into memory faulted page by page spent 1.5-2x the kernel time; numpy's own
-    large arrays ask for huge pages, which this VM compacts memory for (0.1-0.8 s).
-    """
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if not flags:  # pragma: no cover - not a POSIX system
-        return np.zeros(nbytes, dtype=np.uint8)
-    m = mmap.mmap(-1, max(nbytes, 1), flags=flags | getattr(mmap, "MAP_POPULATE", 0))
-    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
 
 
 class Names:
@@ -151,15 +101,12 @@ def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | Non
                     return None
                 first = f.readline()
                 head = f.read(PEEK)
+            if b'"' in first or b'"' in head:
+                return None  # refused below after a split: the caller hands over the bytes
+            with pa.OSFile(source) as f:  # (a file: pyarrow would decompress a ".gz" path)
+                got = _read(f, sep, first, quotes=False)
         except OSError:
             return None  # the caller's read names the fault
-        if b'"' in first or b'"' in head:
-            return None  # refused below after a split: the caller hands over the bytes
-        got = None
-        if pd is not None and not _numbers(head, sep):
-            got = _read_pandas(source, sep)
-        if got is None:
-            got = _read(source, sep, first, quotes=False)
         if (
             got is None
             or any('"' in h for h in got[0])
@@ -216,55 +163,6 @@ def _read(source, sep: str, first: bytes, quotes: bool):
         return None
     header = [str(v).strip() for v in table.slice(0, 1).to_pylist()[0].values()]
     columns = [Column(c.slice(1).chunks) for c in table.columns]
-    return header, columns
-
-
-def _numbers(head: bytes, sep: str) -> bool:
-    """Whether a value on the whole lines of `head` may read as a number or a bool, for
-    pandas: a text column would then be refused (:func:`_read_pandas`) and read twice."""
-    for line in head.split(b"\n")[:-1]:
-        for value in line.rstrip(b"\r").split(sep.encode()):
-            value = value.strip()
-            if value.lower() in (b"true", b"false"):
-                return True
-            try:
-                float(value)
-                return True
-            except ValueError:
-                pass
-    return False
-
-
-def _read_pandas(path: str, sep: str):
-    """:func:`_read` of a local file by pandas' C reader, quotes off (None where it refuses).
-
-    Every value is read as text or refused: the header row is read as a row
-    (``header=None``); pandas guesses the type of each block of rows, and a block
-    whose values all read as numbers (or bools) turns its column into Python
-    objects, which is refused (:func:`_numbers` looks for them first). A row with
-    fewer fields than the header gets empty strings (the csv module's short row:
-    no label); more, or text that is not UTF-8, is a parser error (None). Blank
-    lines, and lines of spaces, are left out as :func:`dataset.csvindex.from_csv`
-    leaves them out.
-    """
-    try:
-        with warnings.catch_warnings():  # a block of numbers: refused below
-            warnings.simplefilter("ignore", pd.errors.DtypeWarning)
-            frame = pd.read_csv(path, sep=sep, header=None, na_filter=False, engine="c",
-                                quoting=csv.QUOTE_NONE, dtype_backend="pyarrow",
-                                encoding="utf-8", skip_blank_lines=True)  # fmt: skip
-    except (ValueError, pd.errors.ParserError, UnicodeError, MemoryError):
-        return None  # (ValueError: also an empty file)
-    arrays = []
-    for k in range(frame.shape[1]):
-        array = getattr(frame.iloc[:, k].array, "_pa_array", None)  # pandas' Arrow column
-        if array is None or not pa.types.is_string(array.type) or array.null_count:
-            return None
-        arrays.append(array)
-    if not arrays or len(arrays[0]) < 2:
-        return None
-    header = [str(a[0]).strip() for a in arrays]
-    columns = [Column([c for c in a.slice(1).chunks if len(c)]) for a in arrays]
     return header, columns
 
 

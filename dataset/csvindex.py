@@ -214,17 +214,15 @@ def _arrow_labels(columns: list[list], n: int):
     pool = csvarrow.pool()
     if all(pa.types.is_dictionary(c.type) for c in chunks):
         coded = pa.chunked_array(chunks).unify_dictionaries(memory_pool=pool)
-        ids, heads = _indices(coded), None
     else:
-        plain = pa.chunked_array(
-            [c.dictionary_decode() if pa.types.is_dictionary(c.type) else c for c in chunks]
-        )
-        ids, heads, coded = _encode_runs(plain, pool)
+        plain = [c.dictionary_decode() if pa.types.is_dictionary(c.type) else c for c in chunks]
+        coded = pc.dictionary_encode(pa.chunked_array(plain), memory_pool=pool)
     names = [v.strip() for v in coded.chunk(0).dictionary.to_pylist()]
+    ids = np.concatenate([np.frombuffer(c.indices.buffers()[1], dtype=np.int32, count=c.offset +
+                          len(c))[c.offset :] for c in coded.chunks])  # fmt: skip
     if len(columns) > 1:  # row by row, in column order
         ids = ids.reshape(len(columns), n).T.ravel()
-    # (the header's is in the dictionary)
-    used = np.bincount(ids if heads is None else heads, minlength=len(names)) > 0
+    used = np.bincount(ids, minlength=len(names)) > 0  # the header's is in the dictionary
     names = [name if use else None for name, use in zip(names, used.tolist(), strict=True)]
     if all(name is None or name for name in names):
         if len(columns) == 1:
@@ -236,37 +234,6 @@ def _arrow_labels(columns: list[list], n: int):
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(keep.reshape(n, len(columns)).sum(axis=1), out=ptr[1:])
     return ptr, ids[keep], names
-
-
-def _indices(coded) -> np.ndarray:
-    """The int32 indices of a dictionary-encoded chunked array, as one numpy array."""
-    got = [
-        np.frombuffer(c.indices.buffers()[1], dtype=np.int32, count=c.offset + len(c))[c.offset :]
-        for c in coded.chunks
-    ]
-    return got[0] if len(got) == 1 else np.concatenate(got)
-
-
-def _encode_runs(values, pool):
-    """``(ids, ids of the runs, coded)``: `values` (text) as ids into the dictionary of
-    ``coded``. A file sorted by filename holds its labels in runs of one value: only the
-    first value of each run is hashed (10x fewer than every value: 0.2 s of a 10M-row
-    open), one comparison of neighbours finds them."""
-    n = len(values)
-    if n > 1:
-        differ = pc.not_equal(values[1:], values[:-1], memory_pool=pool)
-        at = pc.indices_nonzero(differ, memory_pool=pool)  # (no array of n flags)
-        if len(at) < n // 8:
-            starts = np.zeros(len(at) + 1, dtype=np.int64)
-            starts[1:] = at.to_numpy()
-            starts[1:] += 1
-            coded = pc.dictionary_encode(values.take(starts), memory_pool=pool)
-            heads = _indices(coded)
-            ids = csvarrow.fresh(4 * n).view(np.int32)  # zeros; each run's start marks its
-            ids[starts] = np.diff(heads, prepend=0)  # change of id, summed in place
-            return np.cumsum(ids, out=ids), heads, coded
-    coded = pc.dictionary_encode(values, memory_pool=pool)
-    return _indices(coded), None, coded
 
 
 def _line_of(source: str | bytes, sep: str, r: int) -> int:

@@ -27,11 +27,9 @@ NAME = ["a", "b", "/", ".", "é", "x y", ",", '"', "\n", "\r\n", "\t", " ", "\u0
 LABELS = ["cat", "dog", "10", "2", "a,b", 'say "hi"', "  x  ", "x", "\u00a0é\u00a0", ""]
 
 
-def _rows(rng: random.Random, n: int, plain: bool, width: int, numbers: bool = True):
+def _rows(rng: random.Random, n: int, plain: bool, width: int) -> list[list[str]]:
     alphabet = NAME[:6] if plain else NAME
     labels = [x for x in LABELS if not (plain and ('"' in x or "," in x))]
-    if not numbers:  # (pandas splits a file only when no value reads as a number)
-        labels = [x for x in labels if not x.strip().isdigit()]
     rows = [["filename"] + [f"label{k}" for k in range(width)]]
     for _ in range(n):
         name = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6)))
@@ -40,21 +38,11 @@ def _rows(rng: random.Random, n: int, plain: bool, width: int, numbers: bool = T
 
 
 class Routes:
-    """Which reader gave each open: a path (pandas or pyarrow), pyarrow from bytes, or
-    neither; "pandas" where pandas split it."""
+    """Which reader gave each open: pyarrow by path, pyarrow from bytes, or neither."""
 
     def __init__(self, monkeypatch):
         self.taken: list[str] = []
         real = csvarrow.split
-        by_pandas = csvarrow._read_pandas
-
-        def read_pandas(path, sep):
-            got = by_pandas(path, sep)
-            if got is not None:
-                self.taken.append("pandas")
-            return got
-
-        monkeypatch.setattr(csvarrow, "_read_pandas", read_pandas)
 
         def split(source, sep):
             got = real(source, sep)
@@ -103,7 +91,7 @@ def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting,
     path = tmp_path / "index.csv"
     routes = Routes(monkeypatch)
     for trial in range(8):
-        rows = _rows(rng, 150, plain, width=trial % 3, numbers=trial < 4)
+        rows = _rows(rng, 150, plain, width=trial % 3)
         if trial % 2:
             rows[1:] = sorted(rows[1:], key=lambda r: (r[1:2], r[0]))  # the sorted-file shortcut
         data = write_rows(rows, quoting, terminator)
@@ -119,8 +107,7 @@ def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting,
         assert not isinstance(got[0], str), got[0]
         same(got)
         if b'"' not in data:
-            pandas = csvarrow.pd is not None and trial >= 4 and plain
-            assert routes.taken == ["pandas", "path"] if pandas else ["path"]
+            assert routes.taken == ["path"]
         elif b"\r" not in data:  # a quoted file with a "\r" is the scanner's
             assert routes.taken == ["bytes"]
         else:
@@ -183,22 +170,26 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
 )
 def test_blank_and_separator_lines(tmp_path, monkeypatch, data):
     """Lines of whitespace, or of separators, with any separator: blank or fields, as the
-    csv module reads them (pandas leaves out a line of whitespace)."""
+    csv module reads them."""
     path = tmp_path / "i.csv"
     path.write_bytes(data)
     same(three_ways(path, monkeypatch, sep=chr(data[8])))
 
 
-def test_numeric_text_stays_text(tmp_path, monkeypatch):
-    """pandas reads a file in blocks and guesses each block's type: a block of digits
-    must still give the file's text ("007", not 7), or leave the file to pyarrow."""
-    rows = [["filename", "label"]] + [[f"x{i}.png", "cat"] for i in range(20_000)]
-    rows += [[f"{i:07d}", f"{i % 1000:03d}"] for i in range(300_000)]
-    path = tmp_path / "i.csv"
-    path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
-    if csvarrow.pd is not None:  # the numbers come after what split looks at first
-        assert csvarrow._read_pandas(str(path), ",") is None
-    index = open_index(str(path))
-    assert index.labels == sorted(["cat", *(f"{i:03d}" for i in range(1000))])
-    raw = {index.table.raw(r) for r in range(index.num_rows)}
-    assert "0000007" in raw and "x7.png" in raw and len(raw) == 320_000
+def test_a_path_is_a_path(tmp_path, monkeypatch):
+    """A local name a reader could take as more than a name (a compressed file by its
+    suffix, "~" for the home folder) is read as its bytes, as the csv module reads them."""
+    import gzip
+
+    plain = b"filename,label\na.png,cat\nb.png,dog\n"
+    (tmp_path / "i.csv.gz").write_bytes(gzip.compress(plain))
+    same(three_ways(tmp_path / "i.csv.gz", monkeypatch, sep=","))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "i.csv").write_bytes(b"filename,label\nother.png,cat\n")
+    (tmp_path / "~").mkdir()
+    (tmp_path / "~" / "i.csv").write_bytes(plain)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    index = open_index("~/i.csv")
+    assert sorted(index.table.raw(r) for r in range(index.num_rows)) == ["a.png", "b.png"]
