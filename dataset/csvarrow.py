@@ -38,6 +38,8 @@ except ImportError:  # pragma: no cover - pyarrow is optional; csvscan does the 
 # from the heap: blocks of 16 MiB cost 1.8x the page faults of the parse (most of
 # what a split of millions of rows spends) and leave 1.4x the memory.
 BLOCK = 1 << 20
+# A local file whose first bytes after the header hold a quote is handed back at once.
+PEEK = 1 << 16
 
 
 def pool():
@@ -86,8 +88,9 @@ def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | Non
 
     `source`: a local file's path (pyarrow reads it a block at a time: no copy of
     the whole file) or the file's bytes. A file read by path is split with quotes
-    off and refused (None) if any value holds a quote; the caller then hands over
-    its bytes, whose quotes are checked before pyarrow reads them as quotes.
+    off and refused (None) if any value holds a quote (at once where its first
+    :data:`PEEK` bytes hold one); the caller then hands over its bytes, whose
+    quotes are checked before pyarrow reads them as quotes.
     """
     if pa is None or len(sep) != 1 or ord(sep) > 127 or sep in '"\r\n':
         return None
@@ -97,9 +100,13 @@ def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | Non
                 if os.fstat(f.fileno()).st_size >= 2**31:  # int32 offsets
                     return None
                 first = f.readline()
+                head = f.read(PEEK)
+            if b'"' in first or b'"' in head:
+                return None  # refused below after a split: the caller hands over the bytes
+            with pa.OSFile(source) as f:  # (a file: pyarrow would decompress a ".gz" path)
+                got = _read(f, sep, first, quotes=False)
         except OSError:
             return None  # the caller's read names the fault
-        got = _read(source, sep, first, quotes=False)
         if (
             got is None
             or any('"' in h for h in got[0])

@@ -152,3 +152,44 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     routes = Routes(monkeypatch)
     same(three_ways(path, monkeypatch))
     assert routes.taken[:1] == ["path"]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"filename\tlabel\na.png\tx\n\t\nb.png\ty\n",  # a line of one separator: two fields
+        b"filename\tlabel\na.png\tx\n  \nb.png\ty\n",  # a line of spaces is blank
+        b"filename\tlabel\na.png\tx\n \t \nb.png\ty\n",
+        b"filename\tlabel\na.png\tx\nb.png\t\n",
+        b"filename label\na.png x\n  \nb.png y\n",  # spaces: three empty fields
+        b"filename label\na.png x\n\t\nb.png y\n",
+        b"filename;label\na.png;x\n \t\nb.png;y\n",
+        b"filename|label\na.png|x\n\x0b\nb.png|y\n",
+        b"filename,label\na.png,x\n\x0c\nb.png,y\n",
+    ],
+)
+def test_blank_and_separator_lines(tmp_path, monkeypatch, data):
+    """Lines of whitespace, or of separators, with any separator: blank or fields, as the
+    csv module reads them."""
+    path = tmp_path / "i.csv"
+    path.write_bytes(data)
+    same(three_ways(path, monkeypatch, sep=chr(data[8])))
+
+
+def test_a_path_is_a_path(tmp_path, monkeypatch):
+    """A local name a reader could take as more than a name (a compressed file by its
+    suffix, "~" for the home folder) is read as its bytes, as the csv module reads them."""
+    import gzip
+
+    plain = b"filename,label\na.png,cat\nb.png,dog\n"
+    (tmp_path / "i.csv.gz").write_bytes(gzip.compress(plain))
+    same(three_ways(tmp_path / "i.csv.gz", monkeypatch, sep=","))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "i.csv").write_bytes(b"filename,label\nother.png,cat\n")
+    (tmp_path / "~").mkdir()
+    (tmp_path / "~" / "i.csv").write_bytes(plain)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    index = open_index("~/i.csv")
+    assert sorted(index.table.raw(r) for r in range(index.num_rows)) == ["a.png", "b.png"]
