@@ -58,8 +58,11 @@ class Packed:
 
     def __init__(self, leaves: list[torch.Tensor]):
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in leaves:
-            by_dtype.setdefault(t.dtype, []).append(t)
+        if len(leaves) == 1:  # the common case (one tensor or bucket) without the loop
+            by_dtype[leaves[0].dtype] = leaves
+        else:
+            for t in leaves:
+                by_dtype.setdefault(t.dtype, []).append(t)
         self.groups: list[Group] = []
         for dtype, ts in by_dtype.items():
             if len(ts) == 1 and ts[0].device.type == "cpu" and ts[0].is_contiguous():
@@ -78,7 +81,7 @@ class Packed:
 
     def signature(self, kind: str) -> bytes:
         """8 bytes that differ when two nodes' collectives would not line up."""
-        key = (kind, tuple((g.dtype, *(t.shape for t in g.tensors)) for g in self.groups))
+        key = (kind, tuple([(g.dtype, *[t.shape for t in g.tensors]) for g in self.groups]))
         sig = _SIGNATURES.get(key)
         if sig is None:
             # The same structure is all-reduced every step: hash it once.
