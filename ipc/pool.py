@@ -207,9 +207,11 @@ class Map:
         """The map's thread: answers the workers' links (handshakes, results, goodbyes)
         while the caller does other work, until every worker has ended or one failed."""
         while not self._abort and self._error is None:
-            if all(p.exitcode is not None for p in self._procs):
-                break
-            self._ep.poll(0.05)
+            # Seen ended before the look below, so a worker that died just after the
+            # previous look is still named (leaving as soon as all had ended would
+            # return its result as None).
+            ended = all(p.exitcode is not None for p in self._procs)
+            self._ep.poll(0 if ended else 0.05)
             self._take()
             for i, p in enumerate(self._procs):
                 if self._done[i] or p.exitcode is None:
@@ -219,6 +221,8 @@ class Map:
                 if not self._done[i]:
                     how = _how_it_ended(p.exitcode)
                     self._fail(PeerError(f"ipc.map: worker {i} (pid {p.pid}) {how}", i))
+            if ended:
+                return
 
     def join(self, timeout: float | None = None) -> list:
         """The n results in index order, once every worker is done; see the module
