@@ -329,7 +329,8 @@ class SharedMemoryGroup:
 
     def _late(self, b: int) -> list[int]:
         """Nodes that have not arrived at barrier b."""
-        return [j for j in range(self.n) if ARRIVAL.unpack_from(self._ctl, self._line(j, 2))[0] < b]
+        ctl = self._ctl
+        return [j for j, at in enumerate(self._arrivals) if ARRIVAL.unpack_from(ctl, at)[0] < b]
 
     def _wake(self, b: int) -> None:
         for j, fd in self._wfd.items():

@@ -67,8 +67,6 @@ SERVICE_NAP_MAX_S = 0.4
 # /dev/shm grow to hold them, twice over.
 FUSE_MAX = shm_mod.MAX_GROUPS
 FUSE_BYTES = 64 << 20
-# The ops whose queued all-reduces may run fused (each job's own reduce is the same).
-_FUSABLE = ("all_reduce:sum", "all_reduce:max", "all_reduce:min")
 
 Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 _TREES: weakref.WeakSet = weakref.WeakSet()
@@ -81,20 +79,24 @@ _NAMED_OPS: dict[str, tuple[str, Callable[[torch.Tensor, torch.Tensor], None]]] 
     "max": ("all_reduce:max", lambda acc, src: torch.maximum(acc, src, out=acc)),
     "min": ("all_reduce:min", lambda acc, src: torch.minimum(acc, src, out=acc)),
 }
+# The ops whose queued all-reduces may run fused (each job's own reduce is the same).
+_FUSABLE = frozenset(kind for kind, _ in _NAMED_OPS.values())
 
 
-def _reducer(op: Op) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """In-place `acc = op(acc, src)` on two 1-D chunks (torch ops release the GIL)."""
-    if isinstance(op, str) and op in _NAMED_OPS:
-        return _NAMED_OPS[op][1]
-    if callable(op):
+def _op(op: Op) -> tuple[str, Callable[[torch.Tensor, torch.Tensor], None]]:
+    """The all-reduce's kind and its in-place `acc = op(acc, src)` on two 1-D chunks
+    (torch ops release the GIL)."""
+    if isinstance(op, str):
+        if op in _NAMED_OPS:
+            return _NAMED_OPS[op]
+    elif callable(op):
 
         def apply(acc: torch.Tensor, src: torch.Tensor) -> None:
             out = op(acc, src)
             if out is not None and out is not acc:
                 acc.copy_(out)
 
-        return apply
+        return "all_reduce:callable", apply
     raise ValueError(f"all_reduce op must be 'sum', 'max', 'min' or a callable, got {op!r}")
 
 
@@ -519,8 +521,7 @@ class Tree:
         returns a Handle at once; `handle.wait()` returns the count. Do not touch
         the tensors until then."""
         self._check()
-        named = _NAMED_OPS.get(op) if isinstance(op, str) else None
-        kind, reduce = named or ("all_reduce:callable", _reducer(op))
+        kind, reduce = _op(op)
         return self._submit((flatten(tensors), kind, reduce, True, not finished), async_op)
 
     def scatter(self, tensors: Nested, async_op: bool = False) -> Handle | None:
