@@ -60,16 +60,21 @@ from .errors import IPCTimeoutError, MismatchError, PeerError
 log = logging.getLogger(__name__)
 
 # Per node and parity: sequence, contributes (0/1), signature, payload bytes, and how
-# many queued jobs it offers to run fused (see run_fused; 1: only this one).
+# many queued jobs it offers to run fused (see run_fused; 1: only this one). Written
+# before a barrier and read after it, never while peers read it (parity).
 CONTROL = struct.Struct("<QQ8sQQ")
-# Per node: the last barrier it arrived at, and the barrier it sleeps in (0: awake).
-ARRIVAL = struct.Struct("<QQ")
-# Per node, after ARRIVAL in the same line, written once at setup: pid, address
-# and value of its cross-memory probe word, and whether it can read every peer.
-SETUP = struct.Struct("<QQQQ")
-# Per node, after SETUP in the same line: the last slot generation it tried to
-# allocate, and whether it could.
-GROW = struct.Struct("<QQ")
+# Each node's arrival line (line 2) is eight 64-bit words that peers read while the
+# owner may be rewriting them, so they are stored one aligned word at a time (see
+# SharedMemoryGroup._words), never with struct.pack_into: it zero-fills its whole
+# span before writing, and a peer reading in between once saw node 0's pid as 0.
+ARRIVED = 0  # the last barrier it arrived at
+ASLEEP = 1  # the barrier it sleeps in (0: awake)
+PID = 2  # written once at setup: pid, address and value of its cross-memory probe
+PROBE_ADDRESS = 3
+PROBE_VALUE = 4
+CAN_READ = 5  # and whether it can read every peer's memory (0/1)
+GROW_GEN = 6  # the last slot generation it tried to allocate,
+GROW_OK = 7  # and whether it could
 # Per node and parity: where its groups lie, for peers to read them (see ipc.cma).
 MAX_GROUPS = 8
 ADDRESSES = struct.Struct(f"<{MAX_GROUPS}Q")
@@ -200,7 +205,8 @@ class SharedMemoryGroup:
         self._barriers = 0
         self._spin = SPIN_S  # the current spin budget, in seconds (see SPIN_S)
         self._fence = threading.Lock()  # a memory barrier (see barrier)
-        self._arrivals = [self._line(j, 2) for j in range(n)]  # each node's arrival line
+        # where each node's arrival line starts, in 64-bit words
+        self._arrivals = [self._line(j, 2) // 8 for j in range(n)]
         self._controls = [[self._line(j, p) for j in range(n)] for p in (0, 1)]  # by parity
         # collectives run here, their bytes, and how many read peers' tensors directly
         # (and "fused": all-reduces that ran inside another one's collective)
@@ -225,28 +231,26 @@ class SharedMemoryGroup:
             sync()
             if node != 0:
                 self._ctl = _map(ctl_path, ctl_size, create=False)
+            self._words = words = memoryview(self._ctl).cast("Q")
             for j in (j for j in range(n) if j != node):
                 self._wfd[j] = os.open(fifo_dir / f"{prefix}-{j}.fifo", os.O_WRONLY | os.O_NONBLOCK)
             probe = cma.Probe(int.from_bytes(os.urandom(7), "little"))
-            setup = self._line(node, 2) + ARRIVAL.size
-            SETUP.pack_into(self._ctl, setup, os.getpid(), probe.address, probe.value, 0)
+            at = self._arrivals[node]
+            words[at + PID] = os.getpid()
+            words[at + PROBE_ADDRESS] = probe.address
+            words[at + PROBE_VALUE] = probe.value
             sync()
             # Cross-memory reads need every node to reach every peer: probe them all,
             # then agree, so all nodes take the same path in every collective.
-            peers = [
-                SETUP.unpack_from(self._ctl, self._line(j, 2) + ARRIVAL.size) for j in range(n)
-            ]
-            self._pids = [pid for pid, *_ in peers]
+            self._pids = [words[a + PID] for a in self._arrivals]
             ok = all(
-                cma.usable(pid, addr, val)
-                for j, (pid, addr, val, _) in enumerate(peers)
+                cma.usable(words[a + PID], words[a + PROBE_ADDRESS], words[a + PROBE_VALUE])
+                for j, a in enumerate(self._arrivals)
                 if j != node
             )
-            SETUP.pack_into(self._ctl, setup, os.getpid(), probe.address, probe.value, int(ok))
+            words[at + CAN_READ] = int(ok)  # peers may still be reading our pid
             sync()
-            self.cma = all(
-                SETUP.unpack_from(self._ctl, self._line(j, 2) + ARRIVAL.size)[3] for j in range(n)
-            )
+            self.cma = all(words[a + CAN_READ] for a in self._arrivals)
         finally:
             # Everyone has opened everything (or we failed): the names are no longer needed.
             with contextlib.suppress(OSError):
@@ -263,8 +267,8 @@ class SharedMemoryGroup:
         return (j * LINES + k) * CONTROL_SLOT
 
     def _all_arrived(self, b: int) -> bool:
-        ctl, unpack = self._ctl, ARRIVAL.unpack_from
-        return all(unpack(ctl, at)[0] >= b for at in self._arrivals)
+        words = self._words
+        return all(words[at] >= b for at in self._arrivals)
 
     def _drain(self) -> None:
         """Read stale wake-up bytes. The pipe lock it takes is also a full memory
@@ -283,7 +287,8 @@ class SharedMemoryGroup:
         self._barriers += 1
         b = self._barriers
         mine = self._arrivals[self.node]
-        ARRIVAL.pack_into(self._ctl, mine, b, 0)
+        words = self._words
+        words[mine + ARRIVED] = b
         # Our counter store must be visible before we read the others' (and their
         # sleep marks in _wake): a lock's atomic instruction is a full memory barrier
         # on x86, at a tenth of the cost of draining the FIFO here (a read that fails
@@ -302,7 +307,7 @@ class SharedMemoryGroup:
                 self._spin = min(SPIN_S, 2 * spin)
                 return
         self._spin = max(SPIN_MIN_S, spin / 2)
-        ARRIVAL.pack_into(self._ctl, mine, b, b)  # asleep in barrier b
+        words[mine + ASLEEP] = b
         start = time.monotonic()
         deadline = start + self.timeout
         stall = start + self.stall_warning
@@ -325,16 +330,16 @@ class SharedMemoryGroup:
                     )
                 self._wait_readable(self._rfd, min(NAP_S, remaining))
         finally:
-            ARRIVAL.pack_into(self._ctl, mine, b, 0)
+            words[mine + ASLEEP] = 0
 
     def _late(self, b: int) -> list[int]:
         """Nodes that have not arrived at barrier b."""
-        ctl = self._ctl
-        return [j for j, at in enumerate(self._arrivals) if ARRIVAL.unpack_from(ctl, at)[0] < b]
+        words = self._words
+        return [j for j, at in enumerate(self._arrivals) if words[at + ARRIVED] < b]
 
     def _wake(self, b: int) -> None:
         for j, fd in self._wfd.items():
-            if ARRIVAL.unpack_from(self._ctl, self._arrivals[j])[1] == b:
+            if self._words[self._arrivals[j] + ASLEEP] == b:
                 with contextlib.suppress(BlockingIOError):  # full pipe: it is awake anyway
                     os.write(fd, b"\x01")
 
@@ -348,17 +353,17 @@ class SharedMemoryGroup:
         cap = 1 << max(16, (need - 1).bit_length())
         self._gen += 1
         path = _segment(self.prefix, f"{self.node}-{self._gen}", os.getpid())
-        grow_at = self._line(self.node, 2) + ARRIVAL.size + SETUP.size
+        words, mine_at = self._words, self._arrivals[self.node]
         try:
             mine = _map(path, 2 * cap, create=True)
         except ShmFull:
             mine = None
-        GROW.pack_into(self._ctl, grow_at, self._gen, int(mine is not None))
+        words[mine_at + GROW_GEN] = self._gen
+        words[mine_at + GROW_OK] = int(mine is not None)
         self.barrier()
         failed = [
-            j for j in range(self.n)
-            if GROW.unpack_from(self._ctl, self._line(j, 2) + ARRIVAL.size + SETUP.size)
-            != (self._gen, 1)
+            j for j, at in enumerate(self._arrivals)
+            if (words[at + GROW_GEN], words[at + GROW_OK]) != (self._gen, 1)
         ]  # fmt: skip
         if failed:
             if mine is not None:
@@ -404,6 +409,7 @@ class SharedMemoryGroup:
         for fd in [self._rfd, *self._wfd.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self._words.release()  # an export would keep the page mapped
         with contextlib.suppress(BufferError):
             self._ctl.close()
 
