@@ -761,7 +761,7 @@ class Endpoint:
 
     def close(self, bye: dict | None = None, linger: float = 5.0) -> None:
         """Say BYE (with `bye` as its body) on every live link, wait up to `linger` s until
-        each peer acknowledged it, said BYE itself or is gone, then close everything."""
+        each peer acknowledged it or is gone, then close everything."""
         if self._closed:
             return
         self._closed = True
@@ -775,10 +775,14 @@ class Endpoint:
                     link.bye_sent = True
             deadline = time.monotonic() + linger
             while True:
+                # Our BYE's acknowledgement is awaited even from a peer that said BYE too
+                # (both closing at once): arriving after our sockets began to close, it
+                # would stall that connection's input, and libzmq 4.3.5 aborts the process
+                # when the peer then hangs up and a heartbeat fires (zeromq/libzmq#4841; a
+                # node 0 died so at the rendezvous). The peer acknowledges as it reads our
+                # BYE, which precedes our answer to its own.
                 waiting = [
-                    link
-                    for link in live
-                    if link.bye_sent and not link.acked and link.bye is None and link.dead is None
+                    link for link in live if link.bye_sent and not link.acked and link.dead is None
                 ]
                 remaining = deadline - time.monotonic()
                 if not waiting or remaining <= 0:
