@@ -604,11 +604,12 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         tree.close()
     elif scenario == "sliced":
         # Above ipc.shm.SMALL: the sliced reduction, through the peers' tensors
-        # (ipc.cma) or through the slots (IPC_SHM_CMA=0).
+        # (ipc.cma) or through the slots (IPC_SHM_CMA=0); two groups above
+        # ipc.shm.GATHER_BYTES each, so the first is gathered before the second's reduction.
         tree = tree_from_args(node, n, key)
         big = {
-            "a": node_tensor(node, (300_000,), torch.float32, 7),
-            "b": node_tensor(node, (200_000,), torch.float64, 8),
+            "a": node_tensor(node, (1_200_000,), torch.float32, 7),
+            "b": node_tensor(node, (600_000,), torch.float64, 8),
         }
         out["count"] = tree.all_reduce(big)
         out["big"] = big

@@ -138,8 +138,8 @@ def test_sliced_shared_memory_reduction(cma, tmp_path):
     results, _ = run_tree("sliced", n, tmp_path, extra_env=[{"IPC_SHM_CMA": cma}] * n)
     if cma == "1" and not results[0]["shm"]["cma"]:
         pytest.skip("process_vm_readv is not permitted between processes on this host")
-    want_a = sum(node_tensor(i, (300_000,), torch.float32, 7) for i in range(n))
-    want_b = sum(node_tensor(i, (200_000,), torch.float64, 8) for i in range(n))
+    want_a = sum(node_tensor(i, (1_200_000,), torch.float32, 7) for i in range(n))
+    want_b = sum(node_tensor(i, (600_000,), torch.float64, 8) for i in range(n))
     want_f = sum(node_tensor(i, (400_000,), torch.float32, 9) for i in range(1, n))
     want_m = local_reduce(
         torch.maximum, [node_tensor(i, (400_000,), torch.float32, 10) for i in range(n)]
