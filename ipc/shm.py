@@ -252,8 +252,8 @@ class SharedMemoryGroup:
             # then agree, so all nodes take the same path in every collective.
             self._pids = [words[a + PID] for a in self._arrivals]
             ok = all(
-                cma.usable(words[a + PID], words[a + PROBE_ADDRESS], words[a + PROBE_VALUE])
-                for j, a in enumerate(self._arrivals)
+                cma.usable(pid, words[a + PROBE_ADDRESS], words[a + PROBE_VALUE])
+                for j, (a, pid) in enumerate(zip(self._arrivals, self._pids, strict=True))
                 if j != node
             )
             words[at + CAN_READ] = int(ok)  # peers may still be reading our pid
