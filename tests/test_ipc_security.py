@@ -52,7 +52,10 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> N
     while time.monotonic() < deadline:
         assert proc.poll() is None, "node 0 exited before listening"
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            # A port from _free_port is in the ephemeral range: a probe whose source port the
+            # kernel picks equal to it connects to itself (TCP simultaneous open) while nothing
+            # listens. Only a connection to another socket counts.
+            if s.connect_ex(("127.0.0.1", port)) == 0 and s.getsockname() != s.getpeername():
                 return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listens on {port}")
@@ -265,10 +268,24 @@ class _Relay:
         self.threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
+    def _connect_upstream(self, timeout: float = 30) -> socket.socket:
+        """Node 0's port, retried: a refusal here would leave the client hanging on a relay
+        that never forwards, and the test failing with "nothing recorded"."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+                upstream.settimeout(None)  # the pumps block as long as the link lives
+                return upstream
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def _accept(self) -> None:
         with self.server:
             client, _ = self.server.accept()
-        upstream = socket.create_connection(("127.0.0.1", self.target))
+        upstream = self._connect_upstream()
 
         def pump(src, dst, record):
             try:
