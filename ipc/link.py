@@ -165,7 +165,7 @@ class Link:
         """Send one message: a header and optionally one payload frame (bytes, a buffer or a
         zmq.Frame). With `copy=False` the payload is sent from its own memory; `track`
         returns a MessageTracker that says when that memory may change again."""
-        if self.dead is not None:
+        if self.dead is not None or self.bye is not None:
             raise self.endpoint.dead_error(self)
         size = len(header)
         # Never block: our send queues are unbounded (SNDHWM 0), so a send that would
@@ -203,7 +203,7 @@ class Link:
         """Send one message of several frames (a header first, see :mod:`ipc.wire`), e.g.
         `link.send_frames(wire.pack_value(obj))`; with `copy=False` (the default) large
         buffers go from their own memory, which must not change until sent."""
-        if self.dead is not None:
+        if self.dead is not None or self.bye is not None:
             raise self.endpoint.dead_error(self)
         sock = self.sock if self.sock is not None else self.endpoint.router
         parts = frames if self.sock is not None else [self.rid, *frames]
@@ -541,12 +541,17 @@ class Endpoint:
             pass
         elif kind == Kind.BYE:
             try:
-                link.bye = wire.parse_control(header)
+                bye = wire.parse_control(header)
             except WireError:
-                link.bye = {}
-            self.events.append(("bye", link))  # before the ACK, which fails if it is gone
+                bye = {}
+            self.events.append(("bye", link))  # even if the ACK finds it gone
             with contextlib.suppress(PeerError, zmq.ZMQError):
                 link.send(_ACK)  # everything it sent before the BYE has been read
+            # The last message it gets from us: whatever followed would land on a socket
+            # that is closing, and libzmq 4.3.5 aborts a process whose closing connection
+            # holds unread input when the peer hangs up and a heartbeat fires
+            # (zeromq/libzmq#4841). Sends on the link raise from now on.
+            link.bye = bye
         elif kind == Kind.ACK:
             link.acked = True
         else:
@@ -700,7 +705,9 @@ class Endpoint:
 
     def _probe(self) -> None:
         for link in list(self.links.values()):
-            if link.dialed or link.dead is not None or link.state != "up":
+            # Not a peer that is leaving (it said BYE, or acknowledged ours): its socket may
+            # be closing, and a probe landing there can abort it (see _deliver).
+            if link.dialed or not link.up or link.bye is not None or link.acked:
                 continue
             try:
                 self.router.send_multipart([link.rid, _PROBE], zmq.NOBLOCK)

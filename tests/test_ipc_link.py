@@ -152,6 +152,52 @@ def test_two_ends_closing_at_once_each_wait_for_the_others_acknowledgement():
             listener.close(linger=0)
 
 
+class _Recording:
+    """A socket whose sends are recorded (and passed on): what the link layer sent."""
+
+    def __init__(self, sock):
+        self.sock, self.sent = sock, []
+
+    def send_multipart(self, frames, *args, **kwargs):
+        self.sent.append(frames)
+        return self.sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_nothing_is_sent_to_a_peer_after_its_bye():
+    """A peer that said BYE gets our ACK and then nothing: its sockets are closing, and a
+    message landing there, then our hang-up and a heartbeat, abort it in libzmq 4.3.5
+    (zeromq/libzmq#4841; a node frozen by SIGSTOP made its parent probe every accepted
+    link, and its sibling, mid-close, died so). Sends raise; probes pass it by."""
+    listener, dialer = _pair()
+    try:
+        link, back = _up(listener, dialer)
+        # The dialer's close() from its first step: BYE sent, its connection still open.
+        link.send(wire.control(Kind.BYE, {}))
+        link.bye_sent = True
+        deadline = time.monotonic() + 30
+        while not link.acked:  # the ACK goes out before the listener refuses to send
+            assert time.monotonic() < deadline, "no ACK"
+            listener.poll(0.01)
+            dialer.poll(0.01)
+        assert back.bye is not None and back.dead is None
+        with pytest.raises(ipc.PeerError, match="said goodbye"):
+            back.send(wire.control(Kind.MESSAGE, {"late": True}))
+        with pytest.raises(ipc.PeerError, match="said goodbye"):
+            back.send_frames(wire.pack_value({"late": True}))
+        router, listener.router = listener.router, _Recording(listener.router)
+        try:
+            listener._probe()
+            assert listener.router.sent == []
+        finally:
+            listener.router = router
+    finally:
+        dialer.close(linger=0)
+        listener.close(linger=0)
+
+
 def test_a_peer_that_leaves_while_we_do_not_read_is_no_crash():
     """A peer floods us with messages and exits while we read nothing, and heartbeats go
     on: libzmq 4.3.5 aborts the process here when the receive queue has a high-water mark
