@@ -30,7 +30,10 @@ unpickled.
 
 Closing: a closed queue takes no more writes; its remaining items can still
 be read; once it is empty it is *drained* and every read says so at once
-(`WorkQueue.read` returns None, `Channel.read` returns DRAINED).
+(`WorkQueue.read` returns None, `Channel.read` returns DRAINED). A worker that
+opens a WorkQueue whose owner closed it, and still runs, is told the same:
+it came late (a map worker that started after the others had done the work),
+and must not take the name and wait for workers of its own.
 """
 
 from __future__ import annotations
@@ -438,12 +441,16 @@ class WorkQueue:
         self._broker: _Broker | None = None
         self._remote: _Remote | None = None
         self._closed = False
+        self._late = False  # a worker that came after its owner had closed the queue
         directory = runtime.runtime_dir()
         for _ in range(3):
             info = self._read_owner(directory)
+            if info is not None and info.get("closed") is True and info["pid"] == os.getpid():
+                runtime.remove(directory, self._file)  # our own queue, closed: open it anew
+                continue
             if info is not None:
-                self._remote = _Remote(info["address"], info["secret"], f"work queue {name!r}")
                 self.owner = False
+                self._join(directory, info)
                 return
             broker = _Broker(("down", "up"), f"work queue {name!r}")
             broker.queues["down"].maxsize = maxsize
@@ -459,6 +466,24 @@ class WorkQueue:
             return
         raise IPCError(f"ipc: could not open the work queue {name!r} (its owner keeps changing)")
 
+    def _join(self, directory, info: dict) -> None:
+        """Become a worker of the queue `info` describes, or a late one if it is closed.
+
+        Its owner closed it and lives on: a worker that comes now (a map worker started
+        after the others had done all the work) finds no item, and read() says so at once.
+        Taking the name instead, it would wait forever for workers of its own."""
+        label = f"work queue {self.name!r}"
+        if info.get("closed") is True:
+            self._late = True
+            return
+        try:
+            self._remote = _Remote(info["address"], info["secret"], label)
+        except IPCError:
+            again = self._read_owner(directory)
+            if again is None or again.get("closed") is not True:
+                raise
+            self._late = True  # closed, and its broker gone, between our look and our dial
+
     def _read_owner(self, directory) -> dict | None:
         raw = runtime.read_private(directory, self._file)
         if raw is None:
@@ -468,8 +493,9 @@ class WorkQueue:
             return None
         try:
             info = json.loads(raw)
-            ok = isinstance(info, dict) and isinstance(info.get("address"), str)
-            ok = ok and isinstance(info.get("secret"), str) and _pid_alive(info.get("pid"))
+            ok = isinstance(info, dict) and _pid_alive(info.get("pid"))
+            if ok and info.get("closed") is not True:
+                ok = isinstance(info.get("address"), str) and isinstance(info.get("secret"), str)
         except ValueError:
             ok = False
         if not ok:  # left by an owner that died: the name is free again
@@ -492,6 +518,8 @@ class WorkQueue:
         if self._broker is not None:
             if self._broker.put("down", obj, timeout) != OPEN:
                 raise IPCError(f"ipc: the work queue {self.name!r} is closed")
+        elif self._late:
+            raise IPCError(f"ipc: the work queue {self.name!r} was closed by its owner")
         else:
             self._remote.put("up", obj)
 
@@ -501,21 +529,31 @@ class WorkQueue:
         if self._broker is not None:
             return self._broker.get("up", True, timeout)[1]
         self._check()
+        if self._late:
+            return None
         return self._remote.get("down", True, timeout)[1]
 
     def close(self, timeout: float | None = None) -> None:
         """Owner: no more items; waits until every item was handed out and every worker
-        has left (or `timeout`), then frees the name. Results still queued stay readable
-        (read() returns None after the last). Worker: leave the queue."""
+        has left (or `timeout`). Results still queued stay readable (read() returns None
+        after the last). The name stays marked closed while this process lives (a worker
+        that opens it later reads None at once); this process may open it anew. Worker:
+        leave the queue."""
         if self._closed:
             return
         self._closed = True
         if self._remote is not None:
             self._remote.close()
+        if not self.owner:
             return
         broker = self._broker
         broker.close_queue("down")
-        runtime.remove(runtime.runtime_dir(), self._file)
+        # The name stays taken, marked closed, while this process lives: a worker that opens
+        # it later must learn that it came late, not become an owner nobody writes to.
+        directory = runtime.runtime_dir()
+        closed = {"closed": True, "pid": os.getpid()}
+        runtime.replace_private(directory, self._file, json.dumps(closed).encode())
+        _CLOSED_NAMES.add((os.getpid(), directory, self._file))
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -532,6 +570,17 @@ class WorkQueue:
         finally:
             broker.close_queue("up")  # the workers are gone: read() ends after their results
             broker.stop()
+
+
+# The names of closed work queues this process owned: freed when it ends.
+_CLOSED_NAMES: set[tuple[int, object, str]] = set()
+
+
+@atexit.register
+def _free_closed_names() -> None:
+    for pid, directory, file in list(_CLOSED_NAMES):
+        if pid == os.getpid():  # not a forked child's copy of the set
+            runtime.remove(directory, file)
 
 
 # ---- Channel ------------------------------------------------------------------------------

@@ -88,6 +88,16 @@ def create_private(directory: Path, name: str, data: bytes) -> None:
 
     The file appears whole: written under a temporary name, then linked in place
     without replacing anything."""
+    _publish(directory, name, data, replace=False)
+
+
+def replace_private(directory: Path, name: str, data: bytes) -> None:
+    """Make `directory/name` (mode 0600) hold `data`, whatever it held: a reader sees the
+    old content or the new, never a part."""
+    _publish(directory, name, data, replace=True)
+
+
+def _publish(directory: Path, name: str, data: bytes, replace: bool) -> None:
     dfd = _dir_fd(directory)
     tmp = f".{name}.{secrets.token_hex(6)}.tmp"
     try:
@@ -97,8 +107,11 @@ def create_private(directory: Path, name: str, data: bytes) -> None:
             os.write(fd, data)
         finally:
             os.close(fd)
-        # link() never replaces an existing name: two roots cannot overwrite each other.
-        os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+        if replace:
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        else:
+            # link() never replaces an existing name: two roots cannot overwrite each other.
+            os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dfd)

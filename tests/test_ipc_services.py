@@ -16,6 +16,8 @@ import pickle
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
@@ -773,6 +775,45 @@ def test_workqueue_name_left_by_a_dead_owner_is_taken_over():
         q.close()
     with pytest.raises(ValueError, match="name"):
         ipc.WorkQueue("../etc/passwd")
+
+
+def late_worker(name, i):
+    q = ipc.WorkQueue(name)
+    item = q.read()  # at once: the owner closed the queue before we came
+    try:
+        q.write("a result nobody will read")
+        refused = ""
+    except ipc.IPCError as err:
+        refused = str(err)
+    q.close()
+    return {"owner": q.owner, "item": item, "refused": refused}
+
+
+def test_workqueue_worker_that_comes_after_the_close_reads_none():
+    """A map worker that starts only after the others have done every item and the owner
+    has closed the queue (a loaded host: seen as a 60 s hang of the maxsize test) is
+    told it came late. Before, it found the name free, took it, and waited forever
+    for workers of its own. The owner may open the name anew; it is freed at exit."""
+    name = f"late-{os.getpid()}"
+    q = ipc.WorkQueue(name)
+    early = ipc.map(1, queue_echo_worker, name)
+    for k in range(5):
+        q.write(k)
+    assert sorted(q.read(timeout=60) for _ in range(5)) == [1, 2, 3, 4, 5]
+    q.close(timeout=60)
+    early.join(timeout=60)
+    [late] = ipc.map(1, late_worker, name).join(timeout=30)
+    assert late == {"owner": False, "item": None, "refused": late["refused"]}
+    assert "closed by its owner" in late["refused"]
+    again = ipc.WorkQueue(name)  # this process, the owner, opens its closed name anew
+    try:
+        assert again.owner
+    finally:
+        again.close()
+    # A process that closed a queue frees the name when it ends.
+    code = f"from distlearn import ipc; ipc.WorkQueue({name + '-x'!r}).close()"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert not (runtime.runtime_dir() / f"workqueue-{name}-x.json").exists()
 
 
 def test_workqueue_refuses_a_planted_queue_file(tmp_path):
