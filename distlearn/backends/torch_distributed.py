@@ -95,6 +95,11 @@ class TorchDistributed(FlatCommunicator):
     def close(self) -> None:
         """Drop cached buffers; destroy the process group if `from_env` created it."""
         super().close()
+        # Our references would keep the group alive past destroy_process_group(), its
+        # gloo threads running until the interpreter shuts down: one that then frees a
+        # failed all-reduce (a peer died) needs the GIL, which a finalizing interpreter
+        # refuses by ending the thread, and the process aborts (std::terminate).
+        self._pg = self._async_opts = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
