@@ -23,7 +23,7 @@ from .csvarrow import pa, pc
 from .csvscan import Fields, scan, scan_rows, strip
 from .errors import BadIndex, IndexNotFound
 from .fetch import Fetcher, read_bytes
-from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int
+from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int, sort_labels
 
 log = logging.getLogger("distlearn.dataset.index")
 
@@ -207,30 +207,43 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
 
 def _arrow_labels(columns: list[list], n: int):
     """``(ptr, ids, names)`` for :func:`dataset.index.labelled`, from the chunks of pyarrow's
-    label columns: one dictionary over all of them, its few values stripped in Python."""
+    label columns: each chunk's few dictionary values stripped in Python and looked up in
+    the sorted label names, its indices mapped through that small table straight into
+    the ids (no unified dictionary, no int32 copy of every id to remap after)."""
     if not columns:
         return np.zeros(n + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
-    chunks = [c for col in columns for c in col if len(c)]
     pool = csvarrow.pool()
-    if all(pa.types.is_dictionary(c.type) for c in chunks):
-        coded = pa.chunked_array(chunks).unify_dictionaries(memory_pool=pool)
-    else:
-        plain = [c.dictionary_decode() if pa.types.is_dictionary(c.type) else c for c in chunks]
-        coded = pc.dictionary_encode(pa.chunked_array(plain), memory_pool=pool)
-    names = [v.strip() for v in coded.chunk(0).dictionary.to_pylist()]
-    ids = np.concatenate([np.frombuffer(c.indices.buffers()[1], dtype=np.int32, count=c.offset +
-                          len(c))[c.offset :] for c in coded.chunks])  # fmt: skip
-    if len(columns) > 1:  # row by row, in column order
-        ids = ids.reshape(len(columns), n).T.ravel()
-    used = np.bincount(ids, minlength=len(names)) > 0  # the header's is in the dictionary
-    names = [name if use else None for name, use in zip(names, used.tolist(), strict=True)]
-    if all(name is None or name for name in names):
+    coded = []  # (column, its indices, their stripped values; None: a value no row holds)
+    for k, col in enumerate(columns):
+        for c in col:
+            if not len(c):
+                continue
+            if not pa.types.is_dictionary(c.type):  # (a header with a quote: read as text)
+                c = pc.dictionary_encode(c, memory_pool=pool)
+            at = np.frombuffer(c.indices.buffers()[1], dtype=np.int32, count=c.offset + len(c))
+            values = [v.strip() for v in c.dictionary.to_pylist()]
+            if c.offset:  # a slice after the header: the header's value is in its dictionary
+                used = np.bincount(at[c.offset :], minlength=len(values)) > 0
+                values = [v if u else None for v, u in zip(values, used.tolist(), strict=True)]
+            coded.append((k, at[c.offset :], values))
+    found = {v for _, _, values in coded for v in values if v is not None}
+    names = sort_labels(found - {""})
+    dt = small_int(len(names) + 1)
+    where = {name: i for i, name in enumerate(names)}  # "" (no label) and None: -1
+    ids = np.empty((n, len(columns)) if len(columns) > 1 else n, dtype=dt)
+    pos = [0] * len(columns)
+    for k, at, values in coded:
+        table = np.asarray([where.get(v, -1) for v in values], dtype=dt)
+        end = pos[k] + len(at)
         if len(columns) == 1:
-            return None, ids, names
-        keep = np.ones(len(ids), dtype=bool)
-    else:  # empty labels (a row without one) are left out
-        keep = np.asarray([name != "" for name in names])[ids]
-        names = [name or None for name in names]
+            np.take(table, at, out=ids[pos[k] : end], mode="clip")  # (in range: unbuffered)
+        else:
+            ids[pos[k] : end, k] = table[at]
+        pos[k] = end
+    if "" not in found and len(columns) == 1:
+        return None, ids, names
+    ids = ids.ravel()
+    keep = ids >= 0
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(keep.reshape(n, len(columns)).sum(axis=1), out=ptr[1:])
     return ptr, ids[keep], names

@@ -432,7 +432,8 @@ def labelled(
     n = len(table)
     labels = sort_labels(name for name in names if name is not None)
     label_dt = small_int(len(labels) + 1)
-    ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids] if len(ids) else ids
+    if len(ids) and list(names) != labels:  # (names already sorted: ids are as they are)
+        ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids]
     ids = ids.astype(label_dt, copy=False)
     row_dt = small_int(n)
     if ptr is None:
