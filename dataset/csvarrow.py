@@ -24,7 +24,8 @@ import os
 
 import numpy as np
 
-from .csvscan import QUOTE, check_quotes, find
+from .csvscan import QUOTE, check_quotes, find, strip
+from .index import small_int
 
 try:
     import pyarrow as pa
@@ -50,36 +51,62 @@ def pool():
 
 class Column:
     """One column of the body (the rows after the header), as pyarrow gives it:
-    ``chunks``, a string array per block of the file; ``joined()``, one array."""
+    ``chunks``, a string array per block of the file."""
 
     def __init__(self, chunks: list):
         self.chunks = chunks
 
-    def joined(self) -> Names:
-        """The values as one buffer and offsets into it (a copy where the file was
-        read in several blocks)."""
-        array = pa.concat_arrays(self.chunks, memory_pool=pool()) if len(self.chunks) > 1 else (
-            self.chunks[0])  # fmt: skip
-        return Names(array)
-
 
 class Names:
-    """Value r is ``buf[start[r]:end[r]]``; ``array``, pyarrow's (for its compares)."""
+    """The values of a column, stripped (:func:`dataset.csvscan.strip`), as
+    :class:`dataset.index.NameRows` holds them, with no copy of their bytes.
 
-    def __init__(self, array):
-        self.array = array
-        n = len(array)
-        off = np.frombuffer(array.buffers()[1], dtype=np.int32, count=array.offset + n + 1)
-        off = off[array.offset :]
-        data = array.buffers()[2]
-        # from the first value on (a slice after the header still holds its bytes)
-        if off[-1] > off[0]:
-            self.buf = np.frombuffer(data, dtype=np.uint8)[off[0] : off[-1]]
-        else:
-            self.buf = np.zeros(1, dtype=np.uint8)  # every value empty
-        if off[0]:
-            off = off - off[0]
-        self.start, self.end = off[:-1], off[1:]
+    Value r is ``start[r]:start[r] + length[r]`` of the bytes of ``parts`` (each
+    chunk's values, as pyarrow holds them) one after the other. ``ascending``:
+    value r <= value r + 1 (n - 1 flags), where no value was stripped (else None).
+    ``empty``: some value is empty (stripped), and the rest is unset.
+    """
+
+    def __init__(self, chunks: list):
+        pieces = []  # (chunk, its bytes, local starts and ends), each chunk on its own:
+        stripped = self.empty = False  # its small temporaries are reused, no fresh pages
+        for c in chunks:
+            if not len(c):
+                continue
+            off = np.frombuffer(c.buffers()[1], dtype=np.int32, count=c.offset + len(c) + 1)
+            off = off[c.offset :]
+            if off[-1] == off[0]:
+                self.empty = True
+                return
+            buf = np.frombuffer(c.buffers()[2], dtype=np.uint8)[off[0] : off[-1]]
+            if off[0]:  # a slice after the header: its bytes come first
+                off = off - off[0]
+            start, end = off[:-1], off[1:]
+            s, e = strip(buf, start, end)
+            if s is not start or e is not end:
+                stripped = True
+            if (s == e).any():
+                self.empty = True
+                return
+            pieces.append((c, buf, s, e))
+        self.parts = [buf for _, buf, _, _ in pieces]
+        n = sum(len(s) for _, _, s, _ in pieces)
+        longest = max(int((e - s).max()) for _, _, s, e in pieces)
+        self.start = np.empty(n, dtype=small_int(sum(len(b) for b in self.parts), signed=False))
+        self.length = np.empty(n, dtype=small_int(longest))
+        self.ascending = None if stripped else np.empty(max(n - 1, 0), dtype=bool)
+        row = base = 0
+        for _, buf, s, e in pieces:
+            end = row + len(s)
+            np.add(s, base, out=self.start[row:end], casting="unsafe")  # (< 2 GiB: no overflow)
+            np.subtract(e, s, out=self.length[row:end], casting="unsafe")
+            row, base = end, base + len(buf)
+        if self.ascending is not None and n > 1:  # one call: pyarrow lines the chunks up
+            every = pa.chunked_array([c for c, _, _, _ in pieces])
+            row = 0
+            for less in pc.less_equal(every[:-1], every[1:], memory_pool=pool()).chunks:
+                self.ascending[row : row + len(less)] = flags(less)
+                row += len(less)
 
 
 def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | None:

@@ -20,7 +20,7 @@ import numpy as np
 from . import bytesort, csvarrow
 from . import sources as src
 from .csvarrow import pa, pc
-from .csvscan import Fields, scan, scan_rows, strip
+from .csvscan import Fields, scan, scan_rows
 from .errors import BadIndex, IndexNotFound
 from .fetch import Fetcher, read_bytes
 from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int, sort_labels
@@ -185,21 +185,12 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
     if "offset" in header or "length" in header or not sum(len(c) for c in columns[0].chunks):
         return None  # (before Columns, which logs the unknown columns: once)
     cols = Columns(header, index)
-    names = columns[cols.file].joined()
-    start, end = strip(names.buf, names.start, names.end)
-    if (start == end).any():
+    names = csvarrow.Names(columns[cols.file].chunks)
+    if names.empty:
         return None
-    ascending = None
-    if start is names.start and end is names.end:  # the values as pyarrow holds them
-        pool = csvarrow.pool()
-        ascending = csvarrow.flags(
-            pc.less_equal(names.array[:-1], names.array[1:], memory_pool=pool)
-        )
-    length = end - start
-    dt = small_int(len(names.buf), signed=False)
-    start = start.view(dt) if start.dtype == np.int32 and dt == np.uint32 else start.astype(dt)
-    table = NameRows(names.buf, start, length.astype(small_int(int(length.max()))), resolver)
-    ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], len(start))
+    table = NameRows(names.parts, names.start, names.length, resolver)  # no copy of the bytes
+    ascending = names.ascending
+    ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], len(table))
     del columns, names
     csvarrow.pool().release_unused()  # what the split held, back to the system
     return table, ptr, ids, label_names, lambda r: _line_of(source, sep, r), ascending

@@ -154,6 +154,27 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     assert routes.taken[:1] == ["path"]
 
 
+def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
+    """A sorted file's names stay in pyarrow's chunks (no join, no sort) and read as the
+    scanner's; a name smaller than the one before it, first in its chunk, is sorted."""
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
+    rows = [["filename", "label"]] + [[f"n{i:06d}z", "x"] for i in range(0, 6000, 2)]
+    path = tmp_path / "i.csv"
+    path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
+    got = three_ways(path, monkeypatch)
+    same(got)
+    assert got[0].table._parts is not None and len(got[0].table._parts) > 5
+    assert got[0].rows.tolist() == list(range(len(rows) - 1))
+    _, columns = csvarrow.split(str(path), ",")
+    for at in (len(columns[0].chunks[0]), len(columns[0].chunks[0]) + 1):  # the chunk's first
+        bent = [r[:] for r in rows]  # row, then the next: the same bytes in each block
+        bent[at][0] = "n000001z"
+        path.write_bytes(write_rows(bent, csv.QUOTE_MINIMAL, "\n"))
+        got = three_ways(path, monkeypatch)
+        same(got)
+        assert got[0].rows.tolist()[:2] == [0, at - 1]
+
+
 @pytest.mark.parametrize(
     "data",
     [
