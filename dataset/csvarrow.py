@@ -62,12 +62,13 @@ class Names:
     :class:`dataset.index.NameRows` holds them, with no copy of their bytes.
 
     Value r is ``start[r]:start[r] + length[r]`` of the bytes of ``parts`` (each
-    chunk's values, as pyarrow holds them) one after the other. ``ascending``:
-    value r <= value r + 1 (n - 1 flags), where no value was stripped (else None).
+    chunk's values, as pyarrow holds them) one after the other. ``descents``: the
+    rows r whose value is > value r + 1, where no value was stripped and there are
+    at most `most` of them (else None: the rows are not in order, or not known to be).
     ``empty``: some value is empty (stripped), and the rest is unset.
     """
 
-    def __init__(self, chunks: list):
+    def __init__(self, chunks: list, most: int):
         pieces = []  # (chunk, its bytes, local starts and ends), each chunk on its own:
         stripped = self.empty = False  # its small temporaries are reused, no fresh pages
         for c in chunks:
@@ -94,19 +95,30 @@ class Names:
         longest = max(int((e - s).max()) for _, _, s, e in pieces)
         self.start = np.empty(n, dtype=small_int(sum(len(b) for b in self.parts), signed=False))
         self.length = np.empty(n, dtype=small_int(longest))
-        self.ascending = None if stripped else np.empty(max(n - 1, 0), dtype=bool)
         row = base = 0
         for _, buf, s, e in pieces:
             end = row + len(s)
             np.add(s, base, out=self.start[row:end], casting="unsafe")  # (< 2 GiB: no overflow)
             np.subtract(e, s, out=self.length[row:end], casting="unsafe")
             row, base = end, base + len(buf)
-        if self.ascending is not None and n > 1:  # one call: pyarrow lines the chunks up
-            every = pa.chunked_array([c for c, _, _, _ in pieces])
-            row = 0
-            for less in pc.less_equal(every[:-1], every[1:], memory_pool=pool()).chunks:
-                self.ascending[row : row + len(less)] = flags(less)
+        self.descents = None if stripped else _descents([c for c, *_ in pieces], most)
+
+
+def _descents(chunks: list, most: int) -> np.ndarray | None:
+    """The rows r (of the chunks, one after the other) whose value is > value r + 1, or
+    None where there are more than `most`: the first chunk alone first (an unsorted
+    file stops there), then all in one call (pyarrow lines the chunks up)."""
+    found = [np.empty(0, dtype=np.int64)]
+    for probe in (chunks[:1], chunks) if len(chunks) > 1 else (chunks,):
+        every = pa.chunked_array(probe)
+        row, found = 0, found[:1]
+        for less in pc.less_equal(every[:-1], every[1:], memory_pool=pool()).chunks:
+            if len(less):
+                found.append(np.flatnonzero(~flags(less)) + row)
                 row += len(less)
+        if sum(len(f) for f in found) > most:
+            return None
+    return np.concatenate(found)
 
 
 def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | None:

@@ -146,16 +146,16 @@ def from_csv(
     if got is None and data is None:
         data = _read(index, cache, fetcher)
         got = _from_arrow(data, index, sep, resolver) if b'"' in data else None
-    ascending = None
+    descents = None
     if got is not None:
-        table, ptr, ids, names, line_of, ascending = got
+        table, ptr, ids, names, line_of, descents = got
     elif (fields := scan(data, sep)) is not None:
         table, ptr, ids, names, line_of = _from_fields(fields, index, sep, resolver)
     else:
         table, ptr, ids, names, line_of = _from_rows(data, index, sep, resolver)
     if src.scheme(index) != "file":
         _check_schemes(table, index, allow_schemes, line_of)
-    return labelled(table, ptr, ids, names, index, multi_hot=multi_hot, ascending=ascending)
+    return labelled(table, ptr, ids, names, index, multi_hot=multi_hot, descents=descents)
 
 
 def _read(index: str, cache: Any, fetcher: Fetcher | None) -> bytes:
@@ -185,15 +185,17 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
     if "offset" in header or "length" in header or not sum(len(c) for c in columns[0].chunks):
         return None  # (before Columns, which logs the unknown columns: once)
     cols = Columns(header, index)
-    names = csvarrow.Names(columns[cols.file].chunks)
+    n = sum(len(c) for c in columns[0].chunks)
+    ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], n)
+    # rows in label order descend (by name) only where the label changes
+    names = csvarrow.Names(columns[cols.file].chunks, most=len(label_names))
     if names.empty:
         return None
     table = NameRows(names.parts, names.start, names.length, resolver)  # no copy of the bytes
-    ascending = names.ascending
-    ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], len(table))
+    descents = names.descents
     del columns, names
     csvarrow.pool().release_unused()  # what the split held, back to the system
-    return table, ptr, ids, label_names, lambda r: _line_of(source, sep, r), ascending
+    return table, ptr, ids, label_names, lambda r: _line_of(source, sep, r), descents
 
 
 def _arrow_labels(columns: list[list], n: int):

@@ -443,7 +443,7 @@ def labelled(
     names: Sequence[str | None],
     origin: str,
     multi_hot: bool = False,
-    ascending: np.ndarray | None = None,
+    descents: np.ndarray | None = None,
 ) -> Index:
     """An Index of rows with labels, in torch-dataset's example order.
 
@@ -452,8 +452,8 @@ def labelled(
     has the one label ``ids[r]``; a name None is one no id refers to. Each row with k
     labels becomes k examples (one with ``multi_hot``); examples are ordered by
     label (unlabeled last), then by the row's name (then offset, length), then
-    by row. `ascending` (optional, n - 1 flags): row r's name is <= row r + 1's, as
-    the parser found it; a file already in that order then costs no sort.
+    by row. `descents` (optional): the rows r whose name is > row r + 1's, as the
+    parser found them (all of them); a file already in that order then costs no sort.
     """
     n = len(table)
     labels = sort_labels(name for name in names if name is not None)
@@ -486,7 +486,7 @@ def labelled(
     group = targets if targets is ids else np.where(targets < 0, len(labels), targets)
     group = group.astype(label_dt, copy=False)
     row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False), copy=False), ids)
-    if ascending is not None and len(ex_rows) == n and _in_order(group, ascending):
+    if descents is not None and len(ex_rows) == n and _in_order(group, descents):
         seq = ex_rows  # already in order: no sort, no gathers
     else:
         order = table.order(None if len(ex_rows) == n else ex_rows, group)  # a row per example
@@ -495,13 +495,14 @@ def labelled(
                  multi_hot=multi_hot)  # fmt: skip
 
 
-def _in_order(group: np.ndarray, ascending: np.ndarray) -> bool:
+def _in_order(group: np.ndarray, descents: np.ndarray) -> bool:
     """Whether rows are already sorted by (group, name): groups never decrease, and
-    within one the names never do (`ascending`)."""
+    rise where a name is smaller than the one before it (`descents`)."""
     if len(group) < 2:
         return True
-    step = np.subtract(group[1:], group[:-1])  # label ids: no overflow in their own type
-    return bool((step >= 0).all() and (ascending | (step > 0)).all())
+    if len(descents) and not (group[descents + 1] > group[descents]).all():
+        return False
+    return bool((group[1:] >= group[:-1]).all())
 
 
 def _remap(names: Sequence[str | None], labels: list[str]) -> list[int]:

@@ -19,7 +19,7 @@ import random
 import pytest
 from test_csvscan import summary, write_rows
 
-from distlearn.dataset import BadIndex, csvarrow, csvindex, open_index
+from distlearn.dataset import BadIndex, csvarrow, csvindex, index, open_index
 
 pytestmark = pytest.mark.skipif(csvarrow.pa is None, reason="pyarrow is not installed")
 
@@ -155,20 +155,24 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
 
 
 def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
-    """A sorted file's names stay in pyarrow's chunks (no join, no sort) and read as the
-    scanner's; a name smaller than the one before it, first in its chunk, is sorted."""
+    """A file in label-then-name order keeps its names in pyarrow's chunks (no join, no
+    sort; names fall where the label changes) and reads as the scanner's; a name smaller
+    than the one before it, at a chunk's first row or the next, is sorted."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
-    rows = [["filename", "label"]] + [[f"n{i:06d}z", "x"] for i in range(0, 6000, 2)]
+    rows = [["filename", "label"]] + [[f"n{i:06d}z", "a"] for i in range(3000, 6000, 2)]
+    rows += [[f"n{i:06d}z", "b"] for i in range(0, 3000, 2)]  # (smaller names, a later label)
     path = tmp_path / "i.csv"
     path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
-    got = three_ways(path, monkeypatch)
-    same(got)
-    assert got[0].table._parts is not None and len(got[0].table._parts) > 5
-    assert got[0].rows.tolist() == list(range(len(rows) - 1))
+    with monkeypatch.context() as m:
+        m.setattr(index.NameRows, "order", None)  # no sort
+        got = open_index(str(path))
+    assert got.table._parts is not None and len(got.table._parts) > 5
+    same([got, *three_ways(path, monkeypatch)])
+    assert got.rows.tolist() == list(range(len(rows) - 1))
     _, columns = csvarrow.split(str(path), ",")
     for at in (len(columns[0].chunks[0]), len(columns[0].chunks[0]) + 1):  # the chunk's first
         bent = [r[:] for r in rows]  # row, then the next: the same bytes in each block
-        bent[at][0] = "n000001z"
+        bent[at][0] = "n003001z"
         path.write_bytes(write_rows(bent, csv.QUOTE_MINIMAL, "\n"))
         got = three_ways(path, monkeypatch)
         same(got)
