@@ -200,38 +200,45 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
 
 def _arrow_labels(columns: list[list], n: int):
     """``(ptr, ids, names)`` for :func:`dataset.index.labelled`, from the chunks of pyarrow's
-    label columns: each chunk's few dictionary values stripped in Python and looked up in
-    the sorted label names, its indices mapped through that small table straight into
-    the ids (no unified dictionary, no int32 copy of every id to remap after)."""
+    label columns: the distinct values of every chunk's dictionary stripped in Python
+    (a few, where the chunks' dictionaries hold thousands of strings) and looked up
+    in the sorted label names; each chunk's indices mapped through that small table
+    straight into the ids (no unified dictionary, no remap of every id after)."""
     if not columns:
         return np.zeros(n + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
     pool = csvarrow.pool()
-    coded = []  # (column, its indices, their stripped values; None: a value no row holds)
+    coded = []  # (column, chunk, its indices)
     for k, col in enumerate(columns):
         for c in col:
-            if not len(c):
-                continue
-            if not pa.types.is_dictionary(c.type):  # (a header with a quote: read as text)
-                c = pc.dictionary_encode(c, memory_pool=pool)
-            at = np.frombuffer(c.indices.buffers()[1], dtype=np.int32, count=c.offset + len(c))
-            values = [v.strip() for v in c.dictionary.to_pylist()]
-            if c.offset:  # a slice after the header: the header's value is in its dictionary
-                used = np.bincount(at[c.offset :], minlength=len(values)) > 0
-                values = [v if u else None for v, u in zip(values, used.tolist(), strict=True)]
-            coded.append((k, at[c.offset :], values))
-    found = {v for _, _, values in coded for v in values if v is not None}
+            if len(c):
+                if not pa.types.is_dictionary(c.type):  # (a header with a quote: read as text)
+                    c = pc.dictionary_encode(c, memory_pool=pool)
+                coded.append((k, c, _int32s(c.indices)))
+    every = pa.chunked_array([c.dictionary for _, c, _ in coded], type=pa.string())
+    distinct = pc.unique(every, memory_pool=pool)
+    value = [v.strip() for v in distinct.to_pylist()]
+    maps = pc.index_in(every, value_set=distinct, memory_pool=pool)  # -> distinct, no nulls
+    maps = np.concatenate([_int32s(m) for m in maps.chunks] or [np.empty(0, np.int32)])
+    used = np.zeros(len(value), dtype=bool)
+    edges = np.cumsum([0] + [len(c.dictionary) for _, c, _ in coded])
+    for (_, c, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
+        if c.offset:  # a slice after the header: the header's value is in its dictionary
+            used[maps[lo:hi][np.bincount(at, minlength=hi - lo) > 0]] = True
+        else:
+            used[maps[lo:hi]] = True
+    found = {v for v, u in zip(value, used.tolist(), strict=True) if u}
     names = sort_labels(found - {""})
     dt = small_int(len(names) + 1)
-    where = {name: i for i, name in enumerate(names)}  # "" (no label) and None: -1
+    where = {name: i for i, name in enumerate(names)}  # "" (no label) and unused: -1
+    table = np.asarray([where.get(v, -1) for v in value], dtype=dt)[maps]  # dictionary -> id
     ids = np.empty((n, len(columns)) if len(columns) > 1 else n, dtype=dt)
     pos = [0] * len(columns)
-    for k, at, values in coded:
-        table = np.asarray([where.get(v, -1) for v in values], dtype=dt)
+    for (k, _, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
         end = pos[k] + len(at)
         if len(columns) == 1:
-            np.take(table, at, out=ids[pos[k] : end], mode="clip")  # (in range: unbuffered)
+            np.take(table[lo:hi], at, out=ids[pos[k] : end], mode="clip")  # (unbuffered)
         else:
-            ids[pos[k] : end, k] = table[at]
+            ids[pos[k] : end, k] = table[lo:hi][at]
         pos[k] = end
     if "" not in found and len(columns) == 1:
         return None, ids, names
@@ -240,6 +247,13 @@ def _arrow_labels(columns: list[list], n: int):
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(keep.reshape(n, len(columns)).sum(axis=1), out=ptr[1:])
     return ptr, ids[keep], names
+
+
+def _int32s(array) -> np.ndarray:
+    """A pyarrow int32 array without nulls as numpy's, no copy (pyarrow's conversion of a
+    chunked array imports pandas)."""
+    at = np.frombuffer(array.buffers()[1], dtype=np.int32, count=array.offset + len(array))
+    return at[array.offset :]
 
 
 def _line_of(source: str | bytes, sep: str, r: int) -> int:

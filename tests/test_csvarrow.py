@@ -218,3 +218,19 @@ def test_a_path_is_a_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     index = open_index("~/i.csv")
     assert sorted(index.table.raw(r) for r in range(index.num_rows)) == ["a.png", "b.png"]
+
+
+def test_an_open_imports_no_pandas(tmp_path):
+    """pandas costs 0.2-0.4 s to import: some of pyarrow's conversions import it."""
+    import subprocess
+    import sys
+
+    rng = random.Random(1)
+    path = tmp_path / "i.csv"
+    path.write_bytes(write_rows(_rows(rng, 500, plain=True, width=2), csv.QUOTE_MINIMAL, "\n"))
+    code = (
+        "import sys; from distlearn.dataset import Dataset, csvarrow; "
+        "csvarrow.BLOCK = 1 << 12; ix = Dataset(sys.argv[1]).index; "
+        "assert len(ix) and 'pandas' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
