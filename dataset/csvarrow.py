@@ -2,8 +2,8 @@
 
 pyarrow's reader (C++, both cores) splits a file several times faster than the
 numpy passes of :mod:`dataset.csvscan`, and hands each column over as one
-buffer of values and an array of offsets into it: the layout of
-:class:`dataset.index.NameRows`. It is used only where its rows are provably
+buffer of values and an array of offsets into it, a chunk per block: the
+layout of :class:`dataset.index.NameRows`, which keeps the chunks (:class:`Names`). It is used only where its rows are provably
 the csv module's. A file without quotes is split with quotes off (a local one
 read by pyarrow a block at a time): NUL, lone ``\r`` line ends and blank lines
 are then read as the csv module reads them. A file with quotes is split as
@@ -14,8 +14,8 @@ rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
 None and the caller falls back to :func:`dataset.csvscan.scan`.
 
 Values come unquoted, their ``""`` escapes undone, NOT stripped: the caller
-strips them (:func:`dataset.csvscan.strip`). No pyarrow: :func:`split` is
-always None.
+strips them (:func:`dataset.csvscan.strip`; :class:`Names` does for a column of
+names). No pyarrow: :func:`split` is always None.
 """
 
 from __future__ import annotations
