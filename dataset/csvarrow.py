@@ -3,10 +3,11 @@
 pyarrow's reader (C++, both cores) splits a file several times faster than the
 numpy passes of :mod:`dataset.csvscan`, and hands each column over as one
 buffer of values and an array of offsets into it, a chunk per block: the
-layout of :class:`dataset.index.NameRows`, which keeps the chunks (:class:`Names`). It is used only where its rows are provably
-the csv module's. A file without quotes is split with quotes off (a local one
-read by pyarrow a block at a time): NUL, lone ``\r`` line ends and blank lines
-are then read as the csv module reads them. A file with quotes is split as
+layout of :class:`dataset.index.NameRows`, which keeps the chunks
+(:class:`Names`). It is used only where its rows are provably the csv module's.
+A file without quotes is split with quotes off (a local one read by pyarrow a
+block at a time): NUL, lone ``\r`` line ends and blank lines are then read as
+the csv module reads them. A file with quotes is split as
 quoted only when its quotes are RFC 4180's (:func:`dataset.csvscan.check_quotes`)
 and it holds no ``\r`` or NUL (a quoted ``\r`` and a lone one differ there).
 Otherwise, and for rows with fewer or more fields than the header (ragged
