@@ -22,6 +22,7 @@ names). No pyarrow: :func:`split` is always None.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -70,8 +71,19 @@ class Names:
     """
 
     def __init__(self, chunks: list, most: int):
+        # pyarrow compares the names (GIL released) on the other core while numpy strips
+        # them here: kept only where nothing was stripped
+        compare = _Compare([c for c in chunks if len(c)], most)
+        try:
+            self._split(chunks)
+        finally:
+            descents = compare.result()
+        if not self.empty:
+            self.descents = None if self.stripped else descents
+
+    def _split(self, chunks: list) -> None:
         pieces = []  # (chunk, its bytes, local starts and ends), each chunk on its own:
-        stripped = self.empty = False  # its small temporaries are reused, no fresh pages
+        self.stripped = self.empty = False  # its small temporaries are reused: no fresh pages
         for c in chunks:
             if not len(c):
                 continue
@@ -86,7 +98,7 @@ class Names:
             start, end = off[:-1], off[1:]
             s, e = strip(buf, start, end)
             if s is not start or e is not end:
-                stripped = True
+                self.stripped = True
             if (s == e).any():
                 self.empty = True
                 return
@@ -102,7 +114,29 @@ class Names:
             np.add(s, base, out=self.start[row:end], casting="unsafe")  # (< 2 GiB: no overflow)
             np.subtract(e, s, out=self.length[row:end], casting="unsafe")
             row, base = end, base + len(buf)
-        self.descents = None if stripped else _descents([c for c, *_ in pieces], most)
+
+
+class _Compare(threading.Thread):
+    """:func:`_descents` in a thread of its own."""
+
+    def __init__(self, chunks: list, most: int):
+        super().__init__(daemon=True)
+        self.chunks, self.most = chunks, most
+        self.got: np.ndarray | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.got = _descents(self.chunks, self.most)
+        except BaseException as err:  # (raised in the caller's thread)
+            self.error = err
+
+    def result(self) -> np.ndarray | None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.got
 
 
 def _descents(chunks: list, most: int) -> np.ndarray | None:

@@ -234,3 +234,14 @@ def test_an_open_imports_no_pandas(tmp_path):
         "assert len(ix) and 'pandas' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+
+
+def test_a_fault_of_the_comparing_thread_reaches_the_caller(tmp_path, monkeypatch):
+    def fail(chunks, most):
+        raise MemoryError("compare")
+
+    monkeypatch.setattr(csvarrow, "_descents", fail)
+    path = tmp_path / "i.csv"
+    path.write_bytes(b"filename,label\na.png,x\nb.png,y\n")
+    with pytest.raises(MemoryError, match="compare"):
+        open_index(str(path))
