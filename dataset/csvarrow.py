@@ -2,11 +2,12 @@
 
 pyarrow's reader (C++, both cores) splits a file several times faster than the
 numpy passes of :mod:`dataset.csvscan`, and hands each column over as one
-buffer of values and an array of offsets into it: the layout of
-:class:`dataset.index.NameRows`. It is used only where its rows are provably
-the csv module's. A file without quotes is split with quotes off (a local one
-read by pyarrow a block at a time): NUL, lone ``\r`` line ends and blank lines
-are then read as the csv module reads them. A file with quotes is split as
+buffer of values and an array of offsets into it, a chunk per block: the
+layout of :class:`dataset.index.NameRows`, which keeps the chunks
+(:class:`Names`). It is used only where its rows are provably the csv module's.
+A file without quotes is split with quotes off (a local one read by pyarrow a
+block at a time): NUL, lone ``\r`` line ends and blank lines are then read as
+the csv module reads them. A file with quotes is split as
 quoted only when its quotes are RFC 4180's (:func:`dataset.csvscan.check_quotes`)
 and it holds no ``\r`` or NUL (a quoted ``\r`` and a lone one differ there).
 Otherwise, and for rows with fewer or more fields than the header (ragged
@@ -14,17 +15,19 @@ rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
 None and the caller falls back to :func:`dataset.csvscan.scan`.
 
 Values come unquoted, their ``""`` escapes undone, NOT stripped: the caller
-strips them (:func:`dataset.csvscan.strip`). No pyarrow: :func:`split` is
-always None.
+strips them (:func:`dataset.csvscan.strip`; :class:`Names` does for a column of
+names). No pyarrow: :func:`split` is always None.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
-from .csvscan import QUOTE, check_quotes, find
+from .csvscan import QUOTE, check_quotes, find, strip
+from .index import small_int
 
 try:
     import pyarrow as pa
@@ -50,36 +53,107 @@ def pool():
 
 class Column:
     """One column of the body (the rows after the header), as pyarrow gives it:
-    ``chunks``, a string array per block of the file; ``joined()``, one array."""
+    ``chunks``, a string array per block of the file."""
 
     def __init__(self, chunks: list):
         self.chunks = chunks
 
-    def joined(self) -> Names:
-        """The values as one buffer and offsets into it (a copy where the file was
-        read in several blocks)."""
-        array = pa.concat_arrays(self.chunks, memory_pool=pool()) if len(self.chunks) > 1 else (
-            self.chunks[0])  # fmt: skip
-        return Names(array)
-
 
 class Names:
-    """Value r is ``buf[start[r]:end[r]]``; ``array``, pyarrow's (for its compares)."""
+    """The values of a column, stripped (:func:`dataset.csvscan.strip`), as
+    :class:`dataset.index.NameRows` holds them, with no copy of their bytes.
 
-    def __init__(self, array):
-        self.array = array
-        n = len(array)
-        off = np.frombuffer(array.buffers()[1], dtype=np.int32, count=array.offset + n + 1)
-        off = off[array.offset :]
-        data = array.buffers()[2]
-        # from the first value on (a slice after the header still holds its bytes)
-        if off[-1] > off[0]:
-            self.buf = np.frombuffer(data, dtype=np.uint8)[off[0] : off[-1]]
-        else:
-            self.buf = np.zeros(1, dtype=np.uint8)  # every value empty
-        if off[0]:
-            off = off - off[0]
-        self.start, self.end = off[:-1], off[1:]
+    Value r is ``start[r]:start[r] + length[r]`` of the bytes of ``parts`` (each
+    chunk's values, as pyarrow holds them) one after the other. ``descents``: the
+    rows r whose value is > value r + 1, where no value was stripped and there are
+    at most `most` of them (else None: the rows are not in order, or not known to be).
+    ``empty``: some value is empty (stripped), and the rest is unset.
+    """
+
+    def __init__(self, chunks: list, most: int):
+        # pyarrow compares the names (GIL released) on the other core while numpy strips
+        # them here: kept only where nothing was stripped
+        compare = _Compare([c for c in chunks if len(c)], most)
+        try:
+            self._split(chunks)
+        finally:
+            descents = compare.result()
+        if not self.empty:
+            self.descents = None if self.stripped else descents
+
+    def _split(self, chunks: list) -> None:
+        pieces = []  # (chunk, its bytes, local starts and ends), each chunk on its own:
+        self.stripped = self.empty = False  # its small temporaries are reused: no fresh pages
+        for c in chunks:
+            if not len(c):
+                continue
+            off = np.frombuffer(c.buffers()[1], dtype=np.int32, count=c.offset + len(c) + 1)
+            off = off[c.offset :]
+            if off[-1] == off[0]:
+                self.empty = True
+                return
+            buf = np.frombuffer(c.buffers()[2], dtype=np.uint8)[off[0] : off[-1]]
+            if off[0]:  # a slice after the header: its bytes come first
+                off = off - off[0]
+            start, end = off[:-1], off[1:]
+            s, e = strip(buf, start, end)
+            if s is not start or e is not end:
+                self.stripped = True
+            if (s == e).any():
+                self.empty = True
+                return
+            pieces.append((c, buf, s, e))
+        self.parts = [buf for _, buf, _, _ in pieces]
+        n = sum(len(s) for _, _, s, _ in pieces)
+        longest = max(int((e - s).max()) for _, _, s, e in pieces)
+        self.start = np.empty(n, dtype=small_int(sum(len(b) for b in self.parts), signed=False))
+        self.length = np.empty(n, dtype=small_int(longest))
+        row = base = 0
+        for _, buf, s, e in pieces:
+            end = row + len(s)
+            np.add(s, base, out=self.start[row:end], casting="unsafe")  # (< 2 GiB: no overflow)
+            np.subtract(e, s, out=self.length[row:end], casting="unsafe")
+            row, base = end, base + len(buf)
+
+
+class _Compare(threading.Thread):
+    """:func:`_descents` in a thread of its own."""
+
+    def __init__(self, chunks: list, most: int):
+        super().__init__(daemon=True)
+        self.chunks, self.most = chunks, most
+        self.got: np.ndarray | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.got = _descents(self.chunks, self.most)
+        except BaseException as err:  # (raised in the caller's thread)
+            self.error = err
+
+    def result(self) -> np.ndarray | None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.got
+
+
+def _descents(chunks: list, most: int) -> np.ndarray | None:
+    """The rows r (of the chunks, one after the other) whose value is > value r + 1, or
+    None where there are more than `most`: the first chunk alone first (an unsorted
+    file stops there), then all in one call (pyarrow lines the chunks up)."""
+    found = [np.empty(0, dtype=np.int64)]
+    for probe in (chunks[:1], chunks) if len(chunks) > 1 else (chunks,):
+        every = pa.chunked_array(probe)
+        row, found = 0, found[:1]
+        for less in pc.less_equal(every[:-1], every[1:], memory_pool=pool()).chunks:
+            if len(less):
+                found.append(np.flatnonzero(~flags(less)) + row)
+                row += len(less)
+        if sum(len(f) for f in found) > most:
+            return None
+    return np.concatenate(found)
 
 
 def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | None:

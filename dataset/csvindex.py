@@ -20,10 +20,10 @@ import numpy as np
 from . import bytesort, csvarrow
 from . import sources as src
 from .csvarrow import pa, pc
-from .csvscan import Fields, scan, scan_rows, strip
+from .csvscan import Fields, scan, scan_rows
 from .errors import BadIndex, IndexNotFound
 from .fetch import Fetcher, read_bytes
-from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int
+from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int, sort_labels
 
 log = logging.getLogger("distlearn.dataset.index")
 
@@ -146,16 +146,16 @@ def from_csv(
     if got is None and data is None:
         data = _read(index, cache, fetcher)
         got = _from_arrow(data, index, sep, resolver) if b'"' in data else None
-    ascending = None
+    descents = None
     if got is not None:
-        table, ptr, ids, names, line_of, ascending = got
+        table, ptr, ids, names, line_of, descents = got
     elif (fields := scan(data, sep)) is not None:
         table, ptr, ids, names, line_of = _from_fields(fields, index, sep, resolver)
     else:
         table, ptr, ids, names, line_of = _from_rows(data, index, sep, resolver)
     if src.scheme(index) != "file":
         _check_schemes(table, index, allow_schemes, line_of)
-    return labelled(table, ptr, ids, names, index, multi_hot=multi_hot, ascending=ascending)
+    return labelled(table, ptr, ids, names, index, multi_hot=multi_hot, descents=descents)
 
 
 def _read(index: str, cache: Any, fetcher: Fetcher | None) -> bytes:
@@ -185,55 +185,75 @@ def _from_arrow(source: str | bytes, index: str, sep: str, resolver: Resolver):
     if "offset" in header or "length" in header or not sum(len(c) for c in columns[0].chunks):
         return None  # (before Columns, which logs the unknown columns: once)
     cols = Columns(header, index)
-    names = columns[cols.file].joined()
-    start, end = strip(names.buf, names.start, names.end)
-    if (start == end).any():
+    n = sum(len(c) for c in columns[0].chunks)
+    ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], n)
+    # rows in label order descend (by name) only where the label changes
+    names = csvarrow.Names(columns[cols.file].chunks, most=len(label_names))
+    if names.empty:
         return None
-    ascending = None
-    if start is names.start and end is names.end:  # the values as pyarrow holds them
-        pool = csvarrow.pool()
-        ascending = csvarrow.flags(
-            pc.less_equal(names.array[:-1], names.array[1:], memory_pool=pool)
-        )
-    length = end - start
-    dt = small_int(len(names.buf), signed=False)
-    start = start.view(dt) if start.dtype == np.int32 and dt == np.uint32 else start.astype(dt)
-    table = NameRows(names.buf, start, length.astype(small_int(int(length.max()))), resolver)
-    ptr, ids, label_names = _arrow_labels([columns[c].chunks for c in cols.labels], len(start))
+    table = NameRows(names.parts, names.start, names.length, resolver)  # no copy of the bytes
+    descents = names.descents
     del columns, names
     csvarrow.pool().release_unused()  # what the split held, back to the system
-    return table, ptr, ids, label_names, lambda r: _line_of(source, sep, r), ascending
+    return table, ptr, ids, label_names, lambda r: _line_of(source, sep, r), descents
 
 
 def _arrow_labels(columns: list[list], n: int):
     """``(ptr, ids, names)`` for :func:`dataset.index.labelled`, from the chunks of pyarrow's
-    label columns: one dictionary over all of them, its few values stripped in Python."""
+    label columns: the distinct values of every chunk's dictionary stripped in Python
+    (a few, where the chunks' dictionaries hold thousands of strings) and looked up
+    in the sorted label names; each chunk's indices mapped through that small table
+    straight into the ids (no unified dictionary, no remap of every id after)."""
     if not columns:
         return np.zeros(n + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
-    chunks = [c for col in columns for c in col if len(c)]
     pool = csvarrow.pool()
-    if all(pa.types.is_dictionary(c.type) for c in chunks):
-        coded = pa.chunked_array(chunks).unify_dictionaries(memory_pool=pool)
-    else:
-        plain = [c.dictionary_decode() if pa.types.is_dictionary(c.type) else c for c in chunks]
-        coded = pc.dictionary_encode(pa.chunked_array(plain), memory_pool=pool)
-    names = [v.strip() for v in coded.chunk(0).dictionary.to_pylist()]
-    ids = np.concatenate([np.frombuffer(c.indices.buffers()[1], dtype=np.int32, count=c.offset +
-                          len(c))[c.offset :] for c in coded.chunks])  # fmt: skip
-    if len(columns) > 1:  # row by row, in column order
-        ids = ids.reshape(len(columns), n).T.ravel()
-    used = np.bincount(ids, minlength=len(names)) > 0  # the header's is in the dictionary
-    names = [name if use else None for name, use in zip(names, used.tolist(), strict=True)]
-    if all(name is None or name for name in names):
+    coded = []  # (column, chunk, its indices)
+    for k, col in enumerate(columns):
+        for c in col:
+            if len(c):
+                if not pa.types.is_dictionary(c.type):  # (a header with a quote: read as text)
+                    c = pc.dictionary_encode(c, memory_pool=pool)
+                coded.append((k, c, _int32s(c.indices)))
+    every = pa.chunked_array([c.dictionary for _, c, _ in coded], type=pa.string())
+    distinct = pc.unique(every, memory_pool=pool)
+    value = [v.strip() for v in distinct.to_pylist()]
+    maps = pc.index_in(every, value_set=distinct, memory_pool=pool)  # -> distinct, no nulls
+    maps = np.concatenate([_int32s(m) for m in maps.chunks] or [np.empty(0, np.int32)])
+    used = np.zeros(len(value), dtype=bool)
+    edges = np.cumsum([0] + [len(c.dictionary) for _, c, _ in coded])
+    for (_, c, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
+        if c.offset:  # a slice after the header: the header's value is in its dictionary
+            used[maps[lo:hi][np.bincount(at, minlength=hi - lo) > 0]] = True
+        else:
+            used[maps[lo:hi]] = True
+    found = {v for v, u in zip(value, used.tolist(), strict=True) if u}
+    names = sort_labels(found - {""})
+    dt = small_int(len(names) + 1)
+    where = {name: i for i, name in enumerate(names)}  # "" (no label) and unused: -1
+    table = np.asarray([where.get(v, -1) for v in value], dtype=dt)[maps]  # dictionary -> id
+    ids = np.empty((n, len(columns)) if len(columns) > 1 else n, dtype=dt)
+    pos = [0] * len(columns)
+    for (k, _, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
+        end = pos[k] + len(at)
         if len(columns) == 1:
-            return None, ids, names
-        keep = np.ones(len(ids), dtype=bool)
-    else:  # empty labels (a row without one) are left out
-        keep = np.asarray([name != "" for name in names])[ids]
-        names = [name or None for name in names]
+            np.take(table[lo:hi], at, out=ids[pos[k] : end], mode="clip")  # (unbuffered)
+        else:
+            ids[pos[k] : end, k] = table[lo:hi][at]
+        pos[k] = end
+    if "" not in found and len(columns) == 1:
+        return None, ids, names
+    ids = ids.ravel()
+    keep = ids >= 0
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(keep.reshape(n, len(columns)).sum(axis=1), out=ptr[1:])
     return ptr, ids[keep], names
+
+
+def _int32s(array) -> np.ndarray:
+    """A pyarrow int32 array without nulls as numpy's, no copy (pyarrow's conversion of a
+    chunked array imports pandas)."""
+    at = np.frombuffer(array.buffers()[1], dtype=np.int32, count=array.offset + len(array))
+    return at[array.offset :]
 
 
 def _line_of(source: str | bytes, sep: str, r: int) -> int:

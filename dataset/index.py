@@ -122,7 +122,11 @@ class NameRows:
     """Rows that name their items: name r is ``buf[start[r]:start[r] + length[r]]`` (UTF-8).
 
     ``buf`` is one bytes buffer (the index file itself, or names packed
-    together), so a row costs its name's bytes and a few integers. With
+    together), so a row costs its name's bytes and a few integers. It may be
+    given as a list of buffers whose bytes follow each other (pyarrow's chunks
+    of a column, kept as they are: a copy of the names of a 10M-row file costs
+    a tenth of its open); they are joined into one where one is needed (a sort,
+    the cache), else a name is read from the part that holds it. With
     ``ranges`` (offset, length arrays) a row is a record inside a larger file.
     """
 
@@ -130,21 +134,37 @@ class NameRows:
 
     def __init__(
         self,
-        buf: np.ndarray,
+        buf: np.ndarray | list[np.ndarray],
         start: np.ndarray,
         length: np.ndarray,
         resolver: Resolver,
         ranges: tuple[np.ndarray, np.ndarray] | None = None,
     ):
-        self.buf, self.start, self.length = buf, start, length
+        self._buf, self._parts, self._ends = buf, None, None
+        if isinstance(buf, list):
+            self._buf, self._parts = None, buf
+            self._ends = np.cumsum([len(p) for p in buf])  # where each part ends in buf
+        self.start, self.length = start, length
         self.resolver, self.ranges = resolver, ranges
+
+    @property
+    def buf(self) -> np.ndarray:
+        """The names' one buffer (the parts joined, once)."""
+        if self._buf is None:
+            self._buf = np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
+            self._parts = self._ends = None
+        return self._buf
 
     def __len__(self) -> int:
         return len(self.start)
 
     def raw(self, r: int) -> str:
         s = int(self.start[r])
-        return bytes(self.buf[s : s + int(self.length[r])]).decode("utf-8")
+        buf = self._buf
+        if buf is None:  # the part that holds it
+            k = int(np.searchsorted(self._ends, s, side="right"))
+            buf, s = self._parts[k], s - (int(self._ends[k - 1]) if k else 0)
+        return bytes(buf[s : s + int(self.length[r])]).decode("utf-8")
 
     def source(self, r: int) -> Any:
         url = self.resolver(self.raw(r))
@@ -160,6 +180,13 @@ class NameRows:
         if self.ranges is not None:
             out["range_offset"], out["range_length"] = self.ranges
         return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its arrays hold (without joining the parts)."""
+        held = [self.start, self.length, *(self.ranges or ())]
+        held += [self._buf] if self._buf is not None else self._parts
+        return sum(a.nbytes for a in held)
 
     def order(self, rows: np.ndarray | None, major: np.ndarray) -> np.ndarray:
         """The stable argsort of `rows` (None: every row, in order) by (`major`, name,
@@ -315,9 +342,8 @@ class Index:
     def nbytes(self) -> int:
         """Bytes held by this index's arrays (its rows' tables included)."""
         arrays = [self.rows, self.targets, self.row_labels.ptr, self.row_labels.ids]
-        if isinstance(self.table, NameRows):
-            arrays += list(self.table.arrays().values())
-        return sum(a.nbytes for a in arrays)
+        table = self.table.nbytes if isinstance(self.table, NameRows) else 0
+        return table + sum(a.nbytes for a in arrays)
 
     def by_label(self) -> list[np.ndarray]:
         """Positions of the examples of each label (label samplers draw from these).
@@ -417,7 +443,7 @@ def labelled(
     names: Sequence[str | None],
     origin: str,
     multi_hot: bool = False,
-    ascending: np.ndarray | None = None,
+    descents: np.ndarray | None = None,
 ) -> Index:
     """An Index of rows with labels, in torch-dataset's example order.
 
@@ -426,13 +452,14 @@ def labelled(
     has the one label ``ids[r]``; a name None is one no id refers to. Each row with k
     labels becomes k examples (one with ``multi_hot``); examples are ordered by
     label (unlabeled last), then by the row's name (then offset, length), then
-    by row. `ascending` (optional, n - 1 flags): row r's name is <= row r + 1's, as
-    the parser found it; a file already in that order then costs no sort.
+    by row. `descents` (optional): the rows r whose name is > row r + 1's, as the
+    parser found them (all of them); a file already in that order then costs no sort.
     """
     n = len(table)
     labels = sort_labels(name for name in names if name is not None)
     label_dt = small_int(len(labels) + 1)
-    ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids] if len(ids) else ids
+    if len(ids) and list(names) != labels:  # (names already sorted: ids are as they are)
+        ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids]
     ids = ids.astype(label_dt, copy=False)
     row_dt = small_int(n)
     if ptr is None:
@@ -459,7 +486,7 @@ def labelled(
     group = targets if targets is ids else np.where(targets < 0, len(labels), targets)
     group = group.astype(label_dt, copy=False)
     row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False), copy=False), ids)
-    if ascending is not None and len(ex_rows) == n and _in_order(group, ascending):
+    if descents is not None and len(ex_rows) == n and _in_order(group, descents):
         seq = ex_rows  # already in order: no sort, no gathers
     else:
         order = table.order(None if len(ex_rows) == n else ex_rows, group)  # a row per example
@@ -468,13 +495,14 @@ def labelled(
                  multi_hot=multi_hot)  # fmt: skip
 
 
-def _in_order(group: np.ndarray, ascending: np.ndarray) -> bool:
+def _in_order(group: np.ndarray, descents: np.ndarray) -> bool:
     """Whether rows are already sorted by (group, name): groups never decrease, and
-    within one the names never do (`ascending`)."""
+    rise where a name is smaller than the one before it (`descents`)."""
     if len(group) < 2:
         return True
-    step = np.subtract(group[1:], group[:-1])  # label ids: no overflow in their own type
-    return bool((step >= 0).all() and (ascending | (step > 0)).all())
+    if len(descents) and not (group[descents + 1] > group[descents]).all():
+        return False
+    return bool((group[1:] >= group[:-1]).all())
 
 
 def _remap(names: Sequence[str | None], labels: list[str]) -> list[int]:

@@ -19,7 +19,7 @@ import random
 import pytest
 from test_csvscan import summary, write_rows
 
-from distlearn.dataset import BadIndex, csvarrow, csvindex, open_index
+from distlearn.dataset import BadIndex, csvarrow, csvindex, index, open_index
 
 pytestmark = pytest.mark.skipif(csvarrow.pa is None, reason="pyarrow is not installed")
 
@@ -154,6 +154,31 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     assert routes.taken[:1] == ["path"]
 
 
+def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
+    """A file in label-then-name order keeps its names in pyarrow's chunks (no join, no
+    sort; names fall where the label changes) and reads as the scanner's; a name smaller
+    than the one before it, at a chunk's first row or the next, is sorted."""
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
+    rows = [["filename", "label"]] + [[f"n{i:06d}z", "a"] for i in range(3000, 6000, 2)]
+    rows += [[f"n{i:06d}z", "b"] for i in range(0, 3000, 2)]  # (smaller names, a later label)
+    path = tmp_path / "i.csv"
+    path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
+    with monkeypatch.context() as m:
+        m.setattr(index.NameRows, "order", None)  # no sort
+        got = open_index(str(path))
+    assert got.table._parts is not None and len(got.table._parts) > 5
+    same([got, *three_ways(path, monkeypatch)])
+    assert got.rows.tolist() == list(range(len(rows) - 1))
+    _, columns = csvarrow.split(str(path), ",")
+    for at in (len(columns[0].chunks[0]), len(columns[0].chunks[0]) + 1):  # the chunk's first
+        bent = [r[:] for r in rows]  # row, then the next: the same bytes in each block
+        bent[at][0] = "n003001z"
+        path.write_bytes(write_rows(bent, csv.QUOTE_MINIMAL, "\n"))
+        got = three_ways(path, monkeypatch)
+        same(got)
+        assert got[0].rows.tolist()[:2] == [0, at - 1]
+
+
 @pytest.mark.parametrize(
     "data",
     [
@@ -193,3 +218,30 @@ def test_a_path_is_a_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     index = open_index("~/i.csv")
     assert sorted(index.table.raw(r) for r in range(index.num_rows)) == ["a.png", "b.png"]
+
+
+def test_an_open_imports_no_pandas(tmp_path):
+    """pandas costs 0.2-0.4 s to import: some of pyarrow's conversions import it."""
+    import subprocess
+    import sys
+
+    rng = random.Random(1)
+    path = tmp_path / "i.csv"
+    path.write_bytes(write_rows(_rows(rng, 500, plain=True, width=2), csv.QUOTE_MINIMAL, "\n"))
+    code = (
+        "import sys; from distlearn.dataset import Dataset, csvarrow; "
+        "csvarrow.BLOCK = 1 << 12; ix = Dataset(sys.argv[1]).index; "
+        "assert len(ix) and 'pandas' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+
+
+def test_a_fault_of_the_comparing_thread_reaches_the_caller(tmp_path, monkeypatch):
+    def fail(chunks, most):
+        raise MemoryError("compare")
+
+    monkeypatch.setattr(csvarrow, "_descents", fail)
+    path = tmp_path / "i.csv"
+    path.write_bytes(b"filename,label\na.png,x\nb.png,y\n")
+    with pytest.raises(MemoryError, match="compare"):
+        open_index(str(path))

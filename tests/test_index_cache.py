@@ -113,3 +113,19 @@ def test_partition_positions_match_the_definition():
                 want[seen[t] % n].append(i)
             for p in range(n):
                 assert partition_positions(targets, p, n, BY_LABEL).tolist() == want[p]
+
+
+def test_names_kept_in_pyarrow_s_chunks_are_cached_whole(tmp_path, monkeypatch):
+    from distlearn.dataset import csvarrow
+
+    if csvarrow.pa is None:
+        pytest.skip("pyarrow is not installed")
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)  # many chunks, in label-then-name order
+    rows = "".join(f"l{i // 700}/{i:05d}.png,l{i // 700}\n" for i in range(2000))
+    (tmp_path / "i.csv").write_text("filename,label\n" + rows)
+    opts = dict(cache_index=True, cache_dir=tmp_path / "cache")
+    plain = Dataset(tmp_path / "i.csv")
+    assert len(plain.index.table._parts) > 5  # not joined: no sort, no cache
+    first, second = Dataset(tmp_path / "i.csv", **opts), Dataset(tmp_path / "i.csv", **opts)
+    assert summary(plain) == summary(first) == summary(second)
+    assert plain.index.nbytes == second.index.nbytes and mapped(second)
