@@ -87,8 +87,7 @@ class Names:
         for c in chunks:
             if not len(c):
                 continue
-            off = np.frombuffer(c.buffers()[1], dtype=np.int32, count=c.offset + len(c) + 1)
-            off = off[c.offset :]
+            off = int32s(c, extra=1)  # a string array's offsets: one more than its values
             if off[-1] == off[0]:
                 self.empty = True
                 return
@@ -238,6 +237,14 @@ def _read(source, sep: str, first: bytes, quotes: bool):
     header = [str(v).strip() for v in table.slice(0, 1).to_pylist()[0].values()]
     columns = [Column(c.slice(1).chunks) for c in table.columns]
     return header, columns
+
+
+def int32s(array, extra: int = 0) -> np.ndarray:
+    """The first int32 buffer of a pyarrow array without nulls (an int32 array's values, a
+    string array's offsets with `extra=1`) as numpy's, no copy (pyarrow's own conversion
+    of a chunked array imports pandas)."""
+    n = array.offset + len(array) + extra
+    return np.frombuffer(array.buffers()[1], dtype=np.int32, count=n)[array.offset :]
 
 
 def flags(array) -> np.ndarray:

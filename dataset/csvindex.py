@@ -213,12 +213,12 @@ def _arrow_labels(columns: list[list], n: int):
             if len(c):
                 if not pa.types.is_dictionary(c.type):  # (a header with a quote: read as text)
                     c = pc.dictionary_encode(c, memory_pool=pool)
-                coded.append((k, c, _int32s(c.indices)))
+                coded.append((k, c, csvarrow.int32s(c.indices)))
     every = pa.chunked_array([c.dictionary for _, c, _ in coded], type=pa.string())
     distinct = pc.unique(every, memory_pool=pool)
     value = [v.strip() for v in distinct.to_pylist()]
     maps = pc.index_in(every, value_set=distinct, memory_pool=pool)  # -> distinct, no nulls
-    maps = np.concatenate([_int32s(m) for m in maps.chunks] or [np.empty(0, np.int32)])
+    maps = np.concatenate([csvarrow.int32s(m) for m in maps.chunks] or [np.empty(0, np.int32)])
     used = np.zeros(len(value), dtype=bool)
     edges = np.cumsum([0] + [len(c.dictionary) for _, c, _ in coded])
     for (_, c, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
@@ -247,13 +247,6 @@ def _arrow_labels(columns: list[list], n: int):
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(keep.reshape(n, len(columns)).sum(axis=1), out=ptr[1:])
     return ptr, ids[keep], names
-
-
-def _int32s(array) -> np.ndarray:
-    """A pyarrow int32 array without nulls as numpy's, no copy (pyarrow's conversion of a
-    chunked array imports pandas)."""
-    at = np.frombuffer(array.buffers()[1], dtype=np.int32, count=array.offset + len(array))
-    return at[array.offset :]
 
 
 def _line_of(source: str | bytes, sep: str, r: int) -> int:
