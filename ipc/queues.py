@@ -445,9 +445,6 @@ class WorkQueue:
         directory = runtime.runtime_dir()
         for _ in range(3):
             info = self._read_owner(directory)
-            if info is not None and info.get("closed") is True and info["pid"] == os.getpid():
-                runtime.remove(directory, self._file)  # our own queue, closed: open it anew
-                continue
             if info is not None:
                 self.owner = False
                 self._join(directory, info)
@@ -494,11 +491,13 @@ class WorkQueue:
         try:
             info = json.loads(raw)
             ok = isinstance(info, dict) and _pid_alive(info.get("pid"))
-            if ok and info.get("closed") is not True:
+            if ok and info.get("closed") is True:
+                ok = info["pid"] != os.getpid()  # our own queue, closed: ours to open anew
+            elif ok:
                 ok = isinstance(info.get("address"), str) and isinstance(info.get("secret"), str)
         except ValueError:
             ok = False
-        if not ok:  # left by an owner that died: the name is free again
+        if not ok:  # left by an owner that died (or closed by us): the name is free again
             runtime.remove(directory, self._file)
             return None
         return info
