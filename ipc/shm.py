@@ -220,7 +220,7 @@ class SharedMemoryGroup:
         # (and "fused": all-reduces that ran inside another one's collective)
         self.stats = {"collectives": 0, "bytes": 0, "direct": 0, "fused": 0}
         self.capacity = 0  # bytes per slot
-        self._views: dict[tuple, torch.Tensor] = {}
+        self._views_cache: dict[tuple, list[torch.Tensor]] = {}
         self._scratches: dict[torch.dtype, torch.Tensor] = {}
         self._maps: list[mmap.mmap] = []
         self._slots: list[torch.Tensor] = []
@@ -405,7 +405,7 @@ class SharedMemoryGroup:
 
     def _release(self) -> None:
         self._slots = []
-        self._views.clear()
+        self._views_cache.clear()
         for m in self._maps:
             # BufferError: a caller still holds a view; the mapping goes away with it.
             with contextlib.suppress(BufferError):
@@ -547,19 +547,21 @@ class SharedMemoryGroup:
             self._reduce_all(groups, offsets, parity, contributors, reduce)
         return total, fused
 
-    def _view(self, j: int, parity: int, off: int, g: torch.Tensor) -> torch.Tensor:
-        """Node j's copy of group `g` (at `off` in the `parity` half of its slot)."""
-        key = (j, parity, off, g.numel(), g.dtype)
-        view = self._views.get(key)
-        if view is None:
+    def _views(self, parity: int, off: int, g: torch.Tensor) -> list[torch.Tensor]:
+        """Every node's copy of group `g` (at `off` in the `parity` half of its slot)."""
+        key = (parity, off, g.numel(), g.dtype)
+        views = self._views_cache.get(key)
+        if views is None:
             # The same layout comes back every step: slicing and viewing a tensor
             # costs microseconds, which is most of a small all-reduce.
-            if len(self._views) > 4096:
-                self._views.clear()
+            if len(self._views_cache) > 4096:
+                self._views_cache.clear()
             start = parity * self.capacity + off
-            raw = self._slots[j][start : start + g.numel() * g.element_size()]
-            view = self._views[key] = raw.view(g.dtype)
-        return view
+            stop = start + g.numel() * g.element_size()
+            views = self._views_cache[key] = [
+                slot[start:stop].view(g.dtype) for slot in self._slots
+            ]
+        return views
 
     def _bounds(self, numel: int, i: int) -> tuple[int, int]:
         """Node i's slice of a group in the sliced reduction."""
@@ -568,7 +570,7 @@ class SharedMemoryGroup:
 
     def _copy_in(self, groups, offsets, parity: int, sliced: bool) -> None:
         for g, off in zip(groups, offsets, strict=True):
-            dst = self._view(self.node, parity, off, g)
+            dst = self._views(parity, off, g)[self.node]
             if not sliced:
                 dst.copy_(g)
                 continue
@@ -580,9 +582,10 @@ class SharedMemoryGroup:
     def _reduce_all(self, groups, offsets, parity, contributors, reduce) -> None:
         # Every node folds all slots in the same order: identical bits everywhere.
         for g, off in zip(groups, offsets, strict=True):
-            g.copy_(self._view(contributors[0], parity, off, g))
+            views = self._views(parity, off, g)
+            g.copy_(views[contributors[0]])
             for j in contributors[1:]:
-                reduce(g, self._view(j, parity, off, g))
+                reduce(g, views[j])
 
     def _reduce_sliced(self, groups, offsets, parity, contributors, reduce, direct) -> None:
         # Node i reduces slice i of every group in its own tensor, publishes it in
@@ -598,12 +601,13 @@ class SharedMemoryGroup:
         reduced, reduced_bytes = [], 0  # groups reduced but not yet gathered
         for gi, (g, off) in enumerate(zip(groups, offsets, strict=True)):
             lo, hi = self._bounds(g.numel(), me)
-            mine = self._view(me, parity, off, g)
+            slots = self._views(parity, off, g)
+            mine = slots[me]
             es = g.element_size()
             if direct:
                 tmp = self._scratch(g.dtype)
             else:
-                views = [self._view(j, parity, off, g) for j in peers]
+                views = [slots[j] for j in peers]
             step = max(1, REDUCE_CHUNK // es)
             for s in range(lo, hi, step):
                 e = min(hi, s + step)
@@ -630,10 +634,11 @@ class SharedMemoryGroup:
     def _gather(self, groups: list[tuple[torch.Tensor, int]], parity: int) -> None:
         """Copy the slices the other nodes reduced and published into our groups."""
         for g, off in groups:
+            slots = self._views(parity, off, g)
             for j in range(self.n):
                 lo, hi = self._bounds(g.numel(), j)
                 if j != self.node and lo < hi:
-                    g[lo:hi].copy_(self._view(j, parity, off, g)[lo:hi])
+                    g[lo:hi].copy_(slots[j][lo:hi])
 
     def _scratch(self, dtype: torch.dtype) -> torch.Tensor:
         """A REDUCE_CHUNK-byte buffer of `dtype` for one piece of a peer's slice."""

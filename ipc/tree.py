@@ -594,13 +594,16 @@ class Tree:
     # ---- running collectives ------------------------------------------------------
 
     def _check(self) -> None:
-        if os.getpid() != self._pid:
-            raise IPCError(
-                f"node {self.node_index}: this tree belongs to process {self._pid}; a forked "
-                "child cannot use it (make a tree in the child, or fork before making it)",
-                node=self.node_index,
-            )
         if self._closed:
+            # A forked child's trees are closed at the fork (os.register_at_fork): the
+            # pid, a system call, is read only to say why.
+            if os.getpid() != self._pid:
+                raise IPCError(
+                    f"node {self.node_index}: this tree belongs to process {self._pid}; a "
+                    "forked child cannot use it (make a tree in the child, or fork before "
+                    "making it)",
+                    node=self.node_index,
+                )
             raise IPCError(f"node {self.node_index}: tree is closed", node=self.node_index)
 
     def _submit(self, args: tuple, async_op: bool) -> Handle | int | None:
