@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
+import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import IPCError
@@ -150,14 +153,74 @@ def remove(directory: Path, name: str) -> None:
 
 
 def socket_path(tag: str) -> str:
-    """A fresh Unix socket path in the runtime directory; checked against the kernel's limit."""
-    path = str(runtime_dir() / f"{tag}-{secrets.token_hex(4)}.sock")
+    """A fresh Unix socket path in the runtime directory, named after this process (see
+    `sweep_dead_sockets`); checked against the kernel's limit."""
+    directory = runtime_dir()
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep_dead_sockets(directory)
+    path = str(directory / f"{tag}-{os.getpid()}-{secrets.token_hex(4)}.sock")
     if len(path.encode()) > MAX_SOCKET_PATH:
         raise IPCError(
             f"ipc: the Unix socket path {path} is longer than {MAX_SOCKET_PATH} bytes; "
             "point TMPDIR at a shorter directory"
         )
     return path
+
+
+_swept = False  # once per process: a sweep reads the whole directory
+_SOCKET_NAME = re.compile(r"[a-z]+-([0-9]+)-[0-9a-f]{8}\.sock")
+
+
+def sweep_dead_sockets(directory: Path, min_age: float = 60.0) -> int:
+    """Remove socket files in `directory` that nobody listens on; returns how many.
+
+    A process that closes its tree removes its sockets; one that was killed (SIGKILL,
+    the OOM killer) cannot, and on a long-lived host its files would pile up. Only our
+    own sockets older than `min_age` seconds whose process is dead are candidates, and
+    each is removed only if a connection to it is refused: a process in another pid
+    namespace sharing the directory looks dead from here while it still listens."""
+    removed = 0
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            m = _SOCKET_NAME.fullmatch(entry.name)
+            if m is None:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if (
+                    not stat.S_ISSOCK(st.st_mode)
+                    or st.st_uid != os.getuid()
+                    or now - st.st_mtime < min_age
+                ):
+                    continue
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                if not _listened_on(entry.path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                        removed += 1
+            except (OSError, OverflowError):
+                continue  # alive, gone meanwhile, or not ours to judge
+    return removed
+
+
+def _listened_on(path: str) -> bool:
+    """Whether a process listens on the Unix socket at `path` (a refused connection:
+    nobody does)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            return False
+        except BlockingIOError:
+            return True  # its backlog is full: it listens
+        except OSError:
+            return True  # not ours to judge: keep it
+    return True
 
 
 def read_secret_file(path: str | os.PathLike) -> str:

@@ -11,8 +11,11 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -242,3 +245,54 @@ def test_small_dev_shm_falls_back_to_sockets(tmp_path):
         assert r["bucket_counts"] == [n] * 8 and all(r["buckets_ok"]), r
         assert r["fused_shm"]["fused"] == 0 and r["fused_shm"]["collectives"] == 1 + 1 + 8, r
     assert "go through the sockets instead" in texts[0], texts[0]
+
+
+_SERVER = """
+import sys, time
+from distlearn import ipc
+server = ipc.Server("127.0.0.1", port=0)
+print(server.port, flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(300)
+server.close()
+"""
+
+
+def test_a_killed_servers_socket_file_is_swept_by_the_next_process(tmp_path):
+    """A SIGKILLed server cannot remove its Unix socket. The next process of this user
+    that makes one removes those whose process is dead and on which nobody listens,
+    and keeps a dead pid's socket that something still listens on (as from another
+    pid namespace) and one younger than a minute."""
+    tmp = Path(tempfile.mkdtemp(prefix="sweep-"))  # short: socket paths have 107 bytes
+    try:
+        env = repo_env(TMPDIR=str(tmp))
+        rt = tmp / f"distlearn-ipc-{os.getuid()}"
+        server = subprocess.Popen([sys.executable, "-c", _SERVER, "wait"], env=env,
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert server.stdout.readline().strip().isdigit()
+            killed = list(rt.glob(f"*-{server.pid}-*.sock"))
+            assert killed, sorted(rt.iterdir())
+        finally:
+            server.kill()
+            server.wait()
+        assert all(p.exists() for p in killed)  # nobody else removes them
+
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        listened = rt / f"l-{dead.stdout.strip()}-0123abcd.sock"
+        young = rt / f"d-{dead.stdout.strip()}-4567cdef.sock"
+        with socket.socket(socket.AF_UNIX) as listening, socket.socket(socket.AF_UNIX) as s:
+            listening.bind(str(listened))
+            listening.listen(1)
+            s.bind(str(young))  # never listened on: refused, but new
+            old = time.time() - 120
+            for p in [*killed, listened]:
+                os.utime(p, (old, old), follow_symlinks=False)
+            subprocess.run([sys.executable, "-c", _SERVER, "close"], env=env, check=True,
+                           capture_output=True, timeout=120)  # fmt: skip
+            left = set(rt.glob("*.sock"))
+        assert not left & set(killed), left
+        assert left == {listened, young}, left
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
