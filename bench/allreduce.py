@@ -10,7 +10,8 @@ algbw * 2 (n - 1) / n (the NCCL convention: what each link carries).
 
 `python -m bench.allreduce --report` measures the ipc tree against itself
 (bench/RESULTS-ipc.md): the tree of another git ref (`--baseline main`) and of
-this checkout in alternating fresh process sets; the socket transport
+this checkout in alternating fresh process sets, with a third set of the
+other ref again to show the noise (A/A); the socket transport
 encrypted (CURVE) and not; 8 buckets of 4 MiB all-reduced asynchronously
 (in flight together) and one after the other; and a training-like step with
 the tree's heartbeats on and off.
@@ -337,14 +338,20 @@ def report(a: argparse.Namespace) -> None:
         lines += [
             f"## all_reduce: {a.baseline} vs this commit (float32 sum, LocalhostTree defaults)",
             "",
-            f"| processes | size | {a.baseline} ms/op | this commit ms/op | {a.baseline}/this |",
-            "|---:|---|---:|---:|---:|",
+            f"The last column is the noise: {a.baseline} against itself, a third process set "
+            "in each repetition, its ratio taken as the others'. A before/after ratio inside "
+            "that column's range is within noise.",
+            "",
+            f"| processes | size | {a.baseline} ms/op | this commit ms/op | {a.baseline}/this "
+            f"| {a.baseline}/{a.baseline} (A/A) |",
+            "|---:|---|---:|---:|---:|---:|",
         ]
         for world in a.worlds:
             times: dict[tuple[str, str], list[float]] = {}
             for rep in range(a.reps):
-                order = [("base", base_path), ("this", None)]
-                for name, path in order if rep % 2 == 0 else order[::-1]:
+                order = [("base", base_path), ("this", None), ("again", base_path)]
+                k = rep % len(order)  # each set goes first, second and third in turn
+                for name, path in order[k:] + order[:k]:
                     # Three timed runs in each process set, their median its figure: a
                     # burst of load elsewhere hits one run, not the set's figure.
                     recs = run(world, SIZES, reps=3, target_s=a.target_s / 3, impls=("tree",),
@@ -354,9 +361,10 @@ def report(a: argparse.Namespace) -> None:
                             times.setdefault((name, r["size"]), []).append(_median(r["times_s"]))
                 print(f"before/after, {world} processes, repetition {rep + 1}", flush=True)
             for size in SIZES:
-                b, t = times.get(("base", size), []), times.get(("this", size), [])
+                b, t, b2 = (times.get((name, size), []) for name in ("base", "this", "again"))
                 lines.append(
-                    f"| {world} | {size} | {_spread(b)} | {_spread(t)} | {_ratios(b, t)} |"
+                    f"| {world} | {size} | {_spread(b)} | {_spread(t)} | {_ratios(b, t)} "
+                    f"| {_ratios(b, b2)} |"
                 )
         lines.append("")
 
