@@ -8,9 +8,10 @@ epoch's training seconds.
 
 `python -m bench` runs it with AllReduceSGD's defaults. On its own it also
 compares the gradient buckets sent during backward with one all-reduce after it
-(`overlap=False`, the loop before issue 16), job by job in alternating order:
+(`overlap=False`, the loop before issue 16), and with DistributedDataParallel in
+the same loop timed the same way (`ddp`, gloo), job by job in alternating order:
 
-    python -m bench.training --nodes 4 --backends ipc gloo --overlap on off --reps 3
+    python -m bench.training --nodes 4 --backends ipc gloo --overlap on off ddp --reps 3
 
 Its table also splits the allreduce share by arrival (`arrival_split`): waiting for
 the last rank to call the all-reduce, and the all-reduce after it; and says how
@@ -55,6 +56,7 @@ def run_once(
     overlap: bool = True,
     extra=(),
     first_bucket_bytes: int | None = None,
+    ddp: bool = False,
 ) -> dict:
     """One epoch as one job; the example's log plus every rank's phase totals."""
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
@@ -66,6 +68,8 @@ def run_once(
             "--backend", backend, *extra,
         ] + (["--quick"] if quick else [])  # fmt: skip
         env = dict(os.environ, BENCH_PHASES_DIR=str(phases_dir), BENCH_OVERLAP=str(int(overlap)))
+        if ddp:  # DistributedDataParallel in the same loop, the reference (mnist_timed)
+            env["BENCH_DDP"] = "1"
         if first_bucket_bytes:
             env["BENCH_FIRST_BUCKET_BYTES"] = str(first_bucket_bytes)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -86,11 +90,13 @@ def run_once(
         log_json = Path(tmp, "out", "log.json")
         if not log_json.exists():
             return {"error": f"no {log_json.name}: " + " | ".join(out.splitlines()[-5:])}
-        epoch = json.loads(log_json.read_text())["epochs"][0]
+        log_record = json.loads(log_json.read_text())
+        epoch = log_record["epochs"][0]
         ranks = [json.loads(p.read_text()) for p in sorted(phases_dir.glob("rank*.json"))]
         if len(ranks) != nodes:
             return {"error": f"{len(ranks)} of {nodes} ranks reported their phases"}
         res = {
+            "algorithm": log_record["algorithm"],
             "items_per_s": epoch["items_per_s"],
             "train_items": epoch["train_items"],
             "test_accuracy": epoch.get("test_accuracy"),
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "--overlap",
         nargs="+",
         default=["on", "off"],
-        help="on, off, or on@KIB: buckets during backward with a first bucket of KIB KiB",
+        help="on, off, on@KIB (buckets during backward with a first bucket of KIB KiB), or "
+        "ddp: DistributedDataParallel in the same loop, timed the same way (gloo only)",
     )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true")
@@ -256,7 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="to mnist.py")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    configs = [(n, b, o) for n in a.nodes for b in a.backends for o in a.overlap]
+    # DDP runs over torch.distributed: a gloo job, whatever the backends asked for
+    configs = [
+        (n, b, o)
+        for n in a.nodes
+        for b in a.backends
+        for o in a.overlap
+        if o != "ddp" or b == "gloo"
+    ]
     results: dict[tuple, list[dict]] = {c: [] for c in configs}
     for rep in range(a.reps):
         for cfg in configs if rep % 2 == 0 else configs[::-1]:
@@ -269,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg[2] != "off",
                 a.extra,
                 first_bucket_bytes=first,
+                ddp=cfg[2] == "ddp",
             )
             results[cfg].append(res)
             log.info("rep %d %s: %s", rep + 1, cfg, res.get("error") or {

@@ -53,3 +53,21 @@ def test_timelines_without_phase_moments_give_only_the_two_way_split():
     r = _rank([0.1], [0.2])
     old = [{k: v for k, v in r.items() if k not in ("began", "fwd")} for _ in range(2)]
     assert set(arrival_split(old)) == {"wait_last_pct", "after_last_pct"}
+
+
+@pytest.mark.timeout(600)
+def test_the_ddp_reference_trains_with_ddp_and_is_timed_like_allreduce_sgd():
+    # The same loop, 2 processes over gloo, the quick data (launch.py prepares it once):
+    # the job must really be DDP (not AllReduceSGD under another name), and its
+    # all-reduce phase must be measured (each step from its bucket's hook to the end
+    # of backward), split by arrival like AllReduceSGD's.
+    from bench.training import run_once
+
+    res = run_once(2, "gloo", quick=True, timeout=540, ddp=True)
+    assert "error" not in res, res.get("error")
+    assert res["algorithm"] == "DistributedDataParallel"
+    assert res["steps"] > 0 and res["test_accuracy"] > 0.5
+    assert 0 < res["allreduce_pct"] < 100
+    assert res["wait_last_pct"] + res["after_last_pct"] <= res["allreduce_pct"] + 1e-6
+    total = res["loading_pct"] + res["compute_pct"] + res["allreduce_pct"]
+    assert total == pytest.approx(100, abs=5)
