@@ -124,3 +124,26 @@ def test_empty_one_and_all_equal():
         first, ids = bytesort.unique(buf, start, length)
         assert [values[i] for i in first.tolist()] == sorted(set(values))
         assert [values[first[i]] for i in ids.tolist()] == values
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_order_of_long_names_whose_label_shares_a_prefix(seed):
+    """ImageNet-like names, each label's sharing a prefix of 0-40 bytes, every name at
+    least 8 bytes past it (the words every string holds are compared with no mask), in
+    any row order: the first difference may fall in any byte of any of those words."""
+    rng = random.Random(seed)
+    labels = rng.choice([1, 3, 50])
+    shared = rng.randrange(0, 41)
+    prefix = [b"".join(rng.choices(ALPHABET, k=shared)) for _ in range(labels)]
+    tail = rng.randrange(8, 30)
+    major = np.array([rng.randrange(labels) for _ in range(rng.randrange(2, 600))], np.int16)
+    values = [prefix[m] + b"".join(rng.choices([b"a", b"b"], k=tail)) for m in major.tolist()]
+    if seed % 4 == 0:  # one name differs early from the rest of its label
+        values[0] = b"\x00" + values[0]
+    buf, start, length = packed(values)
+    got = bytesort.order(buf, start, length, major).tolist()
+    assert got == sorted(range(len(values)), key=lambda i: (major[i], values[i], i))
+    first, ids = bytesort.unique(buf, start, length)
+    distinct = sorted(set(values))
+    assert [values[i] for i in first.tolist()] == distinct
+    assert [distinct[i] for i in ids.tolist()] == values
