@@ -470,10 +470,12 @@ def labelled(
         cnt = np.diff(ptr)
         if len(cnt) and cnt.max() > 1:
             ptr, ids, cnt = _dedupe(ptr, ids, cnt)
-    if cnt is None or (len(ids) == n and (cnt == 1).all()):  # one label per row: an
-        ex_rows, targets = np.arange(n, dtype=row_dt), ids  # example per row
+    # ex_rows: each example's row; None: an example per row, in row order (the array is
+    # made only where no sort makes it: a fresh array as large as the index costs)
+    if cnt is None or (len(ids) == n and (cnt == 1).all()):  # one label per row
+        ex_rows, targets = None, ids
     elif multi_hot:
-        ex_rows = np.arange(n, dtype=row_dt)
+        ex_rows = None
         targets = np.full(n, -1, dtype=label_dt)
         has = cnt > 0
         targets[has] = ids[ptr[:-1][has]]
@@ -483,14 +485,17 @@ def labelled(
         targets = np.full(len(ex_rows), -1, dtype=label_dt)
         ex_start = np.cumsum(k) - k
         targets[np.repeat(ex_start - ptr[:-1], cnt) + np.arange(len(ids))] = ids
+        if len(ex_rows) == n:  # (rows of no label and of one: still an example per row)
+            ex_rows = None
     group = targets if targets is ids else np.where(targets < 0, len(labels), targets)
     group = group.astype(label_dt, copy=False)
     row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False), copy=False), ids)
-    if descents is not None and len(ex_rows) == n and _in_order(group, descents):
-        seq = ex_rows  # already in order: no sort, no gathers
+    if descents is not None and ex_rows is None and _in_order(group, descents):
+        seq = np.arange(n, dtype=row_dt)  # already in order: no sort, no gathers
     else:
-        order = table.order(None if len(ex_rows) == n else ex_rows, group)  # a row per example
-        seq, targets = ex_rows[order], targets[order]
+        order = table.order(ex_rows, group)  # a row per example
+        seq = order.astype(row_dt) if ex_rows is None else ex_rows[order]
+        targets = targets[order]
     return Index(table, row_labels, labels, origin, rows=seq, targets=targets,
                  multi_hot=multi_hot)  # fmt: skip
 

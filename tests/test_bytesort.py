@@ -124,3 +124,51 @@ def test_empty_one_and_all_equal():
         first, ids = bytesort.unique(buf, start, length)
         assert [values[i] for i in first.tolist()] == sorted(set(values))
         assert [values[first[i]] for i in ids.tolist()] == values
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_order_of_long_names_whose_label_shares_a_prefix(seed):
+    """ImageNet-like names, each label's sharing a prefix of 0-40 bytes, every name at
+    least 8 bytes past it (the words every string holds are compared with no mask), in
+    any row order: the first difference may fall in any byte of any of those words."""
+    rng = random.Random(seed)
+    labels = rng.choice([1, 3, 50])
+    shared = rng.randrange(0, 41)
+    prefix = [b"".join(rng.choices(ALPHABET, k=shared)) for _ in range(labels)]
+    tail = rng.randrange(8, 30)
+    major = np.array([rng.randrange(labels) for _ in range(rng.randrange(2, 600))], np.int16)
+    values = [prefix[m] + b"".join(rng.choices([b"a", b"b"], k=tail)) for m in major.tolist()]
+    if seed % 4 == 0:  # one name differs early from the rest of its label
+        values[0] = b"\x00" + values[0]
+    buf, start, length = packed(values)
+    got = bytesort.order(buf, start, length, major).tolist()
+    assert got == sorted(range(len(values)), key=lambda i: (major[i], values[i], i))
+    first, ids = bytesort.unique(buf, start, length)
+    distinct = sorted(set(values))
+    assert [values[i] for i in first.tolist()] == distinct
+    assert [distinct[i] for i in ids.tolist()] == values
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_first_difference_in_chunks_shared_with_a_second_thread(seed):
+    """Chunks of 7 strings (4 or more: every other one looked at by a helper thread) find the
+    byte where a string first differs from the others of its run, as Python finds it."""
+    rng = random.Random(seed)
+    prefix = [b"".join(rng.choices(ALPHABET, k=rng.randrange(0, 20))) for _ in range(3)]
+    tail = rng.randrange(8, 24)
+    run = np.array([rng.randrange(3) for _ in range(rng.randrange(40, 200))], dtype=np.int16)
+    values = [prefix[r] + b"".join(rng.choices([b"a", b"b"], k=tail)) for r in run.tolist()]
+    if seed % 2:  # the only difference is in the second chunk (the helper's), or the last
+        values = [prefix[r] + b"a" * tail for r in run.tolist()]
+        odd = 8 if seed % 4 == 1 else len(values) - 1
+        values[odd] = b"\xff" + values[odd][1:]  # (at byte 0: inside the window)
+    buf, start, length = packed(values)
+
+    def differs_at(a: bytes, b: bytes) -> int | None:  # (strings of one run: one length)
+        return next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+    at = [differs_at(v, values[run.tolist().index(r)]) for v, r in zip(values, run.tolist(),
+          strict=True)]  # fmt: skip
+    want = min((k for k in at if k is not None), default=None)
+    found = bytesort._first_difference(buf, start, length, run, 0, chunk=7, read=False)
+    assert (None if found is None else found[0]) == want
