@@ -251,6 +251,8 @@ class Index:
     arrays ``rows`` and ``targets``.
     """
 
+    label_order = False  # (see __init__)
+
     def __init__(
         self,
         table: Any,
@@ -262,6 +264,7 @@ class Index:
         targets: np.ndarray,
         multi_hot: bool = False,
         split: str = BY_LABEL,
+        label_order: bool = False,
     ):
         if len(table) != len(row_labels):
             raise ValueError(f"{origin}: {len(table)} rows but {len(row_labels)} label rows")
@@ -272,6 +275,9 @@ class Index:
         self.origin = origin
         self.multi_hot, self.split = multi_hot, split
         self.rows, self.targets = rows, targets
+        # targets known to run label by label (0, 1, ..., then the unlabeled -1s), as
+        # labelled() makes them: a partition then finds each label's run by binary search
+        self.label_order = label_order
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -371,10 +377,12 @@ class Index:
             raise ValueError(f"partition {partition} out of range for {partitions} partitions")
         if partitions == 1:
             return self
-        return self.take(
-            partition_positions(self.targets, partition, partitions, self.split),
-            f"{self.origin}[partition {partition}/{partitions}]",
-        )
+        if self.label_order and self.split == BY_LABEL:
+            lo, hi = label_runs(self.targets, len(self.labels))
+            positions = _picks(lo, hi, partition, partitions)
+        else:
+            positions = partition_positions(self.targets, partition, partitions, self.split)
+        return self.take(positions, f"{self.origin}[partition {partition}/{partitions}]")
 
     def take(self, positions: Sequence[int] | np.ndarray, origin: str | None = None) -> Index:
         """A new Index of the examples at `positions`, sharing this one's tables and labels."""
@@ -409,12 +417,33 @@ def partition_positions(targets: np.ndarray, partition: int, partitions: int, sp
     # picks of a run are lo + first, lo + first + partitions, ... (no pass per example)
     lo = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
     hi = np.r_[lo[1:], len(group)]
+    picked = _picks(lo, hi, partition, partitions)
+    return picked if order is None else np.sort(order[picked])
+
+
+def label_runs(targets: np.ndarray, labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: the run ``[lo[k], hi[k])`` of label k in `targets` that run label by
+    label (0, 1, ..., ``labels`` - 1, then the unlabeled -1s), found by binary search;
+    the last run is the unlabeled one. No pass over the examples."""
+    n, lo, hi = len(targets), 0, len(targets)
+    while lo < hi:  # the labelled examples come first: find where the -1s start
+        mid = (lo + hi) // 2
+        if targets[mid] >= 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    starts = np.searchsorted(targets[:lo], np.arange(labels + 1, dtype=targets.dtype))
+    bounds = np.r_[starts, n].astype(np.int64)
+    return bounds[:-1], bounds[1:]
+
+
+def _picks(lo: np.ndarray, hi: np.ndarray, partition: int, partitions: int) -> np.ndarray:
+    """Positions of one partition, given each group's run ``[lo, hi)`` in group order."""
     first = (partition - 1) % partitions  # k = first + 1 is the first k with k % partitions == p
     count = np.maximum(0, (hi - lo - first + partitions - 1) // partitions)
     base = np.repeat(lo + first, count)
     step = np.arange(len(base)) - np.repeat(np.cumsum(count) - count, count)
-    picked = base + step * partitions
-    return picked if order is None else np.sort(order[picked])
+    return base + step * partitions
 
 
 def _display(s: Any, i: int = 0) -> str:
@@ -497,7 +526,7 @@ def labelled(
         seq = order.astype(row_dt) if ex_rows is None else ex_rows[order]
         targets = targets[order]
     return Index(table, row_labels, labels, origin, rows=seq, targets=targets,
-                 multi_hot=multi_hot)  # fmt: skip
+                 multi_hot=multi_hot, label_order=True)  # fmt: skip
 
 
 def _in_order(group: np.ndarray, descents: np.ndarray) -> bool:

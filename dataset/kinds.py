@@ -279,6 +279,7 @@ def _pack(ix: Index) -> list:
         "labels": ix.labels,
         "origin": ix.origin,
         "multi_hot": ix.multi_hot,
+        "label_order": ix.label_order,
         "resolver": table.resolver.state(),
         "arrays": {},
     }
@@ -311,7 +312,8 @@ def _unpack(view: memoryview) -> Index:
                      Resolver(**meta["resolver"]), ranges)  # fmt: skip
     labels = RowLabels(arrays["ptr"], arrays["ids"])
     return Index(table, labels, meta["labels"], meta["origin"], rows=arrays["rows"],
-                 targets=arrays["targets"], multi_hot=meta["multi_hot"])  # fmt: skip
+                 targets=arrays["targets"], multi_hot=meta["multi_hot"],
+                 label_order=meta.get("label_order", False))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the registry

@@ -252,3 +252,45 @@ def test_an_unsorted_file_gives_the_sorted_files_index(tmp_path):
     got = [(b.source(i), b.target(i), b.item_labels(i)) for i in range(len(b))]
     assert got == [(a.source(i), a.target(i), a.item_labels(i))
                    for i in range(len(a))]  # fmt: skip
+
+
+@pytest.mark.parametrize("multi_hot", [False, True])
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_partition_by_label_runs_matches_torch_dataset_rule(tmp_path, multi_hot, shuffled):
+    """A CSV index's partition finds each label's run by binary search (label_order):
+    the same examples as the k-th-of-each-label rule on the targets, mapped or not."""
+    import numpy as np
+
+    from distlearn.dataset.index import partition_positions
+
+    rng = np.random.default_rng(7)
+    lines = []
+    for i in range(500):
+        first = f"l{rng.integers(0, 9)}" if rng.random() > 0.1 else ""
+        second = f"l{rng.integers(0, 9)}" if first and rng.random() < 0.2 else ""
+        lines.append(f"f{i:04d}.png,{first},{second}\n")
+    if shuffled:
+        rng.shuffle(lines)
+    path = write(tmp_path / "i.csv", "filename,label,label2\n" + "".join(lines))
+    cache = str(tmp_path / "cache")
+    for opts in (
+        {},
+        {"cache_index": True, "cache_dir": cache},
+        {"cache_index": True, "cache_dir": cache},
+    ):
+        whole = Dataset(str(path), multi_hot=multi_hot, **opts).index
+        assert whole.label_order  # (the binary-search path is the one tested)
+        for n in (1, 3, 8):
+            seen = []
+            for p in range(n):
+                part = whole.partition(p, n)
+                want = partition_positions(whole.targets, p, n, whole.split)
+                assert part.rows.tolist() == whole.rows[want].tolist()
+                assert part.targets.tolist() == whole.targets[want].tolist()
+                assert not part.label_order or n == 1
+                seen += want.tolist()
+            assert sorted(seen) == list(range(len(whole)))
+    # by hand: the k-th example of a label (k from 1) goes to partition k % n
+    small = write(tmp_path / "s.csv", "filename,label\na,x\nb,x\nc,y\nd,x\ne,\nf,y\ng,\n")
+    got = [Dataset(str(small), partition=p, partitions=2).index.rows.tolist() for p in (0, 1)]
+    assert got == [[1, 5, 6], [0, 3, 2, 4]]
