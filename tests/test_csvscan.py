@@ -145,3 +145,25 @@ def test_names_much_smaller_than_the_file_are_packed(tmp_path):
     index = open_index(path)
     assert len(index.table.buf) == sum(len(f"{i}.png") for i in range(50))
     assert sorted(index.table.raw(r) for r in range(50)) == sorted(f"{i}.png" for i in range(50))
+
+
+def test_edges_clean_never_passes_a_value_strip_would_change():
+    rng = random.Random(3)
+    alphabet = ["a", "b", " ", "\t", "\x1c", "é", "", "x y"]
+    for _ in range(2000):
+        values = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 4)))
+                  for _ in range(rng.randrange(1, 6))]  # fmt: skip
+        raw = [v.encode() for v in values]
+        buf = np.frombuffer(b"".join(raw), dtype=np.uint8)
+        off = np.cumsum([0] + [len(r) for r in raw]).astype(np.int32)
+        if not csvscan.edges_clean(buf, off):
+            continue
+        s, e = csvscan.strip(buf, off[:-1], off[1:])
+        assert s.tolist() == off[:-1].tolist() and e.tolist() == off[1:].tolist(), values
+    # and it does pass the common case: names without whitespace at their edges
+    raw = [b"n01/n01_1.JPEG", b"n01/n01_2 b.JPEG", b"x"]
+    off = np.cumsum([0] + [len(r) for r in raw]).astype(np.int32)
+    assert csvscan.edges_clean(np.frombuffer(b"".join(raw), dtype=np.uint8), off)
+    raw[1] = b"n01/n01_2.JPEG "
+    off = np.cumsum([0] + [len(r) for r in raw]).astype(np.int32)
+    assert not csvscan.edges_clean(np.frombuffer(b"".join(raw), dtype=np.uint8), off)
