@@ -184,11 +184,12 @@ def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | Non
     if len(source) >= 2**31:
         return None
     quotes = b'"' in source
-    if quotes:  # RFC 4180 quotes only, no "\r" (a quoted one is a value's, a lone one ends
-        # a line: the scanner tells them apart), no NUL
+    if quotes:  # RFC 4180 quotes only (a quote opens a field after a separator or a
+        # "\n", closes one before a separator, "\n" or "\r\n"), no NUL. A "\r" is read as
+        # the csv module reads it: a quoted one is the value's, another ends a line.
         a = np.frombuffer(source, dtype=np.uint8)
         body = 3 if source.startswith(b"\xef\xbb\xbf") else 0
-        if b"\r" in source or b"\0" in source:
+        if b"\0" in source:
             return None
         if check_quotes(a, find(a, QUOTE)[0], body, ord(sep)) is None:
             return None
