@@ -6,8 +6,11 @@
 Data: ImageNet-like indexes made here (never committed), in bench/data/index/:
 1,000 labels (WordNet-like ids ``n01234567``), each item
 ``n01234567/n01234567_<k>.JPEG,n01234567``, rows sorted by filename as
-ImageNet's own lists are; a copy with the rows shuffled (1M only) shows the
-cost of the full sort an unsorted file needs. A meta file beside the index
+ImageNet's own lists are; three variants of the smaller size: the rows
+shuffled (the full sort an unsorted file needs), every field quoted with CRLF
+line ends (what Python's ``csv.writer`` writes with ``QUOTE_ALL``), and ragged
+rows (a multi-label index: ``filename,label1,label2``, a second label on every
+fourth row, the other rows stopping after their first). A meta file beside the index
 points the names at a local HTTP server that answers every path with 16
 bytes, so the time to the first batch includes real fetches.
 
@@ -52,8 +55,22 @@ PAYLOAD = bytes(range(16))
 # ----------------------------------------------------------------------------- data
 
 
-def make_csv(path: Path, rows: int, shuffled: bool = False, seed: int = 0) -> None:
-    """An ImageNet-like index of `rows` items over 1,000 labels, sorted by filename."""
+# The files of one size: ImageNet's sorted list, and its variants (the suffix of their names).
+VARIANTS = {
+    "sorted": "",
+    "shuffled": " (rows shuffled)",
+    "quoted": " (every field quoted, CRLF: csv.writer's QUOTE_ALL)",
+    "ragged": " (1-2 labels a row: ragged rows)",
+}
+
+
+def make_csv(path: Path, rows: int, variant: str = "sorted", seed: int = 0) -> None:
+    """An ImageNet-like index of `rows` items over 1,000 labels, sorted by filename.
+
+    Variants: ``shuffled`` rows; ``quoted``, every field quoted and CRLF line ends
+    (what ``csv.writer(f, quoting=csv.QUOTE_ALL)`` writes); ``ragged``, columns
+    ``filename,label1,label2`` with a second label on every fourth row, the others
+    stopping after their first (a multi-label index)."""
     rng = random.Random(seed)
     wnids = sorted({f"n{rng.randrange(1_000_000, 15_000_000):08d}" for _ in range(LABELS * 2)})
     wnids = sorted(rng.sample(wnids, LABELS))
@@ -63,20 +80,28 @@ def make_csv(path: Path, rows: int, shuffled: bool = False, seed: int = 0) -> No
         ids = sorted(str(i) for i in rng.sample(range(1, 3 * k + 10), k))
         lines += [f"{wnid}/{wnid}_{i}.JPEG,{wnid}\n" for i in ids]
     lines.sort()
-    if shuffled:
+    header = "filename,label\n"
+    if variant == "shuffled":
         rng.shuffle(lines)
+    elif variant == "quoted":
+        header = '"filename","label"\r\n'
+        lines = ['"' + line[:-1].replace(",", '","') + '"\r\n' for line in lines]
+    elif variant == "ragged":
+        header = "filename,label1,label2\n"
+        lines = [line if r % 4 else f"{line[:-1]},{wnids[r % LABELS]}\n"
+                 for r, line in enumerate(lines)]  # fmt: skip
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write("filename,label\n")
+    with open(tmp, "w", newline="") as f:
+        f.write(header)
         f.writelines(lines)
     os.replace(tmp, path)
 
 
-def ensure_data(folder: Path, rows: int, shuffled: bool, port: int) -> Path:
+def ensure_data(folder: Path, rows: int, variant: str, port: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"imagenet-{rows}{'-shuffled' if shuffled else ''}.csv"
+    path = folder / f"imagenet-{rows}{'' if variant == 'sorted' else '-' + variant}.csv"
     if not path.exists():
-        make_csv(path, rows, shuffled)
+        make_csv(path, rows, variant)
     # the meta file points names at this run's server
     meta = path.with_name(path.stem + "-meta.csv")
     meta.write_text(f"url_prefix\nhttp://127.0.0.1:{port}/\n")
@@ -296,11 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results: dict = {}
     try:
-        sizes = [(n, False) for n in a.rows] + [(min(a.rows), True)]
-        for rows, shuffled in sizes:
-            path = ensure_data(Path(a.data), rows, shuffled, port)
-            kinds = ["pandas", "pyarrow", "dataset"]
-            if not shuffled:
+        sizes = [(n, "sorted") for n in a.rows]
+        sizes += [(min(a.rows), v) for v in VARIANTS if v != "sorted"]
+        for rows, variant in sizes:
+            path = ensure_data(Path(a.data), rows, variant, port)
+            # (pyarrow's reader refuses ragged rows: "Expected 3 columns, got 2")
+            kinds = (
+                ["pandas", "dataset"] if variant == "ragged" else ["pandas", "pyarrow", "dataset"]
+            )
+            if variant == "sorted":
                 kinds += ["partition", "mapped", "first-batch"]
                 if rows <= 1_000_000:
                     kinds.insert(2, "csv")
@@ -310,34 +339,36 @@ def main(argv: list[str] | None = None) -> int:
                 order = kinds if rep % 2 == 0 else kinds[::-1]
                 for kind in order:
                     got[kind].append(run_child(["--child", kind, str(path), cache_dir, str(rows)]))
-            results[(rows, shuffled)] = got
+            results[(rows, variant)] = got
             pandas_med = statistics.median(r["seconds"] for r in got["pandas"])
             for kind in kinds:
                 secs = [r["seconds"] for r in got[kind]]
                 ratio = pandas_med / statistics.median(secs)
                 nb = [r["nbytes_per_row"] for r in got[kind] if "nbytes_per_row" in r]
                 rss = [r["rss_per_row"] for r in got[kind]]
-                label = ROW_LABELS[kind] + (" (rows shuffled)" if shuffled else "")
+                label = ROW_LABELS[kind] + VARIANTS[variant]
                 lines.append(
                     f"| {rows:,} | {label} | {_fmt(secs)} | {ratio:.2f}x | "
                     f"{_fmt(nb, '') if nb else '-'} | {_fmt(rss, '')} |"
                 )
             print("\n".join(lines[-len(kinds) :]), flush=True)
-        first = results[(max(a.rows), False)]["first-batch"]
+        lines += ["", "`pyarrow.csv.read_csv` refuses ragged rows (\"Expected 3 columns, got "
+                  "2\"): no pyarrow row for them."]  # fmt: skip
+        first = results[(max(a.rows), "sorted")]["first-batch"]
         lines += ["", f"`state_dict()` after the first batch of a {max(a.rows):,}-row epoch: "
                   f"{first[0]['state_dict_bytes']} bytes of JSON.", ""]  # fmt: skip
-        mapped = results[(max(a.rows), False)]["mapped"]
+        mapped = results[(max(a.rows), "sorted")]["mapped"]
         lines += [f"Mapped index ({max(a.rows):,} rows): private memory "
                   f"{_fmt([r['private_per_row'] for r in mapped], '')} bytes/row.", ""]  # fmt: skip
         # samplers on the largest index
-        big = ensure_data(Path(a.data), max(a.rows), False, port)
+        big = ensure_data(Path(a.data), max(a.rows), "sorted", port)
         sam = run_child(["--samplers", str(big), cache_dir])
         lines += [f"## Samplers over {max(a.rows):,} items (one epoch, numpy end to end)", "",
                   "| sampler | seconds | items |", "|---|---:|---:|"]  # fmt: skip
         lines += [f"| {k} | {v['seconds']:.2f} | {v['items']:,} |" for k, v in sam.items()]
         # one copy per host
         srows = a.share_rows
-        spath = ensure_data(Path(a.data), srows, False, port)
+        spath = ensure_data(Path(a.data), srows, "sorted", port)
         run_child(["--child", "mapped", str(spath), cache_dir, str(srows)])  # warm the cache
         lines += ["", f"## {a.world} processes, one partition each, {srows:,} rows", "",
                   "| index | RSS growth per process (MB) | PSS growth per process (MB) |"

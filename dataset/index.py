@@ -522,7 +522,12 @@ def labelled(
     if descents is not None and ex_rows is None and _in_order(group, descents):
         seq = np.arange(n, dtype=row_dt)  # already in order: no sort, no gathers
     else:
-        order = table.order(ex_rows, group)  # a row per example
+        if descents is not None and not len(descents) and table.ranges is None:
+            # every name <= the next (a sorted file, unlabeled rows or several labels a
+            # row among its rows): a stable sort by label alone is the (label, name) order
+            order = np.argsort(group, kind="stable")
+        else:
+            order = table.order(ex_rows, group)  # a row per example
         seq = order.astype(row_dt) if ex_rows is None else ex_rows[order]
         targets = targets[order]
     return Index(table, row_labels, labels, origin, rows=seq, targets=targets,
@@ -547,9 +552,17 @@ def _remap(names: Sequence[str | None], labels: list[str]) -> list[int]:
 def _dedupe(ptr: np.ndarray, ids: np.ndarray, cnt: np.ndarray):
     """Drop a label repeated within a row (the first occurrence stays, in column order)."""
     row = np.repeat(np.arange(len(cnt)), cnt)
-    order = np.lexsort((np.arange(len(ids)), ids, row))
+    most = int(cnt.max())
     dup = np.zeros(len(ids), dtype=bool)
-    dup[order[1:]] = (row[order[1:]] == row[order[:-1]]) & (ids[order[1:]] == ids[order[:-1]])
+    if most <= 8:  # a few labels a row: each one against those before it, row by row
+        first = ptr[:-1]
+        for j in range(1, most):
+            at = first[cnt > j] + j
+            for i in range(j):
+                dup[at] |= ids[at] == ids[at - j + i]
+    else:
+        order = np.lexsort((np.arange(len(ids)), ids, row))
+        dup[order[1:]] = (row[order[1:]] == row[order[:-1]]) & (ids[order[1:]] == ids[order[:-1]])
     if not dup.any():
         return ptr, ids, cnt
     keep = ~dup

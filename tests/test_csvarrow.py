@@ -149,6 +149,46 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     assert routes.taken[:1] == ["path"]
 
 
+@pytest.mark.parametrize("sep", [",", "\t"])
+def test_ragged_rows_are_pyarrow_s_lines_split_by_field(tmp_path, monkeypatch, sep):
+    """Rows that stop before the header's last field (multi-label indexes), over many
+    blocks, with blank and whitespace lines, CRLF and lone CR line ends: pyarrow reads
+    the lines, and the index is the scanner's and the csv module's; a row with more
+    fields than the header, or an empty name, is the scanner's (it names the line)."""
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 10)
+    rng = random.Random(sep)
+    routes = Routes(monkeypatch)
+    for trial in range(10):
+        width = 1 + trial % 3
+        rows = [["filename"] + [f"label{k}" for k in range(width)]]
+        for _ in range(300):
+            labels = [rng.choice(["cat", "dog", " x ", "", "é"]) for _ in range(width)]
+            rows.append([f"n{rng.randrange(10**6)}.png", *labels[: rng.randrange(width + 1)]])
+        if trial % 2:  # names in order: examples sorted by label alone (a stable sort)
+            rows[1:] = sorted(rows[1:])
+        data = write_rows(rows, csv.QUOTE_MINIMAL, rng.choice(["\n", "\r\n"]), sep=sep)
+        if trial % 4 == 1:
+            data = data.replace(b"png\n", b"png\n\n", 5).replace(b"png\n", b"png\n  \n", 3)
+        if trial % 4 == 2:
+            data = data.replace(b"\n", b"\r", 7)  # lone CR line ends
+        path = tmp_path / "i.tsv"
+        path.write_bytes(data)
+        routes.taken.clear()
+        got = three_ways(path, monkeypatch, sep=sep)
+        same(got)
+        assert not isinstance(got[0], str), got[0]
+        if trial % 4 != 1:  # (a whitespace line is an empty name: the scanner's)
+            assert routes.taken == ["path"], trial
+    for bad in (b"n1.png\n", b"n1.png,x,y,z,w\n", b",x\n"):  # too many fields, no name
+        path = tmp_path / "bad.csv"
+        path.write_bytes(b"filename,label1,label2\nn0.png,a\n" + bad)
+        routes.taken.clear()
+        got = three_ways(path, monkeypatch)
+        same(got)
+        assert routes.taken == ([] if bad.count(b",") > 2 else ["path"])  # (an empty name:
+        # split by pyarrow, then refused by _from_arrow for the scanner)
+
+
 def test_quoted_crs_and_mixed_line_ends_across_blocks(tmp_path, monkeypatch):
     """CRs in quoted values (alone, in CRLF, before a separator) and CRLF, LF and lone CR
     line ends, over many small blocks: the index is the scanner's and the csv

@@ -42,6 +42,23 @@ def test_csv_relative_absolute_quoted_and_multilabel(tmp_path):
     assert [len(m) for m in ix.by_label()] == [1, 2, 2]  # the two-label item is in both
 
 
+@pytest.mark.parametrize("width", [3, 10])  # a few labels a row, and more than 8
+def test_a_label_repeated_in_a_row_counts_once(tmp_path, width):
+    head = ",".join(["filename"] + [f"label{k}" for k in range(width)])
+    rows = ["a.png,cat,cat,dog", "b.png,dog,dog", "c.png,cat,dog,cat", "d.png"]
+    if width == 10:
+        rows.append("e.png," + ",".join(["dog", "cat"] * 5))
+    ix = open_index(str(write(tmp_path / "i.csv", head + "\n" + "\n".join(rows) + "\n")))
+    assert ix.labels == ["cat", "dog"]
+    names = [os.path.basename(ix.row_source(int(r))) for r in ix.rows]
+    want = ["a.png", "c.png", "e.png", "a.png", "b.png", "c.png", "e.png", "d.png"]
+    assert names == [n for n in want if width == 10 or n != "e.png"]
+    assert ix.row_labels.of(0) == (0, 1) and ix.row_labels.of(1) == (1,)
+    assert ix.row_labels.of(2) == (0, 1) and ix.row_labels.of(3) == ()
+    if width == 10:
+        assert ix.row_labels.of(4) == (1, 0)  # first occurrences, in column order
+
+
 def test_tsv_offset_length_and_numeric_label_order(tmp_path):
     idx = write(
         tmp_path / "i.tsv",
