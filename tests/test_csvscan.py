@@ -167,3 +167,10 @@ def test_edges_clean_never_passes_a_value_strip_would_change():
     raw[1] = b"n01/n01_2.JPEG "
     off = np.cumsum([0] + [len(r) for r in raw]).astype(np.int32)
     assert not csvscan.edges_clean(np.frombuffer(b"".join(raw), dtype=np.uint8), off)
+
+
+@pytest.mark.parametrize("size", [0, 5, 4096 * 3 + 7, 4096 * 9 + 1])  # 0 to 10 chunks
+def test_find_gives_every_position_in_order(size):
+    a = np.random.default_rng(size).integers(0, 4, size, dtype=np.uint8)
+    got = csvscan.find(a, 1, 3, chunk=4096)  # (4 chunks or more: two threads)
+    assert [g.tolist() for g in got] == [np.flatnonzero(a == v).tolist() for v in (1, 3)]
