@@ -261,9 +261,12 @@ def _ragged(opener, sep: str, types: dict):
     if sep == LINE:
         return None
     try:
-        lines = _parse(opener, LINE, {"f0": pa.string()}, quotes=False).column(0)
+        lines = _parse(opener, LINE, {"f0": pa.string()}, quotes=False)
     except pa.ArrowException:
         return None
+    if lines.num_columns != 1:  # every line holds LINE (the header decides the columns)
+        return None
+    lines = lines.column(0)
     names = list(types)
 
     def columns(chunk) -> list | None:

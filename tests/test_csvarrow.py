@@ -179,6 +179,15 @@ def test_ragged_rows_are_pyarrow_s_lines_split_by_field(tmp_path, monkeypatch, s
         assert not isinstance(got[0], str), got[0]
         if trial % 4 != 1:  # (a whitespace line is an empty name: the scanner's)
             assert routes.taken == ["path"], trial
+    # 0x1f, the byte that reads lines whole, in one line or in every line (the header's too)
+    for data in (b"filename,label1,label2\nn0.png,a\x1fb\nn1.png\n",
+                 b"filename,label1,label2\x1f\nn0.png,a\x1fb\nn1.png\x1fc\n"):  # fmt: skip
+        path = tmp_path / "unit.csv"
+        path.write_bytes(data)
+        routes.taken.clear()
+        got = three_ways(path, monkeypatch)
+        same(got)
+        assert routes.taken == [] and "a\x1fb" in got[0].labels
     for bad in (b"n1.png\n", b"n1.png,x,y,z,w\n", b",x\n"):  # too many fields, no name
         path = tmp_path / "bad.csv"
         path.write_bytes(b"filename,label1,label2\nn0.png,a\n" + bad)
