@@ -21,9 +21,9 @@ for the arithmetic.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
+
+from .cores import on_two_threads
 
 # _KEEP[k]: the k most significant bytes of a 64-bit word
 _KEEP = np.array([0] + [((1 << 64) - 1) ^ ((1 << (64 - 8 * k)) - 1) for k in range(1, 9)],
@@ -101,9 +101,8 @@ def _window_difference(buf, start, run, member, pos, window, chunk) -> int | Non
     member, or None: every string holds those bytes, so its words need no mask past its
     end, nor a byte swap (the first byte of a little-endian word is its lowest), and one
     look at a chunk's rows serves every word (the names of a label share ~20 bytes).
-    The chunks are shared with a second thread (numpy lets go of the GIL for a gather):
-    after pyarrow's parse the other core is idle, and this pass is most of an unsorted
-    file's sort (1M rows: 14 -> 8 ms)."""
+    The chunks are shared with a second thread (:func:`dataset.cores.on_two_threads`):
+    this pass is most of an unsorted file's sort (1M rows: 14 -> 8 ms)."""
     last = len(buf) - 8 - pos
     every = [np.ndarray((last + 1 - 8 * j,), dtype="<u8", buffer=buf, offset=pos + 8 * j,
                         strides=(1,)) for j in range(window)]  # fmt: skip
@@ -124,13 +123,8 @@ def _window_difference(buf, start, run, member, pos, window, chunk) -> int | Non
                 bits[j] |= int(np.bitwise_or.reduce(w))
         return bits
 
-    lows = range(0, len(start), chunk)
-    if len(lows) < 4:
-        found = differ(lows)
-    else:
-        with ThreadPoolExecutor(1) as helper:
-            theirs = helper.submit(differ, lows[1::2])
-            found = [a | b for a, b in zip(differ(lows[::2]), theirs.result(), strict=True)]
+    halves = on_two_threads(differ, range(0, len(start), chunk))
+    found = [a | b for a, b in zip(*halves, strict=True)] if len(halves) > 1 else halves[0]
     for j, bits in enumerate(found):
         if bits:
             return pos + 8 * j + ((bits & -bits).bit_length() - 1) // 8

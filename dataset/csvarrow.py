@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .cores import on_two_threads
 from .csvscan import QUOTE, check_quotes, edges_clean, find, strip
 from .index import small_int
 
@@ -308,9 +309,8 @@ def _values_ok(table, refuse_quotes: bool) -> bool:
     """Whether every value of `table` is UTF-8 (and holds no quote, with
     `refuse_quotes`): a look at each chunk's bytes, and pyarrow's full UTF-8 check
     only of a chunk whose bytes are not all ASCII (several times faster than
-    pyarrow's check of every value, a fifth of a 10M-row parse). The chunks are
-    shared with a second thread (numpy lets go of the GIL): the other core is idle
-    once pyarrow's parse is done."""
+    pyarrow's check of every value, a fifth of a 10M-row parse), the chunks shared
+    by two threads (:func:`dataset.cores.on_two_threads`)."""
     chunks = []
     for column in table.columns:
         for chunk in column.chunks:
@@ -331,12 +331,7 @@ def _values_ok(table, refuse_quotes: bool) -> bool:
                     return False
         return True
 
-    if len(chunks) < 8:
-        return ok(chunks)
-    with ThreadPoolExecutor(1) as helper:
-        theirs = helper.submit(ok, chunks[1::2])
-        mine = ok(chunks[::2])
-        return theirs.result() and mine
+    return all(on_two_threads(ok, chunks, least=8))
 
 
 def int32s(array, extra: int = 0) -> np.ndarray:

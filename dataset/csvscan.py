@@ -20,10 +20,11 @@ from __future__ import annotations
 import codecs
 import csv
 import io
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
+from .cores import on_two_threads
 
 QUOTE, NL, CR = 34, 10, 13
 # Bytes str.strip() removes that are ASCII (the other whitespace is not ASCII).
@@ -106,34 +107,23 @@ def find(a: np.ndarray, *values: int, chunk: int = 1 << 22) -> list[np.ndarray]:
 
     One mask the size of a chunk, reused, stays in the CPU's cache: three times
     faster than comparing the whole buffer at once (a mask as large as the file).
-    The chunks are shared with a second thread (numpy lets go of the GIL).
+    The chunks are shared with a second thread (:func:`dataset.cores.on_two_threads`).
     """
 
-    def positions(lows) -> list[list[np.ndarray]]:
-        found: list[list[np.ndarray]] = [[] for _ in values]
+    def positions(lows) -> list[tuple[int, list[np.ndarray]]]:
         mask = np.empty(min(chunk, len(a)), dtype=bool)
+        found = []  # (lo, each value's positions in the chunk at lo)
         for lo in lows:
             part = a[lo : lo + chunk]
             m = mask[: len(part)]
-            for out, v in zip(found, values, strict=True):
-                np.equal(part, v, out=m)
-                out.append(np.flatnonzero(m) + lo)
+            found.append((lo, [np.flatnonzero(np.equal(part, v, out=m)) + lo for v in values]))
         return found
 
-    halves = _on_two_threads(positions, range(0, len(a), chunk))
-    return [np.concatenate([p for half in halves for p in half[k]]) if len(a) else
-            np.empty(0, dtype=np.int64) for k in range(len(values))]  # fmt: skip
-
-
-def _on_two_threads(work, lows: range) -> list:
-    """``[work(first half of lows), work(second half)]``, the second half in a thread of its
-    own where there are two halves worth sharing (numpy lets go of the GIL)."""
-    mid = (len(lows) + 1) // 2
-    if len(lows) < 4:
-        return [work(lows)]
-    with ThreadPoolExecutor(1) as helper:
-        theirs = helper.submit(work, lows[mid:])
-        return [work(lows[:mid]), theirs.result()]
+    halves = on_two_threads(positions, range(0, len(a), chunk))
+    chunks = sorted((c for half in halves for c in half), key=lambda c: c[0])
+    if not chunks:
+        return [np.empty(0, dtype=np.int64) for _ in values]
+    return [np.concatenate([found[k] for _, found in chunks]) for k in range(len(values))]
 
 
 def _per_row(seps: np.ndarray, nl: np.ndarray, body: int) -> int | None:
@@ -307,7 +297,7 @@ def check_quotes(a: np.ndarray, quotes: np.ndarray, body: int, sep: int) -> np.n
 
     step = max(1, (len(opens) + 3) // 4)  # four spans, two on each thread
     spans = [range(lo, min(lo + step, len(opens))) for lo in range(0, len(opens), step)]
-    if not all(_on_two_threads(lambda part: all(ok(s) for s in part), spans)):
+    if not all(on_two_threads(lambda part: all(ok(s) for s in part), spans)):
         return None
     return opens[escape[:-1]]
 

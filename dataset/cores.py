@@ -1,0 +1,25 @@
+"""A numpy pass shared by two threads, for the passes that follow pyarrow's parse.
+
+numpy lets go of the GIL in its loops (comparisons, reductions, gathers), so a
+pass over many chunks runs on both cores when each thread takes every other
+chunk; the other core is idle once pyarrow's parse is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def on_two_threads(work: Callable[[Sequence], T], parts: Sequence, least: int = 4) -> list[T]:
+    """``[work(parts[0::2]), work(parts[1::2])]``, the second in a thread of its own;
+    ``[work(parts)]`` where there are fewer than `least` parts (a thread costs more
+    than it saves)."""
+    if len(parts) < least:
+        return [work(parts)]
+    with ThreadPoolExecutor(1) as helper:
+        theirs = helper.submit(work, parts[1::2])
+        return [work(parts[0::2]), theirs.result()]
