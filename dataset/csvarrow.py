@@ -8,7 +8,7 @@ layout of :class:`dataset.index.NameRows`, which keeps the chunks
 A file without quotes is split with quotes off (a local one read by pyarrow a
 block at a time): NUL, lone ``\r`` line ends and blank lines are then read as
 the csv module reads them. A file with quotes is split as
-quoted only when its quotes are RFC 4180's (:func:`dataset.csvscan.check_quotes`)
+quoted only when its quotes are RFC 4180's (:func:`dataset.csvscan.quotes_ok`)
 and it holds no ``\r`` or NUL (a quoted ``\r`` and a lone one differ there).
 Otherwise, and for rows with fewer or more fields than the header (ragged
 rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
@@ -21,6 +21,8 @@ names). No pyarrow: :func:`split` is always None.
 
 from __future__ import annotations
 
+import csv
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .cores import on_two_threads
-from .csvscan import QUOTE, check_quotes, edges_clean, find, strip
+from .csvscan import QUOTE, edges_clean, quotes_ok, strip
 from .index import small_int
 
 try:
@@ -37,6 +39,9 @@ try:
     import pyarrow.csv as pcsv
 except ImportError:  # pragma: no cover - pyarrow is optional; csvscan does the work
     pa = pc = None
+
+# A whole file's bytes: read, or mapped.
+Buffer = bytes | mmap.mmap
 
 # pyarrow parses the file a block of this many bytes at a time (in parallel), a
 # column comes back as a chunk per block. Small blocks reuse the parser's buffers
@@ -157,15 +162,16 @@ def _descents(chunks: list, most: int) -> np.ndarray | None:
     return np.concatenate(found)
 
 
-def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | None:
+def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | None:
     """``(header, columns)``: the header's values and each column of the rows after it
     (blank lines left out), or None where :func:`dataset.csvscan.scan` must decide.
 
     `source`: a local file's path (pyarrow reads it a block at a time: no copy of
-    the whole file) or the file's bytes. A file read by path is split with quotes
+    the whole file) or the file's bytes (``bytes``, or an ``mmap`` of the file:
+    nothing of it is kept). A file read by path is split with quotes
     off and refused (None) if any value holds a quote (at once where its first
     :data:`PEEK` bytes hold one); the caller then hands over its bytes, whose
-    quotes are checked before pyarrow reads them as quotes.
+    quotes are checked while pyarrow reads them as quotes.
     """
     if pa is None or len(sep) != 1 or ord(sep) > 127 or sep in '"\r\n':
         return None
@@ -182,20 +188,28 @@ def split(source: str | bytes, sep: str) -> tuple[list[str], list[Column]] | Non
             return _read(lambda: pa.OSFile(source), sep, first, quotes=False, refuse_quotes=True)
         except OSError:
             return None  # the caller's read names the fault
+    # (find and slices, not `in` and startswith: an mmap has neither for several bytes)
     if len(source) >= 2**31:
         return None
-    quotes = b'"' in source
-    if quotes:  # RFC 4180 quotes only (a quote opens a field after a separator or a
-        # "\n", closes one before a separator, "\n" or "\r\n"), no NUL. A "\r" is read as
-        # the csv module reads it: a quoted one is the value's, another ends a line.
-        a = np.frombuffer(source, dtype=np.uint8)
-        body = 3 if source.startswith(b"\xef\xbb\xbf") else 0
-        if b"\0" in source:
-            return None
-        if check_quotes(a, find(a, QUOTE)[0], body, ord(sep)) is None:
-            return None
-    first = source[: source.find(b"\n")] if b"\n" in source else source
-    return _read(lambda: pa.py_buffer(source), sep, first, quotes)
+    end = source.find(b"\n")
+    first = source[:end] if end >= 0 else source[:]
+    if source.find(b'"') < 0:
+        return _read(lambda: pa.py_buffer(source), sep, first, quotes=False)
+    if source.find(b"\0") >= 0:
+        return None
+    # RFC 4180 quotes only (a quote opens a field after a separator or a "\n", closes one
+    # before a separator, "\n" or "\r\n"). A "\r" is read as the csv module reads it: a
+    # quoted one is the value's, another ends a line. (Checked while pyarrow parses, the
+    # two took as long as one after the other: both use both cores.)
+    if not _quotes_ok(source, sep):
+        return None
+    return _read(lambda: pa.py_buffer(source), sep, first, quotes=True)
+
+
+def _quotes_ok(source: Buffer, sep: str) -> bool:
+    """Whether the quotes of `source` are RFC 4180's (:func:`dataset.csvscan.quotes_ok`)."""
+    body = 3 if source[:3] == b"\xef\xbb\xbf" else 0
+    return quotes_ok(np.frombuffer(source, dtype=np.uint8), body, ord(sep))
 
 
 def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = False):
@@ -204,14 +218,9 @@ def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = Fa
     :func:`_ragged`."""
     width = first.count(sep.encode()) + 1  # at least the header's fields
     types = {f"f{k}": pa.string() for k in range(width)}
-    if b'"' not in first:  # label columns as ids into a dictionary: no copy of their text
-        try:
-            header = first.decode("utf-8-sig").split(sep)
-        except UnicodeDecodeError:
-            header = []
-        for k, name in enumerate(header):
-            if name.strip().startswith("label"):
-                types[f"f{k}"] = pa.dictionary(pa.int32(), pa.string())
+    for k, name in enumerate(_header(first, sep)):  # label columns as ids into a
+        if name.strip().startswith("label"):  # dictionary: no copy of their text
+            types[f"f{k}"] = pa.dictionary(pa.int32(), pa.string())
     try:
         table = _parse(opener, sep, types, quotes)
     except pa.ArrowException:  # a row with fewer fields than the header (or more)
@@ -225,6 +234,16 @@ def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = Fa
     header = [str(v).strip() for v in table.slice(0, 1).to_pylist()[0].values()]
     columns = [Column(c.slice(1).chunks) for c in table.columns]
     return header, columns
+
+
+def _header(first: bytes, sep: str) -> list[str]:
+    """The header's names as the csv module reads its first line; [] where it cannot
+    tell (not UTF-8, or a quoted newline: the header goes on below)."""
+    try:
+        text = first.decode("utf-8-sig")
+        return next(csv.reader([text.rstrip("\r\n")], delimiter=sep, strict=True), [])
+    except (UnicodeDecodeError, csv.Error):
+        return []
 
 
 def _parse(opener, sep: str, types: dict, quotes: bool):

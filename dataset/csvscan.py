@@ -271,35 +271,73 @@ def scan(data: bytes, sep: str) -> Fields | None:
 def check_quotes(a: np.ndarray, quotes: np.ndarray, body: int, sep: int) -> np.ndarray | None:
     """Check the quotes are RFC 4180's; the positions of the escape quotes to drop, or None.
 
-    Quotes alternate open/close. An opening quote starts a field, or is the
-    second quote of a ``""`` escape (right after a closing one); a closing
-    quote ends a field (a separator, a newline, ``\\r\\n`` or the end follows) or
-    is the first of an escape.
+    Quotes alternate open/close (:func:`_roles` says what each may be). `quotes`:
+    every quote's position in `a`.
     """
-    n = len(a)
     if len(quotes) % 2:
         return None  # unterminated: csv.reader raises
-    opens, closes = quotes[0::2], quotes[1::2]
-    escape = np.zeros(len(opens) + 1, dtype=bool)  # (one more: the pair after the last)
-    np.equal(opens[1:], closes[:-1] + 1, out=escape[1:-1])
+    step = max(2, (len(quotes) + 7) // 8 * 2)  # four even spans, two on each thread
+    spans = [quotes[lo : lo + step] for lo in range(0, len(quotes), step)]
 
-    def ok(span) -> bool:
-        lo, hi = span.start, span.stop
-        o, c = opens[lo:hi], closes[lo:hi]
-        prev = a[np.maximum(o - 1, 0)]
-        if not ((o == body) | (prev == sep) | (prev == NL) | escape[lo:hi]).all():
-            return False
-        nxt = a[np.minimum(c + 1, n - 1)]
-        after = a[np.minimum(c + 2, n - 1)]
-        ends = (c + 1 >= n) | (nxt == sep) | (nxt == NL)
-        ends |= (nxt == CR) & (c + 2 < n) & (after == NL)
-        return bool((ends | escape[lo + 1 : hi + 1]).all())
+    def ok(part) -> bool:
+        for q in part:
+            may_open, may_close = _roles(a, q, body, sep)
+            if not (may_open[0::2].all() and may_close[1::2].all()):
+                return False
+        return True
 
-    step = max(1, (len(opens) + 3) // 4)  # four spans, two on each thread
-    spans = [range(lo, min(lo + step, len(opens))) for lo in range(0, len(opens), step)]
-    if not all(on_two_threads(lambda part: all(ok(s) for s in part), spans)):
+    if not all(on_two_threads(ok, spans)):
         return None
-    return opens[escape[:-1]]
+    opens = quotes[0::2]
+    return opens[(opens > 0) & (a[np.maximum(opens - 1, 0)] == QUOTE)]
+
+
+def quotes_ok(a: np.ndarray, body: int, sep: int, chunk: int = 1 << 22) -> bool:
+    """Whether the quotes of `a` are RFC 4180's (:func:`check_quotes` without the
+    escapes' positions), a few MiB at a time on two threads: no array of the
+    whole file's quotes (32 MB for a 1M-row file with every field quoted), only a
+    chunk's, which stays in the CPU's cache. A chunk is checked both ways (its first
+    quote opening a field, or closing one), the count of quotes before it decides."""
+
+    def check(lows) -> list[tuple[int, int, bool, bool]]:
+        mask = np.empty(min(chunk, len(a)), dtype=bool)
+        out = []  # (lo, quotes, ok if the first opens, ok if it closes)
+        for lo in lows:
+            part = a[lo : lo + chunk]
+            q = np.flatnonzero(np.equal(part, QUOTE, out=mask[: len(part)]))
+            q += lo
+            may_open, may_close = _roles(a, q, body, sep)
+            even = bool(may_open[0::2].all() and may_close[1::2].all())
+            odd = bool(may_close[0::2].all() and may_open[1::2].all())
+            out.append((lo, len(q), even, odd))
+        return out
+
+    halves = on_two_threads(check, range(0, len(a), chunk))
+    closing = False  # an odd number of quotes before the chunk: its first one closes
+    for _, count, even, odd in sorted(c for half in halves for c in half):
+        if not (odd if closing else even):
+            return False
+        closing ^= bool(count % 2)
+    return not closing  # (unterminated: csv.reader raises)
+
+
+def _roles(a: np.ndarray, q: np.ndarray, body: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which of the quotes at `q` may open a field, and which may close one, by RFC
+    4180: an opening quote starts a field (after a separator, a ``\n`` or at `body`)
+    or is the second quote of a ``""`` escape (a quote before it, which closed); a
+    closing quote ends a field (a separator, a ``\n``, ``\r\n`` or the end follows)
+    or is the first of an escape (a quote after it)."""
+    n = len(a)
+    # (a quote at either end "sees" itself: it may open, or close, there anyway)
+    prev = a[np.maximum(q - 1, 0)]
+    may_open = (q == body) | (prev == sep) | (prev == NL) | (prev == QUOTE)
+    nxt = a[np.minimum(q + 1, n - 1)]
+    may_close = (q + 1 >= n) | (nxt == sep) | (nxt == NL) | (nxt == QUOTE)
+    cr = np.flatnonzero(nxt == CR)
+    if len(cr):
+        at = q[cr] + 2
+        may_close[cr] |= (at < n) & (a[np.minimum(at, n - 1)] == NL)
+    return may_open, may_close
 
 
 def scan_rows(text: str, sep: str, where: str) -> tuple[list[str], list[tuple[int, list[str]]]]:

@@ -343,3 +343,19 @@ def test_a_fault_of_the_comparing_thread_reaches_the_caller(tmp_path, monkeypatc
     path.write_bytes(b"filename,label\na.png,x\nb.png,y\n")
     with pytest.raises(MemoryError, match="compare"):
         open_index(str(path))
+
+
+def test_a_quoted_file_is_split_from_its_pages_then_unmapped(tmp_path, monkeypatch):
+    rows = [["filename", "label"]] + [[f"n{i:03d}.png", f"c{i % 3}"] for i in range(300)]
+    path = tmp_path / "quoted.csv"
+    path.write_bytes(write_rows(rows, csv.QUOTE_ALL, "\r\n"))
+    seen = []
+    real = csvarrow.split
+    monkeypatch.setattr(
+        csvarrow, "split", lambda source, sep: seen.append(source) or real(source, sep)
+    )
+    got = open_index(str(path))
+    assert [type(s).__name__ for s in seen] == ["str", "mmap"]  # refused by path, then mapped
+    assert got.num_rows == 300 and got.labels == ["c0", "c1", "c2"]
+    with open("/proc/self/maps") as maps:  # closed, though `seen` holds the mmap: nothing
+        assert str(path) not in maps.read()  # of the mapping outlives the open

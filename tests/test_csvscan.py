@@ -174,3 +174,60 @@ def test_find_gives_every_position_in_order(size):
     a = np.random.default_rng(size).integers(0, 4, size, dtype=np.uint8)
     got = csvscan.find(a, 1, 3, chunk=4096)  # (4 chunks or more: two threads)
     assert [g.tolist() for g in got] == [np.flatnonzero(a == v).tolist() for v in (1, 3)]
+
+
+def rfc4180_quotes(data: bytes, sep: bytes) -> bool:
+    """The rule the quote checks apply, a byte at a time: a quote opens a field at its
+    start only; a quoted field ends at a quote followed by a separator, ``\\n``,
+    ``\\r\\n`` or the end (``""`` is an escape), and holds anything else."""
+    i = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    at_start = True
+    while i < len(data):
+        c = data[i : i + 1]
+        if c == b'"':
+            if not at_start:
+                return False
+            i += 1
+            while True:
+                j = data.find(b'"', i)
+                if j < 0:
+                    return False  # unterminated
+                if data[j + 1 : j + 2] == b'"':
+                    i = j + 2
+                    continue
+                if data[j + 1 : j + 2] not in (b"", sep, b"\n") and data[j + 1 : j + 3] != b"\r\n":
+                    return False
+                i, at_start = j + 1, False
+                break
+            continue
+        at_start = c in (sep, b"\n")
+        i += 1
+    return True
+
+
+def test_quote_checks_apply_rfc_4180_a_chunk_at_a_time():
+    rng = random.Random(4180)
+    pieces = [b'"', b'"', b",", b"\n", b"\r", b"a", b"\t"]
+    for trial in range(3000):
+        data = b"".join(rng.choice(pieces) for _ in range(rng.randrange(0, 30)))
+        if trial % 5 == 0:
+            data = b"\xef\xbb\xbf" + data
+        sep = b"," if trial % 2 else b"\t"
+        a = np.frombuffer(data, dtype=np.uint8)
+        body = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+        want = rfc4180_quotes(data, sep)
+        whole = csvscan.check_quotes(a, csvscan.find(a, csvscan.QUOTE)[0], body, ord(sep))
+        assert (whole is not None) == want, data
+        for chunk in (1, 2, 3, 7, 64):  # a quote pair or an escape across chunks
+            assert csvscan.quotes_ok(a, body, ord(sep), chunk=chunk) == want, (data, chunk)
+
+
+def test_check_quotes_names_the_escapes_csv_writer_wrote():
+    rows = [["a", 'say "hi"'], ['""', "x"], ['"', '"a"']]
+    data = write_rows(rows, csv.QUOTE_ALL, "\r\n")
+    a = np.frombuffer(data, dtype=np.uint8)
+    drop = csvscan.check_quotes(a, csvscan.find(a, csvscan.QUOTE)[0], 0, ord(","))
+    assert drop is not None
+    # each escape is two quotes: dropping the second of each leaves the values' quotes
+    kept = bytes(np.delete(a, drop))
+    assert kept.count(b'"') - 2 * 6 == sum(v.count('"') for row in rows for v in row)
