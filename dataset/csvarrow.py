@@ -185,7 +185,8 @@ def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | No
             if b'"' in first or b'"' in head:
                 return None  # refused below after a split: the caller hands over the bytes
             # (a file: pyarrow would decompress a ".gz" path)
-            return _read(lambda: pa.OSFile(source), sep, first, quotes=False, refuse_quotes=True)
+            return _read(lambda: pa.OSFile(source), sep, first, quotes=False,
+                         refuse_quotes=True, ragged=_uneven(first, head, sep))  # fmt: skip
         except OSError:
             return None  # the caller's read names the fault
     # (find and slices, not `in` and startswith: an mmap has neither for several bytes)
@@ -212,17 +213,18 @@ def _quotes_ok(source: Buffer, sep: str) -> bool:
     return quotes_ok(np.frombuffer(source, dtype=np.uint8), body, ord(sep))
 
 
-def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = False):
+def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = False,
+          ragged: bool = False):  # fmt: skip
     """`split`'s result from what ``opener()`` opens (a file or a buffer), read by
     pyarrow's CSV reader; a file without quotes whose rows may stop early, by
-    :func:`_ragged`."""
+    :func:`_ragged` (at once with `ragged`: its first lines do)."""
     width = first.count(sep.encode()) + 1  # at least the header's fields
     types = {f"f{k}": pa.string() for k in range(width)}
     for k, name in enumerate(_header(first, sep)):  # label columns as ids into a
         if name.strip().startswith("label"):  # dictionary: no copy of their text
             types[f"f{k}"] = pa.dictionary(pa.int32(), pa.string())
     try:
-        table = _parse(opener, sep, types, quotes)
+        table = _ragged(opener, sep, types) if ragged else _parse(opener, sep, types, quotes)
     except pa.ArrowException:  # a row with fewer fields than the header (or more)
         table = None if quotes else _ragged(opener, sep, types)
     # `refuse_quotes`: a file read with quotes off whose bytes were not looked at; a
@@ -234,6 +236,17 @@ def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = Fa
     header = [str(v).strip() for v in table.slice(0, 1).to_pylist()[0].values()]
     columns = [Column(c.slice(1).chunks) for c in table.columns]
     return header, columns
+
+
+def _uneven(first: bytes, head: bytes, sep: str) -> bool:
+    """Whether a whole line of `head` (the bytes after the header line `first`) has
+    more or fewer fields than the header, as a file without quotes: pyarrow's parse
+    would fail on it (after parsing the blocks before), so :func:`_ragged` reads it."""
+    lines = head.splitlines()
+    if len(head) == PEEK:
+        lines = lines[:-1]  # (cut short)
+    fields = first.count(sep.encode())
+    return any(line.count(sep.encode()) != fields for line in lines if line)
 
 
 def _header(first: bytes, sep: str) -> list[str]:

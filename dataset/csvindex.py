@@ -274,11 +274,13 @@ def _arrow_labels(columns: list[list], n: int):
         pos[k] = end
     if "" not in found and len(columns) == 1:
         return None, ids, names
-    ids = ids.ravel()
-    keep = ids >= 0
+    keep = (ids >= 0).reshape(n, len(columns))
+    labels = keep[:, 0].astype(np.int64)  # labels a row (a column at a time: numpy's sum
+    for k in range(1, keep.shape[1]):  # along a short axis is 10x slower)
+        labels += keep[:, k]
     ptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(keep.reshape(n, len(columns)).sum(axis=1), out=ptr[1:])
-    return ptr, ids[keep], names
+    np.cumsum(labels, out=ptr[1:])
+    return ptr, ids.ravel()[keep.ravel()], names
 
 
 def _line_of(source: str | bytes, sep: str, r: int) -> int:

@@ -551,7 +551,6 @@ def _remap(names: Sequence[str | None], labels: list[str]) -> list[int]:
 
 def _dedupe(ptr: np.ndarray, ids: np.ndarray, cnt: np.ndarray):
     """Drop a label repeated within a row (the first occurrence stays, in column order)."""
-    row = np.repeat(np.arange(len(cnt)), cnt)
     most = int(cnt.max())
     dup = np.zeros(len(ids), dtype=bool)
     if most <= 8:  # a few labels a row: each one against those before it, row by row
@@ -561,12 +560,13 @@ def _dedupe(ptr: np.ndarray, ids: np.ndarray, cnt: np.ndarray):
             for i in range(j):
                 dup[at] |= ids[at] == ids[at - j + i]
     else:
+        row = np.repeat(np.arange(len(cnt)), cnt)
         order = np.lexsort((np.arange(len(ids)), ids, row))
         dup[order[1:]] = (row[order[1:]] == row[order[:-1]]) & (ids[order[1:]] == ids[order[:-1]])
     if not dup.any():
         return ptr, ids, cnt
     keep = ~dup
-    cnt = np.bincount(row[keep], minlength=len(cnt))
+    cnt = np.bincount(np.repeat(np.arange(len(cnt)), cnt)[keep], minlength=len(cnt))
     ptr = np.concatenate([[0], np.cumsum(cnt)])
     return ptr, ids[keep], cnt
 

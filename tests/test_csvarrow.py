@@ -359,3 +359,21 @@ def test_a_quoted_file_is_split_from_its_pages_then_unmapped(tmp_path, monkeypat
     assert got.num_rows == 300 and got.labels == ["c0", "c1", "c2"]
     with open("/proc/self/maps") as maps:  # closed, though `seen` holds the mmap: nothing
         assert str(path) not in maps.read()  # of the mapping outlives the open
+
+
+@pytest.mark.parametrize("peek", [1 << 16, 64])  # the ragged rows in the first bytes, or after
+def test_ragged_rows_seen_early_skip_the_parse_that_would_fail(tmp_path, monkeypatch, peek):
+    monkeypatch.setattr(csvarrow, "PEEK", peek)
+    rows = [["filename", "label1", "label2"]]
+    rows += [[f"n{i:04d}.png", "a", "b"][: 2 + i % 2] for i in range(200)]
+    path = tmp_path / "ragged.csv"
+    path.write_bytes(write_rows(rows[:1] + [rows[2]] * 8 + rows[1:], csv.QUOTE_MINIMAL, "\n"))
+    parses = []
+    real = csvarrow._parse
+    monkeypatch.setattr(csvarrow, "_parse", lambda *a, **k: parses.append(a[1]) or real(*a, **k))
+    routes = Routes(monkeypatch)
+    got = three_ways(path, monkeypatch)
+    same(got)
+    assert routes.taken == ["path"]
+    # seen in the first PEEK bytes: the lines at once; else pyarrow's parse fails first
+    assert parses == ([csvarrow.LINE] if peek > 64 else [",", csvarrow.LINE])
