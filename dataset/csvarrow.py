@@ -6,10 +6,10 @@ buffer of values and an array of offsets into it, a chunk per block: the
 layout of :class:`dataset.index.NameRows`, which keeps the chunks
 (:class:`Names`). It is used only where its rows are provably the csv module's.
 A file without quotes is split with quotes off (a local one read by pyarrow a
-block at a time): NUL, lone ``\r`` line ends and blank lines are then read as
+block at a time): NUL, lone ``\\r`` line ends and blank lines are then read as
 the csv module reads them. A file with quotes is split as
 quoted only when its quotes are RFC 4180's (:func:`dataset.csvscan.quotes_ok`)
-and it holds no ``\r`` or NUL (a quoted ``\r`` and a lone one differ there).
+and it holds no NUL; a ``\\r`` is then read as the csv module reads it.
 Otherwise, and for rows with fewer or more fields than the header (ragged
 rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
 None and the caller falls back to :func:`dataset.csvscan.scan`.
@@ -171,7 +171,7 @@ def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | No
     nothing of it is kept). A file read by path is split with quotes
     off and refused (None) if any value holds a quote (at once where its first
     :data:`PEEK` bytes hold one); the caller then hands over its bytes, whose
-    quotes are checked while pyarrow reads them as quotes.
+    quotes are checked before pyarrow reads them as quotes.
     """
     if pa is None or len(sep) != 1 or ord(sep) > 127 or sep in '"\r\n':
         return None

@@ -323,9 +323,9 @@ def quotes_ok(a: np.ndarray, body: int, sep: int, chunk: int = 1 << 22) -> bool:
 
 def _roles(a: np.ndarray, q: np.ndarray, body: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
     """Which of the quotes at `q` may open a field, and which may close one, by RFC
-    4180: an opening quote starts a field (after a separator, a ``\n`` or at `body`)
+    4180: an opening quote starts a field (after a separator, a ``\\n`` or at `body`)
     or is the second quote of a ``""`` escape (a quote before it, which closed); a
-    closing quote ends a field (a separator, a ``\n``, ``\r\n`` or the end follows)
+    closing quote ends a field (a separator, a ``\\n``, ``\\r\\n`` or the end follows)
     or is the first of an escape (a quote after it)."""
     n = len(a)
     # (a quote at either end "sees" itself: it may open, or close, there anyway)
