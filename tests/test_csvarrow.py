@@ -130,6 +130,17 @@ def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting,
         b'filename,label\n"a\rb.png",x\n',  # a quoted CR
         b"filename,label\na.png,x\nb.png,\t\n c.png , y \n",
         b"file,label\na.png,x\n",  # no filename column
+        b"",  # empty, or a byte order mark alone
+        b"\xef\xbb\xbf",
+        b'"',  # a lone quote
+        b'"filename\n",label\na.png,x\n',  # a quoted newline in the header
+        b'\xef\xbb\xbf"filename","label"\r\n"a.png","x"\r\n',
+        b'"filename","label"\r\n"a.png","x"\r',  # a lone CR after a closing quote
+        b'"filename","label"\r\n"a.png","x"\r\r\n',
+        b'"filename","label"\n"a.png","x"""\n',  # an escape before the closing quote
+        b'"filename","label"\n"a.png"x,"y"\n',  # text after a closing quote
+        b'"filename","label1","label2"\n"a.png","x"\n',  # ragged and quoted
+        b'"filename","label"\n"a\x00.png","x"\n',  # NUL in a quoted name
     ],
 )
 def test_what_pyarrow_refuses_reads_as_before(tmp_path, monkeypatch, data):
