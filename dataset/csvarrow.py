@@ -245,8 +245,9 @@ def _uneven(first: bytes, head: bytes, sep: str) -> bool:
     lines = head.splitlines()
     if len(head) == PEEK:
         lines = lines[:-1]  # (cut short)
-    fields = first.count(sep.encode())
-    return any(line.count(sep.encode()) != fields for line in lines if line)
+    sep_b = sep.encode()
+    fields = first.count(sep_b)
+    return any(line.count(sep_b) != fields for line in lines if line)
 
 
 def _header(first: bytes, sep: str) -> list[str]:

@@ -566,9 +566,8 @@ def _dedupe(ptr: np.ndarray, ids: np.ndarray, cnt: np.ndarray):
     if not dup.any():
         return ptr, ids, cnt
     keep = ~dup
-    cnt = np.bincount(np.repeat(np.arange(len(cnt)), cnt)[keep], minlength=len(cnt))
-    ptr = np.concatenate([[0], np.cumsum(cnt)])
-    return ptr, ids[keep], cnt
+    ptr = np.concatenate([[0], np.cumsum(keep)])[ptr]  # the labels kept before each row
+    return ptr, ids[keep], np.diff(ptr)
 
 
 # ----------------------------------------------------------------------------- joined
