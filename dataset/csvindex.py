@@ -10,7 +10,6 @@ against the index's own folder, when an item is fetched.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import logging
 import mmap
@@ -178,23 +177,21 @@ def _read(index: str, cache: Any, fetcher: Fetcher | None) -> bytes:
 
 def _from_mapped(path: str, index: str, sep: str, resolver: Resolver):
     """:func:`_from_arrow` of a local file that holds quotes, its pages mapped rather
-    than read into bytes (a copy that cost a sixth of a 1M-row open): nothing of the
-    mapping outlives the split, since pyarrow copies the values (a file cut short
-    during the split would be a SIGBUS, as for any mapped file). None where the file
-    holds no quote (the scanner's) or pyarrow's split does not hold."""
+    than read into bytes (a copy that cost a sixth of a 1M-row open). Nothing of the
+    mapping outlives the split, since pyarrow copies the values: it is unmapped with
+    its last reference, ours at return or, a moment later, that of pyarrow's reader,
+    which its own threads drop (so no close() here: it would fail while they hold
+    it). A file cut short during the split would be a SIGBUS, as for any mapped
+    file. None where the file holds no quote (the scanner's) or pyarrow's split
+    does not hold."""
     try:
         with open(path, "rb") as f:
             pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):  # (an empty file cannot be mapped)
         return None
-    try:
-        if pages.find(b'"') < 0:
-            return None
-        return _from_arrow(pages, index, sep, resolver, where=path)
-    finally:
-        # a view still held (a traceback's): unmapped when it goes
-        with contextlib.suppress(BufferError):
-            pages.close()
+    if pages.find(b'"') < 0:
+        return None
+    return _from_arrow(pages, index, sep, resolver, where=path)
 
 
 def _from_arrow(
