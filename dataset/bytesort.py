@@ -248,14 +248,18 @@ def _sort(buf, start, length, major):
     seq, tied, rows, run, pos = None, None, None, major, 0
     while tied is None or len(tied):
         if rows is None:
-            found = _first_difference(buf, start, length, run, pos)
+            found = _first_difference(buf, start, length, run, pos, read=False)
         else:
             found = _next_difference(buf, start, length, rows, run, pos)
         done = found is None  # equal to the end: one more pass, for the major key
-        pos, w = (pos, np.zeros(n if tied is None else len(tied), np.uint64)) if done else found
-        key, width, perm = _sort_pass(w, run)
+        if rows is None and not done:
+            pos = found[0]
+            key, width, perm = _first_pass(buf, start, length, run, pos)
+        else:
+            pos, w = (pos, np.zeros(n if tied is None else len(tied), np.uint64)) if done else found
+            key, width, perm = _sort_pass(w, run)
         if tied is None:
-            seq = np.arange(n, dtype=np.int64) if perm is None else perm
+            seq = np.arange(n, dtype=_place_dtype(n)) if perm is None else perm
         elif perm is not None:
             seq[tied] = rows[perm]
         change = np.empty(len(key), dtype=bool)  # where a value starts
@@ -271,6 +275,49 @@ def _sort(buf, start, length, major):
         tied, run = _ties(head)
         rows = seq[tied]
     return seq, head
+
+
+def _place_dtype(n: int) -> np.dtype:
+    """The dtype of the places of `n` strings: int32 where it holds them (half the memory)."""
+    return np.dtype(np.int32 if n <= 2**31 else np.int64)
+
+
+def _first_pass(buf, start, length, run, pos: int, chunk: int = 1 << 16):
+    """:func:`_sort_pass` of every string's word at `pos`, its keys built a chunk at a time
+    (word, run and place packed while the chunk is in the CPU's cache) on two threads,
+    straight into the one array that is sorted: no word, run or place array as large as
+    the index (1M rows: 2,000 fresh pages, 5 ms), and the places come back as int32."""
+    n = len(start)
+    top = 0 if run is None else int(run.max())
+    place = (n - 1).bit_length()
+    width = (64 - top.bit_length() - place) // 8
+    if width < 1:  # (no room for the place beside the run: argsort)
+        return _sort_pass(words(buf, start, length, pos), run)
+    key = np.empty(n, dtype=np.uint64)
+    drop, lift, put = np.uint64(64 - 8 * width), np.uint64(8 * width), np.uint64(place)
+
+    def build(lows) -> None:
+        for lo in lows:
+            hi = min(n, lo + chunk)
+            k = words(buf, start[lo:hi], length[lo:hi], pos)
+            k >>= drop  # (width < 8: the place takes some bits)
+            if run is not None:
+                high = run[lo:hi].astype(np.uint64)
+                high <<= lift
+                k |= high
+            k <<= put
+            k |= np.arange(lo, hi, dtype=np.uint64)
+            key[lo:hi] = k
+
+    on_two_threads(build, range(0, n, chunk))
+    if (key[1:] > key[:-1]).all():  # in order already (a sorted file): no sort
+        key >>= put
+        return key, width, None
+    key.sort()
+    perm = np.empty(n, dtype=_place_dtype(n))
+    np.bitwise_and(key, np.uint64((1 << place) - 1), out=perm, casting="unsafe")
+    key >>= put
+    return key, width, perm
 
 
 def _sort_pass(w: np.ndarray, run: np.ndarray | None):

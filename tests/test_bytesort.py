@@ -172,3 +172,26 @@ def test_first_difference_in_chunks_shared_with_a_second_thread(seed):
     want = min((k for k in at if k is not None), default=None)
     found = bytesort._first_difference(buf, start, length, run, 0, chunk=7, read=False)
     assert (None if found is None else found[0]) == want
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_first_pass_built_in_chunks_is_the_sort_pass_of_every_word(seed):
+    """The first pass packs each chunk's words, runs and places on two threads (chunks of
+    5: 4 or more are shared) and sorts once: the same keys and order as packing whole
+    arrays; a file already in order comes back with no order (no sort)."""
+    values = strings(seed) or [b"a", b"b"]
+    if seed % 3 == 0:
+        values = sorted(values)
+    rng = random.Random(seed)
+    run = None if seed % 2 else np.array([rng.randrange(4) for _ in values], dtype=np.int16)
+    if seed % 3 == 0 and run is not None:
+        run = np.sort(run)
+    buf, start, length = packed(values)
+    pos = rng.randrange(0, 6)
+    word = bytesort.words(buf, start, length, pos)
+    want_key, want_width, want_perm = bytesort._sort_pass(word, run)
+    key, width, perm = bytesort._first_pass(buf, start, length, run, pos, chunk=5)
+    assert width == want_width and key.tolist() == want_key.tolist()
+    assert (perm is None) == (want_perm is None)
+    if perm is not None:
+        assert perm.dtype == np.int32 and perm.tolist() == want_perm.tolist()
