@@ -271,13 +271,27 @@ def _arrow_labels(columns: list[list], n: int):
         pos[k] = end
     if "" not in found and len(columns) == 1:
         return None, ids, names
+    if len(columns) > 1:
+        _drop_repeats(ids)
     keep = (ids >= 0).reshape(n, len(columns))
-    labels = keep[:, 0].astype(np.int64)  # labels a row (a column at a time: numpy's sum
+    labels = keep[:, 0].astype(np.int32)  # labels a row (a column at a time: numpy's sum
     for k in range(1, keep.shape[1]):  # along a short axis is 10x slower)
         labels += keep[:, k]
-    ptr = np.zeros(n + 1, dtype=np.int64)
+    ptr = np.zeros(n + 1, dtype=small_int(n * len(columns), signed=False))
     np.cumsum(labels, out=ptr[1:])
     return ptr, ids.ravel()[keep.ravel()], names
+
+
+def _drop_repeats(ids: np.ndarray) -> None:
+    """A label repeated in a row (of the (rows, columns) `ids`) made no label (-1), the
+    first occurrence kept: what :func:`dataset.index.labelled` would drop, done a column
+    at a time here, before the labels are packed, for a few columns (else left to it)."""
+    if ids.shape[1] > 8:
+        return
+    for k in range(1, ids.shape[1]):
+        col = ids[:, k]
+        for j in range(k):
+            col[col == ids[:, j]] = -1  # (a -1 made -1 again is still no label)
 
 
 def _line_of(source: str | bytes, sep: str, r: int) -> int:

@@ -215,16 +215,37 @@ class TensorRows:
 
 
 class RowLabels:
-    """The label ids of each row, compressed: row r has ``ids[ptr[r]:ptr[r + 1]]``."""
+    """The label ids of each row, compressed: row r has ``ids[ptr[r]:ptr[r + 1]]``.
 
-    def __init__(self, ptr: np.ndarray, ids: np.ndarray):
-        self.ptr, self.ids = ptr, ids
+    ``ptr`` None: every row has one label, ``ids[r]`` (most indexes); the pointers are
+    then made only where asked for (an array as large as the index, in fresh memory,
+    costs an open more than the arithmetic on it)."""
+
+    def __init__(self, ptr: np.ndarray | None, ids: np.ndarray):
+        self._ptr, self.ids = ptr, ids
+
+    @property
+    def ptr(self) -> np.ndarray:
+        if self._ptr is None:
+            self._ptr = np.arange(len(self.ids) + 1, dtype=small_int(len(self.ids), signed=False))
+        return self._ptr
+
+    @property
+    def one_a_row(self) -> bool:
+        """Whether every row has one label (no pointers held)."""
+        return self._ptr is None
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + (0 if self._ptr is None else self._ptr.nbytes)
 
     def __len__(self) -> int:
-        return len(self.ptr) - 1
+        return len(self.ids) if self._ptr is None else len(self._ptr) - 1
 
     def of(self, r: int) -> tuple[int, ...]:
-        return tuple(self.ids[int(self.ptr[r]) : int(self.ptr[r + 1])].tolist())
+        if self._ptr is None:
+            return (int(self.ids[r]),)
+        return tuple(self.ids[int(self._ptr[r]) : int(self._ptr[r + 1])].tolist())
 
     @classmethod
     def single(cls, ids: np.ndarray) -> RowLabels:
@@ -347,9 +368,8 @@ class Index:
     @property
     def nbytes(self) -> int:
         """Bytes held by this index's arrays (its rows' tables included)."""
-        arrays = [self.rows, self.targets, self.row_labels.ptr, self.row_labels.ids]
         table = self.table.nbytes if isinstance(self.table, NameRows) else 0
-        return table + sum(a.nbytes for a in arrays)
+        return table + self.rows.nbytes + self.targets.nbytes + self.row_labels.nbytes
 
     def by_label(self) -> list[np.ndarray]:
         """Positions of the examples of each label (label samplers draw from these).
@@ -491,24 +511,25 @@ def labelled(
         ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids]
     ids = ids.astype(label_dt, copy=False)
     row_dt = small_int(n)
-    if ptr is None:
-        ptr = np.arange(n + 1, dtype=small_int(n, signed=False))
+    if ptr is None:  # one label a row
         cnt = None
     else:
-        ptr = ptr.astype(np.int64, copy=False)
-        cnt = np.diff(ptr)
+        cnt = np.diff(ptr)  # (in ptr's type: non-decreasing)
         if len(cnt) and cnt.max() > 1:
             ptr, ids, cnt = _dedupe(ptr, ids, cnt)
     # ex_rows: each example's row; None: an example per row, in row order (the array is
     # made only where no sort makes it: a fresh array as large as the index costs)
     if cnt is None or (len(ids) == n and (cnt == 1).all()):  # one label per row
-        ex_rows, targets = None, ids
+        ex_rows, targets, ptr = None, ids, None
     elif multi_hot:
         ex_rows = None
         targets = np.full(n, -1, dtype=label_dt)
         has = cnt > 0
         targets[has] = ids[ptr[:-1][has]]
-    else:
+    elif cnt.min() > 0:  # every row labelled: its examples are its labels, in order
+        ex_rows, targets = np.repeat(np.arange(n, dtype=row_dt), cnt), ids
+    else:  # (signed: the arithmetic below mixes the pointers with positions)
+        ptr, cnt = ptr.astype(np.int64, copy=False), cnt.astype(np.int64, copy=False)
         k = np.maximum(cnt, 1)
         ex_rows = np.repeat(np.arange(n, dtype=row_dt), k)
         targets = np.full(len(ex_rows), -1, dtype=label_dt)
@@ -518,7 +539,9 @@ def labelled(
             ex_rows = None
     group = targets if targets is ids else np.where(targets < 0, len(labels), targets)
     group = group.astype(label_dt, copy=False)
-    row_labels = RowLabels(ptr.astype(small_int(len(ids), signed=False), copy=False), ids)
+    if ptr is not None:
+        ptr = ptr.astype(small_int(len(ids), signed=False), copy=False)
+    row_labels = RowLabels(ptr, ids)
     if descents is not None and ex_rows is None and _in_order(group, descents):
         seq = np.arange(n, dtype=row_dt)  # already in order: no sort, no gathers
     else:
@@ -528,7 +551,7 @@ def labelled(
             order = np.argsort(group, kind="stable")
         else:
             order = table.order(ex_rows, group)  # a row per example
-        seq = order.astype(row_dt) if ex_rows is None else ex_rows[order]
+        seq = order.astype(row_dt, copy=False) if ex_rows is None else ex_rows[order]
         targets = targets[order]
     return Index(table, row_labels, labels, origin, rows=seq, targets=targets,
                  multi_hot=multi_hot, label_order=True)  # fmt: skip

@@ -231,7 +231,7 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
 
 
 # The parsed form of a CSV index in the cache: bumped when the layout changes.
-_FORMAT = b"DLIX0001"
+_FORMAT = b"DLIX0002"
 _ALIGN = 64
 
 
@@ -273,8 +273,9 @@ def _cached_csv(index: str, opening: Opening, kw: dict) -> Index:
 def _pack(ix: Index) -> list:
     """An Index of named rows as buffers: a JSON header, then each array, aligned."""
     table: NameRows = ix.table
-    arrays = dict(table.arrays(), ptr=ix.row_labels.ptr, ids=ix.row_labels.ids,
-                  rows=ix.rows, targets=ix.targets)  # fmt: skip
+    labels = ix.row_labels  # (no "ptr": one label a row)
+    ptr = {} if labels.one_a_row else {"ptr": labels.ptr}
+    arrays = dict(table.arrays(), **ptr, ids=labels.ids, rows=ix.rows, targets=ix.targets)
     meta: dict[str, Any] = {
         "labels": ix.labels,
         "origin": ix.origin,
@@ -310,7 +311,7 @@ def _unpack(view: memoryview) -> Index:
         ranges = (arrays["range_offset"], arrays["range_length"])
     table = NameRows(arrays["buf"], arrays["start"], arrays["length"],
                      Resolver(**meta["resolver"]), ranges)  # fmt: skip
-    labels = RowLabels(arrays["ptr"], arrays["ids"])
+    labels = RowLabels(arrays.get("ptr"), arrays["ids"])
     return Index(table, labels, meta["labels"], meta["origin"], rows=arrays["rows"],
                  targets=arrays["targets"], multi_hot=meta["multi_hot"],
                  label_order=meta.get("label_order", False))  # fmt: skip

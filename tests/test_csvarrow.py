@@ -17,6 +17,7 @@ import csv
 import random
 import time
 
+import numpy as np
 import pytest
 from test_csvscan import summary, write_rows
 
@@ -398,3 +399,17 @@ def test_ragged_rows_seen_early_skip_the_parse_that_would_fail(tmp_path, monkeyp
     assert routes.taken == ["path"]
     # seen in the first PEEK bytes: the lines at once; else pyarrow's parse fails first
     assert parses == ([csvarrow.LINE] if peek > 64 else [",", csvarrow.LINE])
+
+
+@pytest.mark.parametrize("width", [2, 3, 8])
+def test_a_label_repeated_in_a_row_is_dropped_before_packing(width):
+    """``_drop_repeats`` keeps each row's first occurrence of a label, in column order,
+    and makes the others no label (-1), as a row-by-row statement of the rule does."""
+    rng = np.random.default_rng(width)
+    ids = rng.integers(-1, 4, size=(500, width)).astype(np.int16)
+    want = []
+    for row in ids.tolist():
+        seen: set[int] = set()
+        want.append([-1 if v in seen else (seen.add(v) or v) for v in row])
+    csvindex._drop_repeats(ids)
+    assert ids.tolist() == want

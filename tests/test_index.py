@@ -59,6 +59,24 @@ def test_a_label_repeated_in_a_row_counts_once(tmp_path, width):
         assert ix.row_labels.of(4) == (1, 0)  # first occurrences, in column order
 
 
+@pytest.mark.parametrize("text", ["b.png,dog\na.png,cat\n", "b.png,dog,dog\na.png,cat\n"])
+def test_one_label_a_row_holds_no_pointers_until_asked(tmp_path, text):
+    """Rows of one label each (a label repeated in a row is one) keep only their ids;
+    the pointers, asked for, are those of one label a row, and the cache keeps none."""
+    head = "filename,label\n" if text.count(",") == 2 else "filename,label1,label2\n"
+    path = str(write(tmp_path / "i.csv", head + text))
+    ix = open_index(path)
+    assert ix.row_labels.one_a_row
+    held = ix.table.nbytes + ix.rows.nbytes + ix.targets.nbytes + ix.row_labels.ids.nbytes
+    assert ix.nbytes == held
+    assert [ix.row_labels.of(r) for r in range(2)] == [(1,), (0,)]
+    assert ix.row_labels.ptr.tolist() == [0, 1, 2] and len(ix.row_labels) == 2
+    cached = Dataset(path, cache_index=True, cache_dir=str(tmp_path / "cache")).index
+    again = Dataset(path, cache_index=True, cache_dir=str(tmp_path / "cache")).index
+    assert again.row_labels.one_a_row and [again.row_labels.of(r) for r in range(2)] == [(1,), (0,)]
+    assert again.targets.tolist() == cached.targets.tolist() == [0, 1]
+
+
 def test_tsv_offset_length_and_numeric_label_order(tmp_path):
     idx = write(
         tmp_path / "i.tsv",
