@@ -73,9 +73,13 @@ def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 16, read: 
     n = len(start)
     longest = int(length.max())
     member = np.zeros(1 if run is None else int(run.max()) + 1, dtype=np.int64)
-    if run is not None:  # some string of each run (whichever is written last)
+    if run is not None:  # some string of each run, from the first chunks that hold them all
+        seen = np.zeros(len(member), dtype=bool)
         for lo in range(0, n, chunk):
             member[run[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
+            seen[run[lo : lo + chunk]] = True
+            if seen.all():
+                break
     window = (int(length.min()) - pos) // 8  # words every string holds whole
     if window > 0:
         found = _window_difference(buf, start, run, member, pos, window, chunk)
@@ -310,7 +314,8 @@ def _first_pass(buf, start, length, run, pos: int, chunk: int = 1 << 16):
             key[lo:hi] = k
 
     on_two_threads(build, range(0, n, chunk))
-    if (key[1:] > key[:-1]).all():  # in order already (a sorted file): no sort
+    head = key[: chunk + 1]  # (an unsorted file is seen in its first chunk)
+    if (head[1:] > head[:-1]).all() and (key[1:] > key[:-1]).all():  # in order: no sort
         key >>= put
         return key, width, None
     key.sort()

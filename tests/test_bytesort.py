@@ -195,3 +195,20 @@ def test_first_pass_built_in_chunks_is_the_sort_pass_of_every_word(seed):
     assert (perm is None) == (want_perm is None)
     if perm is not None:
         assert perm.dtype == np.int32 and perm.tolist() == want_perm.tolist()
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_run_first_seen_in_the_last_chunk_is_compared_with_its_own(late):
+    """Each run's member is taken from the first chunks that hold every run: a run whose
+    strings all come last (after chunks that held the others) still has one."""
+    head = [b"aaaa/" + bytes([97 + i % 2]) * 9 for i in range(40)]
+    tail = [b"zzzz/" + (b"q" if late else b"p") + b"p" * 8 for _ in range(3)]
+    tail[-1] = b"zzzz/pppppppp" + (b"x" if late else b"p")
+    values = head + tail
+    run = np.array([0] * len(head) + [1] * len(tail), dtype=np.int16)
+    buf, start, length = packed(values)
+    found = bytesort._first_difference(buf, start, length, run, 0, chunk=7, read=False)
+    # the first run differs at byte 5; the last at byte 5 (late) or at its last byte
+    assert found is not None and found[0] == 5
+    got = bytesort.order(buf, start, length, run).tolist()
+    assert got == sorted(range(len(values)), key=lambda i: (run[i], values[i], i))
