@@ -59,6 +59,20 @@ def test_a_label_repeated_in_a_row_counts_once(tmp_path, width):
         assert ix.row_labels.of(4) == (1, 0)  # first occurrences, in column order
 
 
+@pytest.mark.parametrize("sep", [",", "\t"])
+def test_every_row_labelled_some_twice(tmp_path, sep):
+    """Rows that all have a label, some two (ragged): an example per label of each row,
+    by label then name; a label repeated in a row is one example."""
+    rows = ["b.png,dog,cat", "a.png,cat", "c.png,dog,dog", "d.png,ant,dog"]
+    text = "filename,label1,label2\n" + "\n".join(rows) + "\n"
+    ix = open_index(str(write(tmp_path / ("i.tsv" if sep == "\t" else "i.csv"),
+                              text.replace(",", sep))))  # fmt: skip
+    assert ix.labels == ["ant", "cat", "dog"]
+    assert ix.rows.tolist() == [3, 1, 0, 0, 2, 3]
+    assert ix.targets.tolist() == [0, 1, 1, 2, 2, 2]
+    assert [ix.row_labels.of(r) for r in range(4)] == [(2, 1), (1,), (2,), (0, 2)]
+
+
 @pytest.mark.parametrize("text", ["b.png,dog\na.png,cat\n", "b.png,dog,dog\na.png,cat\n"])
 def test_one_label_a_row_holds_no_pointers_until_asked(tmp_path, text):
     """Rows of one label each (a label repeated in a row is one) keep only their ids;
