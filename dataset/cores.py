@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 
@@ -23,3 +25,16 @@ def on_two_threads(work: Callable[[Sequence], T], parts: Sequence, least: int = 
     with ThreadPoolExecutor(1) as helper:
         theirs = helper.submit(work, parts[1::2])
         return [work(parts[0::2]), theirs.result()]
+
+
+def take(a: np.ndarray, at: np.ndarray, chunk: int = 1 << 17) -> np.ndarray:
+    """``a[at]`` for a 1-D array of valid positions `at`, gathered a chunk of `at` at a
+    time on two threads (numpy's take lets go of the GIL)."""
+    out = np.empty(len(at), dtype=a.dtype)
+
+    def gather(lows) -> None:
+        for lo in lows:
+            np.take(a, at[lo : lo + chunk], out=out[lo : lo + chunk], mode="clip")  # (unbuffered)
+
+    on_two_threads(gather, range(0, len(at), chunk))
+    return out

@@ -78,48 +78,64 @@ class Names:
     """
 
     def __init__(self, chunks: list, most: int):
-        # pyarrow compares the names (GIL released) on the other core while numpy strips
-        # them here: kept only where nothing was stripped
-        compare = _Compare([c for c in chunks if len(c)], most)
+        chunks = [c for c in chunks if len(c)]
+        # an unsorted file shows it in its first chunk: its names are then stripped on
+        # both cores; else pyarrow compares them all (GIL released) on the other core
+        # while numpy strips them here (descents kept only where nothing was stripped)
+        sorted_first = len(chunks) < 2 or _descents(chunks[:1], most) is not None
+        compare = _Compare(chunks, most) if sorted_first else None
         try:
-            self._split(chunks)
+            self._split(chunks, both=not sorted_first)
         finally:
-            descents = compare.result()
+            descents = compare.result() if compare is not None else None
         if not self.empty:
             self.descents = None if self.stripped else descents
 
-    def _split(self, chunks: list) -> None:
-        pieces = []  # (chunk, its bytes, local starts and ends), each chunk on its own:
-        self.stripped = self.empty = False  # its small temporaries are reused: no fresh pages
-        for c in chunks:
-            if not len(c):
-                continue
-            off = int32s(c, extra=1)  # a string array's offsets: one more than its values
-            if off[-1] == off[0]:
-                self.empty = True
-                return
-            buf = np.frombuffer(c.buffers()[2], dtype=np.uint8)[off[0] : off[-1]]
-            if off[0]:  # a slice after the header: its bytes come first
-                off = off - off[0]
-            start, end = off[:-1], off[1:]
-            s, e = (start, end) if edges_clean(buf, off) else strip(buf, start, end)
-            if s is not start or e is not end:
-                self.stripped = True
-            if (s == e).any():
-                self.empty = True
-                return
-            pieces.append((c, buf, s, e))
-        self.parts = [buf for _, buf, _, _ in pieces]
-        n = sum(len(s) for _, _, s, _ in pieces)
-        longest = max(int((e - s).max()) for _, _, s, e in pieces)
+    def _split(self, chunks: list, both: bool) -> None:
+        # each chunk on its own (its small temporaries are reused: no fresh pages), on
+        # two threads (`both`, dataset.cores) where the other core is free
+        least = 4 if both else len(chunks) + 1
+        found = on_two_threads(lambda part: [(k, _piece(c)) for k, c in part],
+                               list(enumerate(chunks)), least=least)  # fmt: skip
+        pieces = [p for _, p in sorted((kp for half in found for kp in half), key=lambda kp: kp[0])]
+        self.empty = any(p is None for p in pieces)
+        if self.empty:
+            return
+        self.stripped = any(stripped for *_, stripped in pieces)
+        self.parts = [buf for buf, *_ in pieces]
+        n = sum(len(s) for _, s, *_ in pieces)
+        longest = max(most for _, _, _, most, _ in pieces)
         self.start = np.empty(n, dtype=small_int(sum(len(b) for b in self.parts), signed=False))
         self.length = np.empty(n, dtype=small_int(longest))
-        row = base = 0
-        for _, buf, s, e in pieces:
-            end = row + len(s)
-            np.add(s, base, out=self.start[row:end], casting="unsafe")  # (< 2 GiB: no overflow)
-            np.subtract(e, s, out=self.length[row:end], casting="unsafe")
-            row, base = end, base + len(buf)
+        at = np.cumsum([0] + [len(s) for _, s, *_ in pieces])
+        base = np.cumsum([0] + [len(b) for b in self.parts])
+
+        def fill(part) -> None:
+            for k in part:
+                _, s, e, _, _ = pieces[k]
+                rows = slice(int(at[k]), int(at[k + 1]))
+                np.add(s, int(base[k]), out=self.start[rows], casting="unsafe")  # (< 2 GiB)
+                np.subtract(e, s, out=self.length[rows], casting="unsafe")
+
+        on_two_threads(fill, range(len(pieces)), least=least)
+
+
+def _piece(c) -> tuple | None:
+    """``(bytes, starts, ends, longest, stripped)`` of a chunk's values, stripped, local
+    to its bytes; None where a value is empty. (Where nothing was stripped the starts
+    and ends are views of pyarrow's offsets: nothing as large as the chunk is made.)"""
+    off = int32s(c, extra=1)  # a string array's offsets: one more than its values
+    if off[-1] == off[0]:
+        return None
+    buf = np.frombuffer(c.buffers()[2], dtype=np.uint8)[off[0] : off[-1]]
+    if off[0]:  # a slice after the header: its bytes come first
+        off = off - off[0]
+    start, end = off[:-1], off[1:]
+    s, e = (start, end) if edges_clean(buf, off) else strip(buf, start, end)
+    d = e - s
+    if not d.min():
+        return None
+    return buf, s, e, int(d.max()), s is not start or e is not end
 
 
 class _Compare(threading.Thread):
@@ -147,18 +163,17 @@ class _Compare(threading.Thread):
 
 def _descents(chunks: list, most: int) -> np.ndarray | None:
     """The rows r (of the chunks, one after the other) whose value is > value r + 1, or
-    None where there are more than `most`: the first chunk alone first (an unsorted
-    file stops there), then all in one call (pyarrow lines the chunks up)."""
+    None where there are more than `most` (all in one call: pyarrow lines the chunks up)."""
     found = [np.empty(0, dtype=np.int64)]
-    for probe in (chunks[:1], chunks) if len(chunks) > 1 else (chunks,):
-        every = pa.chunked_array(probe)
-        row, found = 0, found[:1]
+    if chunks:
+        every = pa.chunked_array(chunks)
+        row = 0
         for less in pc.less_equal(every[:-1], every[1:], memory_pool=pool()).chunks:
             if len(less):
                 found.append(np.flatnonzero(~flags(less)) + row)
                 row += len(less)
-        if sum(len(f) for f in found) > most:
-            return None
+    if sum(len(f) for f in found) > most:
+        return None
     return np.concatenate(found)
 
 

@@ -49,6 +49,7 @@ import numpy as np
 
 from . import bytesort
 from . import sources as src
+from .cores import take
 from .errors import BadIndex
 from .sources import Joined
 
@@ -551,8 +552,8 @@ def labelled(
             order = np.argsort(group, kind="stable")
         else:
             order = table.order(ex_rows, group)  # a row per example
-        seq = order.astype(row_dt, copy=False) if ex_rows is None else ex_rows[order]
-        targets = targets[order]
+        seq = order.astype(row_dt, copy=False) if ex_rows is None else take(ex_rows, order)
+        targets = take(targets, order)
     return Index(table, row_labels, labels, origin, rows=seq, targets=targets,
                  multi_hot=multi_hot, label_order=True)  # fmt: skip
 

@@ -1,0 +1,31 @@
+"""dataset.cores: a numpy pass shared by two threads gives what one pass gives."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from distlearn.dataset import cores
+
+
+def test_on_two_threads_splits_the_parts_between_two_threads():
+    seen: list[tuple[list[int], str]] = []
+    out = cores.on_two_threads(
+        lambda part: seen.append((list(part), threading.current_thread().name)) or sum(part),
+        range(10),
+    )
+    assert out == [0 + 2 + 4 + 6 + 8, 1 + 3 + 5 + 7 + 9]
+    assert len({name for _, name in seen}) == 2
+    assert cores.on_two_threads(sum, range(3)) == [3]  # (fewer than 4 parts: one thread)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 17])
+def test_take_in_chunks_on_two_threads_is_numpys_gather(chunk):
+    rng = np.random.default_rng(chunk)
+    a = rng.integers(-1, 1000, size=500).astype(np.int16)
+    at = rng.integers(0, len(a), size=2000).astype(np.int32)
+    got = cores.take(a, at, chunk=chunk)
+    assert got.dtype == a.dtype and got.tolist() == a[at].tolist()
+    assert cores.take(a, at[:0], chunk=chunk).tolist() == []
