@@ -320,8 +320,15 @@ def _first_pass(buf, start, length, run, pos: int, chunk: int = 1 << 16):
         return key, width, None
     key.sort()
     perm = np.empty(n, dtype=_place_dtype(n))
-    np.bitwise_and(key, np.uint64((1 << place) - 1), out=perm, casting="unsafe")
-    key >>= put
+    mask = np.uint64((1 << place) - 1)
+
+    def unpack(lows) -> None:  # the places, then the keys without them, a chunk at a time
+        for lo in lows:
+            k = key[lo : lo + chunk]
+            np.bitwise_and(k, mask, out=perm[lo : lo + chunk], casting="unsafe")
+            k >>= put
+
+    on_two_threads(unpack, range(0, n, chunk))
     return key, width, perm
 
 

@@ -68,10 +68,12 @@ class Column:
 
 class Names:
     """The values of a column, stripped (:func:`dataset.csvscan.strip`), as
-    :class:`dataset.index.NameRows` holds them, with no copy of their bytes.
+    :class:`dataset.index.NameRows` holds them.
 
-    Value r is ``start[r]:start[r] + length[r]`` of the bytes of ``parts`` (each
-    chunk's values, as pyarrow holds them) one after the other. ``descents``: the
+    Value r is ``start[r]:start[r] + length[r]`` of the bytes of ``parts`` one after
+    the other: each chunk's values as pyarrow holds them (no copy), or, where the
+    first chunk is out of order (the names will be sorted, which needs one buffer),
+    those bytes joined into one. ``descents``: the
     rows r whose value is > value r + 1, where no value was stripped and there are
     at most `most` of them (else None: the rows are not in order, or not known to be).
     ``empty``: some value is empty (stripped), and the rest is unset.
@@ -110,14 +112,22 @@ class Names:
         at = np.cumsum([0] + [len(s) for _, s, *_ in pieces])
         base = np.cumsum([0] + [len(b) for b in self.parts])
 
+        # an unsorted file's names will be sorted, which needs them in one buffer: joined
+        # here, a chunk at a time on both cores, rather than in one copy later
+        joined = np.empty(int(base[-1]), dtype=np.uint8) if both and len(pieces) > 1 else None
+
         def fill(part) -> None:
             for k in part:
-                _, s, e, _, _ = pieces[k]
+                buf, s, e, _, _ = pieces[k]
                 rows = slice(int(at[k]), int(at[k + 1]))
                 np.add(s, int(base[k]), out=self.start[rows], casting="unsafe")  # (< 2 GiB)
                 np.subtract(e, s, out=self.length[rows], casting="unsafe")
+                if joined is not None:
+                    joined[int(base[k]) : int(base[k + 1])] = buf
 
         on_two_threads(fill, range(len(pieces)), least=least)
+        if joined is not None:
+            self.parts = [joined]
 
 
 def _piece(c) -> tuple | None:

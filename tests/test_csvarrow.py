@@ -290,6 +290,35 @@ def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
         assert got[0].rows.tolist()[:2] == [0, at - 1]
 
 
+@pytest.mark.parametrize("stripped", [False, True])
+def test_unsorted_rows_across_blocks_are_joined_for_their_sort(tmp_path, monkeypatch, stripped):
+    """A file whose first block is out of order has its names stripped on two threads and
+    joined into one buffer there (its sort needs one): the index is the scanner's and the
+    csv module's, stripped names included, and no join is left for the sort to make."""
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
+    rng = random.Random(int(stripped))
+    names = [f"n{rng.randrange(10**6):06d}z" for _ in range(3000)]
+    if stripped:
+        names = [f"  {n}\t" if k % 7 == 0 else n for k, n in enumerate(names)]
+    rows = [["filename", "label"]] + [[n, f"c{k % 5}"] for k, n in enumerate(names)]
+    path = tmp_path / "i.csv"
+    path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
+    joined = []
+    real = index.NameRows.__init__
+
+    def spy(self, buf, *a, **kw):
+        joined.append(isinstance(buf, list) and len(buf) == 1)
+        real(self, buf, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(index.NameRows, "__init__", spy)
+        got = open_index(str(path))
+    assert joined == [True]
+    _, columns = csvarrow.split(str(path), ",")
+    assert len(columns[0].chunks) > 5
+    same([got, *three_ways(path, monkeypatch)])
+
+
 @pytest.mark.parametrize(
     "data",
     [
