@@ -20,6 +20,7 @@ import numpy as np
 
 from . import bytesort, csvarrow
 from . import sources as src
+from .cores import on_two_threads
 from .csvarrow import pa, pc
 from .csvscan import Fields, scan, scan_rows
 from .errors import BadIndex, IndexNotFound
@@ -261,14 +262,19 @@ def _arrow_labels(columns: list[list], n: int):
     where = {name: i for i, name in enumerate(names)}  # "" (no label) and unused: -1
     table = np.asarray([where.get(v, -1) for v in value], dtype=dt)[maps]  # dictionary -> id
     ids = np.empty((n, len(columns)) if len(columns) > 1 else n, dtype=dt)
-    pos = [0] * len(columns)
+    jobs, pos = [], [0] * len(columns)  # (column, its rows, the chunk's ids and table)
     for (k, _, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
-        end = pos[k] + len(at)
-        if len(columns) == 1:
-            np.take(table[lo:hi], at, out=ids[pos[k] : end], mode="clip")  # (unbuffered)
-        else:
-            ids[pos[k] : end, k] = table[lo:hi][at]
-        pos[k] = end
+        jobs.append((k, slice(pos[k], pos[k] + len(at)), at, table[lo:hi]))
+        pos[k] += len(at)
+
+    def fill(part) -> None:  # the chunks shared by two threads (numpy lets go of the GIL)
+        for k, rows, at, small in part:
+            if len(columns) == 1:
+                np.take(small, at, out=ids[rows], mode="clip")  # (unbuffered)
+            else:
+                ids[rows, k] = small[at]
+
+    on_two_threads(fill, jobs)
     if "" not in found and len(columns) == 1:
         return None, ids, names
     if len(columns) > 1:
