@@ -26,6 +26,7 @@ import concurrent.futures
 import logging
 import os
 import random
+import stat
 import threading
 import time
 import urllib.parse
@@ -496,6 +497,21 @@ def _open_fsspec(url: str) -> Any:
 # ----------------------------------------------------------------------------- whole files
 
 
+def _read_local(location: str, path: str) -> bytes:
+    """A local regular file's bytes. Anything else is refused before a byte is read: a
+    FIFO would block (it is opened without blocking, to be looked at), a character
+    device such as ``/dev/zero`` would be read until memory runs out."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise FetchError(location, "no such file", missing=True) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # (a folder opens too, read-only)
+        os.close(fd)
+        raise FetchError(location, "not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 def read_bytes(
     location: str,
     missing_ok: bool = False,
@@ -527,11 +543,7 @@ def read_bytes(
         return data
     try:
         if path is not None:
-            try:
-                with open(path, "rb") as f:
-                    return f.read()
-            except FileNotFoundError:
-                raise FetchError(location, "no such file", missing=True) from None
+            return _read_local(location, path)
         if fetcher is not None:
             return fetcher.read(location)
         with Fetcher(pool_size=1, **policy) as own:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from collections import Counter
 
 import pytest
 
 from distlearn.dataset import AllFailed, Dataset, Fetcher, FetchError
+from distlearn.dataset.fetch import read_bytes
 from distlearn.dataset.processors import Image
 from tests.faulty_server import item_ids, make_pngs, running
 
@@ -158,3 +161,31 @@ def test_missing_index_names_url(faulty):
     base = faulty({})
     with pytest.raises(FileNotFoundError, match=r"nope\.csv"):
         Dataset(base + "nope.csv")
+
+
+def test_a_local_index_that_is_not_a_regular_file_is_refused_unread(tmp_path):
+    """A FIFO (whose open would block), a character device (``/dev/zero`` would read
+    forever; ``/dev/null``, read here, is one too) and a folder given where a file is
+    read are each refused by name, nothing read."""
+    fifo = tmp_path / "index.csv"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/null", str(tmp_path)):
+        done: list = []
+        worker = threading.Thread(
+            target=lambda p=path, out=done: out.append(_refusal(read_bytes, p)), daemon=True
+        )  # (a blocked open must fail the test, not hang it)
+        worker.start()
+        worker.join(10)
+        assert done == [f"{path}: not a regular file"], (path, done)
+    with pytest.raises(FetchError, match="not a regular file"):
+        Dataset(str(fifo))
+    (tmp_path / "real.csv").write_text("filename,label\na.png,x\n")
+    assert read_bytes(str(tmp_path / "real.csv")) == b"filename,label\na.png,x\n"
+
+
+def _refusal(read, path: str) -> str:
+    try:
+        read(path)
+    except FetchError as err:
+        return str(err)
+    return "read"
