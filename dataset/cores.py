@@ -27,6 +27,16 @@ def on_two_threads(work: Callable[[Sequence], T], parts: Sequence, least: int = 
         return [work(parts[0::2]), theirs.result()]
 
 
+def in_order(halves: list[list]) -> list:
+    """The items of :func:`on_two_threads`'s results back in the parts' order, where
+    `work` gave one item per part (the first thread took parts 0, 2, 4...)."""
+    if len(halves) == 1:
+        return halves[0]
+    out: list = [None] * (len(halves[0]) + len(halves[1]))
+    out[0::2], out[1::2] = halves
+    return out
+
+
 def take(a: np.ndarray, at: np.ndarray, chunk: int = 1 << 17) -> np.ndarray:
     """``a[at]`` for a 1-D array of valid positions `at`, gathered a chunk of `at` at a
     time on two threads (numpy's take lets go of the GIL)."""

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .cores import on_two_threads
+from .cores import in_order, on_two_threads
 from .csvscan import QUOTE, edges_clean, quotes_ok, strip
 from .index import small_int
 
@@ -97,9 +97,7 @@ class Names:
         # each chunk on its own (its small temporaries are reused: no fresh pages), on
         # two threads (`both`, dataset.cores) where the other core is free
         least = 4 if both else len(chunks) + 1
-        found = on_two_threads(lambda part: [(k, _piece(c)) for k, c in part],
-                               list(enumerate(chunks)), least=least)  # fmt: skip
-        pieces = [p for _, p in sorted((kp for half in found for kp in half), key=lambda kp: kp[0])]
+        pieces = in_order(on_two_threads(lambda part: [_piece(c) for c in part], chunks, least))
         self.empty = any(p is None for p in pieces)
         if self.empty:
             return

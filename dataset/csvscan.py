@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cores import on_two_threads
+from .cores import in_order, on_two_threads
 
 QUOTE, NL, CR = 34, 10, 13
 # Bytes str.strip() removes that are ASCII (the other whitespace is not ASCII).
@@ -110,20 +110,19 @@ def find(a: np.ndarray, *values: int, chunk: int = 1 << 22) -> list[np.ndarray]:
     The chunks are shared with a second thread (:func:`dataset.cores.on_two_threads`).
     """
 
-    def positions(lows) -> list[tuple[int, list[np.ndarray]]]:
+    def positions(lows) -> list[list[np.ndarray]]:
         mask = np.empty(min(chunk, len(a)), dtype=bool)
-        found = []  # (lo, each value's positions in the chunk at lo)
+        found = []  # each value's positions in each chunk
         for lo in lows:
             part = a[lo : lo + chunk]
             m = mask[: len(part)]
-            found.append((lo, [np.flatnonzero(np.equal(part, v, out=m)) + lo for v in values]))
+            found.append([np.flatnonzero(np.equal(part, v, out=m)) + lo for v in values])
         return found
 
-    halves = on_two_threads(positions, range(0, len(a), chunk))
-    chunks = sorted((c for half in halves for c in half), key=lambda c: c[0])
+    chunks = in_order(on_two_threads(positions, range(0, len(a), chunk)))
     if not chunks:
         return [np.empty(0, dtype=np.int64) for _ in values]
-    return [np.concatenate([found[k] for _, found in chunks]) for k in range(len(values))]
+    return [np.concatenate([found[k] for found in chunks]) for k in range(len(values))]
 
 
 def _per_row(seps: np.ndarray, nl: np.ndarray, body: int) -> int | None:
@@ -301,9 +300,9 @@ def quotes_ok(a: np.ndarray, body: int, sep: int, chunk: int = 1 << 19) -> bool:
     twice the time for a 1M-row file. A chunk is checked both ways (its first
     quote opening a field, or closing one), the count of quotes before it decides."""
 
-    def check(lows) -> list[tuple[int, int, bool, bool]]:
+    def check(lows) -> list[tuple[int, bool, bool]]:
         mask = np.empty(min(chunk, len(a)), dtype=bool)
-        out = []  # (lo, quotes, ok if the first opens, ok if it closes)
+        out = []  # (quotes, ok if the first opens, ok if it closes) of each chunk
         for lo in lows:
             part = a[lo : lo + chunk]
             q = np.flatnonzero(np.equal(part, QUOTE, out=mask[: len(part)]))
@@ -311,12 +310,11 @@ def quotes_ok(a: np.ndarray, body: int, sep: int, chunk: int = 1 << 19) -> bool:
             may_open, may_close = _roles(a, q, body, sep)
             even = bool(may_open[0::2].all() and may_close[1::2].all())
             odd = bool(may_close[0::2].all() and may_open[1::2].all())
-            out.append((lo, len(q), even, odd))
+            out.append((len(q), even, odd))
         return out
 
-    halves = on_two_threads(check, range(0, len(a), chunk))
     closing = False  # an odd number of quotes before the chunk: its first one closes
-    for _, count, even, odd in sorted(c for half in halves for c in half):
+    for count, even, odd in in_order(on_two_threads(check, range(0, len(a), chunk))):
         if not (odd if closing else even):
             return False
         closing ^= bool(count % 2)

@@ -29,3 +29,10 @@ def test_take_in_chunks_on_two_threads_is_numpys_gather(chunk):
     got = cores.take(a, at, chunk=chunk)
     assert got.dtype == a.dtype and got.tolist() == a[at].tolist()
     assert cores.take(a, at[:0], chunk=chunk).tolist() == []
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 9])
+def test_in_order_puts_each_part_s_item_back_in_place(n):
+    parts = list(range(n))
+    halves = cores.on_two_threads(lambda part: [p * 10 for p in part], parts)
+    assert cores.in_order(halves) == [p * 10 for p in parts]
