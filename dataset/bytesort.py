@@ -287,28 +287,44 @@ def _place_dtype(n: int) -> np.dtype:
 
 
 def _first_pass(buf, start, length, run, pos: int, chunk: int = 1 << 16):
-    """:func:`_sort_pass` of every string's word at `pos`, its keys built a chunk at a time
-    (word, run and place packed while the chunk is in the CPU's cache) on two threads,
-    straight into the one array that is sorted: no word, run or place array as large as
-    the index (1M rows: 2,000 fresh pages, 5 ms), and the places come back as int32."""
-    n = len(start)
+    """:func:`_sort_pass` of every string's word at `pos`, read a chunk at a time while
+    its keys are packed: no word array as large as the index."""
+    return _sort_words(lambda lo, hi: words(buf, start[lo:hi], length[lo:hi], pos),
+                       len(start), run, chunk)  # fmt: skip
+
+
+def _sort_pass(w: np.ndarray, run: np.ndarray | None, chunk: int = 1 << 16):
+    """``(key, width, perm)``: the words `w` (fresh, overwritten) sorted by (`run`, their
+    first `width` bytes, place); perm, where they were (None: they were in order)."""
+    return _sort_words(lambda lo, hi: w[lo:hi], len(w), run, chunk)
+
+
+def _sort_words(word_of, n: int, run: np.ndarray | None, chunk: int):
+    """:func:`_sort_pass` of the `n` words ``word_of(lo, hi)`` gives a chunk at a time.
+
+    The bytes go beside the run's number, and beside each string's place where that
+    leaves one or more: numpy sorts numbers twice as fast as it argsorts them. The keys
+    are packed a chunk at a time (word, run and place while the chunk is in the CPU's
+    cache) on two threads, straight into the one array that is sorted, and the places
+    come back a chunk at a time as int32: a temporary as large as the index is fresh
+    memory, which costs as much as the arithmetic on it (1M rows: 2,000 pages, 5 ms)."""
     top = 0 if run is None else int(run.max())
     place = (n - 1).bit_length()
     width = (64 - top.bit_length() - place) // 8
-    if width < 1:  # (no room for the place beside the run: argsort)
-        return _sort_pass(words(buf, start, length, pos), run)
+    if width < 1:  # no room for the place beside the run: an argsort
+        width = min(8, (64 - top.bit_length()) // 8)
+        key = _pack(word_of(0, n), run, width)
+        if not (key[1:] < key[:-1]).any():
+            return key, width, None
+        perm = np.argsort(key)
+        return key[perm], width, perm
     key = np.empty(n, dtype=np.uint64)
-    drop, lift, put = np.uint64(64 - 8 * width), np.uint64(8 * width), np.uint64(place)
+    put = np.uint64(place)
 
     def build(lows) -> None:
         for lo in lows:
             hi = min(n, lo + chunk)
-            k = words(buf, start[lo:hi], length[lo:hi], pos)
-            k >>= drop  # (width < 8: the place takes some bits)
-            if run is not None:
-                high = run[lo:hi].astype(np.uint64)
-                high <<= lift
-                k |= high
+            k = _pack(word_of(lo, hi), None if run is None else run[lo:hi], width)
             k <<= put
             k |= np.arange(lo, hi, dtype=np.uint64)
             key[lo:hi] = k
@@ -332,39 +348,15 @@ def _first_pass(buf, start, length, run, pos: int, chunk: int = 1 << 16):
     return key, width, perm
 
 
-def _sort_pass(w: np.ndarray, run: np.ndarray | None):
-    """``(key, width, perm)``: the words `w` (fresh, overwritten) sorted by (`run`, their
-    first `width` bytes, place); perm, where they were (None: they were in order).
-
-    The bytes go beside the run's number, and beside each string's place where that
-    leaves one or more: numpy sorts numbers twice as fast as it argsorts them. Each
-    step works in place: a temporary as large as the index is fresh memory, which costs
-    as much as the arithmetic on it."""
-    top = 0 if run is None else int(run.max())
-    place = (len(w) - 1).bit_length()
-    width = (64 - top.bit_length() - place) // 8
-    if width < 1:
-        width, place = min(8, (64 - top.bit_length()) // 8), 0
-    key = w
+def _pack(w: np.ndarray, run: np.ndarray | None, width: int) -> np.ndarray:
+    """The words `w` (fresh: overwritten) cut to their first `width` bytes, beside `run`."""
     if width < 8:
-        key >>= np.uint64(64 - 8 * width)
+        w >>= np.uint64(64 - 8 * width)
         if run is not None:
             high = run.astype(np.uint64)
             high <<= np.uint64(8 * width)
-            key |= high
-            del high
-    if not (key[1:] < key[:-1]).any():
-        return key, width, None
-    if not place:
-        perm = np.argsort(key)
-        return key[perm], width, perm
-    key <<= np.uint64(place)
-    at = np.arange(len(key), dtype=np.uint64)
-    key |= at
-    key.sort()
-    perm = np.bitwise_and(key, np.uint64((1 << place) - 1), out=at).view(np.int64)
-    key >>= np.uint64(place)
-    return key, width, perm
+            w |= high
+    return w
 
 
 def _break_ties(seq, head, length, minor):
