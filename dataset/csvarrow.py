@@ -26,6 +26,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -101,14 +102,12 @@ class Names:
         self.empty = any(p is None for p in pieces)
         if self.empty:
             return
-        self.stripped = any(stripped for *_, stripped in pieces)
-        self.parts = [buf for buf, *_ in pieces]
-        n = sum(len(s) for _, s, *_ in pieces)
-        longest = max(most for _, _, _, most, _ in pieces)
-        self.start = np.empty(n, dtype=small_int(sum(len(b) for b in self.parts), signed=False))
-        self.length = np.empty(n, dtype=small_int(longest))
-        at = np.cumsum([0] + [len(s) for _, s, *_ in pieces])
-        base = np.cumsum([0] + [len(b) for b in self.parts])
+        self.stripped = any(p.stripped for p in pieces)
+        self.parts = [p.buf for p in pieces]
+        at = np.cumsum([0] + [len(p.start) for p in pieces])  # each piece's first row
+        base = np.cumsum([0] + [len(b) for b in self.parts])  # and first byte
+        self.start = np.empty(int(at[-1]), dtype=small_int(int(base[-1]), signed=False))
+        self.length = np.empty(int(at[-1]), dtype=small_int(max(p.longest for p in pieces)))
 
         # an unsorted file's names will be sorted, which needs them in one buffer: joined
         # here, a chunk at a time on both cores, rather than in one copy later
@@ -116,22 +115,31 @@ class Names:
 
         def fill(part) -> None:
             for k in part:
-                buf, s, e, _, _ = pieces[k]
-                rows = slice(int(at[k]), int(at[k + 1]))
-                np.add(s, int(base[k]), out=self.start[rows], casting="unsafe")  # (< 2 GiB)
-                np.subtract(e, s, out=self.length[rows], casting="unsafe")
+                p, rows = pieces[k], slice(int(at[k]), int(at[k + 1]))
+                np.add(p.start, int(base[k]), out=self.start[rows], casting="unsafe")  # (< 2 GiB)
+                np.subtract(p.end, p.start, out=self.length[rows], casting="unsafe")
                 if joined is not None:
-                    joined[int(base[k]) : int(base[k + 1])] = buf
+                    joined[int(base[k]) : int(base[k + 1])] = p.buf
 
         on_two_threads(fill, range(len(pieces)), least=least)
         if joined is not None:
             self.parts = [joined]
 
 
-def _piece(c) -> tuple | None:
-    """``(bytes, starts, ends, longest, stripped)`` of a chunk's values, stripped, local
-    to its bytes; None where a value is empty. (Where nothing was stripped the starts
-    and ends are views of pyarrow's offsets: nothing as large as the chunk is made.)"""
+class _Piece(NamedTuple):
+    """A chunk's values, stripped: ``buf[start[i]:end[i]]``, local to its bytes (where
+    nothing was stripped, views of pyarrow's offsets: nothing as large as the chunk is
+    made); the longest's length; whether any was stripped."""
+
+    buf: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    longest: int
+    stripped: bool
+
+
+def _piece(c) -> _Piece | None:
+    """The chunk's :class:`_Piece`; None where a value is empty."""
     off = int32s(c, extra=1)  # a string array's offsets: one more than its values
     if off[-1] == off[0]:
         return None
@@ -143,7 +151,7 @@ def _piece(c) -> tuple | None:
     d = e - s
     if not d.min():
         return None
-    return buf, s, e, int(d.max()), s is not start or e is not end
+    return _Piece(buf, s, e, int(d.max()), s is not start or e is not end)
 
 
 class _Compare(threading.Thread):
