@@ -66,10 +66,11 @@ def _words_of(buf, start, length, rows, pos) -> np.ndarray:
     return words(buf, start[rows], length[rows], pos)
 
 
-def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 16, read: bool = True):
-    """:func:`_next_difference` of every string, in buffer order: read a chunk at a time
-    against one member of each run, so the bytes every run shares are skipped without
-    a word array as large as the index (fresh memory is what a large index pays most for)."""
+def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 16) -> int | None:
+    """The position :func:`_next_difference` gives, of every string, in buffer order: read
+    a chunk at a time against one member of each run, so the bytes every run shares are
+    skipped without a word array as large as the index (fresh memory is what a large
+    index pays most for); the words there are read by the pass that packs them."""
     n = len(start)
     longest = int(length.max())
     member = np.zeros(1 if run is None else int(run.max()) + 1, dtype=np.int64)
@@ -84,7 +85,7 @@ def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 16, read: 
     if window > 0:
         found = _window_difference(buf, start, run, member, pos, window, chunk)
         if found is not None:
-            return found, words(buf, start, length, found) if read else None
+            return found
         pos += 8 * window
     while pos < longest:
         mine = words(buf, start[member], length[member], pos)
@@ -94,8 +95,7 @@ def _first_difference(buf, start, length, run, pos, chunk: int = 1 << 16, read: 
             w ^= mine[0] if run is None else mine[run[lo : lo + chunk]]
             most = max(most, int(w.max()))
         if most:
-            pos += (64 - most.bit_length()) // 8
-            return pos, words(buf, start, length, pos) if read else None
+            return pos + (64 - most.bit_length()) // 8
         pos += 8
     return None
 
@@ -172,9 +172,8 @@ def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
     value (an index into `first`): ``np.unique(..., return_inverse=True)`` for strings."""
     start, length = np.asarray(start), np.asarray(length)  # any integer type: no copies
     if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
-        found = _first_difference(buf, start, length, None, 0, read=False)
-        if found is not None and int(length.max()) <= found[0] + 8:
-            pos = found[0]
+        pos = _first_difference(buf, start, length, None, 0)
+        if pos is not None and int(length.max()) <= pos + 8:
             got = _factorize_words(
                 lambda lo, hi: words(buf, start[lo:hi], length[lo:hi], pos), len(start), length
             )
@@ -252,12 +251,12 @@ def _sort(buf, start, length, major):
     seq, tied, rows, run, pos = None, None, None, major, 0
     while tied is None or len(tied):
         if rows is None:
-            found = _first_difference(buf, start, length, run, pos, read=False)
+            found = _first_difference(buf, start, length, run, pos)
         else:
             found = _next_difference(buf, start, length, rows, run, pos)
         done = found is None  # equal to the end: one more pass, for the major key
         if rows is None and not done:
-            pos = found[0]
+            pos = found
             key, width, perm = _first_pass(buf, start, length, run, pos)
         else:
             pos, w = (pos, np.zeros(n if tied is None else len(tied), np.uint64)) if done else found

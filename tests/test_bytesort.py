@@ -170,8 +170,8 @@ def test_first_difference_in_chunks_shared_with_a_second_thread(seed):
     at = [differs_at(v, values[run.tolist().index(r)]) for v, r in zip(values, run.tolist(),
           strict=True)]  # fmt: skip
     want = min((k for k in at if k is not None), default=None)
-    found = bytesort._first_difference(buf, start, length, run, 0, chunk=7, read=False)
-    assert (None if found is None else found[0]) == want
+    found = bytesort._first_difference(buf, start, length, run, 0, chunk=7)
+    assert found == want
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -207,8 +207,8 @@ def test_a_run_first_seen_in_the_last_chunk_is_compared_with_its_own(late):
     values = head + tail
     run = np.array([0] * len(head) + [1] * len(tail), dtype=np.int16)
     buf, start, length = packed(values)
-    found = bytesort._first_difference(buf, start, length, run, 0, chunk=7, read=False)
+    found = bytesort._first_difference(buf, start, length, run, 0, chunk=7)
     # the first run differs at byte 5; the last at byte 5 (late) or at its last byte
-    assert found is not None and found[0] == 5
+    assert found == 5
     got = bytesort.order(buf, start, length, run).tolist()
     assert got == sorted(range(len(values)), key=lambda i: (run[i], values[i], i))
