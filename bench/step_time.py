@@ -3,14 +3,17 @@
     python -m bench.step_time                        # both models, 2 and 4 processes
     python -m bench.step_time --models convnet --nodes 2 --reps 5
     python -m bench.step_time --rows ddp gloo gloo@4/0.25 gloo+bf16   # variants side by side
+    python -m bench.step_time --device cuda --models convnet --nodes 2   # CUDA tensors
 
 A step is what a user's loop does: `zero_grad`, forward, `backward`, then for
 AllReduceSGD `sum_and_normalize_gradients(model)`, then `opt.step()` (SGD with
 momentum). Rows:
 
     none       no communication (each process trains alone): the compute floor
-    ddp        torch DistributedDataParallel over gloo (its defaults: 25 MiB buckets)
-    gloo       AllReduceSGD over TorchDistributed(gloo): buckets during backward
+    ddp        torch DistributedDataParallel over the process group (`--backend`, gloo
+               by default; its defaults: 25 MiB buckets)
+    gloo       AllReduceSGD over TorchDistributed (the same process group): buckets
+               during backward
     gloo-sync  the same with overlap=False: one all-reduce after backward
     ipc        AllReduceSGD over the ipc tree (overlapped if the tree has async_op)
     ipc-sync   the same with overlap=False
@@ -33,6 +36,13 @@ figure moves far less); the table shows the median (min-max) over `--reps` jobs,
 each a fresh set of processes, and of the per-job ratios to DDP. Models:
 `convnet`, 9.5M parameters (two 3x3 convolutions, three linear layers, on
 3x32x32 inputs) and `mnist`, examples/mnist_lib.py's Net; batch 32 per process.
+
+`--device cuda` puts each rank's model and batches on GPU `rank % GPUs` and ends
+every timed step with `torch.cuda.synchronize()` (the step is done when its
+kernels are). The tree then carries CUDA gradients staged through pinned host
+memory; gloo copies them to the host itself; `--backend nccl` reduces them on the
+GPUs (NCCL wants one GPU per rank: ranks sharing a GPU fail at the first
+collective with NCCL's "Duplicate GPU detected").
 """
 
 from __future__ import annotations
@@ -129,8 +139,12 @@ def _worker(a: argparse.Namespace) -> None:
     from distlearn.backends import TorchDistributed
 
     torch.set_num_threads(a.threads)
+    device = torch.device("cpu")
+    if a.device == "cuda":
+        torch.cuda.set_device(a.rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
+        a.backend, init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
     )
     comms = {"gloo": TorchDistributed()}
     if any("ipc" in row for row in a.rows):
@@ -140,19 +154,25 @@ def _worker(a: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(a.rank)
     item = make_model(a.model)[1]
     batches = [
-        (torch.randn(a.batch, *item, generator=g), torch.randint(0, 10, (a.batch,), generator=g))
+        (
+            torch.randn(a.batch, *item, generator=g).to(device),
+            torch.randint(0, 10, (a.batch,), generator=g).to(device),
+        )
         for _ in range(4)
     ]
+    # A CUDA step is over when its kernels are, not when they are queued.
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def make_step(row: str):
         spec = parse_row(row)
         kind = spec["kind"]
-        model = make_model(a.model)[0]
+        model = make_model(a.model)[0].to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         net, sgd, ea = model, None, None
         comm = comms["ipc" if "ipc" in kind else "gloo"]
         if kind == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(model)
+            ids = [device.index] if device.type == "cuda" else None
+            net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         elif kind.startswith("ea-"):
             ea = AllReduceEA(comm, tau=10, alpha=0.2, overlap=not kind.endswith("-sync"))
             ea.synchronize_parameters(model)
@@ -175,6 +195,7 @@ def _worker(a: argparse.Namespace) -> None:
             opt.step()
             if ea is not None:
                 ea.average_parameters(model)
+            sync()
 
         return step, sgd, sum(p.numel() for p in model.parameters())
 
@@ -224,7 +245,7 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
         args = [
             "--worker", "--model", model, "--world", str(nodes), "--port", str(port),
             "--rounds", str(a.rounds), "--block", str(a.block or BLOCK[model]),
-            "--batch", str(a.batch),
+            "--batch", str(a.batch), "--device", a.device, "--backend", a.backend,
             "--threads", str(threads), "--out", str(out), "--rows", *a.rows,
         ]  # fmt: skip
         procs = [
@@ -270,6 +291,15 @@ def _overlap(stats: dict | None) -> str:
     return f"{per_step:.1f} of {len(mod['bucket_bytes'])}"
 
 
+def _device_text(device: str) -> str:
+    if device == "cpu":
+        return "CPU"
+    import torch
+
+    n = torch.cuda.device_count()
+    return f"CUDA, {n} x {torch.cuda.get_device_name(0)}" if n else "CUDA (none visible here)"
+
+
 def markdown(jobs: dict, a: argparse.Namespace, elapsed: float) -> str:
     from bench.report import machine
 
@@ -283,6 +313,8 @@ def markdown(jobs: dict, a: argparse.Namespace, elapsed: float) -> str:
         f"Machine: {m['cpu']}, {m['cores_usable']} usable cores, {m['mem_gib']} GiB, Python "
         f"{m['python']}, load average at start {m['loadavg_start'][0]:.2f}. torch "
         f"{m['versions'].get('torch', '?')}.",
+        "",
+        f"Tensors on: {_device_text(a.device)}. Process group (rows ddp and gloo): {a.backend}.",
         "",
         f"Each process: batch {a.batch}, {a.threads or 'cores / processes'} torch thread(s). "
         f"All rows of a job run in the same processes, {a.rounds} rounds of "
@@ -332,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         "--block", type=int, default=0, help="timed steps per row and round (0: per model)"
     )
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / processes)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     p.add_argument("--out", help="markdown report (default: print only)")
@@ -347,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             parse_row(row)
         except argparse.ArgumentTypeError as err:
             p.error(str(err))
+    if a.backend == "nccl" and a.device != "cuda":
+        p.error("--backend nccl reduces CUDA tensors: add --device cuda")
+    if a.device == "cuda" and not a.worker:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA GPU here")
     if a.worker:
         _worker(a)
         return 0

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU (CI has none): the `cuda` tests, then the step
+# time of the README's loop on CUDA tensors beside DDP. Run where torch sees a GPU
+# and distlearn is importable; figures and logs go to OUT (default cuda-out/).
+#   scripts/cuda-checks.sh [OUT]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-cuda-out}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS CMD...: run one check, bounded, its log in OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -n 40
+    echo "== $name: exit ${PIPESTATUS[0]}"
+}
+"$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))'
+step tests 120 "$py" -m pytest -p no:cacheprovider -q -rs -m cuda tests/test_distlearn.py
+# Ranks share the GPUs when there are fewer than ranks: gloo and the tree stage
+# CUDA tensors through host memory, so they can; NCCL cannot (tried at 2 ranks,
+# its error kept in the log), so NCCL's rows run with one rank a GPU.
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+step steps-gloo 240 "$py" -m bench.step_time --device cuda --models convnet mnist \
+    --nodes 2 4 --rows none ddp gloo ipc ipc-sync --reps 2 --timeout 90 \
+    --out "$out/RESULTS-step-time-cuda.md"
+step steps-nccl 100 "$py" -m bench.step_time --device cuda --backend nccl \
+    --models convnet mnist --nodes 1 $( ((gpus >= 2)) && echo 2) \
+    --rows none ddp gloo gloo-sync --reps 2 --timeout 60 \
+    --out "$out/RESULTS-step-time-nccl.md"
+if ((gpus < 2)); then
+    step nccl-shared-gpu 60 "$py" -m bench.step_time --device cuda --backend nccl \
+        --models mnist --nodes 2 --rows ddp --reps 1 --rounds 1 --timeout 45
+fi
