@@ -36,6 +36,7 @@ import zmq
 
 from . import wire
 from .errors import IPCError, IPCTimeoutError, MismatchError, PeerError
+from .hostops import copy
 from .link import Endpoint, Link
 from .pack import Packed
 from .wire import Kind, WireError
@@ -182,7 +183,7 @@ class Engine:
                     if have:
                         reduce(acc, src)
                     else:
-                        acc.copy_(src)
+                        copy(acc, src)
                         have = True
                 pending[k] = []
                 if root:
@@ -247,7 +248,7 @@ class Engine:
                     )
                 dst = chunks[k]
                 if size:
-                    dst.copy_(torch.frombuffer(frame.buffer, dtype=dst.dtype))
+                    copy(dst, torch.frombuffer(frame.buffer, dtype=dst.dtype))
                 total = count
                 send_down(k, count, frame)
                 down_done += 1

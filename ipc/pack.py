@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .hostops import copy
+
 Nested = torch.Tensor | list | tuple | dict
 _SIGNATURES: dict[tuple, bytes] = {}
 
@@ -82,7 +84,7 @@ class Packed:
             flat = torch.empty(total, dtype=dtype, pin_memory=pinned)
             off = 0
             for t in ts:
-                flat[off : off + t.numel()].view(t.shape).copy_(t)
+                copy(flat[off : off + t.numel()].view(t.shape), t)
                 off += t.numel()
             self.groups.append(Group(dtype, ts, flat, aliased=False))
 
@@ -112,7 +114,7 @@ class Packed:
                 continue
             off = 0
             for t in g.tensors:
-                t.copy_(g.flat[off : off + t.numel()].view(t.shape))
+                copy(t, g.flat[off : off + t.numel()].view(t.shape))
                 off += t.numel()
 
     def chunks(self, chunk_bytes: int) -> Iterator[torch.Tensor]:

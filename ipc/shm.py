@@ -58,6 +58,7 @@ import torch
 
 from . import cma
 from .errors import IPCTimeoutError, MismatchError, PeerError
+from .hostops import copy
 
 log = logging.getLogger(__name__)
 
@@ -572,18 +573,18 @@ class SharedMemoryGroup:
         for g, off in zip(groups, offsets, strict=True):
             dst = self._views(parity, off, g)[self.node]
             if not sliced:
-                dst.copy_(g)
+                copy(dst, g)
                 continue
             # Only the slices other nodes reduce: ours never needs to leave our tensor.
             lo, hi = self._bounds(g.numel(), self.node)
-            dst[:lo].copy_(g[:lo])
-            dst[hi:].copy_(g[hi:])
+            copy(dst[:lo], g[:lo])
+            copy(dst[hi:], g[hi:])
 
     def _reduce_all(self, groups, offsets, parity, contributors, reduce) -> None:
         # Every node folds all slots in the same order: identical bits everywhere.
         for g, off in zip(groups, offsets, strict=True):
             views = self._views(parity, off, g)
-            g.copy_(views[contributors[0]])
+            copy(g, views[contributors[0]])
             for j in contributors[1:]:
                 reduce(g, views[j])
 
@@ -619,10 +620,10 @@ class SharedMemoryGroup:
                     else:
                         src = views[k][s:e]
                     if k == 0 and me not in contributors:  # we add nothing: start from j's
-                        acc.copy_(src)
+                        copy(acc, src)
                     else:
                         reduce(acc, src)
-                mine[s:e].copy_(acc)  # still in cache: publishing it is nearly free
+                copy(mine[s:e], acc)  # still in cache: publishing it is nearly free
             reduced.append((g, off))
             reduced_bytes += g.numel() * es
             # Every node has the same groups: all take this barrier at the same group.
@@ -638,7 +639,7 @@ class SharedMemoryGroup:
             for j in range(self.n):
                 lo, hi = self._bounds(g.numel(), j)
                 if j != self.node and lo < hi:
-                    g[lo:hi].copy_(slots[j][lo:hi])
+                    copy(g[lo:hi], slots[j][lo:hi])
 
     def _scratch(self, dtype: torch.dtype) -> torch.Tensor:
         """A REDUCE_CHUNK-byte buffer of `dtype` for one piece of a peer's slice."""

@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import hostops
 from . import shm as shm_mod
 from .auth import TOKEN_ENV, TOKEN_FILE_ENV
 from .engine import Engine
@@ -75,9 +76,9 @@ _TREES: weakref.WeakSet = weakref.WeakSet()
 # The named ops: their collective's kind and in-place reducer, made once (a small
 # all-reduce costs tens of microseconds, so its per-call Python counts).
 _NAMED_OPS: dict[str, tuple[str, Callable[[torch.Tensor, torch.Tensor], None]]] = {
-    "sum": ("all_reduce:sum", lambda acc, src: acc.add_(src)),
-    "max": ("all_reduce:max", lambda acc, src: torch.maximum(acc, src, out=acc)),
-    "min": ("all_reduce:min", lambda acc, src: torch.minimum(acc, src, out=acc)),
+    "sum": ("all_reduce:sum", hostops.add),
+    "max": ("all_reduce:max", hostops.maximum),
+    "min": ("all_reduce:min", hostops.minimum),
 }
 # The ops whose queued all-reduces may run fused (each job's own reduce is the same).
 _FUSABLE = frozenset(kind for kind, _ in _NAMED_OPS.values())

@@ -1,0 +1,68 @@
+"""ipc.hostops: the tree's copies and reductions give torch's results, dtype by dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distlearn.ipc import hostops
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+# More than one GRAIN, not a multiple of it: the piecewise path's last piece is short.
+N = 2 * hostops.GRAIN + 123
+
+
+def _pair(dtype: torch.dtype, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return (torch.rand(n, generator=g) > 0.5, torch.rand(n, generator=g) > 0.5)
+    if dtype.is_floating_point or dtype.is_complex:
+        a, b = (torch.randn(n, generator=g, dtype=torch.float64) for _ in range(2))
+        if dtype.is_complex:
+            return (torch.complex(a, b).to(dtype), torch.complex(b, a).to(dtype))
+        a[::97] = float("nan")  # max/min propagate NaN, as torch's do
+        return a.to(dtype), b.to(dtype)
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128)  # int8 sums wrap around
+    return tuple(torch.randint(lo, hi, (n,), generator=g).to(dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reductions_match_torch(dtype):
+    a, b = _pair(dtype)
+    expected = {"add": a.clone().add_(b)}
+    if not dtype.is_complex:
+        expected["maximum"] = torch.maximum(a, b)
+        expected["minimum"] = torch.minimum(a, b)
+    for name, want in expected.items():
+        acc = a.clone()
+        getattr(hostops, name)(acc, b)
+        assert acc.dtype == dtype
+        assert torch.equal(acc, want) or (
+            dtype.is_floating_point and torch.allclose(acc, want, equal_nan=True, rtol=0, atol=0)
+        ), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_moves_the_bits_into_views(dtype):
+    a, b = _pair(dtype, 3 * 1000)
+    dst = a.clone()
+    # Into and out of strided views (a column of a matrix), as the tree's slices are not.
+    hostops.copy(dst.view(1000, 3)[:, 1], b.view(1000, 3)[:, 2])
+    want = a.clone()
+    want.view(1000, 3)[:, 1] = b.view(1000, 3)[:, 2]
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+def test_reductions_leave_the_source_alone_and_accept_read_only_buffers():
+    # The TCP engine reduces from received frames: read-only buffers.
+    src = torch.frombuffer(
+        torch.arange(10, dtype=torch.float32).numpy().tobytes(), dtype=torch.float32
+    )
+    acc = torch.ones(10)
+    hostops.add(acc, src)
+    assert torch.equal(acc, torch.arange(10, dtype=torch.float32) + 1)
+    assert torch.equal(src, torch.arange(10, dtype=torch.float32))
