@@ -48,7 +48,14 @@ Reduce = Callable[[torch.Tensor, torch.Tensor], None]
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)` for two tensors of the same shape."""
     bits = _BITS.get(dst.element_size())
-    if bits is not None and dst.dtype == src.dtype and dst.is_cpu and src.is_cpu:
+    # Below GRAIN torch copies inline, 1-2 us sooner than numpy through its views.
+    if (
+        dst.numel() >= GRAIN
+        and bits is not None
+        and dst.dtype == src.dtype
+        and dst.is_cpu
+        and src.is_cpu
+    ):
         np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
     else:
         dst.copy_(src)
@@ -58,8 +65,8 @@ def _elementwise(ufunc: np.ufunc, inplace: Reduce) -> Reduce:
     """`acc = op(acc, src)` on two 1-D tensors of one dtype, on the calling thread."""
 
     def apply(acc: torch.Tensor, src: torch.Tensor) -> None:
-        if not (acc.is_cpu and src.is_cpu):
-            inplace(acc, src)
+        if acc.numel() < GRAIN or not (acc.is_cpu and src.is_cpu):
+            inplace(acc, src)  # inline below GRAIN, and sooner than numpy's views
         elif acc.dtype in _NUMPY_MATH:
             a = acc.numpy()
             ufunc(a, src.numpy(), out=a)

@@ -30,8 +30,9 @@ def _pair(dtype: torch.dtype, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_reductions_match_torch(dtype):
-    a, b = _pair(dtype)
+@pytest.mark.parametrize("n", [N, 100], ids=["numpy-or-pieces", "below-grain"])
+def test_reductions_match_torch(dtype, n):
+    a, b = _pair(dtype, n)
     expected = {"add": a.clone().add_(b)}
     if not dtype.is_complex:
         expected["maximum"] = torch.maximum(a, b)
@@ -47,13 +48,14 @@ def test_reductions_match_torch(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_copy_moves_the_bits_into_views(dtype):
-    a, b = _pair(dtype, 3 * 1000)
-    dst = a.clone()
-    # Into and out of strided views (a column of a matrix), as the tree's slices are not.
-    hostops.copy(dst.view(1000, 3)[:, 1], b.view(1000, 3)[:, 2])
-    want = a.clone()
-    want.view(1000, 3)[:, 1] = b.view(1000, 3)[:, 2]
-    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+    for rows in (N, 1000):  # numpy's copy, and torch's below GRAIN
+        a, b = _pair(dtype, 3 * rows)
+        dst = a.clone()
+        # Into and out of strided views (a column of a matrix), as the tree's slices are not.
+        hostops.copy(dst.view(rows, 3)[:, 1], b.view(rows, 3)[:, 2])
+        want = a.clone()
+        want.view(rows, 3)[:, 1] = b.view(rows, 3)[:, 2]
+        assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8)), rows
 
 
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable")
