@@ -45,17 +45,18 @@ _NUMPY_MATH = frozenset(
 Reduce = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Host memory numpy can see as it is (no lazy conjugate or negation)."""
+    return t.is_cpu and not (t.is_conj() or t.is_neg())
+
+
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)` for two tensors of the same shape."""
     bits = _BITS.get(dst.element_size())
     # Below GRAIN torch copies inline, 1-2 us sooner than numpy through its views.
-    if (
-        dst.numel() >= GRAIN
-        and bits is not None
-        and dst.dtype == src.dtype
-        and dst.is_cpu
-        and src.is_cpu
-    ):
+    if dst.numel() < GRAIN or bits is None or dst.dtype != src.dtype:
+        dst.copy_(src)
+    elif _plain(dst) and _plain(src):
         np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
     else:
         dst.copy_(src)
@@ -65,7 +66,7 @@ def _elementwise(ufunc: np.ufunc, inplace: Reduce) -> Reduce:
     """`acc = op(acc, src)` on two 1-D tensors of one dtype, on the calling thread."""
 
     def apply(acc: torch.Tensor, src: torch.Tensor) -> None:
-        if acc.numel() < GRAIN or not (acc.is_cpu and src.is_cpu):
+        if acc.numel() < GRAIN or not (_plain(acc) and _plain(src)):
             inplace(acc, src)  # inline below GRAIN, and sooner than numpy's views
         elif acc.dtype in _NUMPY_MATH:
             a = acc.numpy()

@@ -68,3 +68,16 @@ def test_reductions_leave_the_source_alone_and_accept_read_only_buffers():
     hostops.add(acc, src)
     assert torch.equal(acc, torch.arange(10, dtype=torch.float32) + 1)
     assert torch.equal(src, torch.arange(10, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float32], ids=str)
+def test_lazy_conjugates_and_negations_are_resolved_as_torch_does(dtype):
+    a, b = _pair(dtype)
+    a, b = a.nan_to_num(), b.nan_to_num()
+    for src in ([b.conj()] if dtype.is_complex else []) + [torch._neg_view(b)]:
+        dst = torch.empty_like(a)
+        hostops.copy(dst, src)
+        assert torch.equal(dst, src.resolve_conj().resolve_neg())
+        acc = a.clone()
+        hostops.add(acc, src)
+        assert torch.equal(acc, a + src)
