@@ -77,9 +77,10 @@ class Packed:
                 continue
             total = sum(t.numel() for t in ts)
             # CUDA tensors are staged in pinned (page-locked) host memory: the copy is
-            # then one DMA at the link's full speed, not the driver's copy through its
-            # own bounce buffer (about twice the time), and torch's caching host
-            # allocator hands the same pages back every step.
+            # then one DMA, where a copy to pageable memory goes through a staging
+            # buffer of the driver's, and torch's caching host allocator hands the
+            # same pages back every step. (Its gain was not measured on its own: every
+            # CUDA run in bench/RESULTS-step-time.md staged through pinned memory.)
             pinned = any(t.is_cuda for t in ts)
             flat = torch.empty(total, dtype=dtype, pin_memory=pinned)
             off = 0
