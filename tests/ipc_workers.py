@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from distlearn import ipc
@@ -232,6 +233,44 @@ def launch(node: int, n: int, key: str) -> dict:
     count = tree.all_reduce(x)
     tree.close()
     return {"pid": os.getpid(), "sum": float(x[0]), "count": count}
+
+
+def _anonymous_threads() -> int:
+    """Native threads of this process that are neither Python's nor ZeroMQ's (named
+    ZMQbg/...): OpenMP's workers among them, which torch starts at its first op on its
+    intra-op pool."""
+    python = {t.native_id for t in threading.enumerate()}
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            name = f.read().strip()
+        count += int(tid) not in python and not name.startswith("ZMQbg")
+    return count
+
+
+@scenario
+def pool_free(node: int, n: int, key: str) -> dict:
+    """Large all-reduces with 4 torch threads (sum and max, float32 and float16, sync
+    and async): the anonymous threads before and after. The data is made by numpy, so
+    nothing but the tree could start torch's intra-op pool."""
+    torch.set_num_threads(4)
+    tree = tree_from_args(node, n, key)
+    before = _anonymous_threads()
+    x = torch.from_numpy(np.full(1 << 22, node + 1, dtype=np.float32))  # 16 MiB: sliced
+    h = torch.from_numpy(np.full(1 << 21, node + 1, dtype=np.float16))
+    counts = [tree.all_reduce(x), tree.all_reduce(x, async_op=True).wait()]
+    counts.append(tree.all_reduce(h, op="max"))
+    after = _anonymous_threads()
+    out = {
+        "threads": (before, after),
+        "counts": counts,
+        "x": float(x[0]),
+        "x_ok": bool((x.numpy() == x.numpy()[0]).all()),
+        "h": float(h[0]),
+        "h_ok": bool((h.numpy() == h.numpy()[0]).all()),
+    }
+    tree.close()
+    return out
 
 
 @scenario
