@@ -52,14 +52,13 @@ def _plain(t: torch.Tensor) -> bool:
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)` for two tensors of the same shape."""
-    bits = _BITS.get(dst.element_size())
     # Below GRAIN torch copies inline, 1-2 us sooner than numpy through its views.
-    if dst.numel() < GRAIN or bits is None or dst.dtype != src.dtype:
-        dst.copy_(src)
-    elif _plain(dst) and _plain(src):
-        np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
-    else:
-        dst.copy_(src)
+    if dst.numel() >= GRAIN and dst.dtype == src.dtype and _plain(dst) and _plain(src):
+        bits = _BITS.get(dst.element_size())
+        if bits is not None:
+            np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
+            return
+    dst.copy_(src)
 
 
 def _elementwise(ufunc: np.ufunc, inplace: Reduce) -> Reduce:
