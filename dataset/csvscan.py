@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import csv
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -346,13 +347,18 @@ def scan_rows(text: str, sep: str, where: str) -> tuple[list[str], list[tuple[in
     For what :func:`scan` leaves to the csv module. Raises ``csv.Error`` with
     the reader's line number in ``err.line``.
     """
+    rows = iter_rows(text, sep)
+    header = next(rows, (0, []))[1]
+    return header, list(rows)
+
+
+def iter_rows(text: str, sep: str) -> Iterator[tuple[int, list[str]]]:
+    """``(line, row)`` of each row of `text` (the header's too) by ``csv.reader(strict=True)``,
+    as they are read; ``csv.Error`` with the reader's line number in ``err.line``."""
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=sep, strict=True)
-    rows: list[tuple[int, list[str]]] = []
     try:
-        header = next(reader, None)
         for row in reader:
-            rows.append((reader.line_num, row))
+            yield reader.line_num, row
     except csv.Error as err:
         err.line = reader.line_num  # type: ignore[attr-defined]
         raise
-    return header or [], rows

@@ -151,6 +151,88 @@ def test_what_pyarrow_refuses_reads_as_before(tmp_path, monkeypatch, data):
     same(three_ways(path, monkeypatch))
 
 
+@pytest.mark.parametrize(
+    ("data", "fault"),
+    [
+        # a short row before one with too many fields: the short one is named
+        (b"label,filename\nx\na,b,c\n", "i.csv:2: missing fields ['filename']: ['x']"),
+        (b"filename,offset,length\nn1,1,2\nn2,x,3\nn3,4\n",
+         "i.csv:3: offset/length must be integers, got 'x'/'3'"),
+        # the row's values as written, not stripped
+        (b"filename,offset,length\nn1,1,2\nn33 \n",
+         "i.csv:3: missing fields ['offset', 'length']: ['n33 ']"),
+        (b"label,filename\n x \n", "i.csv:2: missing fields ['filename']: [' x ']"),
+    ],
+)  # fmt: skip
+def test_a_faulty_index_is_told_its_first_faulty_row_as_written(tmp_path, monkeypatch, data, fault):
+    """The scanner checks each fault over all rows in turn, on stripped values; the
+    error the user reads is the csv module's: the first faulty row in the file, its
+    values as written (found by the fuzzing of these three routes)."""
+    path = tmp_path / "i.csv"
+    path.write_bytes(data)
+    got = three_ways(path, monkeypatch)
+    assert isinstance(got[0], str) and got[0].endswith(fault), got
+    same(got)
+
+
+# what a byte-level mutation inserts: separators, quotes, line ends, NUL, whitespace,
+# non-ASCII and bytes that are not UTF-8, the byte that reads lines whole
+MUTATIONS = [b"a", b"0", b".", b"/", b",", b",,", b"\t", b" ", b'"', b'""', b"\n", b"\r", b"\r\n",
+             b"\n\n", b"\0", "\u00e9".encode(), "\u00a0".encode(), b"\xff", b"\x1f"]  # fmt: skip
+
+
+def _mutated_index(rng: random.Random) -> tuple[bytes, str]:
+    """A generated index (0-3 label columns, maybe offset/length, columns in any order,
+    some rows cut short), then up to 5 bytes inserted or deleted anywhere."""
+    cols = ["filename"] + [f"label{k}" for k in range(rng.randrange(4))]
+    if rng.random() < 0.15:
+        cols += ["offset", "length"]
+    if rng.random() < 0.2:
+        rng.shuffle(cols)
+    sep = rng.choice([",", "\t"]) if rng.random() < 0.2 else ","
+    labels = [b"cat", b"dog", b"10", b"2", b" x ", b"", "\u00e9".encode(), b'"q"', b'"a,b"']
+    suffixes = [b"", b".png", b" ", b"/x"]
+    lines = [sep.join(cols).encode()]
+    for _ in range(rng.randrange(1, 400)):
+        fields = []
+        for c in cols:
+            if c == "filename":
+                fields.append(b"n%d%s" % (rng.randrange(50), rng.choice(suffixes)))
+            elif c.startswith("label"):
+                fields.append(rng.choice(labels))
+            else:
+                fields.append(b"%d" % rng.randrange(100))
+        cut = rng.randrange(1, len(fields) + 1) if rng.random() < 0.1 else len(fields)
+        lines.append(sep.encode().join(fields[:cut]))
+    end = rng.choice([b"\n", b"\r\n"])
+    data = bytearray(end.join(lines) + (end if rng.random() < 0.8 else b""))
+    if rng.random() < 0.1:
+        data[:0] = b"\xef\xbb\xbf"
+    for _ in range(rng.choice([0, 0, 0, 1, 2, 5])):
+        at = rng.randrange(len(data) + 1)
+        if rng.random() < 0.7:
+            data[at:at] = rng.choice(MUTATIONS)
+        elif at < len(data):
+            del data[at]
+    return bytes(data), sep
+
+
+def test_mutated_indexes_read_as_the_csv_module_reads_them(tmp_path, monkeypatch):
+    """400 generated indexes with bytes inserted and deleted at random, over many blocks:
+    pyarrow's split, the scanner and the csv module give the same index or the same
+    error (the first faulty row, as written)."""
+    monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
+    errors = 0
+    for seed in range(400):
+        data, sep = _mutated_index(random.Random(seed))
+        path = tmp_path / ("i.tsv" if sep == "\t" else "i.csv")
+        path.write_bytes(data)
+        got = three_ways(path, monkeypatch)
+        same(got)
+        errors += isinstance(got[0], str)
+    assert 20 < errors < 200  # (both indexes and faults were compared)
+
+
 def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)  # many blocks: chunks joined
     rng = random.Random(0)
