@@ -269,8 +269,10 @@ def decode(meta: Mapping, frames: list, into: object = None) -> object:
             shape = d.get("shape")
             if not isinstance(shape, list) or len(shape) > 32:
                 raise WireError(f"{path}: bad shape")
-            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-                raise WireError(f"{path}: bad shape {shape}")
+            # (torch's sizes are int64: [0, 2**64] is empty, and no tensor torch can make)
+            if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63
+                       for s in shape):  # fmt: skip
+                raise WireError(f"{path}: bad shape {str(shape)[:80]}")
             span = d["t"]
             if (
                 not (

@@ -311,6 +311,9 @@ def test_dtype_names_go_through_an_allow_list():
     # sizes must match the description exactly; payloads are used once
     with pytest.raises(WireError, match="bytes"):
         wire.decode({"v": {"t": [0, 1], "dtype": "float32", "shape": [2]}}, [b"\0" * 4])
+    for shape in ([0, 2**63], [2**64, 0], [-1]):  # (an empty tensor of a size torch cannot hold)
+        with pytest.raises(WireError, match="bad shape"):
+            wire.decode({"v": {"t": [0, 1], "dtype": "float32", "shape": shape}}, [b""])
     with pytest.raises(WireError, match="twice"):
         wire.decode({"v": [{"b": 0}, {"b": 0}]}, [b"ab"])
     with pytest.raises(WireError, match="not described"):
