@@ -152,7 +152,8 @@ class Cache:
         The file holds the payload and a trailer: read it with :meth:`get`.
         """
         key = url if isinstance(url, str) else repr(tuple(url))
-        h = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        # (a local file's name may hold bytes that are not UTF-8: os.fsdecode's surrogates)
+        h = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
         return self.objects / h[:2] / h
 
     # ------------------------------------------------------------ reading

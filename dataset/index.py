@@ -165,7 +165,8 @@ class NameRows:
         if buf is None:  # the part that holds it
             k = int(np.searchsorted(self._ends, s, side="right"))
             buf, s = self._parts[k], s - (int(self._ends[k - 1]) if k else 0)
-        return bytes(buf[s : s + int(self.length[r])]).decode("utf-8")
+        # (a CSV's bytes are checked UTF-8; a folder's names are the file system's)
+        return bytes(buf[s : s + int(self.length[r])]).decode("utf-8", "surrogateescape")
 
     def source(self, r: int) -> Any:
         url = self.resolver(self.raw(r))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from .index import (
 )
 from .options import Options, split
 from .parts import PartIndex, is_part_source, open_parts
+
+log = logging.getLogger("distlearn.dataset.index")
 
 __all__ = ["IndexKind", "Opening", "kinds", "open_index", "register_index_kind"]
 
@@ -201,12 +204,20 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
     """Files under sub-folders are labelled by the (top) sub-folder name; top files unlabeled.
 
     Hidden files and folders (leading dot) are skipped; examples are in label,
-    then path order, so every machine sees the same order.
+    then path order, so every machine sees the same order. Symbolic links are
+    followed, each folder walked once: a link back up the tree (a loop) or to a
+    folder already walked is skipped, with a warning. Names that are not UTF-8
+    are kept as the file system gives them (``os.fsdecode``: undecodable bytes as
+    surrogates), so every file is found and opened, as ``os.walk`` and ``open``
+    do in torchvision's ImageFolder.
     """
     root = os.path.abspath(root)
     found: list[tuple[str, str | None]] = []
+    walked = {_identity(root)}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        # (in name order: which of two links to one folder is walked is the same everywhere)
+        dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and _first_visit(
+                       os.path.join(dirpath, d), walked)]  # fmt: skip
         rel_dir = os.path.relpath(dirpath, root)
         label = None if rel_dir == "." else rel_dir.split(os.sep)[0]
         for f in filenames:
@@ -215,7 +226,7 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
     if not found:
         raise BadIndex(f"{root}: empty directory index (no visible files)")
     found.sort()
-    names = [rel.encode("utf-8") for rel, _ in found]
+    names = [os.fsencode(rel) for rel, _ in found]
     size = np.asarray([len(n) for n in names], dtype=np.int64)
     buf = np.frombuffer(b"".join(names), dtype=np.uint8)
     table = NameRows(buf, np.cumsum(size) - size, size, Resolver(root + os.sep))
@@ -225,6 +236,26 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
     ptr = np.zeros(len(found) + 1, dtype=np.int64)
     np.cumsum([lab is not None for _, lab in found], out=ptr[1:])
     return labelled(table, ptr, ids, distinct, root, multi_hot=multi_hot)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _first_visit(path: str, walked: set) -> bool:
+    """Whether folder `path` (a link followed) is one the walk has not been in yet."""
+    key = _identity(path)
+    if key is None:
+        return True  # (os.walk skips what it cannot list)
+    if key in walked:
+        log.warning("%s: a folder already walked (a link to it, or a loop); skipped", path)
+        return False
+    walked.add(key)
+    return True
 
 
 # ----------------------------------------------------------------------------- CSV

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distlearn.dataset import BadIndex, Dataset, open_index
+from distlearn.dataset.processors import Raw
 
 
 def write(path, text: str):
@@ -174,6 +175,46 @@ def test_directory_index(tmp_path):
     assert names == ["a/1.png", "a/deep/3.png", "b/2.png", "top.png"]
     assert ix.labels == ["a", "b"]
     assert ix.targets.tolist() == [0, 0, 1, -1]
+
+
+def test_directory_index_walks_each_folder_once(tmp_path, caplog):
+    """Links are followed (a class folder may be one), but a link back up the tree
+    is not walked again: os.walk(followlinks=True) went on until the path was too
+    long, the same files again at every level, labelled by the top folder."""
+    for rel in ["a/1.png", "b/2.png", "shared/3.png"]:
+        write(tmp_path / "data" / rel, "x")
+    os.symlink(tmp_path / "data", tmp_path / "data" / "b" / "loop")  # a loop
+    os.symlink(tmp_path / "data" / "shared", tmp_path / "data" / "c")  # a class that is a link
+    with caplog.at_level("WARNING", logger="distlearn.dataset.index"):
+        ix = open_index(str(tmp_path / "data"))
+    names = [os.path.relpath(s, tmp_path / "data") for s in ix.sources]
+    # the link walked first wins: "c" sorts before "shared"
+    assert names == ["a/1.png", "b/2.png", "c/3.png"]
+    assert ix.labels == ["a", "b", "c"]
+    assert "b/loop: a folder already walked" in caplog.text
+    assert "shared: a folder already walked" in caplog.text
+
+
+def test_directory_index_keeps_names_that_are_not_utf8(tmp_path):
+    """A file named in Latin-1 (b'caf\\xe9.png') is in the index and read, as os.walk
+    and open() find it; it made the index fail with UnicodeEncodeError."""
+    folder = os.fsencode(tmp_path / "cat")
+    os.makedirs(folder)
+    for name, data in [(b"caf\xe9.png", b"abcd"), (b"plain.png", b"wxyz")]:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    ds = Dataset(str(tmp_path))
+    names = [os.path.basename(os.fsencode(s)) for s in ds.index.sources]
+    assert names == [b"caf\xe9.png", b"plain.png"]
+
+    with ds.sampled_batcher(batch_size=2, input_dims=(4,), processor=Raw(),
+                            sampler="linear") as b:  # fmt: skip
+        assert b.next_batch().input.tolist() == [[97, 98, 99, 100], [119, 120, 121, 122]]
+    ds = Dataset(str(tmp_path), cache_items=True, cache_dir=str(tmp_path / ".cache"))
+    for _ in range(2):  # (stored in the cache, then read from it)
+        with ds.sampled_batcher(batch_size=2, input_dims=(4,), processor=Raw(),
+                                sampler="linear") as b:  # fmt: skip
+            assert b.next_batch().input.tolist() == [[97, 98, 99, 100], [119, 120, 121, 122]]
 
 
 def test_tensor_dict_and_pt(tmp_path):
