@@ -26,6 +26,7 @@ import concurrent.futures
 import logging
 import os
 import random
+import re
 import stat
 import threading
 import time
@@ -392,6 +393,14 @@ class Fetcher:
     ) -> bytes:
         """The body of a successful response, within the size bounds."""
         expected = resp.content_length
+        if offset is not None and resp.status == 206:
+            # the bytes asked for, or fewer (then "short" below): a cache that answers
+            # with a range that starts elsewhere would hand back another record's bytes
+            value = resp.headers.get("Content-Range")
+            got = _content_range(value)
+            if got is None or got[0] != offset or got[1] > offset + length - 1:
+                raise FetchError(url, f"Content-Range {value!r} for bytes {offset}-"
+                                      f"{offset + length - 1}", True)  # fmt: skip
         if offset is None or resp.status == 206:
             cap = self.max_item_bytes if offset is None else length
             if expected is not None and expected > cap:
@@ -428,6 +437,14 @@ class Fetcher:
                 "record's end (serve the files with Range support, or as separate items)",
                 host,
             )
+
+
+def _content_range(value: str | None) -> tuple[int, int] | None:
+    """``(first, last)`` byte of a Content-Range ``bytes FIRST-LAST/SIZE`` (SIZE or *)."""
+    m = re.fullmatch(r"bytes ([0-9]{1,18})-([0-9]{1,18})/(?:[0-9]{1,18}|\*)", value or "")
+    if m is None or int(m[2]) < int(m[1]):
+        return None
+    return int(m[1]), int(m[2])
 
 
 def _too_big(size: int, cap: int, whole: bool) -> str:

@@ -9,7 +9,10 @@ listing of a folder), ``"500"``/``"503"``/``"404"``/``"403"`` (that status),
 ``"stall"`` (sleep --stall seconds, then serve), ``"hold"`` (wait until the file
 ROOT/../release exists, then serve: a stall the test ends, whatever the load),
 ``"cut"`` (announce the full length, send half the body, drop the connection),
-``"norange"`` (ignore Range: the whole file, in 64 KiB writes), ``"endless"``
+``"norange"`` (ignore Range: the whole file, in 64 KiB writes), ``"shifted"`` (a
+Range answered with as many bytes from one byte further, their Content-Range
+saying so, as a broken cache might), ``"unranged"`` (the same bytes with no
+Content-Range), ``"endless"``
 (a chunked body that never ends), ``"redirect:URL"`` (a 302 to URL; ``{port}``
 is this server's port). Paths not in the plan are served normally. Request counts per path, and the
 bytes written for ``norange``/``endless`` answers (key ``PATH#sent``), are
@@ -65,6 +68,14 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
         if action == "ok":
             return web.FileResponse(path)
         body = path.read_bytes()
+        if action in ("shifted", "unranged") and request.http_range.start is not None:
+            want = request.http_range
+            start = want.start + 1
+            part = body[start : start + want.stop - want.start]
+            resp = web.Response(status=206, body=part, content_type="application/octet-stream")
+            if action == "shifted":
+                resp.headers["Content-Range"] = f"bytes {start}-{start + len(part) - 1}/{len(body)}"
+            return resp
         if action == "norange":
             chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
             return await _stream(request, rel, hits, chunks, len(body))

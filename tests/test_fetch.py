@@ -90,6 +90,21 @@ def test_range_reads(faulty):
     assert whole == data
 
 
+def test_a_range_answered_with_other_bytes_is_refused(faulty):
+    """A 206 must carry the bytes asked for: a Content-Range that starts elsewhere (same
+    length: the length check alone let it through, other bytes came back as the
+    record) or none at all is a fault, retried, then named."""
+    base = faulty({name(7): ["shifted", "ok"], name(8): ["shifted"], name(9): ["unranged"]})
+    data = (faulty.root / name(7)).read_bytes()
+    with Fetcher(retries=2, backoff=0.01) as f:
+        assert f.submit(f.fetch((base + name(7), 3, 10))).result(timeout=30) == data[3:13]
+        with pytest.raises(FetchError, match=r"Content-Range 'bytes 4-13/\d+' for bytes 3-12"):
+            f.submit(f.fetch((base + name(8), 3, 10))).result(timeout=30)
+        with pytest.raises(FetchError, match=r"Content-Range None for bytes 3-12"):
+            f.submit(f.fetch((base + name(9), 3, 10))).result(timeout=30)
+    assert faulty.hits()[name(7)] == 2 and faulty.hits()[name(8)] == 3
+
+
 @pytest.mark.parametrize("workers", ["thread", "process"])
 def test_faults_exactly_once_counted_and_named(faulty, caplog, workers):
     perm_fail = {3: "404", 10: "500", 50: "403", 77: "404"}
