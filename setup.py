@@ -25,7 +25,6 @@ install_requires = [
     "aiohttp>=3.9",
     "pyzmq>=25",
     "fsspec>=2023.6",
-    "filelock>=3.12",
     "tqdm>=4.60",
     # CSV indexes split by its C++ reader (dataset/csvarrow.py); without it, by numpy
     "pyarrow>=14",

@@ -40,9 +40,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from filelock import FileLock
-
 from .errors import DatasetError
+from .hostlock import HostLock
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,6 @@ class Cache:
         for d in (self.root, self.objects, self.locks):
             _private_dir(d)
         self._ledger = self.root / "size"  # bytes written since the last exact count
-        self._lock_pid = -1  # file locks belong to one process: rebuilt after a fork
         self._dirs: set[Path] = set()
         self._unaccounted = 0  # bytes this process wrote, not yet in the ledger
         self._flushed_at = time.monotonic()
@@ -132,18 +130,19 @@ class Cache:
         return f"Cache({str(self.root)!r}, max_cache_bytes={self.max_bytes})"
 
     def __getstate__(self) -> dict:
-        # FileLock objects are per process; rebuild them in a worker process.
+        # (a worker process starts with its own counters)
         return {"root": self.root, "max_bytes": self.max_bytes}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], state["max_bytes"])
 
-    @property
-    def _global(self) -> FileLock:
-        if self._lock_pid != os.getpid():
-            self._global_lock = FileLock(str(self.root / "cache.lock"))
-            self._lock_pid = os.getpid()
-        return self._global_lock
+    def _global(self) -> HostLock:
+        """The lock of the ledger and of eviction."""
+        return HostLock(str(self.root / "cache.lock"), f"cache {self.root}")
+
+    def _entry_lock(self, url: str | tuple) -> HostLock:
+        """The lock of one entry's filling (held while it is made: once per host)."""
+        return HostLock(str(self.locks / (self.path(url).name + ".lock")), f"cache entry {url}")
 
     def path(self, url: str | tuple) -> Path:
         """Where the entry for ``url`` lives (whether or not it exists).
@@ -186,7 +185,9 @@ class Cache:
 
     def _remove_damaged(self, p: Path, seen: os.stat_result) -> None:
         # another process may have replaced it with a good entry since we read it
-        with contextlib.suppress(FileNotFoundError), self._global:
+        with contextlib.suppress(FileNotFoundError), self._global() as held:
+            if not held:  # (its holder is stopped: the damaged entry is left to a rewrite)
+                return
             now = p.stat()
             if (now.st_ino, now.st_size, now.st_mtime_ns) == (
                 seen.st_ino, seen.st_size, seen.st_mtime_ns
@@ -255,7 +256,7 @@ class Cache:
         view = self.mapped(url)
         if view is not None:
             return view
-        with FileLock(str(self.locks / (self.path(url).name + ".lock"))):
+        with self._entry_lock(url):  # (not held: its holder is stopped; made here too)
             view = self.mapped(url)
             if view is None:
                 self._write(url, produce())
@@ -274,7 +275,7 @@ class Cache:
         data = self.get(url)
         if data is not None:
             return data
-        with FileLock(str(self.locks / (self.path(url).name + ".lock"))):
+        with self._entry_lock(url):  # (not held: its holder is stopped; made here too)
             data = self.get(url)  # another process filled it while we waited
             if data is not None:
                 return data
@@ -315,7 +316,9 @@ class Cache:
         now = time.monotonic()
         if self._unaccounted < self._flush_bytes and now - self._flushed_at < 1.0:
             return
-        with self._global:
+        with self._global() as held:
+            if not held:  # (counted at the next flush: no ledger written by two at once)
+                return
             total = self._read_ledger() + self._unaccounted
             if total > self.max_bytes:
                 total = self._evict_locked(int(self.max_bytes * _LOW_WATER), keep)
@@ -364,7 +367,7 @@ class Cache:
 
     def evict(self, target_bytes: int | None = None) -> int:
         """Evict least recently used entries down to ``target_bytes``; returns bytes left."""
-        with self._global:
+        with self._global():  # (not held: its holder is stopped; the scan is exact)
             total = self._evict_locked(self.max_bytes if target_bytes is None else target_bytes)
             self._ledger.write_text(f"{total}\n")
             self._unaccounted = 0  # the scan counted everything

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import distlearn.dataset.cache
-from distlearn.dataset import DatasetError
+from distlearn.dataset import DatasetError, hostlock
 from distlearn.dataset.cache import Cache
 from tests.conftest import repo_env, wait_for_file
 
@@ -127,6 +127,11 @@ elif mode == "hang":
         time.sleep(60)
         return b"never"
     cache.fill("http://host/stuck", download)
+elif mode == "ledger":  # holds the ledger's lock, as a flush or an eviction does
+    cache = Cache(root)
+    with cache._global():
+        open(log, "w").write("started\n")
+        time.sleep(60)
 """
 
 
@@ -189,6 +194,61 @@ def test_killed_filler_releases_the_lock(tmp_path):
     t0 = time.monotonic()
     assert cache.fill("http://host/stuck", lambda: b"whole") == b"whole"
     assert time.monotonic() - t0 < 5
+
+
+def _stopped_child(tmp_path, mode: str):
+    """A child in `mode` that holds a lock of the cache, stopped (SIGSTOP) while it does."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode, str(tmp_path / "cache"), str(started), "1"],
+        env=repo_env(CACHE_PY=CACHE_PY),
+    )
+    wait_for_file(started, proc)
+    proc.send_signal(signal.SIGSTOP)
+    return proc
+
+
+@pytest.mark.parametrize("mode", ["hang", "ledger"])
+def test_a_stopped_lock_holder_is_gone_on_without(tmp_path, caplog, mode):
+    """A process stopped (SIGSTOP, Ctrl-Z, a debugger) while it fills an entry, or while
+    it holds the ledger, made every other process of the host wait forever, before any
+    collective could name it; they now go on without it after a grace period, and say so.
+    The entries stay whole: each is written before it has its name."""
+    proc = _stopped_child(tmp_path, mode)
+    try:
+        cache = Cache(tmp_path / "cache", max_cache_bytes=1000)
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="distlearn.dataset.cache"):
+            assert cache.fill("http://host/stuck", lambda: b"whole") == b"whole"
+            assert cache.put("other", bytes(100))  # a flush of the ledger: 1% of the limit
+        assert time.monotonic() - t0 < hostlock.STOPPED_GRACE + 10
+        assert f"process {proc.pid} holds its lock and is stopped" in caplog.text
+        assert cache.get("http://host/stuck") == b"whole" and cache.get("other") == bytes(100)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cache.fill("http://host/later", lambda: b"after") == b"after"  # the locks work on
+
+
+def test_a_working_lock_holder_is_waited_for(tmp_path):
+    """A holder that runs, however slowly, is not gone on without: the entry is its."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.replace("time.sleep(60)", "time.sleep(3)"))
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "hang", str(tmp_path / "cache"), str(started), "1"],
+        env=repo_env(CACHE_PY=CACHE_PY),
+    )
+    try:
+        wait_for_file(started, proc)
+        got = Cache(tmp_path / "cache").fill("http://host/stuck", lambda: b"ours")
+        assert got == b"never" and proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _child_put(cache: Cache, q) -> None:
