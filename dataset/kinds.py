@@ -205,19 +205,35 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
 
     Hidden files and folders (leading dot) are skipped; examples are in label,
     then path order, so every machine sees the same order. Symbolic links are
-    followed, each folder walked once: a link back up the tree (a loop) or to a
-    folder already walked is skipped, with a warning. Names that are not UTF-8
-    are kept as the file system gives them (``os.fsdecode``: undecodable bytes as
-    surrogates), so every file is found and opened, as ``os.walk`` and ``open``
-    do in torchvision's ImageFolder.
+    followed, as torchvision's ImageFolder follows them (a class may be a link, two
+    may share a folder), except a link back to a folder above it: a loop, skipped
+    with a warning. Names that are not UTF-8 are kept as the file system gives them
+    (``os.fsdecode``: undecodable bytes as surrogates), so every file is found and
+    opened, as ``os.walk`` and ``open`` find them.
     """
     root = os.path.abspath(root)
     found: list[tuple[str, str | None]] = []
-    walked = {_identity(root)}
+    folder = {root: _identity(root)}  # each folder walked, by (device, inode)
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        # (in name order: which of two links to one folder is walked is the same everywhere)
-        dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and _first_visit(
-                       os.path.join(dirpath, d), walked)]  # fmt: skip
+        above = set()  # the folders from the root down to this one
+        up = dirpath
+        while True:
+            above.add(folder[up])
+            if up == root:
+                break
+            up = os.path.dirname(up)
+        keep = []
+        for d in dirnames:
+            if d.startswith("."):
+                continue
+            path = os.path.join(dirpath, d)
+            key = _identity(path)
+            if key is not None and key in above:  # (os.walk would go round until ELOOP)
+                log.warning("%s: a link to a folder above it (a loop); not walked", path)
+                continue
+            folder[path] = key
+            keep.append(d)
+        dirnames[:] = keep
         rel_dir = os.path.relpath(dirpath, root)
         label = None if rel_dir == "." else rel_dir.split(os.sep)[0]
         for f in filenames:
@@ -239,23 +255,12 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
 
 
 def _identity(path: str) -> tuple[int, int] | None:
+    """A folder's (device, inode), its links followed; None where it cannot be read."""
     try:
         st = os.stat(path)
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
-
-
-def _first_visit(path: str, walked: set) -> bool:
-    """Whether folder `path` (a link followed) is one the walk has not been in yet."""
-    key = _identity(path)
-    if key is None:
-        return True  # (os.walk skips what it cannot list)
-    if key in walked:
-        log.warning("%s: a folder already walked (a link to it, or a loop); skipped", path)
-        return False
-    walked.add(key)
-    return True
 
 
 # ----------------------------------------------------------------------------- CSV

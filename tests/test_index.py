@@ -177,22 +177,23 @@ def test_directory_index(tmp_path):
     assert ix.targets.tolist() == [0, 0, 1, -1]
 
 
-def test_directory_index_walks_each_folder_once(tmp_path, caplog):
-    """Links are followed (a class folder may be one), but a link back up the tree
-    is not walked again: os.walk(followlinks=True) went on until the path was too
-    long, the same files again at every level, labelled by the top folder."""
+def test_directory_index_follows_links_but_not_round_a_loop(tmp_path, caplog):
+    """Links are followed as ImageFolder follows them (a class that is a link; two
+    classes sharing a folder), but a link back up the tree is not walked:
+    os.walk(followlinks=True) went round it until the path was too long, the same
+    files again at every level (165 items for 4 files), labelled by the top folder."""
     for rel in ["a/1.png", "b/2.png", "shared/3.png"]:
         write(tmp_path / "data" / rel, "x")
     os.symlink(tmp_path / "data", tmp_path / "data" / "b" / "loop")  # a loop
+    os.symlink(tmp_path / "data" / "b", tmp_path / "data" / "b" / "again")  # to itself
     os.symlink(tmp_path / "data" / "shared", tmp_path / "data" / "c")  # a class that is a link
     with caplog.at_level("WARNING", logger="distlearn.dataset.index"):
         ix = open_index(str(tmp_path / "data"))
     names = [os.path.relpath(s, tmp_path / "data") for s in ix.sources]
-    # the link walked first wins: "c" sorts before "shared"
-    assert names == ["a/1.png", "b/2.png", "c/3.png"]
-    assert ix.labels == ["a", "b", "c"]
-    assert "b/loop: a folder already walked" in caplog.text
-    assert "shared: a folder already walked" in caplog.text
+    assert names == ["a/1.png", "b/2.png", "c/3.png", "shared/3.png"]
+    assert ix.labels == ["a", "b", "c", "shared"]
+    assert "b/loop: a link to a folder above it (a loop)" in caplog.text
+    assert "b/again: a link to a folder above it (a loop)" in caplog.text
 
 
 def test_directory_index_keeps_names_that_are_not_utf8(tmp_path):
