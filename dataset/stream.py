@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+import numbers
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +200,7 @@ class ItemStream:
 
     def state_dict(self) -> dict:
         """The epoch, how many of its items were handed out, and what the order depends on."""
-        return {
+        state = {
             "epoch": max(self.epoch, 0),
             "consumed": self.done if self.epoch >= 0 else 0,
             "seed": self.seed,
@@ -207,14 +208,25 @@ class ItemStream:
             "sampler": self.sampler_name,
             "batch_size": self.batch_size,
         }
+        if hasattr(self.index, "__len__"):
+            state["items"] = len(self.index)  # (an index that changed makes another order)
+        return state
 
-    def check_state(self, state: dict) -> tuple[int, int]:
-        """``(epoch, consumed)`` of a saved state, refused if it was saved for another order."""
-        for key in ("seed", "partition"):
-            if key in state and state[key] != getattr(self, key):
+    def check_state(self, state: Any) -> tuple[int, int]:
+        """``(epoch, consumed)`` of a saved state, refused if it was saved for another order
+        (seed, partition, sampler or number of items) or does not say where it was."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state).__name__}")
+        for key in ("epoch", "consumed"):
+            value = state.get(key)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"state_dict[{key!r}] must be an int >= 0, got {value!r}")
+        now = self.state_dict()
+        for key in ("seed", "partition", "sampler", "items"):
+            if key in state and key in now and state[key] != now[key]:
                 raise ValueError(
-                    f"state_dict was saved with {key}={state[key]}, this batcher has "
-                    f"{key}={getattr(self, key)}"
+                    f"state_dict was saved with {key}={state[key]!r}, this batcher has "
+                    f"{key}={now[key]!r}: its order would not be the one resumed"
                 )
         return int(state["epoch"]), int(state["consumed"])
 

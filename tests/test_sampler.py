@@ -142,3 +142,30 @@ def test_state_dict_resume_sees_exactly_the_unseen_items(tmp_path, workers):
         after = [i for x in b2 for i in item_ids(x.input)]
     assert head + tail == full[1]
     assert sorted(after) == list(range(100)) and after != full[1]  # epoch 2 follows
+
+
+def test_a_state_saved_for_another_order_is_refused(tmp_path):
+    """A state resumes the order it was saved in: another sampler, seed or partition,
+    or an index that gained or lost items, would skip `consumed` items of another
+    order (silently: the old check looked at the seed and the partition only); a state
+    that does not say where it was is refused by name."""
+    x = torch.arange(40.0).view(20, 2)
+
+    def batcher(n=20, sampler="permutation", seed=3):
+        return Dataset({"x": x[:n], "y": torch.zeros(n, dtype=torch.long)}).sampled_batcher(
+            batch_size=4, input_dims=(2,), sampler=sampler, seed=seed)  # fmt: skip
+
+    with batcher() as b:
+        next(iter(b))
+        state = b.state_dict()
+    assert state["items"] == 20
+    for kw, key in [({"sampler": "linear"}, "sampler"), ({"n": 19}, "items"),
+                    ({"seed": 4}, "seed")]:  # fmt: skip
+        with batcher(**kw) as b, pytest.raises(ValueError, match=f"saved with {key}="):
+            b.load_state_dict(state)
+    for bad in [{**state, "consumed": -4}, {**state, "epoch": "1"}, {"seed": 3}]:
+        with batcher() as b, pytest.raises(ValueError, match=r"state_dict\['(epoch|consumed)'\]"):
+            b.load_state_dict(bad)
+    with batcher() as b:
+        b.load_state_dict({**state, "consumed": np.int64(4)})  # (a number numpy made)
+        assert next(iter(b)).input.shape == (4, 2)
