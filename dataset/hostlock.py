@@ -28,7 +28,7 @@ log = logging.getLogger("distlearn.dataset.cache")
 # A holder seen stopped for this long is gone on without.
 STOPPED_GRACE = 2.0
 # A waiter says whom it waits for this often.
-REPORT_EVERY = 30.0
+REPORT_EVERY = 60.0
 
 
 class HostLock:
