@@ -323,6 +323,52 @@ def test_dtype_names_go_through_an_allow_list():
                     into=torch.zeros(1))  # fmt: skip
 
 
+def _description(rng, depth: int = 0):
+    """A random value description as ipc.wire.encode writes them, often subtly wrong:
+    bad spans, dtypes, shapes (negative, huge, empty with a huge side), keys, floats."""
+    atoms = [None, True, False, 0, -1, 1, 2**63, 1.5, "", "x", "float32", "nan", [], {}]
+    if depth > 4 or rng.random() < 0.3:
+        return rng.choice(atoms)
+    kind = rng.choice("ltttbfud")
+    if kind == "l":
+        return [_description(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "t":
+        sizes = [0, 0, 1, 2, 4, 2**31, 2**63, 2**64, -1]
+        d = {"t": rng.choice([[0, 1], [0, 1], [1, 1], [0, 2], [-1, 1], [0, 0], "x"]),
+             "dtype": rng.choice(["float32", "int64", "bfloat16", "bool", "uint8", "save", 5]),
+             "shape": [rng.choice(sizes) for _ in range(rng.choice([0, 1, 2, 2, 3]))]}  # fmt: skip
+        if rng.random() < 0.2:
+            del d[rng.choice(list(d))]
+        return d
+    if kind == "b":
+        return {"b": rng.choice([0, 1, -1, True, "0", 1.0])}
+    if kind == "f":
+        return {"f": rng.choice(["nan", "inf", "-inf", "x", 1, None])}
+    if kind == "u":
+        return {"u": [_description(rng, depth + 1) for _ in range(rng.randrange(3))]}
+    return {"d": rng.choice([[[_description(rng, depth + 1), _description(rng, depth + 1)]],
+                             [[1]], [[[1], 2]], "x"])}  # fmt: skip
+
+
+def test_random_descriptions_decode_or_raise_wire_error():
+    """2,000 random descriptions with payload frames of random sizes, decoded with and
+    without `into`: a value or a WireError, never another exception (a shape such as
+    [0, 2**64] reached torch, which raised TypeError)."""
+    import random
+
+    rng = random.Random(0)
+    intos = [None, torch.zeros(2), [torch.zeros(1)], (torch.zeros(2, dtype=torch.int16),)]
+    refused = 0
+    for _ in range(2000):
+        header = wire.control(Kind.MESSAGE, {"v": _description(rng)})
+        frames = [bytes(rng.choice([0, 0, 0, 1, 4, 8, 16])) for _ in range(rng.randrange(3))]
+        try:
+            wire.unpack_value([header, *frames], into=rng.choice(intos))
+        except WireError:
+            refused += 1
+    assert 1000 < refused < 2000  # (values were decoded too)
+
+
 def test_data_headers_parse_exactly():
     h = wire.data_header(Kind.UP, 3, 1, 2, b"12345678")
     assert wire.parse_data(h) == (Kind.UP, 3, 1, 2, b"12345678")
