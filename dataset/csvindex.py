@@ -357,7 +357,7 @@ def _from_fields(fields: Fields, index: str, sep: str, resolver: Resolver):
     body = _Body(fields)
     if not body.count:
         raise BadIndex(f"{index}: empty index (a header but no items)")
-    over = np.flatnonzero(body.cnt > len(header))
+    over = _filled_past(fields, body, len(header))
     if len(over):
         r = body.row(over[0])
         raise BadIndex(
@@ -383,6 +383,23 @@ def _from_fields(fields: Fields, index: str, sep: str, resolver: Resolver):
     table = NameRows(buf, start, length, resolver, ranges)
     ptr, ids, names = _labels(fields, cols, body)
     return table, ptr, ids, names, lambda r: fields.line_of(body.row(r))
+
+
+def _filled_past(fields: Fields, body: _Body, width: int) -> np.ndarray:
+    """The rows (of `body`) with a field past the header's `width` that holds something:
+    fields past the header that are empty (a separator at the end of a line, which
+    torch-dataset's reader skips) hold no data, and are not an error."""
+    over = np.flatnonzero(body.cnt > width)
+    if not len(over):
+        return over
+    rows = over + 1 if body.rows is None else body.rows[over]
+    cnt = body.cnt[over]
+    filled = np.zeros(len(over), dtype=bool)
+    for k in range(width, int(cnt.max())):
+        has = np.flatnonzero(cnt > k)
+        start, end = fields.column(k, rows[has])
+        filled[has[end > start]] = True
+    return over[filled]
 
 
 class _Body:
@@ -597,7 +614,7 @@ def _checked(rows, cols: Columns, index: str, sep: str):
     for line, row in rows:
         if not row or (len(row) == 1 and not row[0].strip()):
             continue  # blank line
-        if len(row) > len(header):
+        if len(row) > len(header) and any(f.strip() for f in row[len(header) :]):
             raise BadIndex(
                 f"{index}:{line}: {len(row)} fields for a header of {len(header)} "
                 f"{header}: {row} (quote a field that holds {sep!r})"

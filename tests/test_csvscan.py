@@ -126,7 +126,7 @@ def test_malformed_rows_name_their_line(tmp_path):
     path.write_bytes(b"filename,label\na.png,x\nb.png,y,z\n")
     with pytest.raises(BadIndex, match=r"i\.csv:3: 3 fields for a header of 2"):
         open_index(path)
-    path.write_bytes(b'filename,label\na.png,x\n"b\nc.png",y\nd.png,x,\n')
+    path.write_bytes(b'filename,label\na.png,x\n"b\nc.png",y\nd.png,x,z\n')
     with pytest.raises(BadIndex, match=r"i\.csv:5: 3 fields"):  # a quoted newline is a line
         open_index(path)
     path.write_bytes(b'filename,label\na.png,x\n"x"y,d\n')  # the csv module's own error
