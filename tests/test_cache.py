@@ -173,16 +173,27 @@ def test_processes_churning_a_small_cache(tmp_path):
     assert not list(cache.objects.rglob(".tmp-*"))
 
 
-def test_killed_filler_releases_the_lock(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
+def _holding_child(tmp_path, mode: str, script: str = CHILD) -> subprocess.Popen:
+    """A child in `mode` ("hang": filling an entry; "ledger": holding the ledger's lock),
+    once it holds its lock."""
+    (tmp_path / "child.py").write_text(script)
     started = tmp_path / "started"
     proc = subprocess.Popen(
-        [sys.executable, str(script), "hang", str(tmp_path / "cache"), str(started), "1"],
-        env=repo_env(CACHE_PY=CACHE_PY),
-    )
+        [sys.executable, str(tmp_path / "child.py"), mode, str(tmp_path / "cache"), str(started),
+         "1"], env=repo_env(CACHE_PY=CACHE_PY),
+    )  # fmt: skip
     try:
         wait_for_file(started, proc)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def test_killed_filler_releases_the_lock(tmp_path):
+    proc = _holding_child(tmp_path, "hang")
+    try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
@@ -196,27 +207,14 @@ def test_killed_filler_releases_the_lock(tmp_path):
     assert time.monotonic() - t0 < 5
 
 
-def _stopped_child(tmp_path, mode: str):
-    """A child in `mode` that holds a lock of the cache, stopped (SIGSTOP) while it does."""
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    started = tmp_path / "started"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), mode, str(tmp_path / "cache"), str(started), "1"],
-        env=repo_env(CACHE_PY=CACHE_PY),
-    )
-    wait_for_file(started, proc)
-    proc.send_signal(signal.SIGSTOP)
-    return proc
-
-
 @pytest.mark.parametrize("mode", ["hang", "ledger"])
 def test_a_stopped_lock_holder_is_gone_on_without(tmp_path, caplog, mode):
     """A process stopped (SIGSTOP, Ctrl-Z, a debugger) while it fills an entry, or while
     it holds the ledger, made every other process of the host wait forever, before any
     collective could name it; they now go on without it after a grace period, and say so.
     The entries stay whole: each is written before it has its name."""
-    proc = _stopped_child(tmp_path, mode)
+    proc = _holding_child(tmp_path, mode)
+    proc.send_signal(signal.SIGSTOP)
     try:
         cache = Cache(tmp_path / "cache", max_cache_bytes=1000)
         t0 = time.monotonic()
@@ -234,15 +232,8 @@ def test_a_stopped_lock_holder_is_gone_on_without(tmp_path, caplog, mode):
 
 def test_a_working_lock_holder_is_waited_for(tmp_path):
     """A holder that runs, however slowly, is not gone on without: the entry is its."""
-    script = tmp_path / "child.py"
-    script.write_text(CHILD.replace("time.sleep(60)", "time.sleep(3)"))
-    started = tmp_path / "started"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "hang", str(tmp_path / "cache"), str(started), "1"],
-        env=repo_env(CACHE_PY=CACHE_PY),
-    )
+    proc = _holding_child(tmp_path, "hang", CHILD.replace("time.sleep(60)", "time.sleep(3)"))
     try:
-        wait_for_file(started, proc)
         got = Cache(tmp_path / "cache").fill("http://host/stuck", lambda: b"ours")
         assert got == b"never" and proc.wait(timeout=30) == 0
     finally:
