@@ -259,10 +259,15 @@ class Fetcher:
         if self._session is None:
             self._sem = asyncio.Semaphore(self.pool_size)
             connector = aiohttp.TCPConnector(limit=self.pool_size, ttl_dns_cache=300)
+            # bytes as stored: aiohttp's default "Accept-Encoding: gzip, deflate" let a server
+            # (nginx's gzip, a CDN) compress them on the way, and they came back compressed
+            headers = dict(self.headers)
+            if not any(k.lower() == "accept-encoding" for k in headers):
+                headers["Accept-Encoding"] = "identity"
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=self.timeout, sock_read=self.idle_timeout),
-                headers=self.headers,
+                headers=headers,
                 auto_decompress=False,  # item bytes as stored, never re-encoded (nor inflated)
             )
         return self._session

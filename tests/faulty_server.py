@@ -12,7 +12,8 @@ ROOT/../release exists, then serve: a stall the test ends, whatever the load),
 ``"norange"`` (ignore Range: the whole file, in 64 KiB writes), ``"shifted"`` (a
 Range answered with as many bytes from one byte further, their Content-Range
 saying so, as a broken cache might), ``"unranged"`` (the same bytes with no
-Content-Range), ``"endless"``
+Content-Range), ``"compress"`` (compressed on the way where the request's
+Accept-Encoding allows it, as nginx's gzip and CDNs do), ``"endless"``
 (a chunked body that never ends), ``"redirect:URL"`` (a 302 to URL; ``{port}``
 is this server's port). Paths not in the plan are served normally. Request counts per path, and the
 bytes written for ``norange``/``endless`` answers (key ``PATH#sent``), are
@@ -75,6 +76,10 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
             resp = web.Response(status=206, body=part, content_type="application/octet-stream")
             if action == "shifted":
                 resp.headers["Content-Range"] = f"bytes {start}-{start + len(part) - 1}/{len(body)}"
+            return resp
+        if action == "compress":
+            resp = web.Response(body=body, content_type="text/csv")
+            resp.enable_compression()  # (by the request's Accept-Encoding; none: identity)
             return resp
         if action == "norange":
             chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))

@@ -105,6 +105,21 @@ def test_a_range_answered_with_other_bytes_is_refused(faulty):
     assert faulty.hits()[name(7)] == 2 and faulty.hits()[name(8)] == 3
 
 
+def test_bytes_come_as_stored_from_a_server_that_compresses(faulty):
+    """aiohttp asks for "gzip, deflate" unless told otherwise, and the fetcher does not
+    inflate (bytes as stored): a server that compresses on the way (nginx's gzip on
+    text/csv, a CDN) handed back gzip, so an index read as 'not UTF-8 text' and an
+    item's bytes were gzip's. The fetcher asks for identity; a header given wins."""
+    base = faulty({"train.csv": ["compress"], name(7): ["compress"]})
+    data = (faulty.root / name(7)).read_bytes()
+    with Fetcher() as f:
+        assert f.submit(f.fetch(base + name(7))).result(timeout=30) == data
+    ds = Dataset(base + "train.csv")
+    assert len(ds.index) == N
+    with Fetcher(headers={"accept-encoding": "gzip"}) as f:  # asked for: as the server sends it
+        assert f.submit(f.fetch(base + name(7))).result(timeout=30)[:2] == b"\x1f\x8b"
+
+
 @pytest.mark.parametrize("workers", ["thread", "process"])
 def test_faults_exactly_once_counted_and_named(faulty, caplog, workers):
     perm_fail = {3: "404", 10: "500", 50: "403", 77: "404"}
