@@ -24,17 +24,19 @@ class FetchError(DatasetError, OSError):
     """A read failed; ``url`` and ``cause`` say which and why (an ``OSError``, as I/O errors are).
 
     ``retryable``: the fault may pass (a connection error, a 5xx); ``missing``:
-    the store says there is no such file (404/410, ``FileNotFoundError``).
+    the store says there is no such file (404/410, ``FileNotFoundError``);
+    ``wait``: seconds the server asked for before a retry (its Retry-After), or None.
     """
 
-    def __init__(self, url: str, cause: str, retryable: bool = False, missing: bool = False):
+    def __init__(self, url: str, cause: str, retryable: bool = False, missing: bool = False,
+                 wait: float | None = None):  # fmt: skip
         super().__init__(f"{url}: {cause}")
         self.url, self.cause = url, cause
-        self.retryable, self.missing = retryable, missing
+        self.retryable, self.missing, self.wait = retryable, missing, wait
 
     def __reduce__(self):
         # pickled from process workers to the main process: rebuild from the fields
-        return type(self), (self.url, self.cause, self.retryable, self.missing)
+        return type(self), (self.url, self.cause, self.retryable, self.missing, self.wait)
 
 
 class AllFailed(DatasetError, RuntimeError):

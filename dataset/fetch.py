@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import email.utils
 import logging
 import os
 import random
@@ -48,6 +49,9 @@ RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 MISSING_STATUS = frozenset({404, 410})
 REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 10
+# The longest wait a server's Retry-After gets before a retry (a rate limit's "come back
+# in N seconds", honoured up to this; the backoff's own delays stay below max_backoff).
+MAX_RETRY_AFTER = 60.0
 
 T = TypeVar("T")
 
@@ -100,7 +104,7 @@ def _after(err: FetchError, attempt: int) -> FetchError:
     """`err` with the number of tries in its message (when it was retried)."""
     if not attempt:
         return err
-    return FetchError(err.url, _tries(err.cause, attempt), err.retryable, err.missing)
+    return FetchError(err.url, _tries(err.cause, attempt), err.retryable, err.missing, err.wait)
 
 
 class Stats(dict):
@@ -315,11 +319,13 @@ class Fetcher:
             except FetchError as err:
                 if not err.retryable or attempt >= self.retries:
                     raise _after(err, attempt) from None
-                cause = err.cause
+                cause, wait = err.cause, err.wait
             attempt += 1
             if stats is not None:
                 stats["retried"] += 1
             delay = backoff_delay(attempt, self.backoff, self.max_backoff)
+            if wait is not None:  # (the server said when: no sooner, within reason)
+                delay = max(delay, min(wait, MAX_RETRY_AFTER))
             log.debug("retry %d of %s in %.3fs: %s", attempt, url, delay, cause)
             await asyncio.sleep(delay)
 
@@ -356,11 +362,14 @@ class Fetcher:
                         current = self._redirect(url, current, resp)
                         continue
                     if resp.status >= 400:
+                        retry = resp.status in RETRY_STATUS
+                        wait = _retry_after(resp.headers.get("Retry-After")) if retry else None
                         raise FetchError(
                             url,
                             f"HTTP {resp.status} {resp.reason}",
-                            resp.status in RETRY_STATUS,
+                            retry,
                             resp.status in MISSING_STATUS,
+                            wait,
                         )
                     return await self._body(url, resp, offset, length)
             raise FetchError(url, f"more than {MAX_REDIRECTS} redirects")
@@ -442,6 +451,22 @@ class Fetcher:
                 "record's end (serve the files with Range support, or as separate items)",
                 host,
             )
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for (a number of seconds, or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def _content_range(value: str | None) -> tuple[int, int] | None:

@@ -13,7 +13,9 @@ ROOT/../release exists, then serve: a stall the test ends, whatever the load),
 Range answered with as many bytes from one byte further, their Content-Range
 saying so, as a broken cache might), ``"unranged"`` (the same bytes with no
 Content-Range), ``"compress"`` (compressed on the way where the request's
-Accept-Encoding allows it, as nginx's gzip and CDNs do), ``"endless"``
+Accept-Encoding allows it, as nginx's gzip and CDNs do), ``"ratelimit"`` (a 429
+with "Retry-After: 1" to a request that comes within a second of the path's
+last one, the first included), ``"endless"``
 (a chunked body that never ends), ``"redirect:URL"`` (a 302 to URL; ``{port}``
 is this server's port). Paths not in the plan are served normally. Request counts per path, and the
 bytes written for ``norange``/``endless`` answers (key ``PATH#sent``), are
@@ -43,6 +45,11 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
         steps = plan.get(rel, ["ok"])
         action = steps[min(n, len(steps) - 1)]
         path = (root / rel).resolve()
+        if action == "ratelimit":
+            now = asyncio.get_running_loop().time()
+            last, hits[rel + "#at"] = hits.get(rel + "#at"), now
+            if last is None or now - last < 1.0:
+                return web.Response(status=429, headers={"Retry-After": "1"}, text="slow down\n")
         if action.isdigit():
             return web.Response(status=int(action), text=f"injected {action} for /{rel}\n")
         if action.startswith("redirect:"):
@@ -66,7 +73,7 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
                 if release.exists():
                     break
                 await asyncio.sleep(0.05)
-        if action == "ok":
+        if action in ("ok", "ratelimit"):
             return web.FileResponse(path)
         body = path.read_bytes()
         if action in ("shifted", "unranged") and request.http_range.start is not None:

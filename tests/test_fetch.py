@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -103,6 +104,17 @@ def test_a_range_answered_with_other_bytes_is_refused(faulty):
         with pytest.raises(FetchError, match=r"Content-Range None for bytes 3-12"):
             f.submit(f.fetch((base + name(9), 3, 10))).result(timeout=30)
     assert faulty.hits()[name(7)] == 2 and faulty.hits()[name(8)] == 3
+
+
+def test_a_rate_limit_s_retry_after_is_honoured(faulty):
+    """A 429 (or 503) with Retry-After: the next try waits that long (up to a minute),
+    not the backoff's milliseconds, which met the limit again and ran out of tries."""
+    base = faulty({name(7): ["ratelimit"]})
+    data = (faulty.root / name(7)).read_bytes()
+    t0 = time.monotonic()
+    with Fetcher(retries=2, backoff=0.01) as f:
+        assert f.submit(f.fetch(base + name(7))).result(timeout=30) == data
+    assert time.monotonic() - t0 >= 1.0 and faulty.hits()[name(7)] == 2
 
 
 def test_bytes_come_as_stored_from_a_server_that_compresses(faulty):
