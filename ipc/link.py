@@ -282,7 +282,7 @@ class Endpoint:
         self.encrypt = encrypt
         self.limits = limits
         self.liveness = liveness if liveness is not None else Liveness.from_env()
-        self.info = info or {}
+        self.info = {**(info or {}), "wire": wire.VERSION}
         self.accept = accept
         self._pid = os.getpid()
         self._ctx = zmq.Context()  # ours alone: terminating it flushes exactly our sockets
@@ -613,7 +613,9 @@ class Endpoint:
             return
         link = Link(self, f"accepted from {peer or 'a Unix socket'}", dialed=False, rid=rid)
         link.name, link.info = p.name, p.info
-        reason = self.accept(link) if self.accept is not None else None
+        reason = _other_version(p.info, p.name, self.name)
+        if reason is None and self.accept is not None:
+            reason = self.accept(link)
         if reason is not None:
             log.warning("ipc %s: refused %s: %s", self.name, p.name, reason)
             self._reply(rid, wire.control(Kind.REFUSED, {"reason": str(reason)}))
@@ -656,6 +658,10 @@ class Endpoint:
             elif kind == Kind.WELCOME and link.state == "auth":
                 link.info = wire.parse_control(header, {"info": dict})["info"]
                 link.name = str(link.info.get("name", link.address))
+                reason = _other_version(link.info, link.name, self.name)
+                if reason is not None:
+                    link.failure = AuthError(f"{self.name}: {link.address}: {reason}")
+                    return
                 link.state = "up"
             elif kind == Kind.REFUSED:
                 reason = wire.parse_control(header).get("reason", "?")
@@ -870,6 +876,16 @@ def _socket_fds() -> list[int]:
                 if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
                     out.append(int(name))
     return out
+
+
+def _other_version(info: dict, peer: str, us: str) -> str | None:
+    """Why `peer`, whose handshake `info` names another wire version, cannot be talked to."""
+    theirs = info.get("wire")
+    if theirs == wire.VERSION:
+        return None
+    return (f"ipc wire versions differ: {peer!r} speaks {str(theirs)[:20]}, {us!r} "
+            f"{wire.VERSION} (distlearn differs between them: install one version on every "
+            "host)")  # fmt: skip
 
 
 def _canon(info: dict) -> bytes:

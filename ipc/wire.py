@@ -21,6 +21,12 @@ from enum import IntEnum
 
 import torch
 
+# The layout of what travels (kinds, headers, value descriptions): bumped when one
+# changes. Endpoints exchange it in their authenticated handshake info and refuse a
+# peer of another version, naming both (a host left on an older distlearn), rather
+# than misreading its messages.
+VERSION = 1
+
 # Control messages are small; a larger one is refused before it is parsed.
 MAX_CONTROL = 16 << 10
 MAX_DEPTH = 32  # nesting of JSON values and of encoded structures

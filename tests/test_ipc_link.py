@@ -48,7 +48,7 @@ def test_link_carries_nested_values_both_ways(encrypt):
     listener, dialer = _pair(encrypt)
     try:
         link, back = _up(listener, dialer)
-        assert back.name == "dialer" and back.info == {"role": "test"}
+        assert back.name == "dialer" and back.info == {"role": "test", "wire": wire.VERSION}
         value = {
             "x": torch.arange(12, dtype=torch.float32).view(3, 4),
             "per_dtype": [torch.ones(3, dtype=dt) for dt in wire.DTYPES.values()],
@@ -91,6 +91,21 @@ def test_wrong_secret_and_wrong_encryption_are_named():
     dialer = Endpoint(SECRET, "dialer", encrypt=False)
     try:
         with pytest.raises(ipc.AuthError, match="encrypt="):
+            _up(listener, dialer)
+    finally:
+        dialer.close(linger=0)
+        listener.close(linger=0)
+
+
+@pytest.mark.parametrize("older", ["dialer", "listener"])
+def test_a_peer_of_another_wire_version_is_refused_by_name(older):
+    """A host left on another distlearn (its messages laid out otherwise) is refused at
+    the handshake, after it proved the secret, with both versions named: whichever
+    end is older, the dialer is told."""
+    listener, dialer = _pair()
+    (dialer if older == "dialer" else listener).info["wire"] = wire.VERSION - 1
+    try:
+        with pytest.raises(ipc.AuthError, match=r"versions differ: '\w+' speaks \d+, '\w+' \d+"):
             _up(listener, dialer)
     finally:
         dialer.close(linger=0)
