@@ -69,18 +69,40 @@ log = logging.getLogger(__name__)
 
 _PART_NAME = re.compile(r"(\.tar|\.tgz|\.tfrecords?|\.gz)$|^part-", re.IGNORECASE)
 _BRACES = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(\d+)\.\.(\d+)")
+# The most names a brace pattern may stand for: a typo such as {0..999999999} would
+# otherwise build a billion strings before anything could say so.
+MAX_PATTERN_NAMES = 1_000_000
 
 
 # ---------------------------------------------------------------- finding parts
 
 
+def brace_count(pattern: str) -> int:
+    """How many names `pattern` stands for (:func:`expand_braces`), without making them."""
+    count = 1
+    for m in _BRACES.finditer(pattern):
+        rng = _RANGE.fullmatch(m.group(1))
+        count *= max(0, int(rng[2]) - int(rng[1]) + 1) if rng else len(m.group(1).split(","))
+    return count
+
+
 def expand_braces(pattern: str) -> list[str]:
-    """Expand ``{000..019}`` ranges (zero padding kept) and ``{a,b}`` alternatives."""
+    """Expand ``{000..019}`` ranges (zero padding kept) and ``{a,b}`` alternatives;
+    :class:`PartError` for a pattern of more than :data:`MAX_PATTERN_NAMES` names."""
+    count = brace_count(pattern)
+    if count > MAX_PATTERN_NAMES:
+        raise PartError(f"{pattern}: the pattern stands for {count:,} names (at most "
+                         f"{MAX_PATTERN_NAMES:,}): a range with a digit too many?")  # fmt: skip
+    return _expand(pattern)
+
+
+def _expand(pattern: str) -> list[str]:
     m = _BRACES.search(pattern)
     if m is None:
         return [pattern]
     body = m.group(1)
-    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    rng = _RANGE.fullmatch(body)
     if rng:
         lo, hi = rng.group(1), rng.group(2)
         width = len(lo) if lo.startswith("0") else 0
@@ -88,7 +110,7 @@ def expand_braces(pattern: str) -> list[str]:
     else:
         choices = body.split(",")
     head, tail = pattern[: m.start()], pattern[m.end() :]
-    return [x for c in choices for x in expand_braces(head + c + tail)]
+    return [x for c in choices for x in _expand(head + c + tail)]
 
 
 def _has_scheme(index: str) -> bool:
@@ -106,7 +128,7 @@ def is_part_source(index: Any) -> bool:
         index = os.fspath(index)
     if not isinstance(index, str):
         return False
-    if _BRACES.search(index) and len(expand_braces(index)) > 1:
+    if _BRACES.search(index) and brace_count(index) > 1:
         return True
     if index.startswith("file://"):
         index = index[len("file://") :]

@@ -7,6 +7,7 @@ through dataset.serve.
 from __future__ import annotations
 
 import gzip
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -15,11 +16,13 @@ import numpy as np
 import pytest
 import webdataset as wds
 
+from distlearn.dataset import Dataset
 from distlearn.dataset.cache import Cache
 from distlearn.dataset.parts import (
     SAMPLERS,
     PartError,
     PartIndex,
+    brace_count,
     expand_braces,
     is_part_source,
     list_parts,
@@ -59,6 +62,16 @@ def test_expand_braces_and_is_part_source(tmp_path):
     assert is_part_source(tmp_path / "shards") and is_part_source(f"file://{tmp_path}/shards")
     (tmp_path / "labelled" / "cats").mkdir(parents=True)  # a labelled directory index
     assert not is_part_source(tmp_path / "labelled")
+
+
+def test_a_pattern_of_too_many_names_is_refused_before_they_are_made():
+    """{0..999999999} (a digit too many) built a billion strings, in is_part_source
+    already, before anything could say so; now it is counted first and refused."""
+    assert brace_count("p-{000..099}-{a,b,c}.tar") == 300 and brace_count("{9..1}") == 0
+    t0 = time.monotonic()
+    with pytest.raises(PartError, match="stands for 1,000,000,000 names"):
+        Dataset("http://127.0.0.1:9/part-{000000000..999999999}.tar")
+    assert time.monotonic() - t0 < 5
 
 
 def test_list_local_skips_markers_and_sorts(tmp_path):
