@@ -213,25 +213,19 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
     """
     root = os.path.abspath(root)
     found: list[tuple[str, str | None]] = []
-    folder = {root: _identity(root)}  # each folder walked, by (device, inode)
+    # each folder walked: the (device, inode) of it and of the folders above it
+    above = {root: frozenset([_identity(root)])}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        above = set()  # the folders from the root down to this one
-        up = dirpath
-        while True:
-            above.add(folder[up])
-            if up == root:
-                break
-            up = os.path.dirname(up)
         keep = []
         for d in dirnames:
             if d.startswith("."):
                 continue
             path = os.path.join(dirpath, d)
             key = _identity(path)
-            if key is not None and key in above:  # (os.walk would go round until ELOOP)
+            if key is not None and key in above[dirpath]:  # (os.walk: round until ELOOP)
                 log.warning("%s: a link to a folder above it (a loop); not walked", path)
                 continue
-            folder[path] = key
+            above[path] = above[dirpath] | {key}
             keep.append(d)
         dirnames[:] = keep
         rel_dir = os.path.relpath(dirpath, root)
