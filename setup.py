@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 # One import namespace, `distlearn`, while the repository keeps its top-level
 # folders: dataset/ and ipc/ install as distlearn.dataset and distlearn.ipc.
@@ -62,6 +62,10 @@ extras = {
 }
 extras["all"] = sorted({req for reqs in extras.values() for req in reqs})
 
+# Plain CSV/TSV indexes read in one pass of C (dataset/csvlines.py). Optional: where
+# it cannot be built (no C compiler), the other readers read every index.
+extensions = [Extension("distlearn.dataset._lines", ["dataset/_lines.c"], optional=True)]
+
 setup(
     name="distlearn",
     version=re.search(
@@ -74,6 +78,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=FOLDERS,
+    ext_modules=extensions,
     install_requires=install_requires,
     entry_points={"console_scripts": ["distlearn-serve = distlearn.dataset.serve:main"]},
     extras_require=extras,

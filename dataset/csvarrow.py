@@ -251,7 +251,7 @@ def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = Fa
     :func:`_ragged` (at once with `ragged`: its first lines do)."""
     width = first.count(sep.encode()) + 1  # at least the header's fields
     types = {f"f{k}": pa.string() for k in range(width)}
-    for k, name in enumerate(_header(first, sep)):  # label columns as ids into a
+    for k, name in enumerate(header_names(first, sep)):  # label columns as ids into a
         if name.strip().startswith("label"):  # dictionary: no copy of their text
             types[f"f{k}"] = pa.dictionary(pa.int32(), pa.string())
     try:
@@ -281,7 +281,7 @@ def _uneven(first: bytes, head: bytes, sep: str) -> bool:
     return any(line.count(sep_b) != fields for line in lines if line)
 
 
-def _header(first: bytes, sep: str) -> list[str]:
+def header_names(first: bytes, sep: str) -> list[str]:
     """The header's names as the csv module reads its first line; [] where it cannot
     tell (not UTF-8, or a quoted newline: the header goes on below)."""
     try:

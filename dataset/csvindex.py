@@ -1,11 +1,13 @@
 """CSV/TSV indexes: columns ``filename``, ``label*``, optional ``offset``/``length``.
 
-The file is split into fields by :func:`dataset.csvscan.scan` (numpy; the csv
-module for what it cannot vouch for) and read into an :class:`Index` whose
-rows are offsets into the file's own bytes (:class:`dataset.index.NameRows`):
-no Python object per row. Relative filenames join the URL prefix of the meta
-file beside the index (:func:`read_meta`) when there is one, else resolve
-against the index's own folder, when an item is fetched.
+The file is split into fields by the first reader that vouches for its rows:
+:mod:`dataset.csvlines` (C, plain files), :mod:`dataset.csvarrow` (pyarrow),
+:func:`dataset.csvscan.scan` (numpy), else the csv module; and read into an
+:class:`Index` whose rows are offsets into one buffer of names
+(:class:`dataset.index.NameRows`): no Python object per row. Relative
+filenames join the URL prefix of the meta file beside the index
+(:func:`read_meta`) when there is one, else resolve against the index's own
+folder, when an item is fetched.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import bytesort, csvarrow
+from . import bytesort, csvarrow, csvlines
 from . import sources as src
 from .cores import on_two_threads
 from .csvarrow import pa, pc
@@ -144,7 +146,9 @@ def from_csv(
     prefix, meta_params = read_meta(index, meta, cache, fetcher)
     query = src.query_string(url_params if url_params is not None else meta_params)
     resolver = Resolver(src.parent_of(index), prefix, query)
-    got = _from_arrow(path if local else data, index, sep, resolver)
+    got = _from_lines(_plain_bytes(path) if local else data, index, sep, resolver, path)
+    if got is None:
+        got = _from_arrow(path if local else data, index, sep, resolver)
     if got is None and data is None:  # (a local file with quotes: split from its pages)
         got = _from_mapped(path, index, sep, resolver)
         if got is None:
@@ -196,6 +200,46 @@ def _from_mapped(path: str, index: str, sep: str, resolver: Resolver):
     if pages.find(b'"') < 0:
         return None
     return _from_arrow(pages, index, sep, resolver, where=path)
+
+
+def _plain_bytes(path: str) -> mmap.mmap | None:
+    """A local file's pages, mapped (and read in at once), where its first lines are
+    plain (see :mod:`dataset.csvlines`), else None: read by the other readers (no copy
+    kept of it; a file cut short while its rows are read is a SIGBUS, as for any
+    mapped file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(csvarrow.PEEK)
+            if not head or b'"' in head or not head.isascii():
+                return None
+            return mmap.mmap(
+                f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ,
+            )  # fmt: skip
+    except (OSError, ValueError):
+        return None  # (the caller's read names the fault)
+
+
+def _from_lines(
+    data: csvarrow.Buffer | None, index: str, sep: str, resolver: Resolver, where: str | None
+):
+    """:func:`_from_arrow`'s result for a plain file, read by :mod:`dataset.csvlines`
+    (its names copied into one buffer); None where it is not plain. `where`: the
+    file, for the line of a row, where `data` does not outlive the call."""
+    if data is None or (end := data.find(b"\n")) < 0:
+        return None
+    header = [v.strip() for v in csvarrow.header_names(data[:end], sep)]
+    got = csvlines.split(data, header, end + 1, sep)
+    if got is None:
+        return None
+    Columns(header, index)  # (its checks passed: it logs the unknown columns)
+    if got.ids.size:
+        ptr, ids, names = _packed(got.ids, got.labels, missing=bool((got.ids < 0).any()))
+    else:  # no label column
+        ptr, ids, names = np.zeros(len(got.start) + 1, dtype=np.int64), got.ids.ravel(), []
+    table = NameRows(got.buf, got.start, got.length, resolver)
+    text = data if where is None else where
+    return table, ptr, ids, names, lambda r: _line_of(text, sep, r), got.descents
 
 
 def _from_arrow(
@@ -278,12 +322,20 @@ def _arrow_labels(columns: list[list], n: int):
                 ids[rows, k] = small[at]
 
     on_two_threads(fill, jobs)
-    if "" not in found and len(columns) == 1:
+    return _packed(ids, names, missing="" in found)
+
+
+def _packed(ids: np.ndarray, names: list[str], missing: bool = True):
+    """``(ptr, ids, names)`` for :func:`dataset.index.labelled` from each row's label ids,
+    ``(rows,)`` for one label column or ``(rows, columns)``, -1 for no label there
+    (`missing`: there may be one); a label repeated in a row is kept once."""
+    n, width = len(ids), 1 if ids.ndim == 1 else ids.shape[1]
+    if not missing and width == 1:
         return None, ids, names
-    if len(columns) > 1:
+    if width > 1:
         _drop_repeats(ids)
-    keep = (ids >= 0).reshape(n, len(columns))
-    ptr = np.zeros(n + 1, dtype=small_int(n * len(columns), signed=False))
+    keep = (ids >= 0).reshape(n, width)
+    ptr = np.zeros(n + 1, dtype=small_int(n * width, signed=False))
     labels = ptr[1:]  # each row's labels (a column at a time: numpy's sum along a short
     labels[:] = keep[:, 0]  # axis is 10x slower), then their running count, in place
     for k in range(1, keep.shape[1]):

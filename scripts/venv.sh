@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Make or refresh the project's virtual environment (.venv) and print its path.
-# Idempotent: reinstalls only when setup.py or this script changed.
+# Idempotent: reinstalls only when setup.py, this script or the C source changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 stamp="$VENV/.distlearn-stamp"
-want="$(cat setup.py scripts/venv.sh scripts/constraints.txt | sha256sum | cut -c1-16)"
+# (dataset/_lines.c: the C the install compiles)
+want="$(cat setup.py scripts/venv.sh scripts/constraints.txt dataset/_lines.c | sha256sum | cut -c1-16)"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV" >&2

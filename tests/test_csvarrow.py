@@ -21,9 +21,17 @@ import numpy as np
 import pytest
 from test_csvscan import summary, write_rows
 
-from distlearn.dataset import BadIndex, csvarrow, csvindex, index, open_index
+from distlearn.dataset import BadIndex, csvarrow, csvindex, csvlines, index, open_index
 
 pytestmark = pytest.mark.skipif(csvarrow.pa is None, reason="pyarrow is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _pyarrow_first(monkeypatch):
+    """These are pyarrow's tests: the C reader of plain files stands aside (it is
+    compared with the readers here in test_csvlines.py)."""
+    monkeypatch.setattr(csvlines, "_lines", None)
+
 
 NAME = ["a", "b", "/", ".", "é", "x y", ",", '"', "\n", "\r\n", "\t", " ", "\u00a0", "\u3000"]
 LABELS = ["cat", "dog", "10", "2", "a,b", 'say "hi"', "  x  ", "x", "\u00a0é\u00a0", ""]

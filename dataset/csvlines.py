@@ -1,0 +1,172 @@
+"""Plain CSV/TSV text (no quotes, ASCII) read in one pass of C, on two threads.
+
+Most index files are this plain: ``filename,label`` lines of ASCII paths and
+label names. :mod:`dataset._lines` (C) reads such a file's bytes (a local file's
+mapped pages, or the bytes fetched) once, a half on each core: it finds each
+line's fields, strips them, copies each name into one buffer of names, and
+writes each label's code in the order of its first appearance (a small hash
+table per half), and where a name is smaller than the one before it. A general
+CSV parser does more: pyarrow's copies every value into fresh buffers, which
+then cost their own passes (:mod:`dataset.csvarrow`: names stripped, labels
+looked up, ragged rows split again).
+
+The rows are the csv module's (``csv.reader(strict=True)``): a file that holds no
+quote, no NUL, no ``\\r`` but in ``\\r\\n`` and only ASCII is split at each
+separator and line end, as the csv module splits it; blank lines are no rows.
+:func:`split` returns None for anything else (a quote, a name missing or empty,
+a row with more fields than the header, a header with ``offset``/``length``),
+and the other readers (:mod:`dataset.csvarrow`, :mod:`dataset.csvscan`) read the
+file or name its fault. Without the compiled module (a build without a C
+compiler), :func:`split` is always None.
+"""
+
+from __future__ import annotations
+
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+
+from .index import small_int, sort_labels
+
+try:
+    from . import _lines
+except ImportError:  # pragma: no cover - built by setup.py where a C compiler is at hand
+    _lines = None
+
+# A file smaller than this is read by one thread (a thread costs more than it saves).
+HALVES = 1 << 20
+# Descents (a name > the next one's) past this many: the file is not in order.
+MOST_DESCENTS = 1 << 16
+NO_ROLE = 255
+
+
+class Split(NamedTuple):
+    """A plain file's rows: name r is ``buf[start[r]:start[r] + length[r]]``; ``ids``,
+    the label ids (into ``labels``, sorted) of each row, ``(rows,)`` for one label
+    column, ``(rows, columns)`` for several, -1 where a row has none there;
+    ``descents``: the rows r whose name is > row r + 1's, or None (too many)."""
+
+    header: list[str]
+    buf: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    ids: np.ndarray
+    labels: list[str]
+    descents: np.ndarray | None
+
+
+def roles(header: list[str]) -> bytes | None:
+    """Each column's role for :mod:`dataset._lines`: 0 the name, k + 1 the k-th label
+    column, :data:`NO_ROLE` ignored; None where the header is not one it reads (no
+    ``filename``, two of them, ``offset``/``length`` columns: the others decide)."""
+    if header.count("filename") != 1 or "offset" in header or "length" in header:
+        return None
+    out, k = [], 0
+    for name in header:
+        if name == "filename":
+            out.append(0)
+        elif name.startswith("label") and k < NO_ROLE - 1:
+            k += 1
+            out.append(k)
+        else:
+            out.append(NO_ROLE)
+    return bytes(out) if k < NO_ROLE - 1 else None
+
+
+def split(data: bytes | mmap.mmap, header: list[str], body: int, sep: str) -> Split | None:
+    """The rows of `data` after its header line (which ends before byte `body`), or
+    None where they are not this reader's (see the module's text)."""
+    role = roles(header)
+    if _lines is None or role is None or len(sep) != 1 or not sep.isascii() or sep in '"\r\n':
+        return None
+    if len(data) >= 1 << 32 or data.find(b'"') >= 0:
+        return None  # (at memchr's speed, where the C pass would find it late)
+    try:
+        return _split(data, header, role, body, sep, np.int16)
+    except OverflowError:  # (more than 32,767 distinct labels in a half)
+        return _split(data, header, role, body, sep, np.int32)
+
+
+def _split(data, header: list[str], role: bytes, body: int, sep: str, code_type) -> Split | None:
+    k = max((r for r in role if r != NO_ROLE), default=0)  # label columns
+    cut = data.find(b"\n", body + (len(data) - body) // 2) + 1 if len(data) > HALVES else 0
+    parts = [(body, cut), (cut, len(data))] if cut > body else [(body, len(data))]
+    with ThreadPoolExecutor(len(parts)) as workers:  # (the C lets go of the GIL)
+        counts = [workers.submit(_lines.count, data, lo, hi) for lo, hi in parts]
+        names = np.empty(len(data) - body, dtype=np.uint8)  # (what is not used stays unmapped)
+        caps = [c.result() + 1 for c in counts]
+        at = np.cumsum([0, *caps])  # each half's first row
+        first = [lo - body for lo, _ in parts]  # and first byte of names (no name is longer
+        start = _touched(np.empty(at[-1], dtype=np.uint32))  # than its line)
+        length = _touched(np.empty(at[-1], dtype=np.int16))
+        codes = _touched(np.empty((at[-1], k), dtype=code_type))
+        descents = np.empty((len(parts), MOST_DESCENTS), dtype=np.int64)
+
+        def read(j: int):
+            rows = slice(at[j], at[j + 1])
+            return _lines.split(data, *parts[j], ord(sep), role, names, first[j],
+                                start[rows], length[rows], codes[rows], descents[j])  # fmt: skip
+
+        got = list(workers.map(read, range(len(parts))))
+    if any(g is None for g in got):
+        return None
+    rows = [g[0] for g in got]
+    n, end = sum(rows), got[0][3]
+    if n == 0:
+        return None  # (no rows: the others say so)
+    if len(parts) == 2:  # the second half's rows and names move up to the first's
+        if rows[0] < caps[0]:  # (blank lines)
+            for a in (start, length, codes):
+                a[rows[0] : n] = a[at[1] : at[1] + rows[1]]
+        names[end : end + got[1][3] - first[1]] = names[first[1] : got[1][3]]
+        start[rows[0] : n] -= first[1] - end
+        end += got[1][3] - first[1]
+    start, length, codes = start[:n], length[:n], codes[:n]
+    labels = sort_labels(v for g in got for v in g[1])
+    ids = _ids(codes, [g[1] for g in got], rows, labels)
+    return Split(
+        header, names[:end], start, length, ids, labels,
+        _descents(names, start, length, got, rows, descents, most=len(labels)),
+    )  # fmt: skip
+
+
+def _touched(a: np.ndarray) -> np.ndarray:
+    """`a`, its pages faulted in by this thread. Measured here, the two halves of a
+    1M-row split took 50 ms where each thread faulted in its share of the row arrays
+    (one waits on the other), 19 ms after 4 ms of this. (Not the names: as fast
+    either way, and their untouched tail is never mapped.)"""
+    a.reshape(-1).view(np.uint8)[:: mmap.PAGESIZE] = 0
+    return a
+
+
+def _ids(codes: np.ndarray, found: list[list[str]], rows: list[int], labels: list[str]):
+    """Each half's codes (in the order of its own first appearances) as ids into
+    `labels` (a small table a half: code -1, no label, takes its last entry)."""
+    dt = small_int(len(labels) + 1)
+    where = {name: i for i, name in enumerate(labels)}
+    ids = np.empty(codes.shape, dtype=dt)
+    lo = 0
+    for names, n in zip(found, rows, strict=True):
+        table = np.asarray([where[v] for v in names] + [-1], dtype=dt)
+        np.take(table, codes[lo : lo + n], out=ids[lo : lo + n], mode="wrap")
+        lo += n
+    return ids[:, 0] if ids.shape[1] == 1 else ids
+
+
+def _descents(names, start, length, got, rows, found, most: int) -> np.ndarray | None:
+    """The rows r whose name is > row r + 1's, over both halves (and where they meet),
+    or None where there are more than `most`."""
+    if sum(g[2] for g in got) > min(most, MOST_DESCENTS):
+        return None
+    out = [found[0][: got[0][2]].copy()]
+    if len(got) == 2 and rows[0] and rows[1]:
+        r = rows[0] - 1
+        last = names[int(start[r]) : int(start[r]) + int(length[r])].tobytes()
+        first = names[int(start[r + 1]) : int(start[r + 1]) + int(length[r + 1])].tobytes()
+        if last > first:
+            out.append(np.array([r], dtype=np.int64))
+        out.append(found[1][: got[1][2]] + rows[0])
+    got_all = np.concatenate(out)
+    return got_all if len(got_all) <= most else None
