@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .cores import on_two_threads
 from .index import small_int, sort_labels
 
 try:
@@ -37,6 +38,8 @@ except ImportError:  # pragma: no cover - built by setup.py where a C compiler i
 
 # A file smaller than this is read by one thread (a thread costs more than it saves).
 HALVES = 1 << 20
+# Rows a step of the label ids' remap takes (its temporaries stay in the cache).
+BLOCK = 1 << 16
 # Descents (a name > the next one's) past this many: the file is not in order.
 MOST_DESCENTS = 1 << 16
 NO_ROLE = 255
@@ -95,11 +98,14 @@ def _split(data, header: list[str], role: bytes, body: int, sep: str, code_type)
     parts = [(body, cut), (cut, len(data))] if cut > body else [(body, len(data))]
     with ThreadPoolExecutor(len(parts)) as workers:  # (the C lets go of the GIL)
         counts = [workers.submit(_lines.count, data, lo, hi) for lo, hi in parts]
-        names = np.empty(len(data) - body, dtype=np.uint8)  # (what is not used stays unmapped)
+        first = [lo - body for lo, _ in parts]  # each half's first byte of names (no name
+        names = np.empty(len(data) - body, dtype=np.uint8)  # is longer than its line)
+        share = _name_share(data, body, sep, role)
+        for (lo, hi), at in zip(parts, first, strict=True):  # (while they count; the rest
+            _touched(names[at : at + int((hi - lo) * share)])  # is mapped if it is used)
         caps = [c.result() + 1 for c in counts]
         at = np.cumsum([0, *caps])  # each half's first row
-        first = [lo - body for lo, _ in parts]  # and first byte of names (no name is longer
-        start = _touched(np.empty(at[-1], dtype=np.uint32))  # than its line)
+        start = _touched(np.empty(at[-1], dtype=np.uint32))
         length = _touched(np.empty(at[-1], dtype=np.int16))
         codes = _touched(np.empty((at[-1], k), dtype=code_type))
         descents = np.empty((len(parts), MOST_DESCENTS), dtype=np.int64)
@@ -133,25 +139,46 @@ def _split(data, header: list[str], role: bytes, body: int, sep: str, code_type)
 
 
 def _touched(a: np.ndarray) -> np.ndarray:
-    """`a`, its pages faulted in by this thread. Measured here, the two halves of a
-    1M-row split took 50 ms where each thread faulted in its share of the row arrays
-    (one waits on the other), 19 ms after 4 ms of this. (Not the names: as fast
-    either way, and their untouched tail is never mapped.)"""
+    """`a`, its pages faulted in by this thread. Two threads that fault in fresh pages
+    at once wait on each other: measured here, the two halves of a 1M-row split took
+    50 ms into fresh row arrays, 19 ms after 4 ms of this, and a 10M-row split
+    0.25-0.66 s into fresh names."""
     a.reshape(-1).view(np.uint8)[:: mmap.PAGESIZE] = 0
     return a
 
 
+def _name_share(data, body: int, sep: str, role: bytes, sample: int = 1 << 16) -> float:
+    """The share of the bytes that the names will take, from the first lines', a
+    little over (names are faulted in ahead for that share of the file only: the
+    labels' share is never touched)."""
+    lines = data[body : body + sample].split(b"\n")[:-1]
+    name, used = role.index(0), 0
+    for fields in (line.split(sep.encode()) for line in lines):
+        used += len(fields[name].strip()) if name < len(fields) else 0
+    return min(1.0, 1.1 * used / max(1, sum(len(line) + 1 for line in lines)))
+
+
 def _ids(codes: np.ndarray, found: list[list[str]], rows: list[int], labels: list[str]):
     """Each half's codes (in the order of its own first appearances) as ids into
-    `labels` (a small table a half: code -1, no label, takes its last entry)."""
+    `labels`, in place where the types match (a fresh array as large costs its page
+    faults), a block of rows at a time on two threads; a small table a half, whose
+    last entry (-1, no label) code -1 takes."""
     dt = small_int(len(labels) + 1)
+    ids = codes if codes.dtype == dt else np.empty(codes.shape, dtype=dt)
     where = {name: i for i, name in enumerate(labels)}
-    ids = np.empty(codes.shape, dtype=dt)
-    lo = 0
-    for names, n in zip(found, rows, strict=True):
-        table = np.asarray([where[v] for v in names] + [-1], dtype=dt)
-        np.take(table, codes[lo : lo + n], out=ids[lo : lo + n], mode="wrap")
-        lo += n
+    tables = [np.asarray([where[v] for v in names] + [-1], dtype=dt) for names in found]
+    edges = np.cumsum([0, *rows])
+    blocks = [
+        (table, lo, min(lo + BLOCK, hi))
+        for table, first, hi in zip(tables, edges[:-1], edges[1:], strict=True)
+        for lo in range(first, hi, BLOCK)
+    ]
+
+    def remap(part) -> None:
+        for table, lo, hi in part:
+            ids[lo:hi] = table.take(codes[lo:hi], mode="wrap")  # (a block's temporary)
+
+    on_two_threads(remap, blocks)
     return ids[:, 0] if ids.shape[1] == 1 else ids
 
 

@@ -229,3 +229,19 @@ def test_a_file_read_while_mapped_is_the_one_on_disk(tmp_path):
     os.chmod(path, 0)
     if os.geteuid() != 0:  # (root reads it anyway)
         assert csvindex._plain_bytes(str(path)) is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"label,filename\nx\ny,b.png\n",  # a row that stops before its name
+        b"label,filename\nx,a.png\n" + b"y\n" * 300 + b"z,b.png\n",
+        b"filename,label\n" + b"\n" * 500 + b"a.png,x\n",  # blank lines first
+        b"filename,label\n" + b" \n" * 500,
+    ],
+)
+def test_odd_first_lines_are_read_as_the_others_read_them(tmp_path, monkeypatch, data):
+    monkeypatch.setattr(csvlines, "HALVES", 64)
+    path = tmp_path / "i.csv"
+    path.write_bytes(data)
+    same(four_ways(path, monkeypatch))
