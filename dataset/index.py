@@ -408,7 +408,9 @@ class Index:
 
     def take(self, positions: Sequence[int] | np.ndarray, origin: str | None = None) -> Index:
         """A new Index of the examples at `positions`, sharing this one's tables and labels."""
-        positions = np.asarray(positions, dtype=np.int64)
+        positions = np.asarray(positions)
+        if positions.dtype.kind not in "iu":  # (a list, or an empty one: floats)
+            positions = positions.astype(np.int64)
         return Index(
             self.table,
             self.row_labels,
@@ -460,12 +462,26 @@ def label_runs(targets: np.ndarray, labels: int) -> tuple[np.ndarray, np.ndarray
 
 
 def _picks(lo: np.ndarray, hi: np.ndarray, partition: int, partitions: int) -> np.ndarray:
-    """Positions of one partition, given each group's run ``[lo, hi)`` in group order."""
+    """Positions of one partition, given each group's run ``[lo, hi)`` in group order.
+
+    Pick j of the partition, the i-th of its run r, is ``lo[r] + first + i * partitions``
+    = ``j * partitions + shift[r]``: two arrays as long as the picks, the second the
+    running sum of each run's change of shift (fresh memory is most of what this
+    costs: a 10M-row index's 1.25M picks made five int64 arrays, 50 MB)."""
     first = (partition - 1) % partitions  # k = first + 1 is the first k with k % partitions == p
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     count = np.maximum(0, (hi - lo - first + partitions - 1) // partitions)
-    base = np.repeat(lo + first, count)
-    step = np.arange(len(base)) - np.repeat(np.cumsum(count) - count, count)
-    return base + step * partitions
+    at = np.cumsum(count) - count  # each run's first pick
+    total = int(count.sum())
+    dt = small_int(max(int(hi[-1]) if len(hi) else 0, total * partitions))  # (j * partitions)
+    shift = (lo + first - at * partitions)[count > 0]
+    out = np.arange(total, dtype=dt)
+    out *= partitions
+    change = np.zeros(total, dtype=dt)
+    change[at[count > 0]] = np.diff(shift, prepend=0)
+    np.cumsum(change, out=change)
+    out += change
+    return out
 
 
 def _display(s: Any, i: int = 0) -> str:

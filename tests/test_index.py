@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -385,3 +388,22 @@ def test_partition_by_label_runs_matches_torch_dataset_rule(tmp_path, multi_hot,
     small = write(tmp_path / "s.csv", "filename,label\na,x\nb,x\nc,y\nd,x\ne,\nf,y\ng,\n")
     got = [Dataset(str(small), partition=p, partitions=2).index.rows.tolist() for p in (0, 1)]
     assert got == [[1, 5, 6], [0, 3, 2, 4]]
+
+
+def test_picks_are_torch_dataset_s_k_mod_partitions_in_every_run():
+    """``_picks`` against a plain reading of the rule: within each label's run, the k-th
+    example (from 1) goes to partition k % partitions; runs empty, of one example
+    each (picks far more than the positions / partitions), or long."""
+    from distlearn.dataset.index import _picks
+
+    rng = random.Random(0)
+    cases = [[rng.randrange(0, 20) for _ in range(rng.randrange(0, 12))] for _ in range(2000)]
+    cases += [[1] * 30_000, [0, 40_000], [33_000, 1, 1]]
+    for sizes in cases:
+        edges = np.cumsum([0, *sizes])
+        for partitions in (1, 3, 8, 64):
+            for p in {0, 1 % partitions, partitions - 1}:
+                want = [lo + k - 1 for lo, hi in itertools.pairwise(edges)
+                        for k in range(1, hi - lo + 1) if k % partitions == p]  # fmt: skip
+                got = _picks(edges[:-1], edges[1:], p, partitions)
+                assert got.tolist() == want, (sizes[:5], partitions, p)
