@@ -20,7 +20,9 @@ alike. Figures: median (min-max) of the repetitions; ratios are to
 ``pandas.read_csv`` of the same file in the same run.
 
 Rows: ``pandas.read_csv`` (its C parser), ``pyarrow.csv.read_csv`` (threads
-on), a bare ``csv.reader`` pass (1M only); ``Dataset(path)``,
+on), a bare ``csv.reader`` pass (1M only); ``Dataset(path)`` (a plain file read
+by the C reader, ``dataset.csvlines``), the same with the C reader refused
+(pyarrow's split, ``dataset.csvarrow``: the choice of reader, measured; 1M),
 ``Dataset(path, partition=0, partitions=8)``, ``Dataset(path,
 cache_index=True)`` with the parsed index already in the cache (memory-mapped),
 and the time from ``Dataset(path)`` to the first batch of 128 (``permutation``
@@ -167,8 +169,11 @@ def child(kind: str, path: str, cache_dir: str, rows: int) -> dict:
         import pandas
         import pyarrow.csv
     else:
-        from distlearn.dataset import Dataset, batcher, kinds  # noqa: F401 (imported, not timed)
+        from distlearn.dataset import Dataset, batcher, csvlines, kinds  # noqa: F401 (not timed)
         from distlearn.dataset.processors import Raw
+
+        if kind == "dataset-arrow":  # the reader the C one stands in front of
+            csvlines._lines = None
     before = _memory()
     t0 = time.perf_counter()
     out: dict = {}
@@ -334,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if variant == "shuffled":  # (the rows of the other files are in that order)
                 kinds.insert(1, "pandas-sorted")
+            if rows <= 1_000_000 and variant != "quoted":  # (quotes: pyarrow's anyway)
+                kinds.append("dataset-arrow")
             if variant == "sorted":
                 kinds += ["partition", "mapped", "first-batch"]
                 if rows <= 1_000_000:
@@ -406,6 +413,7 @@ ROW_LABELS = {
     "pyarrow": "`pyarrow.csv.read_csv`",
     "csv": "`list(csv.reader(f))`",
     "dataset": "`Dataset(path)`",
+    "dataset-arrow": "`Dataset(path)`, the C reader refused (pyarrow's split)",
     "partition": "`Dataset(path, partition=0, partitions=8)`",
     "mapped": "`Dataset(path, cache_index=True)`, cached",
     "first-batch": "`Dataset(path)` to the first batch",
