@@ -45,13 +45,17 @@ MOST_DESCENTS = 1 << 16
 NO_ROLE = 255
 
 
+def built() -> bool:
+    """Whether the C reader was built (else :func:`split` is always None)."""
+    return _lines is not None
+
+
 class Split(NamedTuple):
     """A plain file's rows: name r is ``buf[start[r]:start[r] + length[r]]``; ``ids``,
     the label ids (into ``labels``, sorted) of each row, ``(rows,)`` for one label
     column, ``(rows, columns)`` for several, -1 where a row has none there;
     ``descents``: the rows r whose name is > row r + 1's, or None (too many)."""
 
-    header: list[str]
     buf: np.ndarray
     start: np.ndarray
     length: np.ndarray
@@ -87,12 +91,15 @@ def split(data: bytes | mmap.mmap, header: list[str], body: int, sep: str) -> Sp
     if len(data) >= 1 << 32 or data.find(b'"') >= 0:
         return None  # (at memchr's speed, where the C pass would find it late)
     try:
-        return _split(data, header, role, body, sep, np.int16)
+        return _split(data, role, body, sep, np.int16)
     except OverflowError:  # (more than 32,767 distinct labels in a half)
-        return _split(data, header, role, body, sep, np.int32)
+        return _split(data, role, body, sep, np.int32)
 
 
-def _split(data, header: list[str], role: bytes, body: int, sep: str, code_type) -> Split | None:
+def _split(data, role: bytes, body: int, sep: str, code_type) -> Split | None:
+    """:func:`split` with label codes of `code_type` (OverflowError: too narrow): the
+    lines counted, the arrays made, each half read by :mod:`dataset._lines` on a thread
+    of its own, then the halves joined."""
     k = max((r for r in role if r != NO_ROLE), default=0)  # label columns
     cut = data.find(b"\n", body + (len(data) - body) // 2) + 1 if len(data) > HALVES else 0
     parts = [(body, cut), (cut, len(data))] if cut > body else [(body, len(data))]
@@ -133,7 +140,7 @@ def _split(data, header: list[str], role: bytes, body: int, sep: str, code_type)
     labels = sort_labels(v for g in got for v in g[1])
     ids = _ids(codes, [g[1] for g in got], rows, labels)
     return Split(
-        header, names[:end], start, length, ids, labels,
+        names[:end], start, length, ids, labels,
         _descents(names, start, length, got, rows, descents, most=len(labels)),
     )  # fmt: skip
 
