@@ -495,10 +495,12 @@ def _display(s: Any, i: int = 0) -> str:
 
 
 def sort_labels(names) -> list[str]:
-    """Label names sorted numerically when all are integers, else as strings."""
+    """Label names sorted numerically when all are integers, else as strings; names of
+    one number ("5", "05", "+5") by their text (not left in the set's order, which is
+    the hash seed's: ranks would give the labels different ids)."""
     names = set(names)
     try:
-        return sorted(names, key=int)
+        return sorted(names, key=lambda name: (int(name), name))
     except ValueError:
         return sorted(names)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -407,3 +409,20 @@ def test_picks_are_torch_dataset_s_k_mod_partitions_in_every_run():
                         for k in range(1, hi - lo + 1) if k % partitions == p]  # fmt: skip
                 got = _picks(edges[:-1], edges[1:], p, partitions)
                 assert got.tolist() == want, (sizes[:5], partitions, p)
+
+
+def test_labels_of_one_number_have_one_order_whatever_the_hash_seed(tmp_path):
+    """Labels "5", "05", "+5" are one number: they sort by their text after it, so every
+    rank (each its own hash seed) gives them the same ids."""
+    path = tmp_path / "i.csv"
+    labels = ["05", "10", "5", "+5", "005", "9"]
+    path.write_text("filename,label\n" + "".join(f"{i}.png,{x}\n" for i, x in enumerate(labels)))
+    script = ("import sys; from distlearn.dataset import open_index; "
+              "print(open_index(sys.argv[1]).labels)")  # fmt: skip
+    seen = set()
+    for seed in range(8):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        out = subprocess.run([sys.executable, "-c", script, str(path)], env=env,
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        seen.add(out.strip())
+    assert seen == {"['+5', '005', '05', '5', '9', '10']"}
