@@ -36,18 +36,27 @@ static int is_space(unsigned char c) {
  * REFUSED (the quote, NUL, "\r" but before "\n", anything not ASCII) stop it. */
 enum { PLAIN = 0, SEP = 1, END = 2, REFUSED = 3 };
 
+/* A label's hash: its words folded in, then murmur3's finalizer, which carries the
+ * high bits into the low ones the table's mask keeps (a multiply alone carries low
+ * bits up only: labels that differ in their last bytes, id000001 to id099999, took
+ * 10x the probes). */
 static uint64_t hash(const unsigned char *p, uint32_t n) {
-    uint64_t h = n * 0x9E3779B97F4A7C15ull, w;
+    uint64_t h = n, w;
     for (; n >= 8; p += 8, n -= 8) {
         memcpy(&w, p, 8);
-        h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 32;
     }
     if (n) {
         w = 0;
         memcpy(&w, p, n);
-        h = (h ^ w) * 0xC4CEB9FE1A85EC53ull;
+        h ^= w;
     }
-    return h ^ (h >> 29);
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    return h ^ (h >> 33);
 }
 
 /* The distinct labels met so far: open addressing, at most half full. */
@@ -149,6 +158,7 @@ typedef struct {
     uint32_t prev_len;
     unsigned char *tail; /* a copy of a last line without "\n", with one */
     Labels labels;
+    Slot *last; /* each label column's last label (rows in label order repeat it) */
 } Split;
 
 /* One line, line[0:...] up to and including its "\n" (there is one); *next: the
@@ -208,9 +218,14 @@ static int split_line(Split *s, const unsigned char *line, const unsigned char *
             s->prev_len = n;
             has_name = 1;
         } else if (role != 255 && n) {
-            int32_t code = labels_code(&s->labels, a, n);
-            if (code < -1)
-                return NO_MEMORY;
+            Slot *last = &s->last[role - 1];
+            int32_t code = last->code;
+            if (code < 0 || last->len != n || memcmp(last->at, a, n) != 0) {
+                code = labels_code(&s->labels, a, n);
+                if (code < -1)
+                    return NO_MEMORY;
+                *last = (Slot){a, n, code};
+            }
             if (s->wide)
                 ((int32_t *)s->codes)[row_codes + role - 1] = code;
             else if (code <= INT16_MAX)
@@ -353,11 +368,15 @@ static PyObject *py_split(PyObject *self, PyObject *args) {
     s.codes = views[3].buf;
     s.descents = views[4].buf;
     s.most = views[4].len / 8;
-    if (labels_init(&s.labels) < 0) {
+    s.last = malloc((size_t)(s.nlabels + 1) * sizeof(Slot));
+    if (labels_init(&s.labels) < 0 || !s.last) {
         labels_free(&s.labels);
+        free(s.last);
         PyErr_NoMemory();
         goto done;
     }
+    for (Py_ssize_t k = 0; k <= s.nlabels; k++)
+        s.last[k].code = -1;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = split_lines(&s, in.buf, lo, hi);
@@ -383,6 +402,7 @@ static PyObject *py_split(PyObject *self, PyObject *args) {
             result = Py_BuildValue("nNnn", s.rows, labels, s.ndescents, s.at);
     }
     labels_free(&s.labels);
+    free(s.last);
     free(s.tail);
 done:
     for (int k = 0; k < got; k++)

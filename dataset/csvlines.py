@@ -40,6 +40,8 @@ except ImportError:  # pragma: no cover - built by setup.py where a C compiler i
 HALVES = 1 << 20
 # Rows a step of the label ids' remap takes (its temporaries stay in the cache).
 BLOCK = 1 << 16
+# Distinct labels in the first lines past which label codes are int32 from the start.
+WIDE_CODES = 1000
 # Descents (a name > the next one's) past this many: the file is not in order.
 MOST_DESCENTS = 1 << 16
 NO_ROLE = 255
@@ -90,16 +92,20 @@ def split(data: bytes | mmap.mmap, header: list[str], body: int, sep: str) -> Sp
         return None
     if len(data) >= 1 << 32 or data.find(b'"') >= 0:
         return None  # (at memchr's speed, where the C pass would find it late)
+    share, distinct = _sample(data, body, sep, role)
+    # int16 label codes, unless the first lines hold many labels (so may a half, more
+    # than int16 holds: the split would be done again)
+    wide = distinct > WIDE_CODES
     try:
-        return _split(data, role, body, sep, np.int16)
+        return _split(data, role, body, sep, share, np.int32 if wide else np.int16)
     except OverflowError:  # (more than 32,767 distinct labels in a half)
-        return _split(data, role, body, sep, np.int32)
+        return _split(data, role, body, sep, share, np.int32)
 
 
-def _split(data, role: bytes, body: int, sep: str, code_type) -> Split | None:
-    """:func:`split` with label codes of `code_type` (OverflowError: too narrow): the
-    lines counted, the arrays made, each half read by :mod:`dataset._lines` on a thread
-    of its own, then the halves joined."""
+def _split(data, role: bytes, body: int, sep: str, share: float, code_type) -> Split | None:
+    """:func:`split` with label codes of `code_type` (OverflowError: too narrow), the
+    names' `share` of the bytes faulted in ahead: the lines counted, the arrays made,
+    each half read by :mod:`dataset._lines` on a thread of its own, the halves joined."""
     k = max((r for r in role if r != NO_ROLE), default=0)  # label columns
     cut = data.find(b"\n", body + (len(data) - body) // 2) + 1 if len(data) > HALVES else 0
     parts = [(body, cut), (cut, len(data))] if cut > body else [(body, len(data))]
@@ -107,7 +113,6 @@ def _split(data, role: bytes, body: int, sep: str, code_type) -> Split | None:
         counts = [workers.submit(_lines.count, data, lo, hi) for lo, hi in parts]
         first = [lo - body for lo, _ in parts]  # each half's first byte of names (no name
         names = np.empty(len(data) - body, dtype=np.uint8)  # is longer than its line)
-        share = _name_share(data, body, sep, role)
         for (lo, hi), at in zip(parts, first, strict=True):  # (while they count; the rest
             _touched(names[at : at + int((hi - lo) * share)])  # is mapped if it is used)
         caps = [c.result() + 1 for c in counts]
@@ -154,15 +159,16 @@ def _touched(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _name_share(data, body: int, sep: str, role: bytes, sample: int = 1 << 16) -> float:
-    """The share of the bytes that the names will take, from the first lines', a
-    little over (names are faulted in ahead for that share of the file only: the
-    labels' share is never touched)."""
+def _sample(data, body: int, sep: str, role: bytes, sample: int = 1 << 16) -> tuple[float, int]:
+    """From the first lines: the share of the bytes the names will take, a little over
+    (faulted in ahead for that share of the file only: the labels' share is never
+    touched), and how many distinct labels they hold."""
     lines = data[body : body + sample].split(b"\n")[:-1]
-    name, used = role.index(0), 0
+    name, used, labels = role.index(0), 0, set()
     for fields in (line.split(sep.encode()) for line in lines):
         used += len(fields[name].strip()) if name < len(fields) else 0
-    return min(1.0, 1.1 * used / max(1, sum(len(line) + 1 for line in lines)))
+        labels.update(f for f, r in zip(fields, role, strict=False) if 0 < r < NO_ROLE)
+    return min(1.0, 1.1 * used / max(1, sum(len(line) + 1 for line in lines))), len(labels)
 
 
 def _ids(codes: np.ndarray, found: list[list[str]], rows: list[int], labels: list[str]):

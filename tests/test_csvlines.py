@@ -141,15 +141,21 @@ def test_what_the_c_reader_refuses_is_read_by_the_others(tmp_path, monkeypatch, 
     assert taken.count == 0
 
 
-def test_more_labels_than_int16_codes_hold(tmp_path, monkeypatch):
-    """Over 32,767 distinct labels in a half: the split is done again with int32 codes."""
-    rows = [f"n{i:06d}.png,w{(i * 7919) % 40_000:05d}\n" for i in range(80_000)]
+@pytest.mark.parametrize("first", [0, 5000])  # many labels from the first lines, or later
+def test_more_labels_than_int16_codes_hold(tmp_path, monkeypatch, first):
+    """Over 32,767 distinct labels in a half: int32 codes from the start where the first
+    lines show many labels, else the split is done again with them."""
+    rows = [f"a{i:06d}.png,w00000\n" for i in range(first)]
+    rows += [f"n{i:06d}.png,w{(i * 7919) % 40_000:05d}\n" for i in range(80_000)]
     path = tmp_path / "many.csv"
     path.write_text("filename,label\n" + "".join(rows))
-    taken = Taken(monkeypatch)
+    taken, splits = Taken(monkeypatch), []
+    real = csvlines._split
+    monkeypatch.setattr(csvlines, "_split", lambda *a: splits.append(a[-1]) or real(*a))
     got = four_ways(path, monkeypatch)
     same(got[:2])  # (the scanner and the csv module: as slow as they are, compared elsewhere)
     assert len(got[0].labels) == 40_000 and taken.count == 1
+    assert splits[:2] == ([np.int32] if first == 0 else [np.int16, np.int32])
 
 
 def test_an_index_outlives_its_file_cut_short_or_rewritten(tmp_path):
