@@ -41,6 +41,7 @@ Label semantics, torch-dataset's (tested on its own fixtures in
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -525,7 +526,9 @@ def labelled(
     parser found them (all of them); a file already in that order then costs no sort.
     """
     n = len(table)
-    labels = sort_labels(name for name in names if name is not None)
+    labels = [name for name in names if name is not None]
+    if len(labels) < len(names) or not _in_label_order(labels):  # (a reader's, sorted)
+        labels = sort_labels(labels)
     label_dt = small_int(len(labels) + 1)
     if len(ids) and list(names) != labels:  # (names already sorted: ids are as they are)
         ids = np.asarray(_remap(names, labels), dtype=label_dt)[ids]
@@ -575,6 +578,15 @@ def labelled(
         targets = take(targets, order)
     return Index(table, row_labels, labels, origin, rows=seq, targets=targets,
                  multi_hot=multi_hot, label_order=True)  # fmt: skip
+
+
+def _in_label_order(names: list[str]) -> bool:
+    """Whether `names` are :func:`sort_labels`' order already (a pass, not a sort)."""
+    try:
+        keys: list = [(int(name), name) for name in names]
+    except ValueError:
+        keys = names
+    return all(a < b for a, b in itertools.pairwise(keys))
 
 
 def _in_order(group: np.ndarray, descents: np.ndarray) -> bool:

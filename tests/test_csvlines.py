@@ -21,7 +21,7 @@ import pytest
 from test_csvarrow import _mutated_index, same
 from test_csvscan import write_rows
 
-from distlearn.dataset import BadIndex, csvarrow, csvindex, csvlines, open_index
+from distlearn.dataset import BadIndex, csvarrow, csvindex, csvlines, index, open_index
 
 pytestmark = pytest.mark.skipif(csvlines._lines is None, reason="dataset._lines is not built")
 
@@ -251,3 +251,21 @@ def test_odd_first_lines_are_read_as_the_others_read_them(tmp_path, monkeypatch,
     path = tmp_path / "i.csv"
     path.write_bytes(data)
     same(four_ways(path, monkeypatch))
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        ["b", "10", "9", "a", "B", "_", "10"],  # text: numpy's byte order, Python's str order
+        ["10", "9", "b", "a"],  # the first an integer, not all: Python's sort
+        ["10", "9", "05", "5", "+5", "1_0"],  # all integers (ties by their text)
+    ],
+)
+def test_many_labels_sorted_by_numpy_as_sort_labels_sorts_them(tmp_path, monkeypatch, labels):
+    monkeypatch.setattr(csvlines, "MANY_LABELS", 2)
+    monkeypatch.setattr(csvlines, "HALVES", 32)
+    path = tmp_path / "i.csv"
+    path.write_text("filename,label\n" + "".join(f"n{i}.png,{x}\n" for i, x in enumerate(labels)))
+    got = four_ways(path, monkeypatch)
+    same(got)
+    assert got[0].labels == index.sort_labels(labels)
