@@ -1,4 +1,4 @@
-/* distlearn.dataset._lines: one pass over a plain CSV/TSV index (no quotes, ASCII),
+/* distlearn.dataset._lines: one pass over a plain CSV/TSV index (no quotes, UTF-8),
  * in C. See dataset/csvlines.py, its only caller, for the contract; in short:
  *
  *   count(buf, lo, hi) -> the number of "\n" bytes in buf[lo:hi]
@@ -6,7 +6,7 @@
  *       -> (rows, labels, ndescents, end) or None
  *
  * split reads the lines of buf[lo:hi] (lo at a line's start), skips blank ones,
- * splits each at `sep`, strips each field of what str.strip() strips in ASCII, and
+ * splits each at `sep`, strips each field of what str.strip() strips, and
  * copies each row's name into names[at:end], one after the other; per row r it
  * writes the name's offset in names (start[r], uint32) and length (length[r],
  * int16); for label column k (roles[c] = k + 1) the label's code
@@ -17,10 +17,10 @@
  * counts them all).
  *
  * None where the bytes are not this reader's to read, so that the caller's others
- * (which name the fault) read them: a quote, a NUL, a "\r" not before "\n", a byte
- * >= 0x80, an empty name or one longer than 32,767 bytes, a row with more fields
- * than `roles`. The GIL is let go while the bytes are read: two threads read two
- * halves of a file at once.
+ * (which name the fault) read them: a quote, a NUL, a "\r" not before "\n", bytes
+ * that are not UTF-8, a space that is not ASCII at a field's edge, an empty name
+ * or one longer than 32,767 bytes, a row with more fields than `roles`. The GIL is
+ * let go while the bytes are read: two threads read two halves of a file at once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,9 +32,44 @@ static int is_space(unsigned char c) {
     return c == ' ' || (c >= 9 && c <= 13) || (c >= 0x1c && c <= 0x1f);
 }
 
-/* Byte classes: a field goes on over PLAIN bytes; SEP (set per call), END ("\n") and
- * REFUSED (the quote, NUL, "\r" but before "\n", anything not ASCII) stop it. */
-enum { PLAIN = 0, SEP = 1, END = 2, REFUSED = 3 };
+/* Byte classes: a field goes on over PLAIN bytes; SEP (set per call), END ("\n"),
+ * HIGH (a UTF-8 sequence starts: checked, then passed over) and REFUSED (the quote,
+ * NUL, "\r" but before "\n") stop it. */
+enum { PLAIN = 0, SEP = 1, END = 2, REFUSED = 3, HIGH = 4 };
+
+/* The length of the UTF-8 sequence at p, 0 where it is not one Python decodes (an
+ * overlong form, a surrogate, past U+10FFFF, cut short). Reads no further than the
+ * first byte that is wrong: a line's "\n" stops it. */
+static int utf8_length(const unsigned char *p) {
+    unsigned char c = p[0];
+    if (c >= 0xC2 && c <= 0xDF)
+        return (p[1] & 0xC0) == 0x80 ? 2 : 0;
+    if (c >= 0xE0 && c <= 0xEF) {
+        unsigned char lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+        return p[1] >= lo && p[1] <= hi && (p[2] & 0xC0) == 0x80 ? 3 : 0;
+    }
+    if (c >= 0xF0 && c <= 0xF4) {
+        unsigned char lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+        return p[1] >= lo && p[1] <= hi && (p[2] & 0xC0) == 0x80 && (p[3] & 0xC0) == 0x80 ? 4
+                                                                                          : 0;
+    }
+    return 0;
+}
+
+/* Whether the (valid) UTF-8 character at p is one str.strip() strips: U+0085, U+00A0,
+ * U+1680, U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000. */
+static int is_wide_space(const unsigned char *p) {
+    if (p[0] == 0xC2)
+        return p[1] == 0x85 || p[1] == 0xA0;
+    if (p[0] == 0xE1)
+        return p[1] == 0x9A && p[2] == 0x80;
+    if (p[0] == 0xE2)
+        return (p[1] == 0x80 && (p[2] <= 0x8A || p[2] == 0xA8 || p[2] == 0xA9 || p[2] == 0xAF)) ||
+               (p[1] == 0x81 && p[2] == 0x9F);
+    if (p[0] == 0xE3)
+        return p[1] == 0x80 && p[2] == 0x80;
+    return 0;
+}
 
 /* A label's hash: its words folded in, then murmur3's finalizer, which carries the
  * high bits into the low ones the table's mask keeps (a multiply alone carries low
@@ -182,21 +217,40 @@ static int split_line(Split *s, const unsigned char *line, const unsigned char *
     }
     for (;;) {
         a = q;
-        while (cls[*q] == PLAIN)
-            q++;
-        const unsigned char *z = q;
-        int stop = cls[*q];
-        if (stop == REFUSED) {
-            if (!(q[0] == '\r' && q[1] == '\n'))
-                return NOT_MINE;
-            stop = END; /* "\r\n" */
+        int high = 0, stop; /* high: the field holds a byte >= 0x80 */
+        for (;;) {
+            while (cls[*q] == PLAIN)
+                q++;
+            stop = cls[*q];
+            if (stop < REFUSED)
+                break; /* (one compare on the way of every field) */
+            if (stop == REFUSED) {
+                if (!(q[0] == '\r' && q[1] == '\n'))
+                    return NOT_MINE;
+                stop = END; /* "\r\n" */
+                break;
+            }
+            int n = utf8_length(q);
+            if (!n)
+                return NOT_MINE; /* not UTF-8: the caller's others name the fault */
+            q += n;
+            high = 1;
         }
+        const unsigned char *z = q;
         if (col == s->width)
             return NOT_MINE; /* more fields than the header */
         while (a < z && is_space(*a))
             a++;
         while (z > a && is_space(z[-1]))
             z--;
+        /* a space that is not ASCII at an edge: the others strip it */
+        if (high && a < z && (*a >= 0x80 || z[-1] >= 0x80)) {
+            const unsigned char *last = z - 1;
+            while ((*last & 0xC0) == 0x80)
+                last--;
+            if ((*a >= 0x80 && is_wide_space(a)) || (*last >= 0x80 && is_wide_space(last)))
+                return NOT_MINE;
+        }
         uint32_t n = (uint32_t)(z - a);
         unsigned char role = s->roles[col];
         if (role == 0) {
@@ -355,7 +409,7 @@ static PyObject *py_split(PyObject *self, PyObject *args) {
     }
     memset(s.cls, PLAIN, sizeof s.cls);
     for (int c = 0x80; c < 256; c++)
-        s.cls[c] = REFUSED;
+        s.cls[c] = HIGH;
     s.cls['"'] = s.cls[0] = s.cls['\r'] = REFUSED;
     s.cls['\n'] = END;
     s.cls[sep] = SEP;
@@ -391,7 +445,7 @@ static PyObject *py_split(PyObject *self, PyObject *args) {
         PyObject *labels = PyList_New(s.labels.used);
         for (int32_t k = 0; labels && k < s.labels.used; k++) {
             Slot v = s.labels.by_code[k];
-            PyObject *name = PyUnicode_DecodeASCII((const char *)v.at, v.len, NULL);
+            PyObject *name = PyUnicode_DecodeUTF8((const char *)v.at, v.len, NULL);
             if (!name) {
                 Py_CLEAR(labels);
                 break;

@@ -210,7 +210,7 @@ def _plain_bytes(path: str) -> mmap.mmap | None:
     try:
         with open(path, "rb") as f:
             head = f.read(csvarrow.PEEK)
-            if not head or b'"' in head or not head.isascii() or not csvlines.built():
+            if not head or b'"' in head or not csvlines.built():
                 return None
             if os.fstat(f.fileno()).st_size >= 1 << 32:  # (uint32 offsets: not mapped)
                 return None

@@ -1,7 +1,7 @@
-"""Plain CSV/TSV text (no quotes, ASCII) read in one pass of C, on two threads.
+"""Plain CSV/TSV text (no quotes, UTF-8) read in one pass of C, on two threads.
 
-Most index files are this plain: ``filename,label`` lines of ASCII paths and
-label names. :mod:`dataset._lines` (C) reads such a file's bytes (a local file's
+Most index files are this plain: ``filename,label`` lines of paths and label
+names. :mod:`dataset._lines` (C) reads such a file's bytes (a local file's
 mapped pages, or the bytes fetched) once, a half on each core: it finds each
 line's fields, strips them, copies each name into one buffer of names, and
 writes each label's code in the order of its first appearance (a small hash
@@ -11,10 +11,12 @@ then cost their own passes (:mod:`dataset.csvarrow`: names stripped, labels
 looked up, ragged rows split again).
 
 The rows are the csv module's (``csv.reader(strict=True)``): a file that holds no
-quote, no NUL, no ``\\r`` but in ``\\r\\n`` and only ASCII is split at each
-separator and line end, as the csv module splits it; blank lines are no rows.
-:func:`split` returns None for anything else (a quote, a name missing or empty,
-a row with more fields than the header, a header with ``offset``/``length``),
+quote, no NUL, no ``\\r`` but in ``\\r\\n`` and is UTF-8 is split at each
+separator and line end, as the csv module splits it; blank lines are no rows;
+fields are stripped as ``str.strip`` strips them. :func:`split` returns None for
+anything else (a quote, bytes that are not UTF-8, a space that is not ASCII at a
+field's edge, a name missing or empty, a row with more fields than the header, a
+header with ``offset``/``length``),
 and the other readers (:mod:`dataset.csvarrow`, :mod:`dataset.csvscan`) read the
 file or name its fault. Without the compiled module (a build without a C
 compiler), :func:`split` is always None.
@@ -178,19 +180,22 @@ def _sorted_labels(found: list[list[str]]) -> tuple[list[str], list[np.ndarray]]
     """The labels of every half, sorted as :func:`dataset.index.sort_labels` sorts
     them, and a table a half from its codes to their ids, whose last entry (-1, no
     label) code -1 takes. Many labels (a face or product index has 10^5-10^6) are
-    sorted by numpy as bytes (ASCII: a string's order), where they are not all
-    integers: Python's sort and a dict of them took 1.5 s for 10^6."""
+    sorted by numpy, where they are not all integers (as bytes where all are ASCII:
+    a string's order, at twice the speed): Python's sort and a dict of them took
+    1.5 s for 10^6."""
     every = [name for names in found for name in names]
     if len(every) <= MANY_LABELS or _integer(every[0]):  # (all integers: numeric order)
         labels = sort_labels(every)
         dt = small_int(len(labels) + 1)
         where = {name: i for i, name in enumerate(labels)}
         return labels, [np.asarray([where[v] for v in names] + [-1], dtype=dt) for names in found]
-    text, at = np.unique(np.array(every, dtype=np.bytes_), return_inverse=True)
+    ascii_ = all(map(str.isascii, every))
+    text, at = np.unique(np.array(every, dtype=np.bytes_ if ascii_ else np.str_),
+                         return_inverse=True)  # fmt: skip
     dt = small_int(len(text) + 1)
     edges = np.cumsum([0, *(len(names) for names in found)])
     tables = [np.append(at[lo:hi].astype(dt), dt.type(-1)) for lo, hi in itertools.pairwise(edges)]
-    return text.astype(np.str_).tolist(), tables  # (ASCII: as bytes, as text)
+    return text.astype(np.str_).tolist(), tables  # (ASCII bytes: the same as text)
 
 
 def _integer(name: str) -> bool:

@@ -121,8 +121,14 @@ def test_mutated_indexes_give_the_same_index_or_error_four_ways(tmp_path, monkey
         b'n"q"z,c1\n',  # a quote
         b"n\0z,c1\n",  # NUL
         b"n\rz,c1\n",  # a lone CR
-        "n\u00e9z,c1\n".encode(),  # not ASCII
-        "n\u3000z,c1\n".encode(),  # a space str.strip() strips, not ASCII
+        b"n\xffz,c1\n",  # not UTF-8: a byte no sequence starts with
+        b"n\xc0\xafz,c1\n",  # an overlong "/"
+        b"n\xed\xa0\x80z,c1\n",  # a surrogate
+        b"n\xf4\x90\x80\x80z,c1\n",  # past U+10FFFF
+        b"nz,c\xe2\x80\n",  # cut short by the line's end
+        "nz,c1\u3000\n".encode(),  # a space str.strip() strips, not ASCII, at an edge
+        "\u00a0nz,c1\n".encode(),
+        "nz\u2028,c1\n".encode(),
         b"nz,c1,c2\n",  # more fields than the header
         b",c1\n",  # no name
         b" \t,c1\n",
@@ -269,3 +275,28 @@ def test_many_labels_sorted_by_numpy_as_sort_labels_sorts_them(tmp_path, monkeyp
     got = four_ways(path, monkeypatch)
     same(got)
     assert got[0].labels == index.sort_labels(labels)
+
+
+def test_utf8_names_and_labels_are_the_c_reader_s(tmp_path, monkeypatch):
+    """Names and labels in any script (2-4 byte sequences), spaces that are not ASCII
+    inside them (not at an edge), ASCII spaces around them: the C reader's, read as
+    the others read them."""
+    monkeypatch.setattr(csvlines, "HALVES", 256)
+    rng = random.Random(3)
+    parts = ["a", "\u00e9", "\u00fc", "\u65e5\u672c", "\U0001f600", "\u00a0", "\u3000", "/"]
+    labels = ["chat", "\u00e9t\u00e9", "\u732b", "\U0001f431", " \u00c5 ", "", "x\u2028y"]
+    taken = Taken(monkeypatch)
+    for trial in range(6):
+        rows = [["filename", "label1", "label2"]]
+        for _ in range(200):
+            name = "".join(rng.choice(parts) for _ in range(rng.randrange(1, 5)))
+            row = [f"n{name}z", rng.choice(labels), rng.choice(labels)]
+            rows.append(row[: rng.randrange(2, 4)])
+        if trial % 2:
+            rows[1:] = sorted(rows[1:])
+        path = tmp_path / "u.csv"
+        path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, rng.choice(["\n", "\r\n"])))
+        got = four_ways(path, monkeypatch)
+        assert not isinstance(got[0], str), got[0]
+        same(got)
+    assert taken.count == 6
