@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cores import on_two_threads
+from .cores import fresh, on_two_threads
 from .index import small_int, sort_labels
 
 try:
@@ -117,14 +117,14 @@ def _split(data, role: bytes, body: int, sep: str, share: float, code_type) -> S
     with ThreadPoolExecutor(len(parts)) as workers:  # (the C lets go of the GIL)
         counts = [workers.submit(_lines.count, data, lo, hi) for lo, hi in parts]
         first = [lo - body for lo, _ in parts]  # each half's first byte of names (no name
-        names = np.empty(len(data) - body, dtype=np.uint8)  # is longer than its line)
+        names = fresh(len(data) - body, np.uint8)  # is longer than its line)
         for (lo, hi), at in zip(parts, first, strict=True):  # (while they count; the rest
             _touched(names[at : at + int((hi - lo) * share)])  # is mapped if it is used)
         caps = [c.result() + 1 for c in counts]
         at = np.cumsum([0, *caps])  # each half's first row
-        start = _touched(np.empty(at[-1], dtype=np.uint32))
-        length = _touched(np.empty(at[-1], dtype=np.int16))
-        codes = _touched(np.empty((at[-1], k), dtype=code_type))
+        start = _touched(fresh(at[-1], np.uint32))
+        length = _touched(fresh(at[-1], np.int16))
+        codes = _touched(fresh((at[-1], k), code_type))
         descents = np.empty((len(parts), MOST_DESCENTS), dtype=np.int64)
 
         def read(j: int):

@@ -50,7 +50,7 @@ import numpy as np
 
 from . import bytesort
 from . import sources as src
-from .cores import take
+from .cores import arange, take
 from .errors import BadIndex
 from .sources import Joined
 
@@ -566,7 +566,7 @@ def labelled(
         ptr = ptr.astype(small_int(len(ids), signed=False), copy=False)
     row_labels = RowLabels(ptr, ids)
     if descents is not None and ex_rows is None and _in_order(group, descents):
-        seq = np.arange(n, dtype=row_dt)  # already in order: no sort, no gathers
+        seq = arange(n, row_dt)  # already in order: no sort, no gathers
     else:
         if descents is not None and not len(descents) and table.ranges is None:
             # every name <= the next (a sorted file, unlabeled rows or several labels a

@@ -36,3 +36,24 @@ def test_in_order_puts_each_part_s_item_back_in_place(n):
     parts = list(range(n))
     halves = cores.on_two_threads(lambda part: [p * 10 for p in part], parts)
     assert cores.in_order(halves) == [p * 10 for p in parts]
+
+
+@pytest.mark.parametrize("shape", [0, 7, (5, 3), 1 << 20, (1 << 18, 3)])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.uint32, np.int64])
+def test_fresh_arrays_below_and_past_the_threshold(monkeypatch, shape, dtype):
+    """Small pages of a mapping of its own from FRESH bytes on: an ordinary writable
+    array of that shape and type, which outlives the call that made it."""
+    monkeypatch.setattr(cores, "FRESH", 1 << 16)
+    a = cores.fresh(shape, dtype)
+    assert a.shape == np.empty(shape).shape and a.dtype == dtype and a.flags.writeable
+    a[...] = 3
+    assert (a == 3).all()
+    b = np.copy(a)
+    del a
+    assert (b == 3).all()
+
+
+@pytest.mark.parametrize("n", [0, 1, (1 << 20) - 1, 1 << 20, 3 * (1 << 20) + 5])
+def test_arange_in_fresh_memory_is_numpy_s(monkeypatch, n):
+    monkeypatch.setattr(cores, "FRESH", 1 << 16)
+    assert np.array_equal(cores.arange(n, np.int32), np.arange(n, dtype=np.int32))
