@@ -272,7 +272,8 @@ class Index:
 
     Built from per-row tables (``table``: sources and names; ``row_labels``:
     label ids), shared by every partition taken from it, and per-example
-    arrays ``rows`` and ``targets``.
+    arrays ``rows`` and ``targets`` (``rows`` None: example i is row i, an array
+    made on first use; a partition taken at once needs only its own).
     """
 
     label_order = False  # (see __init__)
@@ -284,7 +285,7 @@ class Index:
         labels: Sequence[str],
         origin: str,
         *,
-        rows: np.ndarray,
+        rows: np.ndarray | None,
         targets: np.ndarray,
         multi_hot: bool = False,
         split: str = BY_LABEL,
@@ -292,22 +293,31 @@ class Index:
     ):
         if len(table) != len(row_labels):
             raise ValueError(f"{origin}: {len(table)} rows but {len(row_labels)} label rows")
-        if len(rows) != len(targets):
+        if rows is None and len(targets) != len(table):
+            raise ValueError(f"{origin}: {len(table)} rows but {len(targets)} targets in order")
+        if rows is not None and len(rows) != len(targets):
             raise ValueError(f"{origin}: {len(rows)} rows but {len(targets)} targets")
         self.table, self.row_labels = table, row_labels
         self.labels: list[str] = list(labels)
         self.origin = origin
         self.multi_hot, self.split = multi_hot, split
-        self.rows, self.targets = rows, targets
+        self._rows, self.targets = rows, targets
         # targets known to run label by label (0, 1, ..., then the unlabeled -1s), as
         # labelled() makes them: a partition then finds each label's run by binary search
         self.label_order = label_order
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.targets)
 
     def __repr__(self) -> str:
         return f"Index({self.origin!r}, examples={len(self)}, labels={len(self.labels)})"
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Each example's row in the file."""
+        if self._rows is None:  # (a 10M-row file's in order: 40 MB that a partition skips)
+            self._rows = arange(len(self.targets), small_int(len(self.targets)))
+        return self._rows
 
     @property
     def num_rows(self) -> int:
@@ -417,7 +427,7 @@ class Index:
             self.row_labels,
             self.labels,
             origin or self.origin,
-            rows=self.rows[positions],
+            rows=positions if self._rows is None else self._rows[positions],
             targets=self.targets[positions],
             multi_hot=self.multi_hot,
             split=self.split,
@@ -566,7 +576,7 @@ def labelled(
         ptr = ptr.astype(small_int(len(ids), signed=False), copy=False)
     row_labels = RowLabels(ptr, ids)
     if descents is not None and ex_rows is None and _in_order(group, descents):
-        seq = arange(n, row_dt)  # already in order: no sort, no gathers
+        seq = None  # already in order: no sort, no gathers (rows made if asked for)
     else:
         if descents is not None and not len(descents) and table.ranges is None:
             # every name <= the next (a sorted file, unlabeled rows or several labels a
@@ -669,7 +679,7 @@ class JoinedIndex(Index):
         self.origin = origin or " + ".join(m.origin for m in self.members)
         self.multi_hot, self.split = first.multi_hot, first.split
         self.table, self.row_labels = first.table, first.row_labels
-        self.rows = first.rows[self.positions]
+        self._rows = first.rows[self.positions]
         self.targets = first.targets[self.positions]
         # members whose rows line up with the first's
         self._alignable = [m for m in self.members if m.num_rows == first.num_rows]

@@ -426,3 +426,21 @@ def test_labels_of_one_number_have_one_order_whatever_the_hash_seed(tmp_path):
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
         seen.add(out.strip())
     assert seen == {"['+5', '005', '05', '5', '9', '10']"}
+
+
+def test_an_index_in_file_order_makes_its_rows_only_when_asked(tmp_path):
+    """A file in label-then-name order: example i is row i, and no array of every row
+    is made to take a partition (10M rows: 40 MB); asked for, the rows are 0..n-1, and
+    a partition's rows are the same either way."""
+    path = tmp_path / "i.csv"
+    path.write_text(
+        "filename,label\n" + "".join(f"{c}/{i:03d}.png,{c}\n" for c in "abc" for i in range(50))
+    )
+    whole = open_index(str(path))
+    assert whole._rows is None and len(whole) == 150
+    part = whole.partition(1, 4)
+    assert whole._rows is None
+    again = open_index(str(path))
+    assert again.rows.tolist() == list(range(150))  # (made now)
+    assert part.rows.tolist() == again.partition(1, 4).rows.tolist()
+    assert [part.source(i) for i in range(len(part))] == [again.source(int(r)) for r in part.rows]
