@@ -63,11 +63,15 @@ class Routes:
         monkeypatch.setattr(csvarrow, "split", split)
 
 
-def three_ways(path, monkeypatch, **kw):
-    """The index as from_csv reads it, by the numpy scanner, and by the csv module."""
+def opened_refusing(path, monkeypatch, ways, **kw):
+    """The index (or its error's text) as from_csv reads it with each tuple of `ways`'
+    readers refused: "lines" (the C reader), "arrow" (pyarrow), "scan" (the numpy
+    scanner; with all three refused, the csv module reads it)."""
     got = []
-    for refuse in ((), ("arrow",), ("arrow", "scan")):
+    for refuse in ways:
         with monkeypatch.context() as m:
+            if "lines" in refuse:
+                m.setattr(csvlines, "_lines", None)
             if "arrow" in refuse:
                 m.setattr(csvarrow, "pa", None)
             if "scan" in refuse:
@@ -77,6 +81,11 @@ def three_ways(path, monkeypatch, **kw):
             except BadIndex as err:
                 got.append(str(err))
     return got
+
+
+def three_ways(path, monkeypatch, **kw):
+    """The index as from_csv reads it, by the numpy scanner, and by the csv module."""
+    return opened_refusing(path, monkeypatch, [(), ("arrow",), ("arrow", "scan")], **kw)
 
 
 def same(indexes) -> None:
@@ -258,15 +267,22 @@ def test_mutated_indexes_read_as_the_csv_module_reads_them(tmp_path, monkeypatch
     pyarrow's split, the scanner and the csv module give the same index or the same
     error (the first faulty row, as written)."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
+    errors = compared_on_mutated(tmp_path, 400, lambda path: three_ways(path, monkeypatch))
+    assert 20 < errors < 200  # (both indexes and faults were compared)
+
+
+def compared_on_mutated(tmp_path, seeds: int, ways) -> int:
+    """``same(ways(path))`` for the indexes of :func:`_mutated_index`'s first `seeds`
+    seeds; how many of them were errors."""
     errors = 0
-    for seed in range(400):
+    for seed in range(seeds):
         data, sep = _mutated_index(random.Random(seed))
         path = tmp_path / ("i.tsv" if sep == "\t" else "i.csv")
         path.write_bytes(data)
-        got = three_ways(path, monkeypatch)
+        got = ways(path)
         same(got)
         errors += isinstance(got[0], str)
-    assert 20 < errors < 200  # (both indexes and faults were compared)
+    return errors
 
 
 def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):

@@ -18,10 +18,10 @@ import random
 
 import numpy as np
 import pytest
-from test_csvarrow import _mutated_index, same
+from test_csvarrow import compared_on_mutated, opened_refusing, same
 from test_csvscan import write_rows
 
-from distlearn.dataset import BadIndex, csvarrow, csvindex, csvlines, index, open_index
+from distlearn.dataset import csvindex, csvlines, index
 
 pytestmark = pytest.mark.skipif(csvlines._lines is None, reason="dataset._lines is not built")
 
@@ -30,20 +30,8 @@ def four_ways(path, monkeypatch, **kw):
     """The index as from_csv reads it (the C reader first), then with the C reader
     refused (pyarrow), then pyarrow refused too (the scanner), then all but the csv
     module refused; each an Index or its error's text."""
-    got = []
-    for refuse in ((), ("lines",), ("lines", "arrow"), ("lines", "arrow", "scan")):
-        with monkeypatch.context() as m:
-            if "lines" in refuse:
-                m.setattr(csvlines, "_lines", None)
-            if "arrow" in refuse:
-                m.setattr(csvarrow, "pa", None)
-            if "scan" in refuse:
-                m.setattr(csvindex, "scan", lambda data, sep: None)
-            try:
-                got.append(open_index(str(path), **kw))
-            except BadIndex as err:
-                got.append(str(err))
-    return got
+    ways = [(), ("lines",), ("lines", "arrow"), ("lines", "arrow", "scan")]
+    return opened_refusing(path, monkeypatch, ways, **kw)
 
 
 def _plain_rows(rng: random.Random, n: int, width: int) -> list[list[str]]:
@@ -104,14 +92,8 @@ def test_plain_files_are_the_c_reader_s_and_read_as_the_others_read_them(
 
 def test_mutated_indexes_give_the_same_index_or_error_four_ways(tmp_path, monkeypatch):
     monkeypatch.setattr(csvlines, "HALVES", 256)
-    taken, errors = Taken(monkeypatch), 0
-    for seed in range(300):
-        data, sep = _mutated_index(random.Random(seed))
-        path = tmp_path / ("i.tsv" if sep == "\t" else "i.csv")
-        path.write_bytes(data)
-        got = four_ways(path, monkeypatch)
-        same(got)
-        errors += isinstance(got[0], str)
+    taken = Taken(monkeypatch)
+    errors = compared_on_mutated(tmp_path, 300, lambda path: four_ways(path, monkeypatch))
     assert 30 < errors < 200 and taken.count > 30  # (indexes, faults and the C reader's)
 
 
