@@ -38,11 +38,11 @@ def fresh(shape: int | tuple, dtype) -> np.ndarray:
     return np.frombuffer(pages, dtype=dtype).reshape(shape)
 
 
-def arange(n: int, dtype) -> np.ndarray:
+def arange(n: int, dtype, block: int = 1 << 20) -> np.ndarray:
     """``np.arange(n, dtype=dtype)`` in :func:`fresh` memory (a block at a time)."""
     out = fresh(n, dtype)
-    for lo in range(0, n, 1 << 20):
-        out[lo : lo + (1 << 20)] = np.arange(lo, min(n, lo + (1 << 20)), dtype=dtype)
+    for lo in range(0, n, block):
+        out[lo : lo + block] = np.arange(lo, min(n, lo + block), dtype=dtype)
     return out
 
 

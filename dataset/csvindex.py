@@ -235,10 +235,7 @@ def _from_lines(
     if got is None:
         return None
     Columns(header, index)  # (its checks passed: it logs the unknown columns)
-    if got.ids.size:
-        ptr, ids, names = _packed(got.ids, got.labels, missing=bool((got.ids < 0).any()))
-    else:  # no label column
-        ptr, ids, names = np.zeros(len(got.start) + 1, dtype=np.int64), got.ids.ravel(), []
+    ptr, ids, names = _packed(got.ids, got.labels)
     table = NameRows(got.buf, got.start, got.length, resolver)
     text = data if where is None else where
     return table, ptr, ids, names, lambda r: _line_of(text, sep, r), got.descents
@@ -284,7 +281,7 @@ def _arrow_labels(columns: list[list], n: int):
     in the sorted label names; each chunk's indices mapped through that small table
     straight into the ids (no unified dictionary, no remap of every id after)."""
     if not columns:
-        return np.zeros(n + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
+        return _packed(np.empty((n, 0), dtype=np.int16), [])
     pool = csvarrow.pool()
     coded = []  # (column, chunk, its indices)
     for k, col in enumerate(columns):
@@ -327,12 +324,15 @@ def _arrow_labels(columns: list[list], n: int):
     return _packed(ids, names, missing="" in found)
 
 
-def _packed(ids: np.ndarray, names: list[str], missing: bool = True):
+def _packed(ids: np.ndarray, names: list[str], missing: bool | None = None):
     """``(ptr, ids, names)`` for :func:`dataset.index.labelled` from each row's label ids,
-    ``(rows,)`` for one label column or ``(rows, columns)``, -1 for no label there
-    (`missing`: there may be one); a label repeated in a row is kept once."""
+    ``(rows,)`` for one label column or ``(rows, columns)`` (none: no label column),
+    -1 for no label there (`missing`: whether one label column has one; None: look);
+    a label repeated in a row is kept once."""
     n, width = len(ids), 1 if ids.ndim == 1 else ids.shape[1]
-    if not missing and width == 1:
+    if width == 0:
+        return np.zeros(n + 1, dtype=np.int64), np.empty(0, dtype=np.int64), []
+    if width == 1 and not (bool((ids < 0).any()) if missing is None else missing):
         return None, ids, names
     if width > 1:
         _drop_repeats(ids)

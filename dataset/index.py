@@ -483,13 +483,13 @@ def _picks(lo: np.ndarray, hi: np.ndarray, partition: int, partitions: int) -> n
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     count = np.maximum(0, (hi - lo - first + partitions - 1) // partitions)
     at = np.cumsum(count) - count  # each run's first pick
-    total = int(count.sum())
+    total, picked = int(count.sum()), count > 0
     dt = small_int(max(int(hi[-1]) if len(hi) else 0, total * partitions))  # (j * partitions)
-    shift = (lo + first - at * partitions)[count > 0]
+    shift = (lo + first - at * partitions)[picked]
     out = np.arange(total, dtype=dt)
     out *= partitions
     change = np.zeros(total, dtype=dt)
-    change[at[count > 0]] = np.diff(shift, prepend=0)
+    change[at[picked]] = np.diff(shift, prepend=0)
     np.cumsum(change, out=change)
     out += change
     return out
