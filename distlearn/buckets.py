@@ -20,8 +20,10 @@ Nodes that finished their epoch run the same sequence with `finished=True`
 
 A communicator with `all_reduce_counted` (the flat backends: TorchDistributed) gets one
 more slot at the end of every bucket for its contributor count, so a bucket travels in
-its own memory as one collective, as DDP's do; otherwise a bucket is an ordinary
-`all_reduce` (the `ipc` tree counts the nodes in its own messages).
+its own memory as one collective, as DDP's do, and a step reads the counts back to the
+host once, from the last bucket (on CUDA: one sync a step, where DDP has none but cannot
+end uneven epochs); otherwise a bucket is an ordinary `all_reduce` (the `ipc` tree counts
+the nodes in its own messages).
 """
 
 from __future__ import annotations
@@ -287,11 +289,11 @@ class GradientBuckets:
 
     def _launch(self, bucket: _Bucket, contribute: bool, wait: bool = False) -> None:
         if self.counted:
-            # The bucket's own memory with the count in its last slot: one collective.
-            out = self.comm.all_reduce_counted(
-                bucket.flat, finished=not contribute, async_op=not wait
+            # The bucket's own memory with the count in its last slot: one collective,
+            # always on the communicator's threads (or NCCL's stream).
+            bucket.handle = self.comm.all_reduce_counted(
+                bucket.flat, finished=not contribute, async_op=True
             )
-            bucket.handle = Completed(out) if wait else out
         elif wait:
             # The last bucket, started when nothing is left to overlap with: the
             # synchronous call skips the hand-off to a communication thread.
@@ -385,10 +387,20 @@ class GradientBuckets:
             # last one here (no hand-off to its communication thread).
             self._launch(bucket, contribute, wait=bucket is last and not self.counted)
         changed = self.changed()
+        tail = last.flat[last.numel :]  # the late count (and a counted bucket's count)
+        if self.counted:
+            # One read back to the host a step, the last bucket's two slots (every
+            # bucket of a step has the same count): on CUDA one sync, not one a bucket.
+            for bucket in self.buckets:
+                bucket.handle.complete()
+            if last.handle.count_in_slot:
+                late, count = (round(v) for v in tail.tolist())
+                self.late_nodes = late
+                return count, changed
         count = 0
         for bucket in self.buckets:
             count = bucket.handle.wait()
-        self.late_nodes = round(last.flat[last.numel].item())
+        self.late_nodes = round(tail[0].item())
         return count, changed
 
     def _reset(self) -> None:

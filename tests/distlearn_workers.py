@@ -90,6 +90,14 @@ def protocol(comm, cfg) -> dict:
             handle = comm.all_reduce_counted(flat, finished=r % 2 == 1, async_op=True)
             out[f"counted.{dtype}.count"] = handle.wait()
             out[f"counted.{dtype}.value"] = flat[:-1]
+        # bool cannot count past 1: the count travels in a collective of its own, and
+        # complete() must still leave the result in place.
+        flat = torch.tensor([r == 0, r == 1, False, False])
+        handle = comm.all_reduce_counted(flat, finished=r % 2 == 1, async_op=True)
+        out["counted.bool.in_slot"] = handle.count_in_slot
+        handle.complete()
+        out["counted.bool.value"] = flat[:-1].clone()
+        out["counted.bool.count"] = handle.wait()
         flat = torch.full((3,), r + 1.0, dtype=torch.float64)
         out["counted.sync.count"] = comm.all_reduce_counted(flat)
         out["counted.sync.value"] = flat[:-1]

@@ -250,6 +250,9 @@ def test_protocol(run, comm, num_nodes):
                 assert res[f"counted.{dtype}.count"] == len(even)
                 want = torch.full((5,), float(sum(r + 1 for r in even)), dtype=dtype)
                 assert_same(res[f"counted.{dtype}.value"], want, what=f"counted {dtype}")
+            assert res["counted.bool.in_slot"] is (n == 1)
+            assert res["counted.bool.count"] == len(even)
+            assert res["counted.bool.value"].tolist() == [True, False, False]  # node 0's
             assert res["counted.sync.count"] == n
             assert_same(
                 res["counted.sync.value"], torch.full((2,), float(total), dtype=torch.float64)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from distlearn import AllReduceEA, AllReduceSGD, broadcast_state_dict, synchronize_optimizer
 from distlearn.backends import TorchDistributed
@@ -253,6 +254,43 @@ def test_buckets_start_during_backward(comm):
     assert sgd.sum_gradients(model) == 1
     assert all(torch.equal(p.grad, 2 * g) for p, g in zip(model.parameters(), grads, strict=True))
     assert sgd.stats["modules"][0]["resent"] == 0
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's values back to the host: on CUDA each one
+    waits for the device (a sync)."""
+
+    READS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_reads_back_to_the_host_once(comm):
+    """Every bucket's count and the late count come back in one read a step, however
+    many buckets travel (each read is a device sync on CUDA)."""
+    model = _deep()
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    assert len(sgd._buckets[model].buckets) >= 3
+    x = torch.ones(3, 4)
+    for _ in range(2):
+        model.zero_grad()
+        model(x).sum().backward()
+        with _HostReads() as mode:
+            assert sgd.sum_and_normalize_gradients(model) == 1
+        assert mode.reads == ["tolist"]
+    # A finished node's drain reads the same once a step.
+    with _HostReads() as mode:
+        sgd.synchronize_parameters(model)
+    assert mode.reads.count("tolist") == 1
 
 
 def test_grads_are_views_of_the_buckets_never_of_the_one_in_flight(comm):

@@ -78,25 +78,60 @@ class _Pending:
     """One all-reduce in flight over flat buffers: its backend works, and what to do once
     they are done (read the count, copy the results out, give the buffers back)."""
 
-    __slots__ = ("_comm", "_count", "_finish", "_works")
+    __slots__ = ("_comm", "_count", "_finish", "_waited", "_works")
 
     def __init__(self, comm: FlatCommunicator, works: list, finish: Callable[[], int]) -> None:
         self._comm = comm
         self._works = works
         self._finish = finish
+        self._waited = False
         self._count: int | None = None
 
-    def wait(self) -> int:
-        if self._count is None:
+    def wait_works(self) -> None:
+        """Wait for the backend's collectives only: nothing is read back to the host (on
+        CUDA, NCCL's wait only orders the current stream after the collective)."""
+        if not self._waited:
             for work in self._works:
                 if work is not None:
                     work.wait()
             self._comm._sync()
+            self._waited = True
+
+    def wait(self) -> int:
+        if self._count is None:
+            self.wait_works()
             self._count = self._finish()
         return self._count
 
     def is_completed(self) -> bool:
         return self._count is not None or all(w is None or w.is_completed() for w in self._works)
+
+
+class _CountedPending:
+    """The handle of `all_reduce_counted`. Besides `wait()`, `complete()` leaves the
+    result and, where `count_in_slot`, the count in the caller's buffer without reading
+    anything back to the host: a caller with several buffers in flight (gradient
+    buckets) then syncs with the device once, not once a buffer."""
+
+    __slots__ = ("_inner", "count_in_slot")
+
+    def __init__(self, inner: _Pending, count_in_slot: bool) -> None:
+        self._inner = inner
+        # False: the dtype cannot count the nodes exactly; the count travelled in a
+        # collective of its own, and `complete()` reads it like `wait()`.
+        self.count_in_slot = count_in_slot
+
+    def complete(self) -> None:
+        if self.count_in_slot:
+            self._inner.wait_works()
+        else:
+            self._inner.wait()
+
+    def wait(self) -> int:
+        return self._inner.wait()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
 
 
 class FlatCommunicator:
@@ -216,18 +251,19 @@ class FlatCommunicator:
 
         This node's flag (1, or 0 if `finished`, whose other elements become 0) goes in
         that slot and the whole buffer is one collective, in the caller's memory: no
-        packing, no second collective. Returns the count (a handle with `async_op`);
+        packing, no second collective. Returns the count (with `async_op`, a handle
+        whose `complete()` waits without reading the count back: see `_CountedPending`);
         the slot holds the count afterwards. Gradient buckets travel this way. Where
         the dtype cannot count the nodes exactly, the slot is left out and the count
-        travels the usual way.
+        travels the usual way (`handle.count_in_slot` is False).
         """
         if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() < 2:
             raise ValueError("all_reduce_counted takes a contiguous 1-D buffer of 2+ elements")
-        if self.num_nodes > _exact_integers(flat.dtype):
-            handle = self._start([flat[:-1]], "sum", finished)
-            return handle if async_op else handle.wait()
         if flat.requires_grad:
             flat = flat.detach()  # the same memory; in place without autograd
+        if self.num_nodes > _exact_integers(flat.dtype):
+            handle = _CountedPending(self._start([flat[:-1]], "sum", finished), False)
+            return handle if async_op else handle.wait()
         if finished:
             flat.zero_()
         else:
@@ -236,7 +272,8 @@ class FlatCommunicator:
         def count() -> int:
             return round(flat[-1].item())
 
-        handle = _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
+        pending = _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
+        handle = _CountedPending(pending, True)
         return handle if async_op else handle.wait()
 
     def _start(self, members: list[torch.Tensor], op: str, finished: bool) -> _Pending:
