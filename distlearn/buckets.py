@@ -11,10 +11,13 @@ each `.grad` at its slice of the bucket: one copy per step (in), like DDP's
 
 The contract that keeps every node in step: per step, every bucket is all-reduced
 exactly once, in bucket order, the last one always by `finish_step`. The last bucket
-carries one more element, the number of nodes whose gradients changed after their
-bucket had left ("late": a second backward before the step ended). If any node was
-late, or the trainable parameters changed, every node all-reduces its gradients once
-more, so the result is always the sum of what each node holds when it ends the step.
+carries more elements ("marks"): for each parameter the number of nodes that had a
+`.grad` for it, then the number of nodes whose gradients changed after their bucket
+had left ("late": a second backward before the step ended). If any node was late, or the
+trainable parameters changed, every node all-reduces its gradients once more, so the
+result is always the sum of what each node holds when it ends the step. A parameter
+that no contributing node had a `.grad` for keeps `.grad = None`, as in one process
+(and under DDP): the optimizer skips it rather than stepping on zeros.
 Nodes that finished their epoch run the same sequence with `finished=True`
 (`finish_step(contribute=False)`), until a step in which nobody contributes.
 
@@ -87,14 +90,15 @@ class _Bucket:
     """
 
     __slots__ = (
-        "alias", "cur", "datas", "extra", "filling", "flats", "handle", "numel", "params",
-        "pending", "ready", "scale", "views",
+        "alias", "cur", "datas", "extra", "filling", "flats", "handle", "index", "numel",
+        "params", "pending", "ready", "scale", "views",
     )  # fmt: skip
 
     def __init__(self, params: list[nn.Parameter], wire: torch.dtype, extra: int) -> None:
         self.params = params
+        self.index: list[int] = []  # each parameter's place in GradientBuckets.params
         self.numel = sum(p.numel() for p in params)  # the gradients; then `extra` slots:
-        self.extra = extra  # the last bucket's "late" flag, the communicator's count
+        self.extra = extra  # the last bucket's marks (see GradientBuckets), the count
         self.alias = wire == params[0].dtype
         self.flats: list[torch.Tensor] = []
         self.datas: list[torch.Tensor] = []  # each flat's gradients (without `extra`)
@@ -191,6 +195,12 @@ class GradientBuckets:
         self.syncing = True  # False inside AllReduceSGD.no_sync(): hooks only accumulate
         self.expect_normalize = True  # the mean, not the sum (as the last step asked)
         self.buckets: list[_Bucket] = []
+        self.params: list[nn.Parameter] = []  # backward order: the order of the marks
+        self.late_nodes = 0  # of the last step: nodes that were late
+        # this step: the parameters this node had no .grad for (places in `params`, noted
+        # as their zeros are copied in); the last step: of those, the ones no node had
+        self._missing: list[int] = []
+        self.unused: list[int] = []
         self.launched = 0  # buckets[:launched] have started their all-reduce this step
         self.late = False
         self._slot: dict[int, tuple[_Bucket, int]] = {}
@@ -231,11 +241,17 @@ class GradientBuckets:
                 f"AllReduceSGD: {type(self.module).__name__} has no trainable parameters"
             )
         last = len(groups) - 1
+        self.params = params
+        self._marks = None  # a contributing node's usual marks (see _mark)
+        marks = len(params) + 1  # a count a parameter, then the late count
         self.buckets = [
-            _Bucket(members, self._wire(members[0].dtype), extra=int(i == last) + self.counted)
+            _Bucket(members, self._wire(members[0].dtype), marks * (i == last) + self.counted)
             for i, members in enumerate(groups)
         ]
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        place = {id(p): j for j, p in enumerate(params)}
+        for b in self.buckets:
+            b.index = [place[id(p)] for p in b.params]
         self.launched = 0
         self.late = False
         if len(self.buckets) == 1:
@@ -317,6 +333,7 @@ class GradientBuckets:
         grad, view = bucket.params[i].grad, (views or self._target(bucket))[i]
         if grad is None:
             view.zero_()
+            self._missing.append(bucket.index[i])
         elif bucket.scale != 1.0:
             torch.mul(grad, bucket.scale, out=view)
         else:
@@ -342,7 +359,8 @@ class GradientBuckets:
                 self._copy_in(bucket, i, views)
 
     def _land(self, count: int | None) -> None:
-        """Results into `.grad`: the sum, or the mean over `count` nodes."""
+        """Results into `.grad`: the sum, or the mean over `count` nodes; None where no
+        node had a gradient."""
         for bucket in self.buckets:
             factor = 1.0 / bucket.scale / (count or 1)  # what is still to apply
             views = bucket.views[bucket.cur]
@@ -360,14 +378,16 @@ class GradientBuckets:
                 p.grad.copy_(view)
                 if factor != 1.0:
                     p.grad.mul_(factor)
+        for j in self.unused:  # parameters that no contributing node had a .grad for
+            self.params[j].grad = None
 
     # -- the end of a step ------------------------------------------------------------
 
     def _all_buckets(self, contribute: bool, late: bool) -> tuple[int, bool]:
         """Start the buckets not started yet (in order), check whether the trainable
         parameters changed while the last one travels, wait for all. Returns the count
-        and that check, and leaves in `self.late_nodes` how many nodes said they were
-        late."""
+        and that check, and leaves the marks of the step in `self.late_nodes` (how many
+        nodes said they were late) and `self.unused`."""
         last = self.buckets[-1]
         for bucket in self.buckets[self.launched :]:
             views = self._target(bucket)  # (a finished node's buffer is overwritten too)
@@ -381,31 +401,56 @@ class GradientBuckets:
                     if not self.changed():
                         raise
             if bucket is last:
-                last.flat[last.numel] = 1 if (late and contribute) else 0
+                self._mark(last, late, contribute)
             # A counted bucket runs on the communicator's threads either way, so the
             # last one starts too and the check overlaps with it; the tree runs the
             # last one here (no hand-off to its communication thread).
             self._launch(bucket, contribute, wait=bucket is last and not self.counted)
         changed = self.changed()
-        tail = last.flat[last.numel :]  # the late count (and a counted bucket's count)
+        count = None
         if self.counted:
-            # One read back to the host a step, the last bucket's two slots (every
-            # bucket of a step has the same count): on CUDA one sync, not one a bucket.
+            # Every bucket of a step has the same count: the last one's is read with
+            # its marks, so a step reads back to the host once (on CUDA one sync, not
+            # one a bucket).
             for bucket in self.buckets:
                 bucket.handle.complete()
-            if last.handle.count_in_slot:
-                late, count = (round(v) for v in tail.tolist())
-                self.late_nodes = late
-                return count, changed
-        count = 0
-        for bucket in self.buckets:
-            count = bucket.handle.wait()
-        self.late_nodes = round(tail[0].item())
+        else:
+            for bucket in self.buckets:
+                count = bucket.handle.wait()
+        # The marks (and a counted bucket's count): only the late count and the count
+        # unless this node had no .grad for a parameter, which may then stay None.
+        had = len(self.params)
+        start = last.numel if self._missing else last.numel + had
+        tail = last.flat[start:].tolist()
+        self.unused = [j for j in self._missing if tail[j] == 0] if self._missing else []
+        late = tail[had] if self._missing else tail[0]
+        self.late_nodes = round(late)
+        if count is None:
+            count = round(tail[-1]) if last.handle.count_in_slot else last.handle.wait()
         return count, changed
+
+    def _mark(self, last: _Bucket, late: bool, contribute: bool) -> None:
+        """This node's marks into the last bucket, after its gradients: 1 for each
+        parameter it has a .grad for, then 1 if it was late (0s from a finished node)."""
+        had = len(self.params)
+        marks = last.flat[last.numel : last.numel + had + 1]
+        if not contribute:
+            marks.zero_()
+            return
+        if self._marks is None or self._marks.dtype != marks.dtype:
+            # On the bucket's device: a copy from host memory would sync with CUDA.
+            self._marks = torch.ones(had + 1, dtype=marks.dtype, device=marks.device)
+            self._marks[had] = 0
+        marks.copy_(self._marks)  # the usual step in one call: every .grad, not late
+        if self._missing:
+            marks[self._missing] = 0
+        if late:
+            marks[had] = 1
 
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
+        self._missing = []
         self.launched = 0
         self.late = False
 

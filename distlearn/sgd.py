@@ -12,7 +12,7 @@ from torch import nn
 
 from .buckets import GradientBuckets, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, supports_async
-from .tensors import gradients_of, state_of
+from .tensors import gradient_holders, gradients_of, state_of
 
 _MiB = 1 << 20
 _WIRE_DTYPES = {
@@ -67,6 +67,11 @@ class AllReduceSGD:
     one, smaller so that communication starts early); `grad_dtype` (torch.bfloat16 or
     torch.float16) sends float gradients in half the bytes and turns them back into
     their own dtype on arrival.
+
+    A parameter that no contributing node had a `.grad` for (a branch nobody's batch
+    took) keeps `.grad = None` after the sum, as in one process on the whole batch and
+    under DDP, so optimizers skip it; one that some nodes used gets the mean, with
+    zeros from the others.
 
     Nodes may take different numbers of steps in an epoch: `synchronize_parameters`
     keeps the early finishers taking part (with zeros) until all are done, then gives
@@ -174,32 +179,50 @@ class AllReduceSGD:
         if buckets is not None:
             n = buckets.finish_step(normalize)
         else:
-            grads = gradients_of(x)
-            n = self._all_reduce_plain(grads, normalize)
-            self._layout = [(self._wire(g.dtype), g.device, g.shape) for g in grads]
+            n = self._reduce_plain(x, normalize)
         self.steps += 1
         return n
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return wire_dtype(dtype, self.grad_dtype)
 
-    def _all_reduce_plain(self, grads: list[torch.Tensor], normalize: bool) -> int:
-        """Every gradient in one all-reduce, after backward (converted for `grad_dtype`)."""
+    def _reduce_plain(self, x: Any, normalize: bool) -> int:
+        """Every gradient in one all-reduce, after backward (converted for `grad_dtype`).
+
+        One more tensor travels with them: for each parameter, how many nodes had a
+        `.grad`. One that no contributing node had stays None, as it would in one
+        process on the whole batch (and under DDP), so the optimizer skips it instead
+        of stepping on zeros (momentum, weight decay and Adam would move it).
+        """
+        owners = [t for t in gradient_holders(x) if t.requires_grad]
+        had = [t.grad is not None for t in owners]
+        grads = gradients_of(x)
         wires = [self._wire(g.dtype) for g in grads]
-        if all(w == g.dtype for w, g in zip(wires, grads, strict=True)):
-            n = self.comm.all_reduce(grads)
-            if normalize and n > 1:
-                torch._foreach_div_(grads, float(n))
-            return n
         nodes = self.comm.num_nodes
         scales = [compressed_scale(g.dtype, w, nodes) for g, w in zip(grads, wires, strict=True)]
+        aliased = all(w == g.dtype for w, g in zip(wires, grads, strict=True))
         with torch.no_grad():
-            sent = [torch.empty_like(g, dtype=w) for g, w in zip(grads, wires, strict=True)]
-            for t, g, s in zip(sent, grads, scales, strict=True):
-                torch.mul(g, s, out=t)
+            if aliased:
+                sent = list(grads)
+            else:
+                sent = [torch.empty_like(g, dtype=w) for g, w in zip(grads, wires, strict=True)]
+                for t, g, s in zip(sent, grads, scales, strict=True):
+                    torch.mul(g, s, out=t)
+            if owners:  # in the first tensor's dtype and device: the same collective
+                sent.append(torch.tensor(had, dtype=wires[0], device=grads[0].device))
             n = self.comm.all_reduce(sent)
-            for g, t, s in zip(grads, sent, scales, strict=True):
-                g.copy_(t).mul_(1.0 / s / (n if normalize and n > 1 else 1))
+            divisor = n if normalize and n > 1 else 1
+            if aliased:
+                if divisor > 1:
+                    torch._foreach_div_(grads, float(divisor))
+            else:
+                for g, t, s in zip(grads, sent, scales, strict=False):  # (sent: + flags)
+                    g.copy_(t).mul_(1.0 / s / divisor)
+        if not all(had):  # only a parameter this node had no .grad for can stay None
+            for t, mine, total in zip(owners, had, sent[-1].tolist(), strict=True):
+                if not mine and total == 0:
+                    t.grad = None
+        self._layout = [(t.dtype, t.device, t.shape) for t in sent]
         return n
 
     # -- parameters ---------------------------------------------------------------------
@@ -242,12 +265,13 @@ class AllReduceSGD:
             return
         if self._layout is None:
             # No step since the last sync: gradients are laid out like the parameters
-            # (a module's trainable ones), which is what the other nodes are sending.
-            if isinstance(x, nn.Module):
-                like = [p for p in x.parameters() if p.requires_grad]
-            else:
-                like = state_of(x)
+            # (a module's trainable ones), which is what the other nodes are sending,
+            # and their flags (_reduce_plain).
+            like = gradient_holders(x)
             layout = [(self._wire(t.dtype), t.device, t.shape) for t in like]
+            owners = sum(t.requires_grad for t in like)
+            if owners:
+                layout.append((layout[0][0], layout[0][1], torch.Size([owners])))
         else:
             layout = self._layout
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for dtype, device, shape in layout]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["gradients_of", "leaves", "parameters_of", "state_of"]
+__all__ = ["gradient_holders", "gradients_of", "leaves", "parameters_of", "state_of"]
 
 
 def _sorted_keys(mapping: Mapping) -> list:
@@ -74,6 +74,14 @@ def state_of(x: Any) -> list[torch.Tensor]:
     return [t.detach() for t in _as_list(x, "parameters")]
 
 
+def gradient_holders(x: Any) -> list[torch.Tensor]:
+    """What `gradients_of(x)` takes each gradient from, in the same order: a module's
+    parameters that require grad, or the tensors given (not detached)."""
+    if isinstance(x, nn.Module):
+        return [p for p in x.parameters() if p.requires_grad]
+    return _as_list(x, "gradients")
+
+
 def gradients_of(x: Any) -> list[torch.Tensor]:
     """The gradients to all-reduce for `x`.
 
@@ -83,12 +91,8 @@ def gradients_of(x: Any) -> list[torch.Tensor]:
     its `.grad`, because summing parameters where gradients were meant would silently
     ruin training. Other tensors are the gradients themselves.
     """
-    if isinstance(x, nn.Module):
-        params: list[torch.Tensor] = [p for p in x.parameters() if p.requires_grad]
-    else:
-        params = _as_list(x, "gradients")
     grads = []
-    for p in params:
+    for p in gradient_holders(x):
         if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -159,6 +159,28 @@ def make_deep_model(seed: int) -> nn.Module:
     )  # fmt: skip
 
 
+class Branchy(nn.Module):
+    """A trunk and two heads; head `b` joins only when a step asks for it, so its
+    parameters go unused on some nodes or on all of them."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.a = nn.Linear(16, 3)
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def branchy_uses_b(step: int, node: int) -> bool:
+    """Everyone, nobody, node 0 only, nobody: a parameter unused on all nodes must keep
+    `.grad = None` (the optimizer skips it); one used on some gets the mean."""
+    return (True, False, node == 0, False)[step % 4]
+
+
 def deep_reference(steps: int, size: int, frozen: dict[int, list[int]] | None = None) -> dict:
     """One process on the whole batch (mean loss), from seed 100's weights; `frozen` maps
     a step to the indices of the parameters that do not train from that step on."""

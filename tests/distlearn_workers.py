@@ -11,6 +11,7 @@ OUT/rank-R.pt. Also importable: the torchrun scripts reuse the scenarios.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -271,38 +272,112 @@ def sgd_overlap(comm, cfg) -> dict:
     return out
 
 
+def sgd_beside_ddp(comm, cfg) -> dict:
+    """AllReduceSGD next to DistributedDataParallel, in the same processes: the same
+    model (a head unused on some nodes or all of them), data and optimizer, DDP over a
+    gloo group (the communicator's own, or one made here beside the `ipc` tree). Ours
+    with buckets and without, with no_sync() accumulation, and in float16 against DDP's
+    own compression hook; the test compares the weights with DDP's."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r, n = comm.node_index, comm.num_nodes
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{cfg['store']}", rank=r, world_size=n)
+    buckets = {"bucket_bytes": cfg["bucket_bytes"], "first_bucket_bytes": cfg["first_bucket_bytes"]}
+    # DDP's bfloat16 hook refuses gloo (it needs NCCL): bfloat16 is held to DDP in float32.
+    hooks = {"float16": default_hooks.fp16_compress_hook}
+
+    def loop(model, opt, reduce, no_sync, micro):
+        for step in range(cfg["steps"]):
+            use_b = sim.branchy_uses_b(step, r)
+            x, y = sim.batch(step, cfg["batch"])
+            x, y = x[r::n], y[r::n]
+            opt.zero_grad()
+            pieces = list(zip(x.tensor_split(micro), y.tensor_split(micro), strict=True))
+            for k, (xs, ys) in enumerate(pieces):
+                loss = nn.functional.cross_entropy(model(xs, use_b), ys) * len(xs) / len(x)
+                if k < micro - 1:
+                    with no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            reduce()
+            opt.step()
+
+    out = {}
+    for name, kw, micro in (
+        ("plain", {}, 1),
+        ("overlap_off", {"overlap": False}, 1),
+        ("no_sync", {}, 2),
+        ("float16", {"grad_dtype": "float16"}, 1),
+        ("bfloat16", {"grad_dtype": "bfloat16"}, 1),
+    ):
+        ddp = DDP(sim.Branchy(seed=7), find_unused_parameters=True, bucket_cap_mb=1e-4)
+        if kw.get("grad_dtype") in hooks:
+            ddp.register_comm_hook(None, hooks[kw["grad_dtype"]])
+        loop(ddp, sim.MomentumSGD(ddp.module), lambda: None, ddp.no_sync, micro)
+        model = sim.Branchy(seed=7)
+        sgd = AllReduceSGD(comm, **buckets, **kw)
+        sgd.synchronize_parameters(model)
+        reduce = functools.partial(sgd.sum_and_normalize_gradients, model)
+        loop(model, sim.MomentumSGD(model), reduce, sgd.no_sync, micro)
+        out[name] = {
+            "ddp": ddp.module.state_dict(),
+            "ours": model.state_dict(),
+            "b_grad_none": model.b.weight.grad is None,  # the last step: nobody used b
+            "ddp_b_grad_none": ddp.module.b.weight.grad is None,
+        }
+    if own_group:
+        dist.destroy_process_group()
+    return out
+
+
 def sgd_coefficients(comm, cfg) -> dict:
-    """The random-steps test on a module, buckets on: uneven epochs (an idle node, a tie),
-    parameters some nodes do not use in a step, a trainable set that changes each epoch,
-    and .grad zeroed or set to None in turn."""
+    """The random-steps test on a module, buckets on and off: uneven epochs (an idle
+    node, a tie), parameters some nodes do not use in a step, a trainable set that
+    changes each epoch, and .grad zeroed or set to None in turn. Also, per step, which
+    parameters had a .grad before the sum and which are None after it."""
     r = comm.node_index
     dev = torch.device(cfg.get("device", "cpu"))
-    model = sim.Coefficients(seed=r).to(dev)
-    sgd = AllReduceSGD(
-        comm, bucket_bytes=cfg["bucket_bytes"], first_bucket_bytes=cfg["first_bucket_bytes"]
-    )
-    sgd.synchronize_parameters(model)
-    synced, counts = [[p.detach().clone() for p in model.ps]], []
-    for epoch, steps_per_node in enumerate(cfg["steps"]):
-        frozen = cfg["frozen"][epoch]
-        for j, p in enumerate(model.ps):
-            p.requires_grad_(j not in frozen)
-        for step in range(steps_per_node[r]):
-            for p in model.ps:
-                if epoch % 2:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
-            c = sim.coefficients(epoch, r, step, frozen)
-            model({j: t.to(dev) for j, t in c.items()}).backward()
-            counts.append(sgd.sum_and_normalize_gradients(model))
-            with torch.no_grad():
-                for p in model.ps:
-                    if p.requires_grad:
-                        p.sub_(p.grad)
+    out = {}
+    for overlap in (True, False):
+        model = sim.Coefficients(seed=r).to(dev)
+        sgd = AllReduceSGD(
+            comm,
+            overlap=overlap,
+            bucket_bytes=cfg["bucket_bytes"],
+            first_bucket_bytes=cfg["first_bucket_bytes"],
+        )
         sgd.synchronize_parameters(model)
-        synced.append([p.detach().clone() for p in model.ps])
-    return {"synced": synced, "counts": counts, "stats": _overlap_stats(sgd)}
+        synced, counts, grads = [[p.detach().clone() for p in model.ps]], [], {}
+        for epoch, steps_per_node in enumerate(cfg["steps"]):
+            frozen = cfg["frozen"][epoch]
+            for j, p in enumerate(model.ps):
+                p.requires_grad_(j not in frozen)
+            for step in range(steps_per_node[r]):
+                for p in model.ps:
+                    if epoch % 2:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
+                c = sim.coefficients(epoch, r, step, frozen)
+                model({j: t.to(dev) for j, t in c.items()}).backward()
+                had = [p.grad is not None for p in model.ps]
+                counts.append(sgd.sum_and_normalize_gradients(model))
+                grads[f"{epoch}.{step}"] = (had, [p.grad is None for p in model.ps])
+                with torch.no_grad():
+                    for p in model.ps:
+                        if p.grad is not None:  # None: no node had one this step
+                            p.sub_(p.grad)
+            sgd.synchronize_parameters(model)
+            synced.append([p.detach().clone() for p in model.ps])
+        out[overlap] = {
+            "synced": synced, "counts": counts, "grads": grads, "stats": _overlap_stats(sgd)
+        }  # fmt: skip
+    return out
 
 
 def peer_dies(comm, cfg) -> dict:
@@ -340,6 +415,7 @@ SCENARIOS = {
         state,
         sgd_overlap,
         sgd_coefficients,
+        sgd_beside_ddp,
         peer_dies,
     )
 }

@@ -293,6 +293,45 @@ def test_a_step_reads_back_to_the_host_once(comm):
     assert mode.reads.count("tolist") == 1
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk, self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.trunk(x))
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_parameter_nobody_used_keeps_grad_none(comm, overlap):
+    """As in one process: a head the step did not use keeps `.grad = None` (so the
+    optimizer skips it), one it used gets its gradient; the step still reads back to
+    the host once with buckets."""
+    model = _TwoHeads()
+    sgd = AllReduceSGD(comm, overlap=overlap, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    x = torch.ones(3, 4)
+    for use_b in (True, False, True):
+        model.zero_grad()  # set_to_none
+        model(x, use_b).sum().backward()
+        want = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        with _HostReads() as mode:
+            assert sgd.sum_and_normalize_gradients(model) == 1
+        if overlap:
+            assert mode.reads == ["tolist"]
+        for n, p in model.named_parameters():
+            assert (p.grad is None) == (want[n] is None) == (n.startswith("b.") and not use_b)
+            if p.grad is not None:
+                assert torch.equal(p.grad, want[n]), n
+    # zero_grad(set_to_none=False): zeros are a gradient, as in one process
+    model.zero_grad(set_to_none=False)
+    model(x, False).sum().backward()
+    sgd.sum_and_normalize_gradients(model)
+    assert model.b.weight.grad is not None and not model.b.weight.grad.any()
+
+
 def test_grads_are_views_of_the_buckets_never_of_the_one_in_flight(comm):
     model = _deep()
     sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
@@ -417,7 +456,8 @@ def test_plain_path_sends_compressed_gradients(comm):
     model(torch.ones(2, 4)).sum().backward()
     exact = [p.grad.clone() for p in model.parameters()]
     assert sgd.sum_and_normalize_gradients(model) == 1
-    assert sync.seen[-1] == [torch.bfloat16] * len(exact)
+    # the gradients, then a flag a parameter (had it a .grad?) in the first one's dtype
+    assert sync.seen[-1] == [torch.bfloat16] * (len(exact) + 1)
     for p, g in zip(model.parameters(), exact, strict=True):
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad, g, atol=0, rtol=2**-8)
