@@ -381,8 +381,9 @@ def sgd_coefficients(comm, cfg) -> dict:
 
 
 def peer_dies(comm, cfg) -> dict:
-    """The last node kills itself in the middle of a backward pass, with buckets in
-    flight; the others must get an error from AllReduceSGD, not hang."""
+    """The last node kills itself (or stops: `cfg["signal"]` "STOP") in the middle of a
+    backward pass, with buckets in flight; the others must get an error from
+    AllReduceSGD, not hang."""
     import signal
     import time
 
@@ -397,7 +398,8 @@ def peer_dies(comm, cfg) -> dict:
             x = x.requires_grad_()
             if r == last and step == cfg["die_at"]:
                 # Runs once backward reaches the input: buckets have left by then.
-                x.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+                sig = signal.SIGSTOP if cfg.get("signal") == "STOP" else signal.SIGKILL
+                x.register_hook(lambda g, sig=sig: os.kill(os.getpid(), sig))
             nn.functional.cross_entropy(model(x), y).backward()
             sgd.sum_and_normalize_gradients(model)
     except Exception as exc:  # what the survivors must see

@@ -104,7 +104,8 @@ def launch(
     comm: str, num_nodes: int, tmp: Path, cfg: dict, killed: tuple[int, ...] = ()
 ) -> list[dict]:
     """Run `num_nodes` workers to completion; kill them all on failure or timeout.
-    Ranks in `killed` are expected to die by SIGKILL; the others' results are returned."""
+    Ranks in `killed` are expected to die by SIGKILL (their own, or this function's once
+    the others have ended: one that stopped itself); the others' results are returned."""
     out = tmp / "out"
     rendezvous = tmp / "rendezvous"
     out.mkdir()
@@ -133,8 +134,9 @@ def launch(
                 )
             )
         deadline = time.monotonic() + TIMEOUT
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for rank, proc in enumerate(procs):
+            if rank not in killed:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -459,6 +461,21 @@ def test_a_peer_killed_mid_backward_is_an_error_not_a_hang(comm, tmp_path):
         ours = res["peer_dies"]
         assert ours["error"] is not None, "a node ran all its steps without its peer"
         assert ours["seconds"] < 120, ours
+
+
+@pytest.mark.skipif(not _has_ipc_tree(), reason="the ipc tree is not on this branch yet")
+def test_a_peer_stopped_mid_backward_is_named_in_seconds(tmp_path):
+    """SIGSTOP one node while its buckets are in flight over the tree: its link's
+    heartbeats stop, and the others raise naming it within seconds. (Over gloo a
+    stopped peer is waited for until the process group's timeout, torch's choice.)"""
+    num_nodes = 3
+    cfg = {"peer_dies": {"steps": 50, "die_at": 3, "signal": "STOP"}}
+    survivors = launch("ipc", num_nodes, tmp_path, cfg, killed=(num_nodes - 1,))
+    for res in survivors:
+        ours = res["peer_dies"]
+        assert ours["error"] is not None and "PeerError" in ours["error"], ours
+        assert f"node {num_nodes - 1}" in ours["error"], ours
+        assert ours["seconds"] < 30, ours  # heartbeats: 6 s; the tree's timeout is 300 s
 
 
 # -- AllReduceEA -----------------------------------------------------------------------
