@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .comm import Communicator, check_communicator, start_all_reduce, supports_async
-from .tensors import parameters_of, state_of
+from .tensors import parameters_of, reusable, state_of
 
 
 class AllReduceEA:
@@ -153,6 +153,7 @@ class AllReduceEA:
     def synchronize_parameters(self, x: Any) -> None:
         """Give every node the root's parameters (and a module's buffers) and reset the
         center to them. Call at the start, or whenever replicas must agree exactly."""
+        x = reusable(x)
         params = parameters_of(x)
         self._init(params)
         self._handle_uneven_steps(params)

@@ -12,7 +12,7 @@ from torch import nn
 
 from .buckets import GradientBuckets, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, supports_async
-from .tensors import gradient_holders, gradients_of, state_of
+from .tensors import gradient_holders, gradients_of, reusable, state_of
 
 _MiB = 1 << 20
 _WIRE_DTYPES = {
@@ -175,6 +175,7 @@ class AllReduceSGD:
         return buckets
 
     def _reduce(self, x: Any, normalize: bool) -> int:
+        x = reusable(x)
         buckets = self._buckets_for(x)
         if buckets is not None:
             n = buckets.finish_step(normalize)
@@ -194,9 +195,10 @@ class AllReduceSGD:
         process on the whole batch (and under DDP), so the optimizer skips it instead
         of stepping on zeros (momentum, weight decay and Adam would move it).
         """
-        owners = [t for t in gradient_holders(x) if t.requires_grad]
+        holders = gradient_holders(x)
+        owners = [t for t in holders if t.requires_grad]
         had = [t.grad is not None for t in owners]
-        grads = gradients_of(x)
+        grads = gradients_of(holders)
         wires = [self._wire(g.dtype) for g in grads]
         nodes = self.comm.num_nodes
         scales = [compressed_scale(g.dtype, w, nodes) for g, w in zip(grads, wires, strict=True)]
@@ -234,6 +236,7 @@ class AllReduceSGD:
         parameters of the node that took the most steps (the lowest index among ties).
         Every node must call this at the same point of its loop.
         """
+        x = reusable(x)
         params = state_of(x)
         self._drain(x)
         # Who took the most steps? One small all-reduce of every node's count.

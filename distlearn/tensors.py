@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["gradient_holders", "gradients_of", "leaves", "parameters_of", "state_of"]
+__all__ = ["gradient_holders", "gradients_of", "leaves", "parameters_of", "reusable", "state_of"]
 
 
 def _sorted_keys(mapping: Mapping) -> list:
@@ -45,6 +45,16 @@ def leaves(tensors: Any) -> list[torch.Tensor]:
 
     walk(tensors, "")
     return out
+
+
+def reusable(x: Any) -> Any:
+    """`x`, or the list of what it yields when it is a one-shot iterable (the generator
+    `model.parameters()`): the algorithms walk what they are given more than once."""
+    if isinstance(x, (nn.Module, torch.Tensor, Mapping, list, tuple)):
+        return x
+    if isinstance(x, Iterable):
+        return list(x)
+    return x  # (refused, with its type named, by the walk)
 
 
 def _as_list(x: Any, what: str) -> list:

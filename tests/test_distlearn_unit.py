@@ -117,6 +117,22 @@ def test_sgd_one_node_counts_steps(comm):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_generators_of_parameters_are_walked_once(comm):
+    """`model.parameters()` is a generator: every call that takes it walks it more than
+    once, so it must not see it empty the second time."""
+    model = nn.Linear(3, 2)
+    sgd = AllReduceSGD(comm)
+    sgd.synchronize_parameters(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    assert sgd.sum_and_normalize_gradients(model.parameters()) == 1
+    assert torch.equal(model.weight.grad, torch.ones(2, 3))
+    sgd.synchronize_parameters(model.parameters())
+    ea = AllReduceEA(comm, tau=1, alpha=0.5)
+    ea.synchronize_parameters(model.parameters())
+    ea.average_parameters(model.parameters())
+    ea.synchronize_center(model.parameters())
+
+
 def test_broadcast_state_dict_keeps_structure(comm):
     model = nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
