@@ -20,6 +20,7 @@ Gradient buckets use it where it exists (distlearn.buckets).
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -33,6 +34,7 @@ __all__ = [
     "Completed",
     "Handle",
     "check_communicator",
+    "check_same_layout",
     "start_all_reduce",
     "supports_async",
 ]
@@ -137,3 +139,28 @@ def start_all_reduce(
     if supports_async(comm):
         return comm.all_reduce(tensors, op=op, finished=finished, async_op=True)
     return Completed(comm.all_reduce(tensors, op=op, finished=finished))
+
+
+def check_same_layout(comm: Communicator, tensors: list[torch.Tensor], who: str) -> None:
+    """Raise ValueError, on every node alike, unless all nodes hold tensors of the same
+    shapes, dtypes and `requires_grad` in the same order: one all-reduce of six integers.
+
+    What DDP checks when it is built. Without it nodes with different models meet in
+    collectives of different sizes: gloo then aborts the process from one of its
+    threads, and other backends fail on a message that does not say why.
+    """
+    layout = ";".join(f"{tuple(t.shape)}:{t.dtype}:{t.requires_grad:d}" for t in tensors)
+    digest = hashlib.blake2b(layout.encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little") >> 1  # 63 bits: fits int64 with its negation
+    n, numel = len(tensors), sum(t.numel() for t in tensors)
+    device = tensors[0].device if tensors else None  # NCCL reduces only CUDA tensors
+    sig = torch.tensor([h, -h, n, -n, numel, -numel], dtype=torch.int64, device=device)
+    comm.all_reduce(sig, op="max")
+    top = sig.tolist()
+    if top[0] != h or -top[1] != h:
+        raise ValueError(
+            f"{who}: the nodes' models differ (tensors per node: {-top[3]} to {top[2]}, "
+            f"elements per node: {-top[5]} to {top[4]}; node {comm.node_index} has {n} "
+            f"tensors, {numel} elements): every node must build the same model, with "
+            f"the same parameters trainable"
+        )

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Communicator, check_communicator, start_all_reduce, supports_async
+from .comm import (
+    Communicator,
+    check_communicator,
+    check_same_layout,
+    start_all_reduce,
+    supports_async,
+)
 from .tensors import parameters_of, reusable, state_of
 
 
@@ -98,6 +104,8 @@ class AllReduceEA:
 
     def _init(self, params: list[torch.Tensor]) -> None:
         if self._center is None:
+            # The first call of any method, on every node: its first collective.
+            check_same_layout(self.comm, params, "AllReduceEA")
             with torch.no_grad():
                 self._center = [p.detach().clone() for p in params]
                 self._delta = [torch.zeros_like(p) for p in params]

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from .buckets import GradientBuckets, compressed_scale, wire_dtype
-from .comm import Communicator, check_communicator, supports_async
-from .tensors import gradient_holders, gradients_of, reusable, state_of
+from .comm import Communicator, check_communicator, check_same_layout, supports_async
+from .tensors import gradient_holders, gradients_of, leaves, reusable, state_of
 
 _MiB = 1 << 20
 _WIRE_DTYPES = {
@@ -101,6 +101,16 @@ class AllReduceSGD:
             weakref.WeakKeyDictionary()
         )
         self._no_sync = 0
+        self._layout_checked = False
+
+    def _check_layout(self, x: Any) -> None:
+        """The first collective of this AllReduceSGD on every node, whichever call makes
+        it (synchronize_parameters at the start, a first step, a drain): the nodes'
+        models must match (comm.check_same_layout)."""
+        if not self._layout_checked:
+            held = [*x.parameters(), *x.buffers()] if isinstance(x, nn.Module) else leaves(x)
+            check_same_layout(self.comm, held, "AllReduceSGD")
+            self._layout_checked = True
 
     # -- gradients ----------------------------------------------------------------------
 
@@ -176,6 +186,7 @@ class AllReduceSGD:
 
     def _reduce(self, x: Any, normalize: bool) -> int:
         x = reusable(x)
+        self._check_layout(x)
         buckets = self._buckets_for(x)
         if buckets is not None:
             n = buckets.finish_step(normalize)
@@ -237,6 +248,7 @@ class AllReduceSGD:
         Every node must call this at the same point of its loop.
         """
         x = reusable(x)
+        self._check_layout(x)
         params = state_of(x)
         self._drain(x)
         # Who took the most steps? One small all-reduce of every node's count.

@@ -380,6 +380,45 @@ def sgd_coefficients(comm, cfg) -> dict:
     return out
 
 
+def models_differ(comm, cfg) -> dict:
+    """The last node's model differs (a wider head, or a frozen layer): every node gets
+    the same ValueError, from AllReduceSGD's first collective, whichever call makes it,
+    and from AllReduceEA's; then the communicator still works."""
+    from distlearn import AllReduceEA
+
+    r, last = comm.node_index, comm.num_nodes - 1
+
+    def model(kind):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3 if kind == "wider" and r == last else 2))
+        if kind == "frozen" and r == last:
+            m[0].requires_grad_(False)
+        return m
+
+    def first_step(m):
+        sgd = AllReduceSGD(comm)
+        m(torch.ones(2, 4)).sum().backward()
+        sgd.sum_and_normalize_gradients(m)
+
+    cases = {
+        "sgd_sync": ("wider", lambda m: AllReduceSGD(comm).synchronize_parameters(m)),
+        "sgd_first_step": ("frozen", first_step),
+        "ea_sync": (
+            "wider",
+            lambda m: AllReduceEA(comm, tau=2, alpha=0.5).synchronize_parameters(m),
+        ),
+        "same": ("same", lambda m: AllReduceSGD(comm).synchronize_parameters(m)),
+    }
+    out = {}
+    for name, (kind, call) in cases.items():
+        try:
+            call(model(kind))
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def peer_dies(comm, cfg) -> dict:
     """The last node kills itself (or stops: `cfg["signal"]` "STOP") in the middle of a
     backward pass, with buckets in flight; the others must get an error from
@@ -418,6 +457,7 @@ SCENARIOS = {
         sgd_overlap,
         sgd_coefficients,
         sgd_beside_ddp,
+        models_differ,
         peer_dies,
     )
 }

@@ -451,6 +451,21 @@ def test_state_buffers_and_optimizer(run, comm):
 
 
 @pytest.mark.parametrize("comm", COMMS)
+def test_nodes_with_different_models_get_a_clear_error(comm, tmp_path):
+    """What DDP checks when it is built: a node whose model differs (a wider head, a
+    frozen layer) makes every node raise ValueError saying so, at the first collective
+    of AllReduceSGD or AllReduceEA; gloo used to abort the process from its thread."""
+    results = launch(comm, 3, tmp_path, {"models_differ": {}})
+    for res in results:
+        ours = res["models_differ"]
+        for case in ("sgd_sync", "sgd_first_step", "ea_sync"):
+            assert ours[case] is not None, (case, res["node_index"])
+            assert "models differ" in ours[case], ours[case]
+        assert "elements per node: 58 to 67" in ours["sgd_sync"], ours["sgd_sync"]
+        assert ours["same"] is None  # the communicator still works after the errors
+
+
+@pytest.mark.parametrize("comm", COMMS)
 def test_a_peer_killed_mid_backward_is_an_error_not_a_hang(comm, tmp_path):
     """SIGKILL one node while its buckets are in flight: the others raise, promptly."""
     num_nodes = 3
