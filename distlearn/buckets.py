@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .comm import Communicator, Completed, start_all_reduce
+from .tensors import check_dense
 
 __all__ = ["GradientBuckets", "compressed_scale", "wire_dtype"]
 
@@ -331,6 +332,8 @@ class GradientBuckets:
     def _copy_in(self, bucket: _Bucket, i: int, views: list | None = None) -> None:
         """One gradient into its bucket (under no_grad: `out=` refuses autograd)."""
         grad, view = bucket.params[i].grad, (views or self._target(bucket))[i]
+        if grad is not None:
+            check_dense(grad, bucket.params[i])
         if grad is None:
             view.zero_()
             self._missing.append(bucket.index[i])
@@ -346,7 +349,7 @@ class GradientBuckets:
             bucket.alias
             and bucket.numel * bucket.flat.element_size() <= _BULK_BYTES
             and not any(bucket.ready)
-            and all(g is not None for g in grads)
+            and all(g is not None and g.layout == torch.strided for g in grads)
         ):
             # A small bucket in two calls, not two per parameter: here Python costs more
             # than a second pass over the bytes (the MNIST model: 35 us against 13 us).

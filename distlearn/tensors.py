@@ -12,7 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["gradient_holders", "gradients_of", "leaves", "parameters_of", "reusable", "state_of"]
+__all__ = [
+    "check_dense",
+    "gradient_holders",
+    "gradients_of",
+    "leaves",
+    "parameters_of",
+    "reusable",
+    "state_of",
+]
 
 
 def _sorted_keys(mapping: Mapping) -> list:
@@ -84,6 +92,17 @@ def state_of(x: Any) -> list[torch.Tensor]:
     return [t.detach() for t in _as_list(x, "parameters")]
 
 
+def check_dense(grad: torch.Tensor, of: torch.Tensor) -> None:
+    """Gradients are summed as dense buffers: say so, naming the parameter's shape,
+    where a sparse one (nn.Embedding(sparse=True)) would otherwise fail deep in a copy."""
+    if grad.layout != torch.strided:
+        raise ValueError(
+            f"AllReduceSGD sums dense gradients; the parameter of shape {tuple(of.shape)} "
+            f"has a {grad.layout} gradient (nn.Embedding or EmbeddingBag with "
+            f"sparse=True?): make it dense (sparse=False)"
+        )
+
+
 def gradient_holders(x: Any) -> list[torch.Tensor]:
     """What `gradients_of(x)` takes each gradient from, in the same order: a module's
     parameters that require grad, or the tensors given (not detached)."""
@@ -106,7 +125,9 @@ def gradients_of(x: Any) -> list[torch.Tensor]:
         if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            check_dense(p.grad, p)
             grads.append(p.grad)
         else:
+            check_dense(p, p)
             grads.append(p)
     return grads

@@ -348,6 +348,19 @@ def test_a_parameter_nobody_used_keeps_grad_none(comm, overlap):
     assert model.b.weight.grad is not None and not model.b.weight.grad.any()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_sparse_gradient_is_named_not_a_failed_copy(comm, overlap):
+    """nn.Embedding(sparse=True) gives a sparse .grad, which dense buckets cannot hold:
+    a ValueError names it (from the hook during backward, or from the sum)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 4), nn.Linear(4, 1))
+    sgd = AllReduceSGD(comm, overlap=overlap, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    with pytest.raises(ValueError, match=r"shape \(10, 4\) has a torch.sparse_coo gradient"):
+        model(torch.tensor([1, 2, 2])).sum().backward()
+        sgd.sum_and_normalize_gradients(model)
+
+
 def test_grads_are_views_of_the_buckets_never_of_the_one_in_flight(comm):
     model = _deep()
     sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
