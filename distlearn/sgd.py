@@ -222,7 +222,11 @@ class AllReduceSGD:
                 for t, g, s in zip(sent, grads, scales, strict=True):
                     torch.mul(g, s, out=t)
             if owners:  # in the first tensor's dtype and device: the same collective
-                sent.append(torch.tensor(had, dtype=wires[0], device=grads[0].device))
+                # Made on the device, not copied from the host (on CUDA, a sync).
+                flags = torch.ones(len(owners), dtype=wires[0], device=grads[0].device)
+                if not all(had):
+                    flags[[j for j, mine in enumerate(had) if not mine]] = 0
+                sent.append(flags)
             n = self.comm.all_reduce(sent)
             divisor = n if normalize and n > 1 else 1
             if aliased:
