@@ -424,7 +424,8 @@ class GradientBuckets:
         # unless this node had no .grad for a parameter, which may then stay None.
         had = len(self.params)
         start = last.numel if self._missing else last.numel + had
-        tail = last.flat[start:].tolist()
+        tail = last.flat[start:]
+        tail = (tail.real if tail.is_complex() else tail).tolist()
         self.unused = [j for j in self._missing if tail[j] == 0] if self._missing else []
         late = tail[had] if self._missing else tail[0]
         self.late_nodes = round(late)

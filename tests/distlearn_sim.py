@@ -159,6 +159,32 @@ def make_deep_model(seed: int) -> nn.Module:
     )  # fmt: skip
 
 
+class ComplexNet(nn.Module):
+    """A complex parameter (a per-feature phase and gain) before a real head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(5, dtype=torch.complex64))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x * self.w).abs())
+
+
+def complex_reference(steps: int, size: int) -> dict:
+    """One process on the whole batch, plain SGD (lr 0.1), from seed 100's weights."""
+    model = ComplexNet(seed=100)
+    for step in range(steps):
+        x, y = batch(step, size)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+    return model.state_dict()
+
+
 class Branchy(nn.Module):
     """A trunk and two heads; head `b` joins only when a step asks for it, so its
     parameters go unused on some nodes or on all of them."""

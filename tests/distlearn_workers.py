@@ -380,6 +380,38 @@ def sgd_coefficients(comm, cfg) -> dict:
     return out
 
 
+def sgd_complex(comm, cfg) -> dict:
+    """A model with a complex parameter: AllReduceSGD with buckets (the complex one in
+    the last bucket, with the marks and the count) and without, then AllReduceEA."""
+    from distlearn import AllReduceEA
+
+    r, n = comm.node_index, comm.num_nodes
+    out = {}
+    for overlap in (True, False):
+        model = sim.ComplexNet(seed=100 + r)
+        sgd = AllReduceSGD(comm, overlap=overlap, bucket_bytes=32, first_bucket_bytes=16)
+        sgd.synchronize_parameters(model)
+        for step in range(cfg["steps"]):
+            x, y = sim.batch(step, cfg["batch"])
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x[r::n]), y[r::n]).backward()
+            sgd.sum_and_normalize_gradients(model)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+        out[overlap] = model.state_dict()
+    model = sim.ComplexNet(seed=100 + r)
+    ea = AllReduceEA(comm, tau=1, alpha=0.5)
+    ea.synchronize_parameters(model)
+    with torch.no_grad():
+        model.w.mul_(1 + r)  # the nodes drift apart; averaging pulls them to the center
+    for _ in range(3):
+        ea.average_parameters(model)
+    ea.synchronize_center(model)
+    out["ea_center"] = [c.clone() for c in ea.center]
+    return out
+
+
 def models_differ(comm, cfg) -> dict:
     """The last node's model differs (a wider head, or a frozen layer): every node gets
     the same ValueError, from AllReduceSGD's first collective, whichever call makes it,
@@ -457,6 +489,7 @@ SCENARIOS = {
         sgd_overlap,
         sgd_coefficients,
         sgd_beside_ddp,
+        sgd_complex,
         models_differ,
         peer_dies,
     )

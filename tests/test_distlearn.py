@@ -93,6 +93,7 @@ def config(num_nodes: int) -> dict:
         "first_bucket_bytes": 16,
     }
     cfg["sgd_beside_ddp"] = {"steps": 4, "batch": 12, "bucket_bytes": 256, "first_bucket_bytes": 64}
+    cfg["sgd_complex"] = {"steps": 3, "batch": 12}
     if num_nodes == 3:
         # torch.optim costs every process seconds of imports (torch._dynamo) on first
         # use: the optimizer-state scenario runs with 3 nodes only.
@@ -262,6 +263,21 @@ def test_protocol(run, comm, num_nodes):
             assert_same(
                 res["counted.sync.value"], torch.full((2,), float(total), dtype=torch.float64)
             )
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_sgd_with_a_complex_parameter(run, comm, num_nodes):
+    """A complex parameter trains as in one process (its count and marks read from the
+    real part), with buckets and without; AllReduceEA's centers agree."""
+    results = run(comm, num_nodes)
+    cfg = config(num_nodes)["sgd_complex"]
+    reference = sim.complex_reference(cfg["steps"], cfg["batch"])
+    for res in results:
+        for overlap in (True, False):
+            ours = res["sgd_complex"][overlap]
+            assert_same(ours, reference, atol=1e-6, rtol=1e-5, what=f"overlap {overlap}")
+        assert_same(res["sgd_complex"]["ea_center"], results[0]["sgd_complex"]["ea_center"])
 
 
 # -- next to DDP ------------------------------------------------------------------------

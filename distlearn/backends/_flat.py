@@ -30,6 +30,8 @@ _OPS = ("sum", "max", "min")
 @functools.cache
 def _exact_integers(dtype: torch.dtype) -> int:
     """The largest count a dtype holds exactly (a sum of 0/1 flags must not round)."""
+    if dtype.is_complex:
+        return _exact_integers(dtype.to_real())  # a count lives in the real part
     if dtype.is_floating_point:
         return int(2 / torch.finfo(dtype).eps)  # 2 ** (mantissa bits + 1)
     if dtype == torch.bool:
@@ -61,7 +63,7 @@ def _set_flags(flags: torch.Tensor, op: str, node: int, finished: bool) -> None:
 
 def _read_count(flags: torch.Tensor, op: str, slots: int) -> int:
     if slots == 1:
-        return round(flags[0].item())
+        return round(flags[0].real.item() if flags.is_complex() else flags[0].item())
     on = 0 if op == "min" else 1
     return int((flags[:slots] == on).sum().item())
 
@@ -270,7 +272,7 @@ class FlatCommunicator:
             flat[-1] = 1
 
         def count() -> int:
-            return round(flat[-1].item())
+            return round(flat[-1].real.item() if flat.is_complex() else flat[-1].item())
 
         pending = _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
         handle = _CountedPending(pending, True)
