@@ -506,14 +506,21 @@ def _display(s: Any, i: int = 0) -> str:
 
 
 def sort_labels(names) -> list[str]:
-    """Label names sorted numerically when all are integers, else as strings; names of
-    one number ("5", "05", "+5") by their text (not left in the set's order, which is
-    the hash seed's: ranks would give the labels different ids)."""
-    names = set(names)
+    """Label names sorted numerically when all are integers, else as strings (see
+    :func:`_label_keys`)."""
+    names = list(set(names))
+    keys = _label_keys(names)
+    return sorted(names) if keys is names else [name for _, name in sorted(keys)]
+
+
+def _label_keys(names: list[str]) -> list:
+    """What labels sort by: ``(number, text)`` when every name is an integer, names of
+    one number ("5", "05", "+5") by their text (not left in a set's order, which is the
+    hash seed's: ranks would give the labels different ids); else `names` themselves."""
     try:
-        return sorted(names, key=lambda name: (int(name), name))
+        return [(int(name), name) for name in names]
     except ValueError:
-        return sorted(names)
+        return names
 
 
 def labelled(
@@ -592,11 +599,7 @@ def labelled(
 
 def _in_label_order(names: list[str]) -> bool:
     """Whether `names` are :func:`sort_labels`' order already (a pass, not a sort)."""
-    try:
-        keys: list = [(int(name), name) for name in names]
-    except ValueError:
-        keys = names
-    return all(a < b for a, b in itertools.pairwise(keys))
+    return all(a < b for a, b in itertools.pairwise(_label_keys(names)))
 
 
 def _in_order(group: np.ndarray, descents: np.ndarray) -> bool:

@@ -243,12 +243,16 @@ class GradientBuckets:
             )
         last = len(groups) - 1
         self.params = params
-        self._marks = None  # a contributing node's usual marks (see _mark)
         marks = len(params) + 1  # a count a parameter, then the late count
         self.buckets = [
             _Bucket(members, self._wire(members[0].dtype), marks * (i == last) + self.counted)
             for i, members in enumerate(groups)
         ]
+        # A contributing node's usual marks (every .grad, not late), copied in at once;
+        # on the bucket's device: a copy from host memory would sync with CUDA.
+        flat = self.buckets[-1].flat
+        self._marks = torch.ones(marks, dtype=flat.dtype, device=flat.device)
+        self._marks[-1] = 0
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         place = {id(p): j for j, p in enumerate(params)}
         for b in self.buckets:
@@ -424,9 +428,8 @@ class GradientBuckets:
         # unless this node had no .grad for a parameter, which may then stay None.
         had = len(self.params)
         start = last.numel if self._missing else last.numel + had
-        tail = last.flat[start:]
-        tail = (tail.real if tail.is_complex() else tail).tolist()
-        self.unused = [j for j in self._missing if tail[j] == 0] if self._missing else []
+        tail = last.flat[start:].real.tolist()  # (complex: counts live in the real part)
+        self.unused = [j for j in self._missing if tail[j] == 0]
         late = tail[had] if self._missing else tail[0]
         self.late_nodes = round(late)
         if count is None:
@@ -441,11 +444,7 @@ class GradientBuckets:
         if not contribute:
             marks.zero_()
             return
-        if self._marks is None or self._marks.dtype != marks.dtype:
-            # On the bucket's device: a copy from host memory would sync with CUDA.
-            self._marks = torch.ones(had + 1, dtype=marks.dtype, device=marks.device)
-            self._marks[had] = 0
-        marks.copy_(self._marks)  # the usual step in one call: every .grad, not late
+        marks.copy_(self._marks)
         if self._missing:
             marks[self._missing] = 0
         if late:

@@ -78,8 +78,7 @@ class AllReduceEA:
         handle.wait()
         with torch.no_grad():
             torch._foreach_add_(self._center, self._delta)
-        active = self._active.real if self._active.is_complex() else self._active
-        return bool(active.item() > 0)
+        return bool(self._active.real.item() > 0)
 
     def center_model(self, model: nn.Module) -> nn.Module:
         """A copy of `model` whose parameters are the center: the model to evaluate or

@@ -66,10 +66,9 @@ def reusable(x: Any) -> Any:
 
 
 def _as_list(x: Any, what: str) -> list:
+    x = reusable(x)  # (e.g. model.parameters(), a generator)
     if isinstance(x, (torch.Tensor, Mapping, list, tuple)):
         return leaves(x)
-    if isinstance(x, Iterable):  # e.g. model.parameters(), a generator
-        return leaves(list(x))
     raise TypeError(f"{what}: expected an nn.Module, a tensor or tensors, found {type(x).__name__}")
 
 

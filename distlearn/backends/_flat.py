@@ -63,7 +63,7 @@ def _set_flags(flags: torch.Tensor, op: str, node: int, finished: bool) -> None:
 
 def _read_count(flags: torch.Tensor, op: str, slots: int) -> int:
     if slots == 1:
-        return round(flags[0].real.item() if flags.is_complex() else flags[0].item())
+        return round(flags[0].real.item())  # (complex: a count lives in the real part)
     on = 0 if op == "min" else 1
     return int((flags[:slots] == on).sum().item())
 
@@ -272,7 +272,7 @@ class FlatCommunicator:
             flat[-1] = 1
 
         def count() -> int:
-            return round(flat[-1].real.item() if flat.is_complex() else flat[-1].item())
+            return round(flat[-1].real.item())
 
         pending = _Pending(self, [self._start_all_reduce_flat(flat, "sum")], count)
         handle = _CountedPending(pending, True)
