@@ -15,6 +15,9 @@ momentum). Rows:
     gloo       AllReduceSGD over TorchDistributed (the same process group): buckets
                during backward
     gloo-sync  the same with overlap=False: one all-reduce after backward
+    gloo-ring  gloo without TorchDistributed's small all-reduce at the root
+               (gather_bytes=0): every bucket on the process group's own all-reduce,
+               as DDP's
     ipc        AllReduceSGD over the ipc tree (overlapped if the tree has async_op)
     ipc-sync   the same with overlap=False
     ea-gloo, ea-gloo-sync, ea-ipc, ea-ipc-sync
@@ -65,7 +68,7 @@ log = logging.getLogger("bench.step_time")
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 KINDS = (
-    "none", "ddp", "gloo", "gloo-sync", "ipc", "ipc-sync",
+    "none", "ddp", "gloo", "gloo-sync", "gloo-ring", "ipc", "ipc-sync",
     "ea-gloo", "ea-gloo-sync", "ea-ipc", "ea-ipc-sync",
 )  # fmt: skip
 MODELS = ("convnet", "mnist")
@@ -146,7 +149,7 @@ def _worker(a: argparse.Namespace) -> None:
     dist.init_process_group(
         a.backend, init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
     )
-    comms = {"gloo": TorchDistributed()}
+    comms = {"gloo": TorchDistributed(), "gloo-ring": TorchDistributed(gather_bytes=0)}
     if any("ipc" in row for row in a.rows):
         from distlearn import ipc
 
@@ -169,7 +172,7 @@ def _worker(a: argparse.Namespace) -> None:
         model = make_model(a.model)[0].to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         net, sgd, ea = model, None, None
-        comm = comms["ipc" if "ipc" in kind else "gloo"]
+        comm = comms["ipc" if "ipc" in kind else "gloo-ring" if "ring" in kind else "gloo"]
         if kind == "ddp":
             ids = [device.index] if device.type == "cuda" else None
             net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)

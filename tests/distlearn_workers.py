@@ -1,6 +1,6 @@
 """One node of the distlearn multi-process tests.
 
-    python tests/distlearn_workers.py --comm gloo|ipc --rank R --world N \
+    python tests/distlearn_workers.py --comm gloo|gloo-ring|ipc --rank R --world N \
         --rendezvous DIR --out DIR --scenarios protocol,sgd_equivalence,...
 
 Each scenario runs on a real communicator and returns tensors that the test compares
@@ -27,20 +27,23 @@ from distlearn import AllReduceEA, AllReduceSGD, synchronize_optimizer
 
 
 def make_comm(kind: str, rank: int, world: int, rendezvous: str | None):
-    """The communicator under test."""
+    """The communicator under test ("gloo-ring": gloo without the small all-reduce at
+    the root, so the process group's own all-reduce carries everything)."""
+    options = {"gather_bytes": 0} if kind == "gloo-ring" else {}
+    kind = "gloo" if kind == "gloo-ring" else kind
     if kind in ("gloo", "nccl"):
         import torch.distributed as dist
 
         from distlearn.backends import TorchDistributed
 
         if rendezvous is None:  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-            return TorchDistributed.from_env(kind)
+            return TorchDistributed.from_env(kind, **options)
         if kind == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
             kind, init_method=f"file://{rendezvous}/{kind}-store", rank=rank, world_size=world
         )
-        return TorchDistributed()
+        return TorchDistributed(**options)
     if kind == "ipc":
         from distlearn import ipc
 
@@ -102,6 +105,81 @@ def protocol(comm, cfg) -> dict:
         flat = torch.full((3,), r + 1.0, dtype=torch.float64)
         out["counted.sync.count"] = comm.all_reduce_counted(flat)
         out["counted.sync.value"] = flat[:-1]
+    comm.barrier()
+    return out
+
+
+def reduce_at_root(comm, cfg) -> dict:
+    """TorchDistributed's small all-reduce at node 0 (gather, reduce, broadcast) against
+    the process group's own, on the same group: every op and dtype, sizes on both sides
+    of `gather_bytes`, and nodes that say they are on different machines. The calls that
+    reach torch.distributed are counted, to see which way each one went."""
+    import torch.distributed as dist
+
+    from distlearn.backends import TorchDistributed, torch_distributed
+
+    if not isinstance(comm, TorchDistributed):
+        return {}
+    r, n = comm.node_index, comm.num_nodes
+    calls = {"gather": 0, "allreduce": 0}
+    gather = dist.gather
+
+    def counted_gather(*args, **kwargs):
+        calls["gather"] += 1
+        return gather(*args, **kwargs)
+
+    class CountedGroup:  # the process group, its all-reduces counted
+        def __init__(self, pg):
+            self.pg = pg
+
+        def allreduce(self, *args):
+            calls["allreduce"] += 1
+            return self.pg.allreduce(*args)
+
+    def make(**options):
+        c = TorchDistributed(**options)
+        c._pg = CountedGroup(c._pg)
+        return c
+
+    def took() -> dict:
+        taken = dict(calls)
+        calls.update(gather=0, allreduce=0)
+        return taken
+
+    dist.gather = counted_gather
+    out = {}
+    try:
+        for way, options in (("root", {}), ("ring", {"gather_bytes": 0})):
+            c = make(**options)
+            for op in ("sum", "max", "min"):
+                for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32):
+                    x = (torch.arange(10) * (r + 1) - 3 * r).to(dtype)
+                    out[f"{way}.{op}.{dtype}.count"] = c.all_reduce(x, op=op, finished=r == 1)
+                    out[f"{way}.{op}.{dtype}"] = x
+            z = torch.tensor([1 + 2j, -0.5j], dtype=torch.complex64) * (r + 1)
+            c.all_reduce(z, async_op=True).wait()
+            out[f"{way}.complex"] = z
+            out[f"{way}.calls"] = took()
+            # just over the default bound: the process group's all-reduce (its count apart)
+            big = torch.full(((1 << 20) // 4 // max(n - 1, 1) + 1,), r + 1.0)
+            out[f"{way}.big.count"] = c.all_reduce(big)
+            out[f"{way}.big"] = big[:3].clone()
+            out[f"{way}.big.calls"] = took()
+        # Nodes on different machines (as their ids say): the ring, asked once.
+        real = torch_distributed._machine_id
+        torch_distributed._machine_id = lambda: real() + (r % 2)
+        try:
+            c = make()
+            x = torch.full((4,), r + 1.0)
+            c.all_reduce(x)
+            c.all_reduce(x)
+            out["machines"] = x
+            out["machines.one"] = c._one_machine
+            out["machines.calls"] = took()
+        finally:
+            torch_distributed._machine_id = real
+    finally:
+        dist.gather = gather
     comm.barrier()
     return out
 
@@ -482,6 +560,7 @@ SCENARIOS = {
     f.__name__: f
     for f in (
         protocol,
+        reduce_at_root,
         sgd_equivalence,
         sgd_uneven,
         easgd,
@@ -508,7 +587,7 @@ def _to_cpu(x):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--comm", required=True, choices=["gloo", "nccl", "ipc"])
+    ap.add_argument("--comm", required=True, choices=["gloo", "gloo-ring", "nccl", "ipc"])
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--world", type=int, default=None)
     ap.add_argument("--rendezvous", default=None, help="a shared directory; none: torchrun env")
@@ -523,7 +602,7 @@ def main() -> None:
     results["node_index"] = comm.node_index
     results["num_nodes"] = comm.num_nodes
     comm.close()
-    if args.comm in ("gloo", "nccl"):
+    if args.comm in ("gloo", "gloo-ring", "nccl"):
         import torch.distributed as dist
 
         if dist.is_initialized():

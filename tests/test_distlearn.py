@@ -50,6 +50,9 @@ COMMS = [
         ),
     ),
 ]
+# The scenarios run once per (communicator, nodes) also run on gloo without the small
+# all-reduce at the root, so the process group's own all-reduce carries every step too.
+RUN_COMMS = [*COMMS, "gloo-ring"]
 
 
 def uneven_steps(num_nodes: int, epochs: int, seed: int, low: int, high: int) -> list[list[int]]:
@@ -71,6 +74,7 @@ DEEP_FROZEN = {1: [0, 1], 3: [6]}
 def config(num_nodes: int) -> dict:
     cfg = {
         "protocol": {},
+        "reduce_at_root": {},
         "sgd_equivalence": {"steps": 4, "batch": 12},
         "sgd_uneven": {"steps": uneven_steps(num_nodes, 5, seed=1, low=0, high=13)},
         "easgd": {
@@ -217,7 +221,7 @@ def assert_same(a, b, atol=0.0, rtol=0.0, what=""):
 # -- the communicator protocol ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_protocol(run, comm, num_nodes):
     results = run(comm, num_nodes)
@@ -251,7 +255,7 @@ def test_protocol(run, comm, num_nodes):
         assert_same(
             res["noncontiguous"], torch.arange(12, dtype=torch.float32).reshape(3, 4) * total
         )
-        if comm == "gloo":  # the flat backends' count in the caller's last slot
+        if comm.startswith("gloo"):  # the flat backends' count in the caller's last slot
             for dtype in (torch.float32, torch.bfloat16):
                 assert res[f"counted.{dtype}.count"] == len(even)
                 want = torch.full((5,), float(sum(r + 1 for r in even)), dtype=dtype)
@@ -265,7 +269,41 @@ def test_protocol(run, comm, num_nodes):
             )
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("num_nodes", NODES)
+def test_small_all_reduce_at_the_root(run, num_nodes):
+    """gloo's small all-reduces go gather, reduce at node 0, broadcast (one machine);
+    the results are the process group's own, for every op and dtype."""
+    n = num_nodes
+    contributors = [r for r in range(n) if r != 1 or n == 1]
+    for res in run("gloo", n):
+        res = res["reduce_at_root"]
+        for way in ("root", "ring"):
+            for op in ("sum", "max", "min"):
+                for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32):
+                    parts = [torch.arange(10) * (r + 1) - 3 * r for r in contributors]
+                    want = torch.stack(parts)
+                    want = {"sum": want.sum(0), "max": want.amax(0), "min": want.amin(0)}[op]
+                    assert res[f"{way}.{op}.{dtype}.count"] == len(contributors)
+                    assert_same(res[f"{way}.{op}.{dtype}"], want.to(dtype), what=f"{way} {op}")
+            total = sum(r + 1 for r in range(n))
+            want = torch.tensor([1 + 2j, -0.5j], dtype=torch.complex64) * total
+            assert_same(res[f"{way}.complex"], want, what=f"{way} complex")
+            assert res[f"{way}.big.count"] == n
+            assert_same(res[f"{way}.big"], torch.full((3,), float(total)))
+        # 13 small all-reduces: at the root on 2+ nodes, on the ring when told or alone
+        at_root = n > 1
+        assert res["root.calls"] == {"gather": 13 * at_root, "allreduce": 13 * (not at_root)}
+        assert res["ring.calls"] == {"gather": 0, "allreduce": 13}
+        # just over the bound, the data goes round the ring (a separate count may not)
+        assert res["root.big.calls"]["allreduce"] == (1 if at_root else 2)
+        assert res["ring.big.calls"]["gather"] == 0
+        if n > 1:  # nodes on two machines: asked once, then the ring
+            assert res["machines.one"] is False
+            assert res["machines.calls"] == {"gather": 0, "allreduce": 2}
+            assert_same(res["machines"], torch.full((4,), float(total * n)))
+
+
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_sgd_with_a_complex_parameter(run, comm, num_nodes):
     """A complex parameter trains as in one process (its count and marks read from the
@@ -289,7 +327,7 @@ def test_sgd_with_a_complex_parameter(run, comm, num_nodes):
 BESIDE_DDP_TOLERANCE = {"float16": (3e-4, 3e-4), "bfloat16": (3e-3, 3e-3)}
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_sgd_beside_ddp(run, comm, num_nodes):
     """The same training next to DistributedDataParallel gives DDP's weights, with a
@@ -307,7 +345,7 @@ def test_sgd_beside_ddp(run, comm, num_nodes):
 # -- AllReduceSGD ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_sgd_matches_one_process_on_the_whole_batch(run, comm, num_nodes):
     results = run(comm, num_nodes)
@@ -323,7 +361,7 @@ def test_sgd_matches_one_process_on_the_whole_batch(run, comm, num_nodes):
         assert_same(ours["state"], results[0]["sgd_equivalence"]["state"])
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_sgd_uneven_steps_end_on_the_longest_node(run, comm, num_nodes):
     results = run(comm, num_nodes)
@@ -345,7 +383,7 @@ def test_sgd_uneven_steps_end_on_the_longest_node(run, comm, num_nodes):
 
 def _expect_overlap(comm: str) -> bool:
     """gloo always has the asynchronous all-reduce; the tree once it takes `async_op`."""
-    if comm == "gloo":
+    if comm.startswith("gloo"):
         return True
     import inspect
 
@@ -369,7 +407,7 @@ OVERLAP_RUNS = {
 }
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_sgd_overlap_matches_one_process(run, comm, num_nodes):
     """Buckets during backward give what one process gets on the whole batch, in every
@@ -409,7 +447,7 @@ def test_sgd_overlap_matches_one_process(run, comm, num_nodes):
             assert any(not torch.equal(ours["state"][k], exact["state"][k]) for k in exact["state"])
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_sgd_overlap_random_steps(run, comm, num_nodes):
     """torch-distlearn's random-steps test on a module, buckets on and off: uneven epochs
@@ -448,7 +486,7 @@ def test_sgd_overlap_random_steps(run, comm, num_nodes):
         assert nobody > 0  # the case is really exercised
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 def test_state_buffers_and_optimizer(run, comm):
     num_nodes = 3
     results = run(comm, num_nodes)
@@ -512,7 +550,7 @@ def test_a_peer_stopped_mid_backward_is_named_in_seconds(tmp_path):
 # -- AllReduceEA -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 @pytest.mark.parametrize("num_nodes", NODES)
 def test_easgd_matches_replica_simulation(run, comm, num_nodes):
     results = run(comm, num_nodes)
@@ -543,7 +581,7 @@ def test_easgd_matches_replica_simulation(run, comm, num_nodes):
                 assert_same(list(center), want, atol=1e-10, rtol=1e-10, what=f"center {epoch=}")
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", RUN_COMMS)
 def test_easgd_alpha_zero_keeps_nodes_independent(run, comm):
     num_nodes = 3
     results = run(comm, num_nodes)

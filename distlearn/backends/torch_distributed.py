@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -10,6 +12,18 @@ import torch.distributed as dist
 from ._flat import FlatCommunicator
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_MiB = 1 << 20
+
+
+def _machine_id() -> int:
+    """This machine as an int64: its kernel's boot id (shared by every container on
+    it, which reach each other at memory speed too), else its host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            name = f.read().strip()
+    except OSError:
+        name = socket.gethostname().encode()
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little", signed=True)
 
 
 class TorchDistributed(FlatCommunicator):
@@ -20,10 +34,26 @@ class TorchDistributed(FlatCommunicator):
     buffer. `all_reduce(..., async_op=True)` returns a handle at once (torch's
     `async_op=True` underneath). `group` defaults to the world group. Node 0 is the
     group's rank 0.
+
+    `gather_bytes`: when every node is on one machine, an all-reduce of a CPU buffer
+    whose copies from the other nodes come to at most this many bytes (size x (nodes -
+    1)) is reduced at node 0 instead: gather, sum, broadcast. That is two steps where
+    the process group's ring takes 2 x (nodes - 1), and between processes of one
+    machine the steps cost more than the bytes: gloo's ring is 2-7x slower up to 1
+    MiB (bench/RESULTS-step-time.md). It runs in the calling thread, so it does not
+    overlap with the caller even with `async_op=True`. Between machines the ring
+    stays: there node 0's link, which carries (nodes - 1) x size each way where the
+    ring sends 2 x size from each node, is what costs. Whether the nodes share a
+    machine is asked once, by every node alike, in the first all-reduce this could
+    apply to. `0` turns it off. Every node must be given the same value.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, gather_bytes: int = 1 * _MiB
+    ) -> None:
         super().__init__()
+        if isinstance(gather_bytes, bool) or not isinstance(gather_bytes, int) or gather_bytes < 0:
+            raise ValueError(f"gather_bytes must be an int >= 0, got {gather_bytes!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchDistributed needs an initialised process group: call "
@@ -43,9 +73,12 @@ class TorchDistributed(FlatCommunicator):
             opts.reduceOp = op
             opts.asyncOp = True
             self._async_opts[name] = opts
+        self.gather_bytes = gather_bytes
+        self._one_machine: bool | None = None  # asked on first need (see _at_root)
+        self._gathered: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # node 0's rows
 
     @classmethod
-    def from_env(cls, backend: str | None = None) -> TorchDistributed:
+    def from_env(cls, backend: str | None = None, **options) -> TorchDistributed:
         """Initialise the default process group from torchrun's environment
         (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and wrap it; `close()` destroys it.
 
@@ -63,21 +96,64 @@ class TorchDistributed(FlatCommunicator):
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend, init_method="env://")
-        comm = cls()
+        comm = cls(**options)
         comm._owns_group = True
         return comm
 
-    def _all_reduce_flat(self, buf: torch.Tensor, op: str) -> None:
-        dist.all_reduce(buf, op=_REDUCE_OPS[op], group=self.group)
+    def _at_root(self, buf: torch.Tensor) -> bool:
+        """Whether `buf` is reduced at node 0 (see `gather_bytes`). Decided from what
+        every node has alike (the buffer's size, device and dtype), so every node asks
+        the one-machine question in the same collective."""
+        if (
+            self.num_nodes == 1
+            or buf.device.type != "cpu"
+            or buf.dtype == torch.bool
+            or buf.numel() * buf.element_size() * (self.num_nodes - 1) > self.gather_bytes
+        ):
+            return False
+        if self._one_machine is None:
+            ids = torch.empty(self.num_nodes, dtype=torch.int64)
+            dist.all_gather_into_tensor(
+                ids, torch.tensor([_machine_id()], dtype=torch.int64), group=self.group
+            )
+            self._one_machine = bool((ids == ids[0]).all())
+        return self._one_machine
 
-    def _start_all_reduce_flat(self, buf: torch.Tensor, op: str) -> dist.Work:
+    def _reduce_at_root(self, buf: torch.Tensor, op: str) -> None:
+        """Gather every node's `buf` at node 0, reduce there in node order, broadcast."""
+        if self.node_index == 0:
+            key = (buf.dtype, buf.numel())
+            rows = self._gathered.get(key)
+            if rows is None:
+                rows = torch.empty(self.num_nodes, buf.numel(), dtype=buf.dtype)
+                if len(self._gathered) >= 8:  # a step's few bucket sizes, not every size
+                    self._gathered.clear()
+                self._gathered[key] = rows
+            dist.gather(buf, list(rows.unbind(0)), dst=self._root, group=self.group)
+            if op == "sum":
+                torch.sum(rows, 0, dtype=buf.dtype, out=buf)  # (integers would widen)
+            else:
+                (torch.amax if op == "max" else torch.amin)(rows, 0, out=buf)
+        else:
+            dist.gather(buf, None, dst=self._root, group=self.group)
+        dist.broadcast(buf, src=self._root, group=self.group)
+
+    def _all_reduce_flat(self, buf: torch.Tensor, op: str) -> None:
+        work = self._start_all_reduce_flat(buf, op)
+        if work is not None:
+            work.wait()
+
+    def _start_all_reduce_flat(self, buf: torch.Tensor, op: str) -> dist.Work | None:
         # gloo runs it on its own threads, NCCL on its own stream (after the work
         # already queued on the current one): the caller's thread goes on at once.
         # Straight to the process group: `dist.all_reduce`'s checks and logging wrapper
         # cost a third of the call, once per gradient bucket (the buffers are ours:
         # flat, dense, and this node is in the group).
         if buf.is_complex():
-            buf = torch.view_as_real(buf)  # as dist.all_reduce does
+            buf = torch.view_as_real(buf).view(-1)  # as dist.all_reduce does
+        if self._at_root(buf):
+            self._reduce_at_root(buf, op)
+            return None  # done
         return self._pg.allreduce([buf], self._async_opts[op])
 
     def _all_gather_flat(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -100,6 +176,7 @@ class TorchDistributed(FlatCommunicator):
         # failed all-reduce (a peer died) needs the GIL, which a finalizing interpreter
         # refuses by ending the thread, and the process aborts (std::terminate).
         self._pg = self._async_opts = None
+        self._gathered.clear()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
