@@ -178,6 +178,15 @@ def reduce_at_root(comm, cfg) -> dict:
             out["machines.calls"] = took()
         finally:
             torch_distributed._machine_id = real
+        if n >= 3:  # a group without rank 0: its node 0 is rank 1
+            members = list(range(1, n))
+            group = dist.new_group(members)
+            if r in members:
+                c = make(group=group)
+                x = torch.full((3,), r + 1.0)
+                out["group.count"] = c.all_reduce(x)
+                out["group"] = x
+                out["group.calls"] = took()
     finally:
         dist.gather = gather
     comm.barrier()

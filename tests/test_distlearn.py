@@ -276,7 +276,7 @@ def test_small_all_reduce_at_the_root(run, num_nodes):
     n = num_nodes
     contributors = [r for r in range(n) if r != 1 or n == 1]
     for res in run("gloo", n):
-        res = res["reduce_at_root"]
+        node, res = res["node_index"], res["reduce_at_root"]
         for way in ("root", "ring"):
             for op in ("sum", "max", "min"):
                 for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32):
@@ -301,6 +301,10 @@ def test_small_all_reduce_at_the_root(run, num_nodes):
             assert res["machines.one"] is False
             assert res["machines.calls"] == {"gather": 0, "allreduce": 2}
             assert_same(res["machines"], torch.full((4,), float(total * n)))
+        if n >= 3 and node > 0:  # a group of ranks 1..n-1, rank 1 its root
+            assert res["group.count"] == n - 1
+            assert_same(res["group"], torch.full((3,), float(total - 1)))
+            assert res["group.calls"] == {"gather": 1, "allreduce": 0}
 
 
 @pytest.mark.parametrize("comm", RUN_COMMS)

@@ -39,13 +39,14 @@ class TorchDistributed(FlatCommunicator):
     whose copies from the other nodes come to at most this many bytes (size x (nodes -
     1)) is reduced at node 0 instead: gather, sum, broadcast. That is two steps where
     the process group's ring takes 2 x (nodes - 1), and between processes of one
-    machine the steps cost more than the bytes: gloo's ring is 2-7x slower up to 1
-    MiB (bench/RESULTS-step-time.md). It runs in the calling thread, so it does not
-    overlap with the caller even with `async_op=True`. Between machines the ring
-    stays: there node 0's link, which carries (nodes - 1) x size each way where the
-    ring sends 2 x size from each node, is what costs. Whether the nodes share a
-    machine is asked once, by every node alike, in the first all-reduce this could
-    apply to. `0` turns it off. Every node must be given the same value.
+    machine the steps cost more than the bytes: within the bound gloo's ring took
+    1.3-6.7x as long on 2-8 processes (bench/RESULTS-gloo-root.md). It runs in the
+    calling thread, so it does not overlap with the caller even with `async_op=True`.
+    Between machines the ring stays: there node 0's link, which carries (nodes - 1) x
+    size each way where the ring sends 2 x size from each node, is what costs.
+    Whether the nodes share a machine is asked once, by every node alike, in the first
+    all-reduce this could apply to. `0` turns it off. Every node must be given the
+    same value.
     """
 
     def __init__(
@@ -112,11 +113,9 @@ class TorchDistributed(FlatCommunicator):
         ):
             return False
         if self._one_machine is None:
-            ids = torch.empty(self.num_nodes, dtype=torch.int64)
-            dist.all_gather_into_tensor(
-                ids, torch.tensor([_machine_id()], dtype=torch.int64), group=self.group
-            )
-            self._one_machine = bool((ids == ids[0]).all())
+            ids = [torch.empty(1, dtype=torch.int64) for _ in range(self.num_nodes)]
+            dist.all_gather(ids, torch.tensor([_machine_id()]), group=self.group)
+            self._one_machine = all(bool(i == ids[0]) for i in ids)
         return self._one_machine
 
     def _reduce_at_root(self, buf: torch.Tensor, op: str) -> None:
