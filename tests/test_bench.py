@@ -167,3 +167,20 @@ def test_quick_run_end_to_end(tmp_path):
            "--out-dir", str(again)]  # fmt: skip
     subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True, timeout=120, check=True)
     assert (again / "RESULTS.md").read_text() == md
+
+
+@pytest.mark.timeout(200)
+def test_gloo_root_prints_both_ways_side_by_side():
+    """bench.gloo_root: the all-reduce at the root and gloo's ring, one row a size."""
+    cmd = [sys.executable, "-m", "bench.gloo_root", "--nodes", "2", "--sizes-kib", "4", "2048",
+           "--rounds", "2"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 2 ")]
+    assert [int(r[1]) for r in rows] == [4, 2048]
+    for row in rows:
+        ring, root = (float(cell.split()[0]) for cell in row[2:4])
+        assert ring > 0 and root > 0
+        assert row[4].strip().endswith(")") and "x (" in row[4]
