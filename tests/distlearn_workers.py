@@ -178,6 +178,16 @@ def reduce_at_root(comm, cfg) -> dict:
             out["machines.calls"] = took()
         finally:
             torch_distributed._machine_id = real
+        if n > 1:  # nodes given different bounds: a clear error on every node, not a hang
+            try:
+                make(gather_bytes=0 if r % 2 else 1 << 20).all_reduce(torch.ones(2))
+                out["differ"] = None
+            except ValueError as exc:
+                out["differ"] = str(exc)
+            x = torch.full((2,), r + 1.0)
+            make().all_reduce(x)  # the group goes on
+            out["differ.after"] = x
+            took()
         if n >= 3:  # a group without rank 0: its node 0 is rank 1
             members = list(range(1, n))
             group = dist.new_group(members)

@@ -301,6 +301,10 @@ def test_small_all_reduce_at_the_root(run, num_nodes):
             assert res["machines.one"] is False
             assert res["machines.calls"] == {"gather": 0, "allreduce": 2}
             assert_same(res["machines"], torch.full((4,), float(total * n)))
+            values = ", ".join(f"{i}: {0 if i % 2 else 1 << 20}" for i in range(n))
+            assert "gather_bytes differs between nodes" in res["differ"], res["differ"]
+            assert values in res["differ"]
+            assert_same(res["differ.after"], torch.full((2,), float(total)))
         if n >= 3 and node > 0:  # a group of ranks 1..n-1, rank 1 its root
             assert res["group.count"] == n - 1
             assert_same(res["group"], torch.full((3,), float(total - 1)))

@@ -44,9 +44,9 @@ class TorchDistributed(FlatCommunicator):
     calling thread, so it does not overlap with the caller even with `async_op=True`.
     Between machines the ring stays: there node 0's link, which carries (nodes - 1) x
     size each way where the ring sends 2 x size from each node, is what costs.
-    Whether the nodes share a machine is asked once, by every node alike, in the first
-    all-reduce this could apply to. `0` turns it off. Every node must be given the
-    same value.
+    Whether the nodes share a machine is asked once, in the first all-reduce of a CPU
+    buffer, which also checks that every node was given the same `gather_bytes`
+    (ValueError on every node if not). `0` turns it off.
     """
 
     def __init__(
@@ -75,7 +75,7 @@ class TorchDistributed(FlatCommunicator):
             opts.asyncOp = True
             self._async_opts[name] = opts
         self.gather_bytes = gather_bytes
-        self._one_machine: bool | None = None  # asked on first need (see _at_root)
+        self._one_machine: bool | None = None  # asked on first need (see _agree)
         self._gathered: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # node 0's rows
 
     @classmethod
@@ -103,20 +103,33 @@ class TorchDistributed(FlatCommunicator):
 
     def _at_root(self, buf: torch.Tensor) -> bool:
         """Whether `buf` is reduced at node 0 (see `gather_bytes`). Decided from what
-        every node has alike (the buffer's size, device and dtype), so every node asks
-        the one-machine question in the same collective."""
-        if (
-            self.num_nodes == 1
-            or buf.device.type != "cpu"
-            or buf.dtype == torch.bool
-            or buf.numel() * buf.element_size() * (self.num_nodes - 1) > self.gather_bytes
-        ):
+        every node has alike (the buffer's size, device and dtype, and what `_agree`
+        found out in the first all-reduce of a CPU buffer)."""
+        if self.num_nodes == 1 or buf.device.type != "cpu":
             return False
         if self._one_machine is None:
-            ids = [torch.empty(1, dtype=torch.int64) for _ in range(self.num_nodes)]
-            dist.all_gather(ids, torch.tensor([_machine_id()]), group=self.group)
-            self._one_machine = all(bool(i == ids[0]) for i in ids)
-        return self._one_machine
+            self._one_machine = self._agree()
+        return (
+            self._one_machine
+            and buf.dtype != torch.bool
+            and buf.numel() * buf.element_size() * (self.num_nodes - 1) <= self.gather_bytes
+        )
+
+    def _agree(self) -> bool:
+        """Whether every node is on this machine; and that every node has the same
+        `gather_bytes`, since one that reduced at the root while another took the ring
+        would meet it in the wrong collective. Every node raises alike if not."""
+        mine = torch.tensor([_machine_id(), self.gather_bytes], dtype=torch.int64)
+        nodes = [torch.empty_like(mine) for _ in range(self.num_nodes)]
+        dist.all_gather(nodes, mine, group=self.group)
+        sizes = [int(n[1]) for n in nodes]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                "TorchDistributed: gather_bytes differs between nodes (node: value) "
+                + ", ".join(f"{i}: {v}" for i, v in enumerate(sizes))
+                + "; give every node the same"
+            )
+        return all(int(n[0]) == int(nodes[0][0]) for n in nodes)
 
     def _reduce_at_root(self, buf: torch.Tensor, op: str) -> None:
         """Gather every node's `buf` at node 0, reduce there in node order, broadcast."""
