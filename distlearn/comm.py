@@ -5,8 +5,10 @@ in `tensors`. Asynchronous form, for communicators that can overlap communicatio
 computation: `all_reduce(tensors, op, finished, async_op=True) -> Handle` returns at
 once; the result is in `tensors` after `handle.wait()`, which returns the contributor
 count. Until then the caller must neither read nor write `tensors`. Several handles may
-be in flight; they complete in the order they were started, and every node must start
-its collectives in the same order.
+be in flight, and every node must start its collectives in the same order; wait for
+each handle whose tensors you read, since one handle's completion says nothing of
+another's (the tree completes them in the order they were started; TorchDistributed
+finishes a small all-reduce that it reduces at the root before returning it).
 
 A communicator offers the asynchronous form if its `all_reduce` takes `async_op`
 (`supports_async`); `start_all_reduce` gives callers one way to use either.
