@@ -199,15 +199,27 @@ class Fetcher:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 ready = threading.Event()
+                failed: list[BaseException] = []
 
                 def run() -> None:
-                    asyncio.set_event_loop(loop)
-                    loop.call_soon(ready.set)
-                    loop.run_forever()
+                    try:
+                        asyncio.set_event_loop(loop)
+                        loop.call_soon(ready.set)
+                        loop.run_forever()
+                    except BaseException as exc:
+                        failed.append(exc)
+                        raise
+                    finally:
+                        ready.set()  # a thread that ends before its loop runs: no hang
 
                 self._thread = threading.Thread(target=run, name="dataset-fetcher", daemon=True)
                 self._thread.start()
                 ready.wait()
+                if failed:
+                    loop.close()
+                    raise RuntimeError("the dataset fetcher's event-loop thread failed") from (
+                        failed[0]
+                    )
                 self._loop = loop
         return self._loop
 

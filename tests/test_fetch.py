@@ -231,3 +231,30 @@ def _refusal(read, path: str) -> str:
     except FetchError as err:
         return str(err)
     return "read"
+
+
+@pytest.mark.timeout(30)
+def test_a_fetcher_whose_loop_thread_fails_raises_instead_of_hanging(monkeypatch):
+    """The event-loop thread dies before its loop runs (here: set_event_loop fails in
+    it): the caller gets the error, where it used to wait for the loop forever."""
+    import asyncio
+
+    real = asyncio.set_event_loop
+    seen: list[BaseException] = []
+
+    def fails_in_the_fetcher(loop):
+        if threading.current_thread().name == "dataset-fetcher":
+            raise OSError("no event loop here")
+        return real(loop)
+
+    monkeypatch.setattr(asyncio, "set_event_loop", fails_in_the_fetcher)
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    fetcher = Fetcher()
+    with pytest.raises(RuntimeError, match="event-loop thread failed") as info:
+        fetcher.loop  # noqa: B018 (the property starts the thread)
+    assert isinstance(info.value.__cause__, OSError)
+    fetcher._thread.join(timeout=5)
+    assert [type(e) for e in seen] == [OSError]  # and the thread's own report
+    monkeypatch.undo()
+    assert fetcher.loop.is_running()  # a later call starts a loop that works
+    fetcher.close()
