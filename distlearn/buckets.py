@@ -311,7 +311,8 @@ class GradientBuckets:
     def _launch(self, bucket: _Bucket, contribute: bool, wait: bool = False) -> None:
         if self.counted:
             # The bucket's own memory with the count in its last slot: one collective,
-            # always on the communicator's threads (or NCCL's stream).
+            # on the communicator's threads (or NCCL's stream), or done before it
+            # returns where TorchDistributed reduces a small CPU buffer at the root.
             bucket.handle = self.comm.all_reduce_counted(
                 bucket.flat, finished=not contribute, async_op=True
             )
@@ -409,8 +410,8 @@ class GradientBuckets:
                         raise
             if bucket is last:
                 self._mark(last, late, contribute)
-            # A counted bucket runs on the communicator's threads either way, so the
-            # last one starts too and the check overlaps with it; the tree runs the
+            # A counted bucket is started like the others, so the check below overlaps
+            # with it where it runs on the communicator's threads; the tree runs the
             # last one here (no hand-off to its communication thread).
             self._launch(bucket, contribute, wait=bucket is last and not self.counted)
         changed = self.changed()

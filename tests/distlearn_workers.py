@@ -112,8 +112,9 @@ def protocol(comm, cfg) -> dict:
 def reduce_at_root(comm, cfg) -> dict:
     """TorchDistributed's small all-reduce at node 0 (gather, reduce, broadcast) against
     the process group's own, on the same group: every op and dtype, sizes on both sides
-    of `gather_bytes`, and nodes that say they are on different machines. The calls that
-    reach torch.distributed are counted, to see which way each one went."""
+    of `gather_bytes`, nodes that say they are on different machines, nodes given
+    different bounds, and a group without rank 0. The calls that reach
+    torch.distributed are counted, to see which way each one went."""
     import torch.distributed as dist
 
     from distlearn.backends import TorchDistributed, torch_distributed

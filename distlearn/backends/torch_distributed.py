@@ -76,7 +76,6 @@ class TorchDistributed(FlatCommunicator):
             self._async_opts[name] = opts
         self.gather_bytes = gather_bytes
         self._one_machine: bool | None = None  # asked on first need (see _agree)
-        self._gathered: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # node 0's rows
 
     @classmethod
     def from_env(cls, backend: str | None = None, **options) -> TorchDistributed:
@@ -134,18 +133,14 @@ class TorchDistributed(FlatCommunicator):
     def _reduce_at_root(self, buf: torch.Tensor, op: str) -> None:
         """Gather every node's `buf` at node 0, reduce there in node order, broadcast."""
         if self.node_index == 0:
-            key = (buf.dtype, buf.numel())
-            rows = self._gathered.get(key)
-            if rows is None:
-                rows = torch.empty(self.num_nodes, buf.numel(), dtype=buf.dtype)
-                if len(self._gathered) >= 8:  # a step's few bucket sizes, not every size
-                    self._gathered.clear()
-                self._gathered[key] = rows
+            flat = self._take(buf, self.num_nodes * buf.numel())  # (the reused buffers)
+            rows = flat.view(self.num_nodes, buf.numel())
             dist.gather(buf, list(rows.unbind(0)), dst=self._root, group=self.group)
             if op == "sum":
                 torch.sum(rows, 0, dtype=buf.dtype, out=buf)  # (integers would widen)
             else:
                 (torch.amax if op == "max" else torch.amin)(rows, 0, out=buf)
+            self._give_back(flat)
         else:
             dist.gather(buf, None, dst=self._root, group=self.group)
         dist.broadcast(buf, src=self._root, group=self.group)
@@ -188,7 +183,6 @@ class TorchDistributed(FlatCommunicator):
         # failed all-reduce (a peer died) needs the GIL, which a finalizing interpreter
         # refuses by ending the thread, and the process aborts (std::terminate).
         self._pg = self._async_opts = None
-        self._gathered.clear()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
