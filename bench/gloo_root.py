@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
+from bench.allreduce import _ratios, _spread
 from bench.procs import free_port
 
 
@@ -34,7 +34,8 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out) -> Non
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    largest = max(a.sizes_kib) * 1024 * max(world - 1, 1)
+    # admits every size measured, with the count slot that rides along (+1 KiB)
+    largest = (max(a.sizes_kib) + 1) * 1024 * (world - 1)
     comms = {
         "ring": TorchDistributed(gather_bytes=0),
         "root": TorchDistributed(gather_bytes=largest),
@@ -42,6 +43,9 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out) -> Non
     rows = []
     for kib in a.sizes_kib:
         x = torch.ones(kib * 1024 // 4)
+        # the buffer that travels: x and the count slot (FlatCommunicator packs them)
+        if not comms["root"]._at_root(torch.empty(x.numel() + 1)):
+            raise RuntimeError(f"{kib} KiB would not be reduced at the root: no comparison")
         times = {name: [] for name in comms}
         reps = max(2, min(20, 4096 // kib))
         for rnd in range(a.rounds):
@@ -57,10 +61,6 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out) -> Non
     if rank == 0:
         out.put(rows)
     dist.destroy_process_group()
-
-
-def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs) * 1e3:.2f} ({min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,14 +87,20 @@ def main(argv: list[str] | None = None) -> int:
         procs = [ctx.Process(target=_worker, args=(r, n, port, a, out)) for r in range(n)]
         for proc in procs:
             proc.start()
+        while out.empty():  # a rank that fails must not leave the others waiting
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                for proc in procs:
+                    proc.kill()
+                raise SystemExit(f"bench.gloo_root: a rank of the {n}-process job failed")
+            time.sleep(0.05)
         rows = out.get()
         for proc in procs:
             proc.join()
         for kib, times in rows:
-            ratios = [r / g for r, g in zip(times["root"], times["ring"], strict=True)]
+            ring, root = times["ring"], times["root"]
             print(
-                f"| {n} | {kib} | {_spread(times['ring'])} | {_spread(times['root'])} | "
-                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |",
+                f"| {n} | {kib} | {_spread(ring, digits=2)} | {_spread(root, digits=2)} | "
+                f"{_ratios(root, ring)} |",
                 flush=True,
             )
     return 0

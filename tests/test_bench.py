@@ -184,3 +184,10 @@ def test_gloo_root_prints_both_ways_side_by_side():
         ring, root = (float(cell.split()[0]) for cell in row[2:4])
         assert ring > 0 and root > 0
         assert row[4].strip().endswith(")") and "x (" in row[4]
+    # one size alone: the bound still admits it (it once left the count slot out)
+    cmd = [sys.executable, "-m", "bench.gloo_root", "--nodes", "2", "--sizes-kib", "4",
+           "--rounds", "1"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
