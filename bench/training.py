@@ -141,8 +141,25 @@ def arrival_split(ranks: list[dict]) -> dict:
         wait += w / r["epoch_s"]
         after += a / r["epoch_s"]
     out = {"wait_last_pct": 100 * wait / len(ranks), "after_last_pct": 100 * after / len(ranks)}
+    out.update(back_split(ranks, last, steps))
     out.update(late_split(ranks))
     return out
+
+
+def back_split(ranks: list[dict], last: list[float], steps: int) -> dict:
+    """After the last rank's call, per step, in ms (medians over steps):
+
+    first_back_ms  until the first rank returned: the all-reduce itself, as fast
+                   as the scheduler let any rank out of it
+    back_ms        until a rank returned, the mean over ranks: the first rank's
+                   figure plus the time the others, their results ready, waited
+                   for a core (4 ranks on 2 cores cannot all run at once)
+    """
+    if steps == 0:
+        return {}
+    first = sorted(min(r["left"][s] for r in ranks) - last[s] for s in range(steps))
+    mean = sorted(sum(r["left"][s] for r in ranks) / len(ranks) - last[s] for s in range(steps))
+    return {"first_back_ms": 1e3 * first[steps // 2], "back_ms": 1e3 * mean[steps // 2]}
 
 
 def late_split(ranks: list[dict]) -> dict:
@@ -294,14 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     print("| processes | backend | overlap | buckets sent during backward | samples/s | "
           "allreduce % | waiting for the last rank % | ... its loading / compute / other "
           "lead % | same rank last % | after the last rank called % | "
+          "... first rank back / a rank back, ms a step | "
           "loading % | compute % | ranks' CPU % of the cores | cores idle % | "
           "test accuracy |")  # fmt: skip
-    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
         ok = [r for r in results[cfg] if "error" not in r]
         if not ok:
             print(f"| {cfg[0]} | {cfg[1]} | {cfg[2]} | error: "
-                  f"{results[cfg][0]['error'][:100]} | | | | | | | | | | | |")  # fmt: skip
+                  f"{results[cfg][0]['error'][:100]} | | | | | | | | | | | | |")  # fmt: skip
             continue
 
         def col(key, digits=0, ok=ok):
@@ -316,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{col('allreduce_pct', 1)} | {col('wait_last_pct', 1)} | "
               f"{col('late_loading_pct', 1)} / {col('late_compute_pct', 1)} / "
               f"{col('late_other_pct', 1)} | {col('last_same_pct')} | "
-              f"{col('after_last_pct', 1)} | {col('loading_pct', 1)} | {col('compute_pct', 1)} | "
+              f"{col('after_last_pct', 1)} | "
+              f"{col('first_back_ms', 2)} / {col('back_ms', 2)} | "
+              f"{col('loading_pct', 1)} | {col('compute_pct', 1)} | "
               f"{col('ranks_cpu_pct')} | {col('host_idle_pct')} | "
               f"{col('test_accuracy', 4)} |")  # fmt: skip
     return 0

@@ -52,7 +52,21 @@ def test_a_late_start_is_neither_loading_nor_compute():
 def test_timelines_without_phase_moments_give_only_the_two_way_split():
     r = _rank([0.1], [0.2])
     old = [{k: v for k, v in r.items() if k not in ("began", "fwd")} for _ in range(2)]
-    assert set(arrival_split(old)) == {"wait_last_pct", "after_last_pct"}
+    assert set(arrival_split(old)) == {
+        "wait_last_pct", "after_last_pct", "first_back_ms", "back_ms"
+    }  # fmt: skip
+
+
+def test_after_the_last_call_is_split_into_the_first_return_and_the_rest():
+    # two steps; the last rank calls at 0.4 and 1.4; rank 0 is back 1 ms after it in
+    # step 0 and 3 ms in step 1, rank 1 (out of a core's queue) 5 ms and 9 ms after it
+    r0 = _rank([0.1, 0.1], [0.3, 0.3])
+    r1 = _rank([0.1, 0.1], [0.2, 0.2])
+    r0["left"], r1["left"] = [0.401, 1.403], [0.405, 1.409]
+    out = arrival_split([r0, r1])
+    # medians of two steps: the upper one (steps // 2)
+    assert out["first_back_ms"] == pytest.approx(3.0)
+    assert out["back_ms"] == pytest.approx(6.0)  # (3 + 9) / 2; step 0: (1 + 5) / 2
 
 
 @pytest.mark.timeout(600)
