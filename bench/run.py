@@ -100,6 +100,11 @@ def loader_rows(quick: bool, part_url: str) -> tuple[list[Row], list[str]]:
             rows += [
                 Row("distlearn", "dataset-csv", {"workers": workers, "pool_size": p}) for p in pools
             ]
+        if not quick:  # small items: decoded on the fetch thread, no hand-off (examples/)
+            rows.append(
+                Row("distlearn", "dataset-csv", {"workers": "thread", "pool_size": 64,
+                                                 "num_workers": 0})
+            )  # fmt: skip
     why = have_dataset(part_url)
     if why:
         notes.append(f"distlearn tar-shard rows skipped: {why}")
