@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, repo_env
 
-from bench import report
+from bench import netns, report
 from bench.data import prepare
 from bench.servers import Server, find_nginx
 
@@ -191,3 +191,33 @@ def test_gloo_root_prints_both_ways_side_by_side():
         cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
+    return {line.split(":")[1].strip().split("@")[0] for line in out.stdout.splitlines()}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(netns.missing() is not None, reason=f"{netns.missing()}")
+def test_gloo_root_between_namespaces_is_rate_limited_and_leaves_nothing_behind():
+    """bench.gloo_root --hosts: each rank in a namespace of its own, its link shaped."""
+    spaces = Path("/run/netns")
+    before = (set(os.listdir(spaces)) if spaces.exists() else set(), _links())
+    cmd = [sys.executable, "-m", "bench.gloo_root", "--nodes", "2", "--sizes-kib", "64",
+           "--rounds", "1", "--hosts", "100mbit"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "each process a host on a 100mbit link" in proc.stdout
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 2 ")]
+    assert len(rows) == 1
+    ring, root = (float(cell.split()[0]) for cell in rows[0][2:4])
+    # 64 KiB at 100 Mbit/s takes 5.2 ms on the wire (on loopback both are under 1 ms)
+    assert ring > 4 and root > 4, rows
+    after = (set(os.listdir(spaces)) if spaces.exists() else set(), _links())
+    assert after == before
+    bad = subprocess.run([*cmd[:-1], "100kbps"], cwd=REPO, env=repo_env(),
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "rate must be a number ending in" in bad.stderr
