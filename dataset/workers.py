@@ -4,8 +4,9 @@ Two kinds with one interface (``submit(slot, sources) -> job``, ``result(job)``,
 ``close()``), both running the same coroutine, :func:`fill`:
 
 - :class:`ThreadWorkers`: one Fetcher loop thread in this process; processors
-  run on a pool of `num_workers` threads (0: inline on the loop thread). Cheap
-  to start, but the GIL caps decoding at about one core.
+  run on a pool of `num_workers` threads, handed over in runs (:class:`Handoff`),
+  or inline on the loop thread (0). Cheap to start, but the GIL caps decoding at
+  about one core.
 - :class:`ProcessWorkers`: `num_workers` processes, each with its own event
   loop and HTTP session, decoding straight into the ring, which lives in shared
   memory allocated once (:class:`RingMemory`, a file without a name). The main
@@ -64,7 +65,7 @@ async def fill(
     out: torch.Tensor,
     processor: Any,
     opt: Any,
-    executor: concurrent.futures.Executor | None = None,
+    handoff: Handoff | None = None,
     ctx: Context | None = None,
 ) -> BatchResult:
     """Fetch every source and let `processor` decode item i into ``out[i]``, concurrently.
@@ -74,7 +75,6 @@ async def fill(
     """
     res = BatchResult(ok=[False] * len(sources))
     stats = res.stats
-    loop = asyncio.get_running_loop()
     seed, partition, epoch, first = ctx if ctx is not None else (0, 0, 0, 0)
 
     async def one(i: int, source: Any) -> None:
@@ -93,12 +93,10 @@ async def fill(
             return
         key = (seed, partition, epoch, first + i)
         try:
-            if executor is None:
+            if handoff is None:
                 ret = call_with_item(key, processor, data, opt, out[i])
             else:
-                ret = await loop.run_in_executor(
-                    executor, call_with_item, key, processor, data, opt, out[i]
-                )
+                ret = await handoff.submit(key, data, out[i])
         except Exception as err:
             stats["dropped"] += 1
             kind = type(err).__name__
@@ -120,6 +118,85 @@ async def fill(
     return res
 
 
+class Handoff:
+    """Fetched items to `threads` decode threads, in runs: a run takes every item
+    fetched since the last run started (of any batch in flight), so the two thread
+    switches of a hand-off (tens of microseconds, more than a small PNG takes to
+    decode) are paid per run, not per item. At most one run per thread is in flight;
+    the rest wait in `pending`. Used from the fetcher's loop thread only.
+    """
+
+    def __init__(self, threads: int, processor: Any, opt: Any):
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="dataset-decode"
+        )
+        self.threads, self.processor, self.opt = threads, processor, opt
+        self.running = 0
+        self.pending: list[tuple[Any, Any, torch.Tensor, asyncio.Future]] = []
+
+    def submit(self, key: Any, data: Any, row: torch.Tensor) -> asyncio.Future:
+        """`processor(data, opt, row)` as item `key`; a future of what it returned."""
+        done = asyncio.get_running_loop().create_future()
+        self.pending.append((key, data, row, done))
+        if self.running < self.threads:
+            self._start()
+        return done
+
+    def _start(self) -> None:
+        run = [item for item in self.pending if not item[3].cancelled()]
+        self.pending = []
+        if not run:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            job = self.executor.submit(self._decode, run)
+        except RuntimeError as err:  # the pool was shut down: every item of the run fails
+            for *_, done in run:
+                done.set_exception(err)
+            return
+        self.running += 1
+        job.add_done_callback(lambda job: self._back(loop, run, job))
+
+    def _decode(self, run: list) -> list[tuple[Any, BaseException | None]]:
+        """On a decode thread: each item's return value or exception."""
+        results = []
+        for key, data, row, _ in run:
+            try:
+                results.append((call_with_item(key, self.processor, data, self.opt, row), None))
+            except Exception as err:
+                results.append((None, err))
+        return results
+
+    def _back(self, loop: asyncio.AbstractEventLoop, run: list, job) -> None:
+        """On the decode thread, as a run ends: its results to the loop."""
+        with contextlib.suppress(RuntimeError):  # a closed loop (shutting down): nobody waits
+            loop.call_soon_threadsafe(self._done, run, job)
+
+    def _done(self, run: list, job: concurrent.futures.Future) -> None:
+        """On the loop: settle each item's future, then start the next run."""
+        self.running -= 1
+        if job.cancelled():  # the pool shut down before the run began
+            results = None
+        elif job.exception() is not None:
+            results = [(None, job.exception())] * len(run)
+        else:
+            results = job.result()
+        for i, (*_, done) in enumerate(run):
+            if done.done():
+                continue
+            if results is None:
+                done.cancel()
+            elif results[i][1] is None:
+                done.set_result(results[i][0])
+            else:
+                done.set_exception(results[i][1])
+        if self.pending and self.running < self.threads:
+            self._start()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
 def _stuck(what: str, timeout: float) -> WorkerDied:
     return WorkerDied(
         f"{what} finished no batch in worker_timeout={timeout}s: it is stuck (a processor or "
@@ -137,18 +214,14 @@ class ThreadWorkers:
         self.slots = slots
         self.processor, self.opt, self.timeout = processor, opt, timeout
         self.fetcher = Fetcher(**fetch_kw)
-        self.executor = (
-            concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="dataset-decode")
-            if num_workers > 0
-            else None
-        )
+        self.handoff = Handoff(num_workers, processor, opt) if num_workers > 0 else None
 
     def submit(
         self, slot: int, sources: list[Any], ctx: Context | None = None
     ) -> concurrent.futures.Future:
         out = self.slots[slot]
         return self.fetcher.submit(
-            fill(self.fetcher, sources, out, self.processor, self.opt, self.executor, ctx)
+            fill(self.fetcher, sources, out, self.processor, self.opt, self.handoff, ctx)
         )
 
     def result(self, job: concurrent.futures.Future) -> BatchResult:
@@ -159,8 +232,8 @@ class ThreadWorkers:
 
     def close(self) -> None:
         self.fetcher.close()
-        if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.handoff is not None:
+            self.handoff.close()
 
 
 class RingMemory:

@@ -253,3 +253,48 @@ def test_dataloader_workers_get_a_clear_error_at_once(pngs, workers, context):
     assert "RAISED" in proc.stdout and "num_workers=0" in proc.stdout, proc.stdout + proc.stderr
     assert "WITHOUT WORKERS (8, 1, 8, 8)" in proc.stdout, "the batcher still works after it"
     assert "Exception ignored" not in proc.stderr and "AssertionError" not in proc.stderr
+
+
+def test_decode_threads_take_what_was_fetched_in_runs_and_keep_each_items_outcome():
+    # One decode thread, held on the first item while 9 more arrive: they go over in
+    # one run (two hand-offs, not ten), each item keeps its own result or exception
+    # (with the processor's frame in its traceback), and runs on the decode thread.
+    import asyncio
+    import threading
+    import traceback
+
+    from distlearn.dataset.workers import Handoff
+
+    release = threading.Event()
+    threads = set()
+
+    def processor(data, opt, row):
+        threads.add(threading.get_ident())
+        if data == 0:
+            release.wait(10)
+        if data == 7:
+            raise ValueError("item 7 is broken")
+        row.fill_(data)
+        return data != 8  # the processor's own verdict travels too
+
+    handoff = Handoff(1, processor, None)
+    submits = []
+    submit = handoff.executor.submit
+    handoff.executor.submit = lambda *a: submits.append(1) or submit(*a)
+    out = torch.zeros(10, 2)
+
+    async def main():
+        futures = [handoff.submit((0, 0, 0, i), i, out[i]) for i in range(10)]
+        release.set()
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        handoff.close()
+    assert len(submits) == 2
+    assert threading.get_ident() not in threads and len(threads) == 1
+    assert results[:7] == [True] * 7 and results[8:] == [False, True]
+    assert isinstance(results[7], ValueError)
+    assert "in processor" in "".join(traceback.format_exception(results[7]))
+    assert out[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 8, 9]
