@@ -384,9 +384,9 @@ def main(
     algorithm = make_algorithm(args)
 
     # Thread workers decode on the fetch thread itself (num_workers=0): a 28x28 PNG takes
-    # ~30 us to decode, less than handing it to a decode thread and back costs the two
-    # threads (CPU per item ~160 against ~210 us, 1.25x the items/s: the loader rows
-    # of `python -m bench --only loaders --rows workers=thread`).
+    # ~30 us to decode, about what handing it to a decode thread and back costs, so one
+    # thread does both at least as fast and leaves a core's share to the other ranks
+    # (the loader rows of `python -m bench --only loaders --rows workers=thread`).
     loader = dict(workers=args.loader, num_workers=0 if args.loader == "thread" else None)
     train_ds = Dataset(join(args.data_url, "train.csv"), partition=node, partitions=nodes)
     test_ds = Dataset(join(args.data_url, "test.csv"), partition=node, partitions=nodes)
