@@ -156,6 +156,26 @@ def test_quick_run_end_to_end(job, tmp_path):
     j.assert_no_orphans(pids)
 
 
+def test_elastic_averaging_quick_run_end_to_end(job, tmp_path):
+    """examples/mnist-ea.sh's script: 4 processes each training its own replica over
+    HTTP, averaged every tau steps (AllReduceEA), evaluated on the center."""
+    j = job("--script", "examples/mnist-ea.py", "--quick", "--output", str(tmp_path / "out"))
+    pids = j.pids()
+    code = j.finish(timeout=280)
+    assert code == 0, j.output
+    m = re.fullmatch(
+        r"mnist-ea\.py: final test accuracy ([\d.]+)% after 1 epoch, 4 processes, .*",
+        j.lines[-1],
+    )
+    assert m, j.output
+    assert float(m.group(1)) > 60, j.output
+    record = json.loads((tmp_path / "out" / "log.json").read_text())
+    assert record["nodes"] == 4 and record["algorithm"] == "AllReduceEA (tau 10, alpha 0.2)"
+    (epoch,) = record["epochs"]
+    assert epoch["test_items"] == 2000 and epoch["train_items"] >= 4000
+    j.assert_no_orphans(pids)
+
+
 def test_typo_gets_one_usage_message_and_nothing_starts():
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "launch.py"), "--script", "examples/mnist.py", "--epohcs"],
