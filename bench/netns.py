@@ -36,8 +36,11 @@ def missing() -> str | None:
     return None
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+def _run(*cmd: str) -> None:
+    """An iproute2 command; its own message if it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip() or done.returncode}")
 
 
 def burst(rate: str) -> str:
@@ -66,25 +69,22 @@ def hosts(n: int, rate: str) -> Iterator[list[tuple[str, str]]]:
     bridge = f"bd{tag}"
     made: list[str] = []
     try:
-        _ip("link", "add", bridge, "type", "bridge")
-        _ip("link", "set", bridge, "up")
+        _run("ip", "link", "add", bridge, "type", "bridge")
+        _run("ip", "link", "set", bridge, "up")
         out = []
         for k in range(n):
             name, veth = f"dl{tag}-{k}", f"vd{tag}-{k}"
-            _ip("netns", "add", name)
+            _run("ip", "netns", "add", name)
             made.append(name)
-            _ip("link", "add", veth, "type", "veth", "peer", "name", IFNAME, "netns", name)
-            _ip("link", "set", veth, "master", bridge)
-            _ip("link", "set", veth, "up")
-            _ip("-n", name, "addr", "add", f"{net}.{k + 1}/24", "dev", IFNAME)
-            _ip("-n", name, "link", "set", IFNAME, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
-            shape = ["root", "tbf", "rate", rate, "burst", bucket, "latency", "50ms"]
-            subprocess.run(["tc", "qdisc", "add", "dev", veth, *shape], check=True)
-            subprocess.run(
-                ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", IFNAME, *shape],
-                check=True,
-            )
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", IFNAME, "netns", name)
+            _run("ip", "link", "set", veth, "master", bridge)
+            _run("ip", "link", "set", veth, "up")
+            _run("ip", "-n", name, "addr", "add", f"{net}.{k + 1}/24", "dev", IFNAME)
+            _run("ip", "-n", name, "link", "set", IFNAME, "up")
+            _run("ip", "-n", name, "link", "set", "lo", "up")
+            shape = ("root", "tbf", "rate", rate, "burst", bucket, "latency", "50ms")
+            _run("tc", "qdisc", "add", "dev", veth, *shape)  # into the host
+            _run("tc", "-n", name, "qdisc", "add", "dev", IFNAME, *shape)  # out of it
             out.append((name, f"{net}.{k + 1}"))
         yield out
     finally:
