@@ -97,6 +97,13 @@ class Algorithm:
 # ----------------------------------------------------------------------------- options
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def parser(description: str, lr: float, epochs: int, batch_size: int) -> argparse.ArgumentParser:
     """Options shared by both scripts; each script passes its own tuned defaults."""
     p = argparse.ArgumentParser(description=description)
@@ -155,16 +162,25 @@ def parser(description: str, lr: float, epochs: int, batch_size: int) -> argpars
     )
     g.add_argument(
         "--loader",
-        choices=["thread", "process"],
-        default="thread",
+        choices=["auto", "thread", "process"],
+        default="auto",
         help="Dataset workers: thread fetches and decodes on one thread of this process, "
-        "process on one process per core (default %(default)s)",
+        "process in worker processes; auto takes process where this host has 2 cores or "
+        "more per training process, else thread (default %(default)s)",
+    )
+    g.add_argument(
+        "--loader-workers",
+        type=_positive_int,
+        default=None,
+        help="worker processes per training process with --loader process (default: its "
+        "cores less its torch threads, at least 1)",
     )
     g.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="torch threads per process (default: cores / processes on this host, at least 1)",
+        help="torch threads per process (default: cores / processes on this host with the "
+        "thread loader, half of them with the process loader; at least 1)",
     )
     g.add_argument(
         "--output",
@@ -252,10 +268,44 @@ def join(base: str, name: str) -> str:
     return str(Path(base) / name)
 
 
-def default_threads(nodes: int) -> int:
-    """Cores per process on this host: more threads than cores only adds switching."""
+def cores_per_process(nodes: int) -> int:
+    """This host's cores over the training processes on it, at least 1."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", nodes))
     return max(1, (os.cpu_count() or 1) // max(1, local))
+
+
+def loader_plan(args: argparse.Namespace, nodes: int) -> tuple[dict[str, Any], int]:
+    """(the Dataset's worker options, torch threads) for this process.
+
+    The thread loader's fetch thread runs aiohttp's Python (about 150 us an item) under
+    the GIL that the training thread needs between its torch calls, so where a core is
+    free for it, the fetching goes to worker processes instead: one training process of
+    this example on 2 cores trains 1.48x faster so, 4 on 16 cores 1.25x. Where there is
+    no spare core (4 processes on 2 cores), more processes only take turns on the cores,
+    and one thread that fetches and decodes (num_workers=0) costs least: a 28x28 PNG
+    takes ~30 us to decode, about what handing it to a decode thread and back costs
+    (the loader rows of `python -m bench --only loaders --rows workers=thread`).
+    """
+    cores = cores_per_process(nodes)
+    kind = args.loader
+    if kind == "auto":
+        kind = "process" if cores >= 2 else "thread"
+    if kind == "thread":
+        if args.loader_workers is not None:
+            raise SystemExit("--loader-workers applies to --loader process (or auto where it "
+                             "picks process)")  # fmt: skip
+        return dict(workers="thread", num_workers=0), args.threads or cores
+    threads = args.threads or max(1, cores // 2)
+    workers = args.loader_workers or max(1, cores - threads)
+    return dict(workers="process", num_workers=workers), threads
+
+
+def describe_loader(loader: dict[str, Any], threads: int) -> str:
+    if loader["workers"] == "thread":
+        fetch = "one loader thread"
+    else:
+        fetch = plural(loader["num_workers"], "loader process")
+    return f"{fetch} and {plural(threads, 'torch thread')} a process"
 
 
 class Schedule:
@@ -379,15 +429,11 @@ def main(
     comm = connect(args)
     node, nodes = comm.node_index, comm.num_nodes
     lead = node == 0
-    torch.set_num_threads(args.threads or default_threads(nodes))
+    loader, threads = loader_plan(args, nodes)
+    torch.set_num_threads(threads)
     torch.manual_seed(args.seed)  # the same initial weights everywhere; the algorithm checks
     algorithm = make_algorithm(args)
 
-    # Thread workers decode on the fetch thread itself (num_workers=0): a 28x28 PNG takes
-    # ~30 us to decode, about what handing it to a decode thread and back costs, so one
-    # thread does both at least as fast and leaves a core's share to the other ranks
-    # (the loader rows of `python -m bench --only loaders --rows workers=thread`).
-    loader = dict(workers=args.loader, num_workers=0 if args.loader == "thread" else None)
     train_ds = Dataset(join(args.data_url, "train.csv"), partition=node, partitions=nodes)
     test_ds = Dataset(join(args.data_url, "test.csv"), partition=node, partitions=nodes)
     train = train_ds.sampled_batcher(
@@ -422,7 +468,8 @@ def main(
         print(
             f"{script}: {algorithm.name}, {plural(nodes, 'process')} "
             f"({args.backend}), {len(train_ds.index)} train items on node 0, "
-            f"batch {args.batch_size} x {nodes}, lr {args.lr}, {plural(args.epochs, 'epoch')}",
+            f"batch {args.batch_size} x {nodes}, lr {args.lr}, {plural(args.epochs, 'epoch')}; "
+            f"{describe_loader(loader, threads)}",
             flush=True,
         )
     record: dict[str, Any] = {
@@ -430,6 +477,7 @@ def main(
         "algorithm": algorithm.name,
         "nodes": nodes,
         "backend": args.backend,
+        "loader": {**loader, "torch_threads": threads},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "epochs": [],
         "train_curve": [],  # (fractional epoch, node 0's mean loss since the last point)

@@ -176,6 +176,30 @@ def test_elastic_averaging_quick_run_end_to_end(job, tmp_path):
     j.assert_no_orphans(pids)
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="auto takes the thread loader on 1 core")
+def test_one_process_with_a_core_to_spare_fetches_in_worker_processes(job, tmp_path):
+    """Where the host has a core to spare for it (1 process on 2 cores), the example's
+    loader fetches and decodes in worker processes; they end with the job."""
+    j = job(
+        "--script", "examples/mnist.py", "--quick", "--nodes", "1",
+        "--output", str(tmp_path / "out"),
+    )  # fmt: skip
+    pids = j.pids()
+    j.wait_for(r"1 process \(ipc\), .* loader process(es)? and \d+ torch threads? a process", 60)
+    code = j.finish(timeout=280)
+    assert code == 0, j.output
+    m = re.fullmatch(
+        r"mnist\.py: final test accuracy ([\d.]+)% after 1 epoch, 1 process, .*", j.lines[-1]
+    )
+    assert m and float(m.group(1)) > 60, j.output
+    record = json.loads((tmp_path / "out" / "log.json").read_text())
+    loader = record["loader"]
+    assert loader["workers"] == "process" and loader["num_workers"] >= 1, loader
+    (epoch,) = record["epochs"]
+    assert epoch["test_items"] == 2000 and epoch["train_items"] >= 4000
+    j.assert_no_orphans(pids)  # the loader's processes too: they are in the job's session
+
+
 def test_typo_gets_one_usage_message_and_nothing_starts():
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "launch.py"), "--script", "examples/mnist.py", "--epohcs"],
@@ -226,6 +250,48 @@ def test_each_run_gets_its_own_output_folder_and_latest_points_to_it(monkeypatch
     first, second = mnist_lib.run_folder("mnist.py"), mnist_lib.run_folder("mnist.py")
     assert first != second and first.parent == second.parent == tmp_path / "output" / "mnist"
     assert (tmp_path / "output" / "mnist" / "latest").resolve() == second.resolve()
+
+
+@pytest.mark.parametrize(
+    ("cores", "local", "argv", "loader", "threads"),
+    [
+        # 4 processes on 2 cores: no core to spare, one thread fetches and decodes
+        (2, 4, [], dict(workers="thread", num_workers=0), 1),
+        # a core to spare: the fetching leaves the training process's GIL
+        (2, 1, [], dict(workers="process", num_workers=1), 1),
+        # 4 cores each: half to torch, half to the loader (the fastest split measured)
+        (16, 4, [], dict(workers="process", num_workers=2), 2),
+        (16, 4, ["--threads", "3"], dict(workers="process", num_workers=1), 3),
+        (16, 4, ["--loader", "thread"], dict(workers="thread", num_workers=0), 4),
+        (2, 4, ["--loader", "process"], dict(workers="process", num_workers=1), 1),
+        (16, 4, ["--loader-workers", "5"], dict(workers="process", num_workers=5), 2),
+    ],
+)
+def test_the_loader_takes_worker_processes_where_the_host_has_a_core_to_spare(
+    monkeypatch, cores, local, argv, loader, threads
+):
+    sys.path.insert(0, str(EXAMPLES))
+    import mnist_lib
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    args = mnist_lib.parser("x", lr=0.1, epochs=1, batch_size=32).parse_args(argv)
+    assert mnist_lib.loader_plan(args, nodes=local) == (loader, threads)
+
+
+def test_loader_workers_without_worker_processes_is_refused(monkeypatch, capsys):
+    sys.path.insert(0, str(EXAMPLES))
+    import mnist_lib
+
+    p = mnist_lib.parser("x", lr=0.1, epochs=1, batch_size=32)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--loader-workers", "0"])
+    assert "--loader-workers: must be 1 or more, not 0" in capsys.readouterr().err
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # auto takes the thread loader here
+    args = p.parse_args(["--loader-workers", "2"])
+    with pytest.raises(SystemExit, match="--loader-workers applies to --loader process"):
+        mnist_lib.loader_plan(args, nodes=4)
 
 
 def long_job(job, tmp_path) -> tuple[Job, list[int]]:
