@@ -279,12 +279,13 @@ def loader_plan(args: argparse.Namespace, nodes: int) -> tuple[dict[str, Any], i
 
     The thread loader's fetch thread runs aiohttp's Python (about 150 us an item) under
     the GIL that the training thread needs between its torch calls, so where a core is
-    free for it, the fetching goes to worker processes instead: one training process of
-    this example on 2 cores trains 1.48x faster so, 4 on 16 cores 1.25x. Where there is
-    no spare core (4 processes on 2 cores), more processes only take turns on the cores,
-    and one thread that fetches and decodes (num_workers=0) costs least: a 28x28 PNG
-    takes ~30 us to decode, about what handing it to a decode thread and back costs
-    (the loader rows of `python -m bench --only loaders --rows workers=thread`).
+    free for it, the fetching goes to worker processes instead, with half the cores for
+    torch threads and half for the workers: one training process on 2 cores trains
+    1.98x faster so, 4 on 16 cores 2.0-2.4x (bench/RESULTS-training.md, issue 16). Where
+    there is no spare core (4 processes on 2 cores), more processes only take turns on
+    the cores, and one thread that fetches and decodes (num_workers=0) costs least: a
+    28x28 PNG takes ~30 us to decode, about what handing it to a decode thread and back
+    costs (the loader rows of `python -m bench --only loaders --rows workers=thread`).
     """
     cores = cores_per_process(nodes)
     kind = args.loader
