@@ -172,12 +172,12 @@ def parser(description: str, lr: float, epochs: int, batch_size: int) -> argpars
         "--loader-workers",
         type=_positive_int,
         default=None,
-        help="worker processes per training process with --loader process (default: its "
-        "cores less its torch threads, at least 1)",
+        help="worker processes per training process; with --loader auto it takes them "
+        "(default: the process's cores less its torch threads, at least 1)",
     )
     g.add_argument(
         "--threads",
-        type=int,
+        type=_positive_int,
         default=None,
         help="torch threads per process (default: cores / processes on this host with the "
         "thread loader, half of them with the process loader; at least 1)",
@@ -290,11 +290,8 @@ def loader_plan(args: argparse.Namespace, nodes: int) -> tuple[dict[str, Any], i
     cores = cores_per_process(nodes)
     kind = args.loader
     if kind == "auto":
-        kind = "process" if cores >= 2 else "thread"
+        kind = "process" if cores >= 2 or args.loader_workers is not None else "thread"
     if kind == "thread":
-        if args.loader_workers is not None:
-            raise SystemExit("--loader-workers applies to --loader process (or auto where it "
-                             "picks process)")  # fmt: skip
         return dict(workers="thread", num_workers=0), args.threads or cores
     threads = args.threads or max(1, cores // 2)
     workers = args.loader_workers or max(1, cores - threads)
@@ -420,6 +417,8 @@ def main(
 ) -> int:
     """Parse options, connect, train for the epochs, evaluate each, write the outputs."""
     args = p.parse_args(argv)
+    if args.loader == "thread" and args.loader_workers is not None:
+        p.error("--loader-workers needs worker processes: --loader process or auto")
     if args.check_args:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

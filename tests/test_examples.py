@@ -265,6 +265,8 @@ def test_each_run_gets_its_own_output_folder_and_latest_points_to_it(monkeypatch
         (16, 4, ["--loader", "thread"], dict(workers="thread", num_workers=0), 4),
         (2, 4, ["--loader", "process"], dict(workers="process", num_workers=1), 1),
         (16, 4, ["--loader-workers", "5"], dict(workers="process", num_workers=5), 2),
+        # asking for loader workers asks for worker processes, even without a spare core
+        (2, 4, ["--loader-workers", "2"], dict(workers="process", num_workers=2), 1),
     ],
 )
 def test_the_loader_takes_worker_processes_where_the_host_has_a_core_to_spare(
@@ -279,19 +281,21 @@ def test_the_loader_takes_worker_processes_where_the_host_has_a_core_to_spare(
     assert mnist_lib.loader_plan(args, nodes=local) == (loader, threads)
 
 
-def test_loader_workers_without_worker_processes_is_refused(monkeypatch, capsys):
+def test_loader_options_are_checked_before_anything_starts(capsys):
     sys.path.insert(0, str(EXAMPLES))
     import mnist_lib
 
-    p = mnist_lib.parser("x", lr=0.1, epochs=1, batch_size=32)
-    with pytest.raises(SystemExit):
-        p.parse_args(["--loader-workers", "0"])
-    assert "--loader-workers: must be 1 or more, not 0" in capsys.readouterr().err
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # auto takes the thread loader here
-    args = p.parse_args(["--loader-workers", "2"])
-    with pytest.raises(SystemExit, match="--loader-workers applies to --loader process"):
-        mnist_lib.loader_plan(args, nodes=4)
+    def parse(*argv: str) -> str:
+        p = mnist_lib.parser("x", lr=0.1, epochs=1, batch_size=32)
+        with pytest.raises(SystemExit) as stopped:
+            mnist_lib.main("mnist.py", None, p, ["--check-args", *argv])
+        assert stopped.value.code == 2
+        return capsys.readouterr().err
+
+    assert "--loader-workers: must be 1 or more, not 0" in parse("--loader-workers", "0")
+    assert "--threads: must be 1 or more, not 0" in parse("--threads", "0")
+    err = parse("--loader", "thread", "--loader-workers", "2")
+    assert "--loader-workers needs worker processes: --loader process or auto" in err
 
 
 def long_job(job, tmp_path) -> tuple[Job, list[int]]:
