@@ -298,15 +298,16 @@ def test_loader_options_are_checked_before_anything_starts(capsys):
     assert "--loader-workers needs worker processes: --loader process or auto" in err
 
 
-def long_job(job, tmp_path) -> tuple[Job, list[int]]:
+def long_job(job, tmp_path, nodes: int = 4) -> tuple[Job, list[int]]:
     """A job that trains until stopped (the quick data, many epochs)."""
     assert (QUICK_DATA / "prepared.json").exists(), "run test_quick_run_end_to_end first"
     j = job(
-        "--script", "examples/mnist.py", "--data", str(QUICK_DATA),
+        "--script", "examples/mnist.py", "--data", str(QUICK_DATA), "--nodes", str(nodes),
         "--output", str(tmp_path / "out"), "--epochs", "1000",
     )  # fmt: skip
     pids = j.pids()
-    j.wait_for(r"AllReduceSGD, 4 processes", STARTUP_S)  # node 0 is training
+    processes = "1 process " if nodes == 1 else f"{nodes} processes"
+    j.wait_for(rf"AllReduceSGD, {processes}", STARTUP_S)  # node 0 is training
     return j, pids
 
 
@@ -326,6 +327,22 @@ def test_a_failing_process_ends_the_job(job, tmp_path):
     code = j.finish(timeout=60)
     assert code != 0, j.output
     assert f"node 2 (pid {victim}) failed: killed by SIGKILL; stopping the job" in j.output
+    j.assert_no_orphans(pids)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="auto takes the thread loader on 1 core")
+def test_a_killed_process_takes_its_loader_workers_with_it(job, tmp_path):
+    j, pids = long_job(job, tmp_path, nodes=1)  # 1 process on 2 cores: worker processes
+    victim = pids[1]
+    workers = [
+        line for line in session_processes(j.sid)
+        if "mnist.py" in line and not line.startswith(f"{victim} ")
+    ]  # fmt: skip
+    assert workers, session_processes(j.sid)  # the loader's, forked by the training process
+    os.kill(victim, signal.SIGKILL)
+    code = j.finish(timeout=60)
+    assert code != 0, j.output
+    assert f"node 0 (pid {victim}) failed: killed by SIGKILL; stopping the job" in j.output
     j.assert_no_orphans(pids)
 
 
