@@ -13,9 +13,13 @@ The contract that keeps every node in step: per step, every bucket is all-reduce
 exactly once, in bucket order, the last one always by `finish_step`. The last bucket
 carries more elements ("marks"): for each parameter the number of nodes that had a
 `.grad` for it, then the number of nodes whose gradients changed after their bucket
-had left ("late": a second backward before the step ended). If any node was late, or the
-trainable parameters changed, every node all-reduces its gradients once more, so the
-result is always the sum of what each node holds when it ends the step. A parameter
+had left ("late": a second backward before the step ended), then the number of nodes
+whose trainable parameters changed since the buckets were built. If any node was late,
+or every contributing node's trainable parameters changed, every node all-reduces its
+gradients once more (after rebuilding the buckets and checking that all nodes' new
+sets match), so the result is always the sum of what each node holds when it ends the
+step. If only some changed, every node raises ValueError at that step: the others'
+buckets would no longer line up with theirs. A parameter
 that no contributing node had a `.grad` for keeps `.grad = None`, as in one process
 (and under DDP): the optimizer skips it rather than stepping on zeros.
 Nodes that finished their epoch run the same sequence with `finished=True`
@@ -38,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Communicator, Completed, start_all_reduce
+from .comm import Communicator, Completed, check_same_layout, start_all_reduce
 from .tensors import check_dense
 
 __all__ = ["GradientBuckets", "compressed_scale", "wire_dtype"]
@@ -243,16 +247,16 @@ class GradientBuckets:
             )
         last = len(groups) - 1
         self.params = params
-        marks = len(params) + 1  # a count a parameter, then the late count
+        marks = len(params) + 2  # a count a parameter, the late count, the changed count
         self.buckets = [
             _Bucket(members, self._wire(members[0].dtype), marks * (i == last) + self.counted)
             for i, members in enumerate(groups)
         ]
-        # A contributing node's usual marks (every .grad, not late), copied in at once;
+        # A contributing node's usual marks (every .grad, not late, unchanged), copied in at once;
         # on the bucket's device: a copy from host memory would sync with CUDA.
         flat = self.buckets[-1].flat
         self._marks = torch.ones(marks, dtype=flat.dtype, device=flat.device)
-        self._marks[-1] = 0
+        self._marks[-2:] = 0
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         place = {id(p): j for j, p in enumerate(params)}
         for b in self.buckets:
@@ -391,12 +395,13 @@ class GradientBuckets:
 
     # -- the end of a step ------------------------------------------------------------
 
-    def _all_buckets(self, contribute: bool, late: bool) -> tuple[int, bool]:
-        """Start the buckets not started yet (in order), check whether the trainable
-        parameters changed while the last one travels, wait for all. Returns the count
-        and that check, and leaves the marks of the step in `self.late_nodes` (how many
-        nodes said they were late) and `self.unused`."""
+    def _all_buckets(self, contribute: bool, late: bool) -> tuple[int, int]:
+        """Start the buckets not started yet (in order), wait for all. Returns the count
+        and how many nodes' trainable parameters changed, and leaves the marks of the
+        step in `self.late_nodes` (how many nodes said they were late) and `self.unused`."""
         last = self.buckets[-1]
+        # Before the last bucket leaves, so that every node learns who changed.
+        changed = self.changed()
         for bucket in self.buckets[self.launched :]:
             views = self._target(bucket)  # (a finished node's buffer is overwritten too)
             if contribute:
@@ -406,15 +411,13 @@ class GradientBuckets:
                     # A gradient no longer fits its slot (a parameter changed shape):
                     # the bucket goes anyway, every node sends every bucket, and the
                     # step is resent once the buckets are rebuilt.
-                    if not self.changed():
+                    if not changed:
                         raise
             if bucket is last:
-                self._mark(last, late, contribute)
-            # A counted bucket is started like the others, so the check below overlaps
-            # with it where it runs on the communicator's threads; the tree runs the
-            # last one here (no hand-off to its communication thread).
+                self._mark(last, late, contribute, changed)
+            # The tree runs the last bucket here (no hand-off to its communication
+            # thread); a counted bucket is started like the others.
             self._launch(bucket, contribute, wait=bucket is last and not self.counted)
-        changed = self.changed()
         count = None
         if self.counted:
             # Every bucket of a step has the same count: the last one's is read with
@@ -425,23 +428,24 @@ class GradientBuckets:
         else:
             for bucket in self.buckets:
                 count = bucket.handle.wait()
-        # The marks (and a counted bucket's count): only the late count and the count
-        # unless this node had no .grad for a parameter, which may then stay None.
+        # The marks (and a counted bucket's count): only the late and changed counts and
+        # the count unless this node had no .grad for a parameter, which may then stay None.
         had = len(self.params)
         start = last.numel if self._missing else last.numel + had
         tail = last.flat[start:].real.tolist()  # (complex: counts live in the real part)
         self.unused = [j for j in self._missing if tail[j] == 0]
-        late = tail[had] if self._missing else tail[0]
-        self.late_nodes = round(late)
+        at = had if self._missing else 0
+        self.late_nodes = round(tail[at])
         if count is None:
             count = round(tail[-1]) if last.handle.count_in_slot else last.handle.wait()
-        return count, changed
+        return count, round(tail[at + 1])
 
-    def _mark(self, last: _Bucket, late: bool, contribute: bool) -> None:
+    def _mark(self, last: _Bucket, late: bool, contribute: bool, changed: bool) -> None:
         """This node's marks into the last bucket, after its gradients: 1 for each
-        parameter it has a .grad for, then 1 if it was late (0s from a finished node)."""
+        parameter it has a .grad for, 1 if it was late, 1 if its trainable parameters
+        changed (0s from a finished node: a communicator may leave its values out)."""
         had = len(self.params)
-        marks = last.flat[last.numel : last.numel + had + 1]
+        marks = last.flat[last.numel : last.numel + had + 2]
         if not contribute:
             marks.zero_()
             return
@@ -450,6 +454,8 @@ class GradientBuckets:
             marks[self._missing] = 0
         if late:
             marks[had] = 1
+        if changed:
+            marks[had + 1] = 1
 
     def _reset(self) -> None:
         for bucket in self.buckets:
@@ -472,12 +478,25 @@ class GradientBuckets:
         count, changed = self._all_buckets(contribute, self.late)
         if count == 0 and not contribute:
             return 0
+        if 0 < changed < count:
+            raise ValueError(
+                f"AllReduceSGD: the trainable parameters (which ones require grad, their "
+                f"dtypes, devices or shapes) changed on {changed} of {count} nodes in this "
+                f"step, {'this one among them' if self.changed() else 'not this one'}: "
+                f"change them on every node before the same step"
+            )
         if self.late_nodes > 0 or changed:
             # Somebody's gradients moved after they were sent, or the buckets no
             # longer fit the parameters: everyone sends what it holds now.
             self._reset()
             if changed:
                 self._build()
+                # Every contributing node changed its set: all nodes' sets must now
+                # match (one small all-reduce, on such steps only; a node that finished
+                # its epoch before the change fails it), and not only in size: two
+                # nodes that froze two layers of one shape would sum one's gradients
+                # into the other's.
+                check_same_layout(self.comm, list(self.module.parameters()), "AllReduceSGD")
             count, _ = self._all_buckets(contribute, late=False)
             self.stats["resent"] += 1
         if contribute:

@@ -549,6 +549,39 @@ def models_differ(comm, cfg) -> dict:
     return out
 
 
+def trainable_differs(comm, cfg) -> dict:
+    """At step 3 the trainable set changes on the last node alone (`cfg["how"]`
+    "one"), on every node but not alike ("unlike": the last node freezes another
+    layer), or on every node still in its epoch ("after_finish": the last node ended
+    its epoch after 2 steps): every node must get the same ValueError at that step (the
+    last one, in "after_finish", in the drain of its synchronize_parameters), not a
+    hang, an abort or a sum over mismatched gradients; then the communicator works."""
+    import time
+
+    r, last, how = comm.node_index, comm.num_nodes - 1, cfg["how"]
+    model = sim.make_deep_model(seed=100)
+    sgd = AllReduceSGD(comm, bucket_bytes=256, first_bucket_bytes=64)
+    sgd.synchronize_parameters(model)
+    t0, error, at = time.monotonic(), None, None
+    try:
+        for step in range(2 if how == "after_finish" and r == last else 6):
+            at = step
+            if step == 3 and (r == last or how != "one"):
+                model[2 if r == last else 4].requires_grad_(False)
+            x, y = sim.batch(step, 8)
+            model.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(x), y).backward()
+            sgd.sum_and_normalize_gradients(model)
+        at = "drain"
+        sgd.synchronize_parameters(model)
+        at = None
+    except ValueError as exc:
+        error = str(exc)
+    after = torch.ones(3)
+    comm.all_reduce(after)
+    return {"error": error, "step": at, "seconds": time.monotonic() - t0, "after": after}
+
+
 def peer_dies(comm, cfg) -> dict:
     """The last node kills itself (or stops: `cfg["signal"]` "STOP") in the middle of a
     backward pass, with buckets in flight; the others must get an error from
@@ -590,6 +623,7 @@ SCENARIOS = {
         sgd_beside_ddp,
         sgd_complex,
         models_differ,
+        trainable_differs,
         peer_dies,
     )
 }

@@ -527,6 +527,29 @@ def test_nodes_with_different_models_get_a_clear_error(comm, tmp_path):
         assert ours["same"] is None  # the communicator still works after the errors
 
 
+@pytest.mark.parametrize("how", ["one", "unlike", "after_finish"])
+@pytest.mark.parametrize("comm", COMMS)
+def test_a_trainable_set_changed_on_one_node_is_a_clear_error(comm, how, tmp_path):
+    """One node alone freezes a layer mid-training, every node freezes a different one,
+    or the nodes still in their epoch freeze one that a finished node cannot: every
+    node raises the same ValueError at that step, where the tree used to raise
+    MismatchError on some nodes, gloo aborted a process, or (unlike layers of one
+    shape) gradients were summed into another layer's; the communicator still works."""
+    results = launch(comm, 3, tmp_path, {"trainable_differs": {"how": how}})
+    assert len(results) == 3
+    for res in results:
+        ours, node = res["trainable_differs"], res["node_index"]
+        assert ours["error"] is not None, ours
+        assert ours["step"] == ("drain" if how == "after_finish" and node == 2 else 3), ours
+        if how == "one":
+            assert "trainable parameters (which ones require grad" in ours["error"], ours
+            mine = "this one among them" if node == 2 else "not this one"
+            assert f"changed on 1 of 3 nodes in this step, {mine}" in ours["error"], ours
+        else:
+            assert "the nodes' models differ" in ours["error"], ours
+        assert ours["after"].tolist() == [3.0, 3.0, 3.0]
+
+
 @pytest.mark.parametrize("comm", COMMS)
 def test_a_peer_killed_mid_backward_is_an_error_not_a_hang(comm, tmp_path):
     """SIGKILL one node while its buckets are in flight: the others raise, promptly."""
