@@ -27,6 +27,10 @@ from conftest import REPO, repo_env
 EXAMPLES = REPO / "examples"
 QUICK_DATA = EXAMPLES / "data" / "mnist-quick"
 STARTUP_S = 240  # four processes importing torch on a loaded 2-core machine
+# 1 process on this host has a core to spare, so --loader auto takes worker processes
+SPARE_CORE = pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2, reason="auto takes the thread loader on 1 core"
+)
 
 
 def session_processes(sid: int) -> list[str]:
@@ -176,7 +180,7 @@ def test_elastic_averaging_quick_run_end_to_end(job, tmp_path):
     j.assert_no_orphans(pids)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="auto takes the thread loader on 1 core")
+@SPARE_CORE
 def test_one_process_with_a_core_to_spare_fetches_in_worker_processes(job, tmp_path):
     """Where the host has a core to spare for it (1 process on 2 cores), the example's
     loader fetches and decodes in worker processes; they end with the job."""
@@ -330,7 +334,7 @@ def test_a_failing_process_ends_the_job(job, tmp_path):
     j.assert_no_orphans(pids)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="auto takes the thread loader on 1 core")
+@SPARE_CORE
 def test_a_killed_process_takes_its_loader_workers_with_it(job, tmp_path):
     j, pids = long_job(job, tmp_path, nodes=1)  # 1 process on 2 cores: worker processes
     victim = pids[1]
