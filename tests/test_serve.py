@@ -7,6 +7,7 @@ client would send.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -80,14 +81,14 @@ def tree(tmp_path):
     return make_tree(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One server over a tree that no test changes: (root, base URL)."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-process", "2-workers"])
+def served(request, tmp_path_factory):
+    """One server over a tree that no test changes: (root, base URL); every test that
+    uses it runs against one process and against two workers on one port."""
     root = make_tree(tmp_path_factory.mktemp("served"))
     port_file = root.parent / "port"
-    proc = subprocess.Popen(
-        serve_cmd(root, "--port-file", str(port_file)), env=repo_env(), stderr=subprocess.PIPE
-    )
+    cmd = serve_cmd(root, "--port-file", str(port_file), "--workers", str(request.param))
+    proc = subprocess.Popen(cmd, env=repo_env(), stderr=subprocess.PIPE)
     try:
         yield root, f"http://127.0.0.1:{wait_for_file(port_file, proc)}/"
     finally:
@@ -231,3 +232,147 @@ def test_refuses_a_missing_directory(tmp_path):
     )
     assert r.returncode == 2
     assert "not a directory" in r.stderr
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def sockets_of(pid: int) -> set[int]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    return inodes
+
+
+@pytest.fixture
+def workers(tree, tmp_path):
+    """Start a 3-worker server: (supervisor Popen, base URL, worker pids)."""
+    started = []
+
+    def start(n: int = 3) -> tuple[subprocess.Popen, str, list[int]]:
+        port_file = tmp_path / f"port-{len(started)}"
+        cmd = serve_cmd(tree, "--port-file", str(port_file), "--workers", str(n))
+        proc = subprocess.Popen(cmd, env=repo_env(), stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        base = f"http://127.0.0.1:{wait_for_file(port_file, proc)}/"
+        deadline = time.monotonic() + 30
+        while len(pids := children(proc.pid)) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids) == n, f"{len(pids)} of {n} workers"
+        return proc, base, pids
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_workers_share_one_port_and_the_kernel_spreads_connections(workers):
+    _proc, base, pids = workers(3)
+    host, port = base.split("//")[1].rstrip("/").split(":")
+    conns = [socket.create_connection((host, int(port)), timeout=10) for _ in range(30)]
+    try:
+        for c in conns:  # each held open, after one answered request
+            c.sendall(b"GET /sub/a.bin HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(bytes(range(256))):
+                answer += c.recv(65536)
+        mine = {os.fstat(c.fileno()).st_ino for c in conns}
+        assert len(mine) == 30
+        held = [len(sockets_of(pid)) for pid in pids]  # its listening socket + connections
+        # 30 connections hashed over 3 sockets: all on one worker has odds of 3 ** -29
+        assert sum(h > 1 for h in held) >= 2, held
+        assert sum(held) >= 30 + 3, held
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_a_port_held_by_another_reuseport_socket_is_an_error(tree):
+    # A socket of this very user with SO_REUSEPORT: the workers could join its group
+    # and share its connections; the server must refuse the port instead.
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        r = subprocess.run(
+            serve_cmd(tree, "--port", str(taken), "--workers", "2"),
+            env=repo_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 2
+    assert f"port {taken} on 127.0.0.1 is in use" in r.stderr
+
+
+def test_sigterm_stops_the_supervisor_and_every_worker(workers):
+    proc, base, pids = workers(3)
+    assert get(base + "sub/a.bin") == (200, bytes(range(256)))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    assert wait_gone(pids) == []
+
+
+def test_a_killed_worker_stops_the_server_with_an_error(workers):
+    proc, _base, pids = workers(3)
+    os.kill(pids[1], signal.SIGKILL)
+    assert proc.wait(timeout=15) == 1
+    assert f"worker {pids[1]} was killed by SIGKILL" in proc.stderr.read()
+    assert wait_gone(pids) == []
+
+
+def test_workers_die_with_a_killed_supervisor(workers):
+    proc, _base, pids = workers(2)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_gone(pids) == []
+
+
+def test_workers_below_one_are_refused(tree):
+    r = subprocess.run(
+        serve_cmd(tree, "--workers", "0"),
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert "--workers must be at least 1, not 0" in r.stderr
