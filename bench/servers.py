@@ -102,7 +102,7 @@ class Server:
         if self.kind == "nginx":
             version = subprocess.run([self._nginx, "-v"], capture_output=True, text=True)
             return f"nginx {version.stderr.strip().split('/')[-1]}, {self.workers} worker(s)"
-        return "python -m distlearn.dataset.serve, 1 process"
+        return f"python -m distlearn.dataset.serve, {self.workers} process(es)"
 
     def start(self) -> Server:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-server-")
@@ -172,6 +172,8 @@ class Server:
                 str(self.root),
                 "--port-file",
                 str(port_file),
+                "--workers",
+                str(self.workers),
             ],
             env=env,
             stdout=subprocess.DEVNULL,

@@ -1,16 +1,19 @@
 """Serving rows: `distlearn.dataset.serve` against nginx, the static server it stands in for.
 
     python -m bench.serving [--reps 3] [--requests 40000] [--no-training]
+                            [--servers serve nginx] [--clients 2]
 
-Two measures, the servers alternating within each repetition:
+Two measures, the servers alternating within each repetition (`serve@4`: serve
+with 4 worker processes; `nginx@4`: 4 nginx workers):
 
-1. requests: 2 client processes (aiohttp, 16 keep-alive requests in flight each)
+1. requests: `--clients` processes (aiohttp, 16 keep-alive requests in flight each)
    fetch the MNIST training PNGs of examples/data/mnist until `--requests` in
    all; per server, requests/s and the server's own CPU per request (user+sys
    of its processes over the run, from /proc). CPU per request is the figure
    that matters on a shared host: it is taken from the training processes.
 2. training: one epoch of examples/mnist.py with 4 processes, as mnist.sh runs
-   it (`examples/launch.py --server nginx|serve`): items/s of the training job.
+   it (`examples/launch.py --server nginx|serve`, `--server-workers` for serve@N):
+   items/s of the training job.
 
 Writes bench/RESULTS-serving.md (or --out) and prints the table.
 """
@@ -33,7 +36,7 @@ from bench.servers import Server, find_nginx
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "examples" / "data" / "mnist"
-CLIENTS, IN_FLIGHT = 2, 16
+IN_FLIGHT = 16
 
 
 async def _fetch_all(base: str, paths: list[str]) -> int:
@@ -62,10 +65,10 @@ def client_main(base: str, paths_file: str) -> None:
     asyncio.run(_fetch_all(base, paths))
 
 
-def requests_row(server: Server, files: list[str], n: int) -> dict:
-    """`n` requests from CLIENTS processes; requests/s and server CPU us per request."""
-    per_client = [[files[(i * CLIENTS + c) % len(files)] for i in range(n // CLIENTS)]
-                  for c in range(CLIENTS)]  # fmt: skip
+def requests_row(server: Server, files: list[str], n: int, clients: int) -> dict:
+    """`n` requests from `clients` processes; requests/s and server CPU us per request."""
+    per_client = [[files[(i * clients + c) % len(files)] for i in range(n // clients)]
+                  for c in range(clients)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         lists = []
         for c, paths in enumerate(per_client):
@@ -84,12 +87,14 @@ def requests_row(server: Server, files: list[str], n: int) -> dict:
     return {"requests_per_s": done / wall, "server_cpu_us": 1e6 * cpu / done}
 
 
-def training_row(kind: str, timeout: float = 900) -> dict:
+def training_row(kind: str, workers: int, timeout: float = 900) -> dict:
     """One epoch of mnist.py, 4 processes, served by `kind`: the job's items/s."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(REPO / "examples" / "launch.py"), "--script",
                str(REPO / "examples" / "mnist.py"), "--server", kind, "--epochs", "1",
                "--output", tmp]  # fmt: skip
+        if kind == "serve":
+            cmd += ["--server-workers", str(workers)]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)  # fmt: skip
         try:
@@ -102,6 +107,19 @@ def training_row(kind: str, timeout: float = 900) -> dict:
         return {"items_per_s": epoch["items_per_s"], "test_accuracy": epoch["test_accuracy"]}
 
 
+def parse_spec(spec: str) -> tuple[str, int]:
+    kind, _, n = spec.partition("@")
+    return kind, int(n or 1)
+
+
+def server_spec(spec: str) -> str:
+    """`serve`, `nginx`, or either with `@N` processes (N >= 1); argparse's type check."""
+    kind, _, n = spec.partition("@")
+    if kind not in ("serve", "nginx") or (n and (not n.isdigit() or int(n) < 1)):
+        raise argparse.ArgumentTypeError(f"{spec!r}: serve or nginx, with @N (N >= 1) or not")
+    return spec
+
+
 def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):,.0f} ({min(xs):,.0f}-{max(xs):,.0f})"
 
@@ -112,53 +130,66 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=40000)
     p.add_argument("--no-training", action="store_true", help="only the requests rows")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-serving.md")
+    p.add_argument("--servers", nargs="+", default=["serve", "nginx"], type=server_spec,
+                   help="serve or nginx, @N for N processes (default: serve nginx)")  # fmt: skip
+    p.add_argument("--clients", type=int, default=2, help="client processes (default 2)")
     args = p.parse_args(argv)
-    if not find_nginx():
+    if args.clients < 1:
+        p.error("--clients must be at least 1")
+    if not args.no_training and any(
+        k.startswith("nginx@") and k != "nginx@1" for k in args.servers
+    ):
+        p.error("nginx@N: the training row's nginx (examples/launch.py) has one worker; "
+                "add --no-training")  # fmt: skip
+    if any(k.startswith("nginx") for k in args.servers) and not find_nginx():
         raise SystemExit("nginx is not installed (apt-get install nginx): nothing to compare")
     if not (DATA / "train.csv").exists():
         subprocess.run([sys.executable, str(REPO / "examples" / "prepare_mnist.py")], check=True)
     files = [line.split(",")[0] for line in (DATA / "train.csv").read_text().split()[1:]]
-    kinds = ["serve", "nginx"]
+    kinds = args.servers
     res: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
     for rep in range(args.reps):
-        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
-            with Server(DATA, kind=kind) as server:
-                row = requests_row(server, files, args.requests)
+        for spec in kinds if rep % 2 == 0 else kinds[::-1]:
+            kind, workers = parse_spec(spec)
+            with Server(DATA, kind=kind, workers=workers) as server:
+                row = requests_row(server, files, args.requests, args.clients)
             if not args.no_training:
-                row.update(training_row(kind))
+                row.update(training_row(kind, workers))
             for k, v in row.items():
-                res[kind].setdefault(k, []).append(v)
-            print(f"rep {rep + 1} {kind:>5}: " + ", ".join(f"{k} {v:,.3f}" for k, v in row.items()),
+                res[spec].setdefault(k, []).append(v)
+            print(f"rep {rep + 1} {spec:>7}: " + ", ".join(f"{k} {v:,.3f}" for k, v in row.items()),
                   flush=True)  # fmt: skip
     lines = [
         "# Serving: distlearn.dataset.serve vs nginx",
         "",
-        f"`python -m bench.serving --reps {args.reps} --requests {args.requests}`"
+        f"`python -m bench.serving --reps {args.reps} --requests {args.requests} --servers "
+        f"{' '.join(kinds)} --clients {args.clients}`"
         + (" --no-training" if args.no_training else "")
         + "; medians (min-max) of "
-        f"{args.reps} repetitions, servers alternating. Requests: {CLIENTS} aiohttp client "
+        f"{args.reps} repetitions, servers alternating. Requests: {args.clients} aiohttp client "
         f"processes, {IN_FLIGHT} keep-alive requests in flight each, over the 60,000 MNIST "
         "training PNGs (about 300 bytes each). Training: one epoch of examples/mnist.py, "
         "4 processes, served by each.",
         "",
-        "| server | requests/s | server CPU per request (us) | training items/s (4 processes) |",
-        "|---|---|---|---|",
+        "| server | processes | requests/s | server CPU per request (us) "
+        "| training items/s (4 processes) |",
+        "|---|---:|---|---|---|",
     ]
-    for kind in kinds:
-        r = res[kind]
+    for spec in kinds:
+        r = res[spec]
+        kind, workers = parse_spec(spec)
         train = med(r["items_per_s"]) if "items_per_s" in r else "not run"
         name = "nginx" if kind == "nginx" else "distlearn.dataset.serve"
-        lines.append(f"| {name} | {med(r['requests_per_s'])} | {med(r['server_cpu_us'])} | "
-                     f"{train} |")  # fmt: skip
-    ratio = [a / b for a, b in zip(res["serve"]["server_cpu_us"], res["nginx"]["server_cpu_us"],
-                                   strict=True)]  # fmt: skip
-    lines += ["", "CPU per request, serve / nginx, per repetition: "
-              + ", ".join(f"{x:.2f}x" for x in ratio) + "."]  # fmt: skip
-    if "items_per_s" in res["serve"]:
-        tr = [a / b for a, b in zip(res["serve"]["items_per_s"], res["nginx"]["items_per_s"],
-                                    strict=True)]  # fmt: skip
-        lines.append("Training items/s, serve / nginx, per repetition: "
-                     + ", ".join(f"{x:.2f}x" for x in tr) + ".")  # fmt: skip
+        lines.append(f"| {name} | {workers} | {med(r['requests_per_s'])} | "
+                     f"{med(r['server_cpu_us'])} | {train} |")  # fmt: skip
+    base = kinds[0]
+    for spec in kinds[1:]:
+        for key, what in (("requests_per_s", "requests/s"), ("server_cpu_us", "CPU per request"),
+                          ("items_per_s", "training items/s")):  # fmt: skip
+            if key in res[base]:
+                ratio = [a / b for a, b in zip(res[base][key], res[spec][key], strict=True)]
+                lines.append(f"{what}, {base} / {spec}, per repetition: "
+                             + ", ".join(f"{x:.2f}x" for x in ratio) + ".")  # fmt: skip
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
     print(text)

@@ -353,22 +353,38 @@ def test_a_killed_process_takes_its_loader_workers_with_it(job, tmp_path):
 NGINX = pytest.mark.skipif(not shutil.which("nginx"), reason="nginx is not installed")
 
 
-@pytest.mark.parametrize("kind", [pytest.param("nginx", marks=NGINX), "serve"])
-def test_server_serves_and_stops(kind, tmp_path):
+def children_of(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "workers"), [pytest.param("nginx", 0, marks=NGINX), ("serve", 1), ("serve", 2)]
+)
+def test_server_serves_and_stops(kind, workers, tmp_path):
     """Either server answers with the right bytes, refuses a busy explicit port with an
-    error naming it, and leaves no process behind."""
+    error naming it, and leaves no process behind (serve's workers included)."""
     sys.path.insert(0, str(EXAMPLES))
     import launch
 
     (tmp_path / "train.csv").write_text("filename,label\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.png").write_bytes(b"\x89PNG" + bytes(range(256)) * 10)
-    first = launch.Server(tmp_path, kind)
+    first = launch.Server(tmp_path, kind, workers=workers)
+    forked = []
     try:
         base = first.start()
-        with urllib.request.urlopen(base + "sub/a.png") as r:
-            assert r.read() == (tmp_path / "sub" / "a.png").read_bytes()
-        second = launch.Server(tmp_path, kind, port=first.port)  # busy
+        for _ in range(4):  # new connections, spread over the workers
+            with urllib.request.urlopen(base + "sub/a.png") as r:
+                assert r.read() == (tmp_path / "sub" / "a.png").read_bytes()
+        if kind == "serve":
+            forked = children_of(first.proc.pid)
+            assert len(forked) == (workers if workers > 1 else 0)
+        second = launch.Server(tmp_path, kind, port=first.port, workers=workers)  # busy
         with pytest.raises(RuntimeError, match=f"port {first.port} on 127.0.0.1 is in use"):
             second.start()
         second.stop()
@@ -376,6 +392,32 @@ def test_server_serves_and_stops(kind, tmp_path):
         proc = first.proc
         first.stop()
     assert proc.poll() is not None
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in forked):
+        time.sleep(0.05)
+    assert not [p for p in forked if Path(f"/proc/{p}").exists()]
+
+
+def test_server_processes_follow_the_cores_and_are_checked():
+    sys.path.insert(0, str(EXAMPLES))
+    import launch
+
+    assert [launch.server_workers(c) for c in (1, 2, 4, 7, 8, 16, 64, 256)] == [
+        1, 1, 1, 1, 2, 4, 8, 8
+    ]  # fmt: skip
+    for args, why in [
+        (
+            ["--server-workers", "-1"],
+            "--server-workers must be at least 1 (0: the default), not -1",
+        ),
+        (["--server", "nginx", "--server-workers", "2"], "--server-workers is for --server serve"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, str(EXAMPLES / "launch.py"), "--script", "examples/mnist.py", *args],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert why in r.stderr
 
 
 @pytest.mark.slow
