@@ -6,7 +6,9 @@
 Each job starts N processes on this machine over one gloo process group. Each holds
 two communicators: `TorchDistributed(gather_bytes=0)` (every all-reduce on the
 process group's all-reduce, as DDP's buckets travel) and one whose bound admits every
-size measured (gather at node 0, reduce there, broadcast). For each size, float32
+size measured (gather at node 0, reduce there, broadcast), made to take that path
+whatever the host's cores (TorchDistributed takes it by itself only where the nodes
+outnumber half the cores). For each size, float32
 sum, the two take turns in blocks of all-reduces, each block after a barrier; a
 figure is rank 0's median time per all-reduce over the blocks, and the ratio is
 root/ring (below 1.00x the root is faster). The all-reduce is the user's call,
@@ -54,6 +56,10 @@ def _worker(
         "ring": TorchDistributed(gather_bytes=0),
         "root": TorchDistributed(gather_bytes=largest),
     }
+    # The root path whatever TorchDistributed would pick on this host's cores (it
+    # takes it only where the nodes outnumber half the cores): that is what is measured.
+    comms["root"]._agree()  # (collective: every rank calls it once)
+    comms["root"]._root_path = True
     rows = []
     for kib in a.sizes_kib:
         x = torch.ones(kib * 1024 // 4)

@@ -148,6 +148,10 @@ def reduce_at_root(comm, cfg) -> dict:
         return taken
 
     dist.gather = counted_gather
+    # Nodes that outnumber half the cores, whatever this host has (the rule's other
+    # side is tried below).
+    real_cores = torch_distributed._cores
+    torch_distributed._cores = lambda: 1
     out = {}
     try:
         for way, options in (("root", {}), ("ring", {"gather_bytes": 0})):
@@ -175,10 +179,21 @@ def reduce_at_root(comm, cfg) -> dict:
             c.all_reduce(x)
             c.all_reduce(x)
             out["machines"] = x
-            out["machines.one"] = c._one_machine
+            out["machines.one"] = c._root_path
             out["machines.calls"] = took()
         finally:
             torch_distributed._machine_id = real
+        # A core for each thread of every node: the ring. The fewest cores count, so
+        # every node decides alike when they see different counts.
+        for name, cores in (("cores.many", 2 * n), ("cores.fewest", 64 if r == 0 else 1)):
+            torch_distributed._cores = lambda cores=cores: cores
+            c = make()
+            x = torch.full((4,), r + 1.0)
+            c.all_reduce(x)
+            out[name] = c._root_path
+            out[f"{name}.value"] = x
+            out[f"{name}.calls"] = took()
+        torch_distributed._cores = lambda: 1
         if n > 1:  # nodes given different bounds: a clear error on every node, not a hang
             try:
                 make(gather_bytes=0 if r % 2 else 1 << 20).all_reduce(torch.ones(2))
@@ -199,6 +214,7 @@ def reduce_at_root(comm, cfg) -> dict:
                 out["group"] = x
                 out["group.calls"] = took()
     finally:
+        torch_distributed._cores = real_cores
         dist.gather = gather
     comm.barrier()
     return out

@@ -301,6 +301,13 @@ def test_small_all_reduce_at_the_root(run, num_nodes):
             assert res["machines.one"] is False
             assert res["machines.calls"] == {"gather": 0, "allreduce": 2}
             assert_same(res["machines"], torch.full((4,), float(total * n)))
+            # a core for each of the nodes' threads: the ring; the fewest cores decide
+            assert res["cores.many"] is False
+            assert res["cores.many.calls"] == {"gather": 0, "allreduce": 1}
+            assert res["cores.fewest"] is True
+            assert res["cores.fewest.calls"] == {"gather": 1, "allreduce": 0}
+            for name in ("cores.many", "cores.fewest"):
+                assert_same(res[f"{name}.value"], torch.full((4,), float(total)))
             values = ", ".join(f"{i}: {0 if i % 2 else 1 << 20}" for i in range(n))
             assert "gather_bytes differs between nodes" in res["differ"], res["differ"]
             assert values in res["differ"]

@@ -26,6 +26,14 @@ def _machine_id() -> int:
     return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little", signed=True)
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity, as taskset or a cgroup set it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 class TorchDistributed(FlatCommunicator):
     """`torch.distributed` (gloo for CPU tensors, NCCL for CUDA tensors) as a communicator.
 
@@ -35,18 +43,22 @@ class TorchDistributed(FlatCommunicator):
     `async_op=True` underneath). `group` defaults to the world group. Node 0 is the
     group's rank 0.
 
-    `gather_bytes`: when every node is on one machine, an all-reduce of a CPU buffer
-    whose copies from the other nodes come to at most this many bytes (size x (nodes -
-    1)) is reduced at node 0 instead: gather, sum, broadcast. That is two steps where
-    the process group's ring takes 2 x (nodes - 1), and between processes of one
-    machine the steps cost more than the bytes: within the bound gloo's ring took
-    1.3-6.7x as long on 2-8 processes (bench/RESULTS-gloo-root.md). It runs in the
-    calling thread, so it does not overlap with the caller even with `async_op=True`.
-    Between machines the ring stays: there node 0's link, which carries (nodes - 1) x
-    size each way where the ring sends 2 x size from each node, is what costs.
-    Whether the nodes share a machine is asked once, in the first all-reduce of a CPU
-    buffer, which also checks that every node was given the same `gather_bytes`
-    (ValueError on every node if not). `0` turns it off.
+    `gather_bytes`: when every node is on one machine and the nodes outnumber half its
+    cores (a node in a collective keeps two threads busy, its caller and gloo's), an
+    all-reduce of a CPU buffer whose copies from the other nodes come to at most this
+    many bytes (size x (nodes - 1)) is reduced at node 0 instead: gather, sum,
+    broadcast. That is two steps where the process group's ring takes 2 x (nodes - 1),
+    and where the nodes take turns on the cores each step waits for one: within the
+    bound gloo's ring took 1.3-6.7x as long on 2-8 processes on 2 cores
+    (bench/RESULTS-gloo-root.md). With a core for each thread the ring's steps are
+    cheap and it wins: the root took 1.05-2.7x as long on 2 and 4 processes on 16
+    cores. It runs in the calling thread, so it does not overlap with the caller even
+    with `async_op=True`. Between machines the ring stays: there node 0's link, which
+    carries (nodes - 1) x size each way where the ring sends 2 x size from each node,
+    is what costs. Whether the root applies (one machine, and its cores: the fewest
+    any node may run on) is asked once, in the first all-reduce of a CPU buffer, which
+    also checks that every node was given the same `gather_bytes` (ValueError on every
+    node if not). `0` turns it off.
     """
 
     def __init__(
@@ -75,7 +87,7 @@ class TorchDistributed(FlatCommunicator):
             opts.asyncOp = True
             self._async_opts[name] = opts
         self.gather_bytes = gather_bytes
-        self._one_machine: bool | None = None  # asked on first need (see _agree)
+        self._root_path: bool | None = None  # asked on first need (see _agree)
 
     @classmethod
     def from_env(cls, backend: str | None = None, **options) -> TorchDistributed:
@@ -106,19 +118,21 @@ class TorchDistributed(FlatCommunicator):
         found out in the first all-reduce of a CPU buffer)."""
         if self.num_nodes == 1 or buf.device.type != "cpu":
             return False
-        if self._one_machine is None:
-            self._one_machine = self._agree()
+        if self._root_path is None:
+            self._root_path = self._agree()
         return (
-            self._one_machine
+            self._root_path
             and buf.dtype != torch.bool
             and buf.numel() * buf.element_size() * (self.num_nodes - 1) <= self.gather_bytes
         )
 
     def _agree(self) -> bool:
-        """Whether every node is on this machine; and that every node has the same
-        `gather_bytes`, since one that reduced at the root while another took the ring
-        would meet it in the wrong collective. Every node raises alike if not."""
-        mine = torch.tensor([_machine_id(), self.gather_bytes], dtype=torch.int64)
+        """Whether small all-reduces go to the root: every node on this machine, and more
+        than half as many nodes as the cores the fewest-cored node may run on. Also
+        that every node has the same `gather_bytes`, since one that reduced at the root
+        while another took the ring would meet it in the wrong collective. Every node
+        raises alike if not, and every node decides alike from the gathered values."""
+        mine = torch.tensor([_machine_id(), self.gather_bytes, _cores()], dtype=torch.int64)
         nodes = [torch.empty_like(mine) for _ in range(self.num_nodes)]
         dist.all_gather(nodes, mine, group=self.group)
         sizes = [int(n[1]) for n in nodes]
@@ -128,7 +142,8 @@ class TorchDistributed(FlatCommunicator):
                 + ", ".join(f"{i}: {v}" for i, v in enumerate(sizes))
                 + "; give every node the same"
             )
-        return all(int(n[0]) == int(nodes[0][0]) for n in nodes)
+        one_machine = all(int(n[0]) == int(nodes[0][0]) for n in nodes)
+        return one_machine and 2 * self.num_nodes > min(int(n[2]) for n in nodes)
 
     def _reduce_at_root(self, buf: torch.Tensor, op: str) -> None:
         """Gather every node's `buf` at node 0, reduce there in node order, broadcast."""
