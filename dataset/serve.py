@@ -539,12 +539,15 @@ def write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)  # readers never see a half-written port
 
 
-async def _run(args: argparse.Namespace, sock: socket.socket, port_file: bool = True) -> None:
+async def _run(args: argparse.Namespace, sock: socket.socket, worker: bool = False) -> None:
     server = Server(args.root, sock, args.head_timeout, args.idle_timeout)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # A worker stops on its supervisor's SIGTERM only: Ctrl-C reaches the whole
+    # process group, and the supervisor must not mistake a worker that ended on it
+    # for one that died.
+    for sig in (signal.SIGTERM,) if worker else (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
-    if port_file and args.port_file:  # the socket listens: early clients wait in its backlog
+    if not worker and args.port_file:  # the socket listens: early clients wait in its backlog
         write_port_file(args.port_file, server.port)
     await server.serve()
 
@@ -570,12 +573,12 @@ def _worker(args: argparse.Namespace, socks: list[socket.socket], mine: int, par
     """A forked worker process: serve on `socks[mine]` until SIGTERM. Never returns."""
     code = 1
     try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # (the loop installs its own)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (see _run)
         _die_with(parent)
         for i, sock in enumerate(socks):
             if i != mine:
                 sock.close()
-        asyncio.run(_run(args, socks[mine], port_file=False))
+        asyncio.run(_run(args, socks[mine], worker=True))
         code = 0
     except BaseException:  # a worker reports and exits, whatever happened
         log.exception("worker %d failed", os.getpid())

@@ -6,6 +6,7 @@ client would send.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -349,6 +350,34 @@ def test_sigterm_stops_the_supervisor_and_every_worker(workers):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     assert wait_gone(pids) == []
+
+
+def test_ctrl_c_stops_the_server_cleanly(tree, tmp_path):
+    # A terminal's Ctrl-C: SIGINT to every process of the group, workers included.
+    port_file = tmp_path / "port"
+    cmd = serve_cmd(tree, "--port-file", str(port_file), "--workers", "3")
+    proc = subprocess.Popen(
+        cmd, env=repo_env(), stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        wait_for_file(port_file, proc)
+        deadline = time.monotonic() + 30
+        while len(pids := children(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Workers leave SIGINT to the supervisor, however the signals land in time:
+        # one that ended on it first would look like a worker that died.
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None and all(alive(pid) for pid in pids)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=15) == 0, proc.stderr.read()
+        assert "stopping the others" not in proc.stderr.read()
+        assert wait_gone(pids) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_a_killed_worker_stops_the_server_with_an_error(workers):
