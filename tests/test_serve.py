@@ -344,6 +344,26 @@ def test_a_port_held_by_another_reuseport_socket_is_an_error(tree):
     assert f"port {taken} on 127.0.0.1 is in use" in r.stderr
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_cannot_join_the_workers_port(workers):
+    # SO_REUSEPORT groups are per user: a process of another user that asks for the
+    # port with SO_REUSEPORT must be refused, not handed a share of the connections.
+    _proc, base, _pids = workers(2)
+    port = int(base.rsplit(":", 1)[1].rstrip("/"))
+    attempt = (
+        "import os, socket\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+        "try:\n"
+        f"    s.bind(('127.0.0.1', {port})); s.listen(); print('joined')\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", attempt], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "refused 98", r.stdout + r.stderr  # EADDRINUSE
+    assert get(base + "sub/a.bin") == (200, bytes(range(256)))
+
+
 def test_sigterm_stops_the_supervisor_and_every_worker(workers):
     proc, base, pids = workers(3)
     assert get(base + "sub/a.bin") == (200, bytes(range(256)))
