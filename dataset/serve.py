@@ -16,12 +16,13 @@ CPU per request (nginx: 46 us), taking the cores from training. This is one
 asyncio.Protocol with a total, size-bounded request parser, an in-memory cache
 of small files and sendfile for large ones.
 
-One process answers about 8,000-13,000 small files a second; `--workers N`
-(Linux) serves from N processes, each with its own socket on the same port
-(SO_REUSEPORT: the kernel spreads connections over them, and only sockets of
-this user can join the port) and its own cache, under a process that
-supervises them: a worker that dies stops the server with an error, SIGINT or
-SIGTERM stops them all, and the workers die with the supervisor.
+One process answered 23,000 small files a second on a 16-core host, 4 processes
+40,000 (bench/RESULTS-serving.md). `--workers N` (Linux) serves from N processes,
+each with its own socket on the same port (SO_REUSEPORT: the kernel spreads
+connections over them, and only sockets of this user can join the port) and its
+own cache, under a process that supervises them: a worker that dies stops the
+server with an error, SIGINT or SIGTERM stops them all, and the workers die with
+the supervisor.
 
 What it refuses: anything not below DIR and any symbolic link on the way
 (opened with openat2's RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, or a component
@@ -48,6 +49,7 @@ import stat
 import sys
 import time
 from email.utils import formatdate
+from typing import NoReturn
 from urllib.parse import unquote_to_bytes
 
 log = logging.getLogger(__name__)
@@ -569,7 +571,9 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
-def _worker(args: argparse.Namespace, socks: list[socket.socket], mine: int, parent: int) -> int:
+def _worker(
+    args: argparse.Namespace, socks: list[socket.socket], mine: int, parent: int
+) -> NoReturn:
     """A forked worker process: serve on `socks[mine]` until SIGTERM. Never returns."""
     code = 1
     try:
@@ -637,7 +641,8 @@ def _stop_workers(pids: list[int], grace: float = 5.0) -> None:
             continue
         if time.monotonic() > deadline:
             for pid in pids:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
             return
         time.sleep(0.02)

@@ -112,11 +112,12 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = GRACE_S) -> Non
 def server_workers(cores: int) -> int:
     """How many processes distlearn.dataset.serve runs on a host with `cores` cores.
 
-    One process answers 8,000-13,000 small files a second, and on 16 cores that set
-    the pace of the MNIST example's 4 processes (a quarter of their epoch went to
-    loading). One for every 4 cores, at most 8; on 2 cores one, as the training
-    processes take both cores anyway. nginx keeps its one worker (about 30,000
-    files a second)."""
+    Beside the MNIST example's 4 training processes on 16 cores one process held them
+    back (20-32% of their epoch went to loading); with 4 they trained 1.12-1.29x
+    faster, loading 14-16% (bench/RESULTS-training.md). One for every 4 cores, at
+    most 8; on 2 cores one, as the training processes take both cores anyway and a
+    second process costs more CPU a file. nginx keeps its one worker (34-55 us of
+    CPU a file against serve's 36-120, bench/RESULTS-serving.md)."""
     return max(1, min(8, cores // 4))
 
 
@@ -146,7 +147,8 @@ class Server:
         self.kind = kind
         self.url = f"http://127.0.0.1:{self.port}/"
         self._wait_ready()
-        how = f"{kind}, {self.workers} processes" if kind == "serve" else kind
+        n = self.workers
+        how = f"{kind}, {n} process{'es' if n > 1 else ''}" if kind == "serve" else kind
         log.info("serving %s at %s (%s, pid %d)", self.root, self.url, how, self.proc.pid)
         return self.url
 
