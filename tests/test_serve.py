@@ -207,13 +207,22 @@ def test_a_client_gone_mid_file_leaves_the_server_serving(served):
     assert get(base + "big.bin")[1] == (tree / "big.bin").read_bytes()
 
 
-def test_a_busy_explicit_port_is_an_error(tree):
+@pytest.mark.parametrize(
+    ("reuse_port", "workers"),
+    [(False, 1), (False, 2), (True, 1), (True, 2)],
+    ids=["plain-1-process", "plain-2-workers", "reuseport-1-process", "reuseport-2-workers"],
+)
+def test_a_busy_explicit_port_is_an_error(tree, reuse_port, workers):
+    # A socket of this very user with SO_REUSEPORT: workers could join its group and
+    # share its connections; the server must refuse the port instead.
     with socket.socket() as busy:
+        if reuse_port:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = busy.getsockname()[1]
         r = subprocess.run(
-            serve_cmd(tree, "--port", str(taken)),
+            serve_cmd(tree, "--port", str(taken), "--workers", str(workers)),
             env=repo_env(),
             capture_output=True,
             text=True,
@@ -223,16 +232,24 @@ def test_a_busy_explicit_port_is_an_error(tree):
     assert f"port {taken} on 127.0.0.1 is in use" in r.stderr
 
 
-def test_refuses_a_missing_directory(tmp_path):
+@pytest.mark.parametrize(
+    ("below", "args", "why"),
+    [
+        ("does-not-exist", [], "not a directory"),
+        ("", ["--workers", "0"], "--workers must be at least 1, not 0"),
+    ],
+    ids=["a-missing-directory", "workers-below-one"],
+)
+def test_refuses_bad_arguments_before_serving(tree, below, args, why):
     r = subprocess.run(
-        serve_cmd(tmp_path / "does-not-exist"),
+        serve_cmd(tree / below, *args),
         env=repo_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 2
-    assert "not a directory" in r.stderr
+    assert why in r.stderr
 
 
 # ----------------------------------------------------------------------------- workers
@@ -325,25 +342,6 @@ def test_workers_share_one_port_and_the_kernel_spreads_connections(workers):
             c.close()
 
 
-def test_a_port_held_by_another_reuseport_socket_is_an_error(tree):
-    # A socket of this very user with SO_REUSEPORT: the workers could join its group
-    # and share its connections; the server must refuse the port instead.
-    with socket.socket() as other:
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        other.bind(("127.0.0.1", 0))
-        other.listen()
-        taken = other.getsockname()[1]
-        r = subprocess.run(
-            serve_cmd(tree, "--port", str(taken), "--workers", "2"),
-            env=repo_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert r.returncode == 2
-    assert f"port {taken} on 127.0.0.1 is in use" in r.stderr
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_another_user_cannot_join_the_workers_port(workers):
     # SO_REUSEPORT groups are per user: a process of another user that asks for the
@@ -413,15 +411,3 @@ def test_workers_die_with_a_killed_supervisor(workers):
     proc.kill()
     proc.wait(timeout=10)
     assert wait_gone(pids) == []
-
-
-def test_workers_below_one_are_refused(tree):
-    r = subprocess.run(
-        serve_cmd(tree, "--workers", "0"),
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 2
-    assert "--workers must be at least 1, not 0" in r.stderr
