@@ -28,6 +28,21 @@ def repo_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
 def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> str:
     """Wait until `proc` writes `path`; fail fast if it dies first."""
     deadline = time.monotonic() + timeout

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, repo_env
+from conftest import REPO, children, repo_env
 
 EXAMPLES = REPO / "examples"
 QUICK_DATA = EXAMPLES / "data" / "mnist-quick"
@@ -353,15 +353,6 @@ def test_a_killed_process_takes_its_loader_workers_with_it(job, tmp_path):
 NGINX = pytest.mark.skipif(not shutil.which("nginx"), reason="nginx is not installed")
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-    return out
-
-
 @pytest.mark.parametrize(
     ("kind", "workers"), [pytest.param("nginx", 0, marks=NGINX), ("serve", 1), ("serve", 2)]
 )
@@ -382,7 +373,7 @@ def test_server_serves_and_stops(kind, workers, tmp_path):
             with urllib.request.urlopen(base + "sub/a.png") as r:
                 assert r.read() == (tmp_path / "sub" / "a.png").read_bytes()
         if kind == "serve":
-            forked = children_of(first.proc.pid)
+            forked = children(first.proc.pid)
             assert len(forked) == (workers if workers > 1 else 0)
         second = launch.Server(tmp_path, kind, port=first.port, workers=workers)  # busy
         with pytest.raises(RuntimeError, match=f"port {first.port} on 127.0.0.1 is in use"):

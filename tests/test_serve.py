@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import repo_env, wait_for_file
+from tests.conftest import children, repo_env, wait_for_file
 
 
 def get(url: str, headers: dict | None = None, method: str = "GET") -> tuple[int, bytes]:
@@ -253,21 +253,6 @@ def test_refuses_bad_arguments_before_serving(tree, below, args, why):
 
 
 # ----------------------------------------------------------------------------- workers
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                out.append(int(entry))
-    return out
 
 
 def alive(pid: int) -> bool:
