@@ -108,15 +108,16 @@ def training_row(kind: str, workers: int, timeout: float = 900) -> dict:
 
 
 def parse_spec(spec: str) -> tuple[str, int]:
+    """`serve`, `nginx`, or either with `@N` processes (N >= 1): (kind, N)."""
     kind, _, n = spec.partition("@")
+    if kind not in ("serve", "nginx") or (n and (not n.isdigit() or int(n) < 1)):
+        raise argparse.ArgumentTypeError(f"{spec!r}: serve or nginx, with @N (N >= 1) or not")
     return kind, int(n or 1)
 
 
 def server_spec(spec: str) -> str:
-    """`serve`, `nginx`, or either with `@N` processes (N >= 1); argparse's type check."""
-    kind, _, n = spec.partition("@")
-    if kind not in ("serve", "nginx") or (n and (not n.isdigit() or int(n) < 1)):
-        raise argparse.ArgumentTypeError(f"{spec!r}: serve or nginx, with @N (N >= 1) or not")
+    """argparse's check of a --servers entry; the entry itself names its rows."""
+    parse_spec(spec)
     return spec
 
 
