@@ -40,6 +40,13 @@ QUICK_TRAIN_ITEMS = 4000  # --quick: items per epoch over all nodes
 QUICK_TEST_ITEMS = 2000
 # The training set's pixel mean and standard deviation: centred inputs suit tanh units.
 MEAN, STD = 0.1307, 0.3081
+# Training batches in flight per process. The Dataset's own default (2, and 2 per
+# loader process) covers a few steps; this model's step is 7-9 ms on 16 cores, where
+# 1 step in 100 waited 6-11 ms or more for its batch (up to 173 ms), and the 3 other
+# ranks waited for that one (12-18 points of the epoch). 16 (1.6 MB of batches of 32
+# 28x28 images) rode most of it out: 1.28-1.35x samples/s at 4 processes
+# (bench/RESULTS-training.md, issue 16); on 2 cores it changed nothing.
+PREFETCH = 16
 
 
 class Net(nn.Module):
@@ -181,6 +188,14 @@ def parser(description: str, lr: float, epochs: int, batch_size: int) -> argpars
         default=None,
         help="torch threads per process (default: cores / processes on this host with the "
         "thread loader, half of them with the process loader; at least 1)",
+    )
+    g.add_argument(
+        "--prefetch",
+        type=_positive_int,
+        default=PREFETCH,
+        help="training batches in flight per process: fetched ahead of the step that needs "
+        "them, so a late answer from the data server delays the step only if it is later "
+        "than that many steps (default %(default)s)",
     )
     g.add_argument(
         "--output",
@@ -442,6 +457,7 @@ def main(
         sampler="permutation",
         processor=Image(mode="L", mean=MEAN, std=STD),
         seed=args.seed,
+        prefetch=args.prefetch,
         **loader,
     )
     test = test_ds.sampled_batcher(
@@ -477,7 +493,7 @@ def main(
         "algorithm": algorithm.name,
         "nodes": nodes,
         "backend": args.backend,
-        "loader": {**loader, "torch_threads": threads},
+        "loader": {**loader, "torch_threads": threads, "prefetch": args.prefetch},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "epochs": [],
         "train_curve": [],  # (fractional epoch, node 0's mean loss since the last point)

@@ -199,6 +199,7 @@ def test_one_process_with_a_core_to_spare_fetches_in_worker_processes(job, tmp_p
     record = json.loads((tmp_path / "out" / "log.json").read_text())
     loader = record["loader"]
     assert loader["workers"] == "process" and loader["num_workers"] >= 1, loader
+    assert loader["prefetch"] == 16, loader
     (epoch,) = record["epochs"]
     assert epoch["test_items"] == 2000 and epoch["train_items"] >= 4000
     j.assert_no_orphans(pids)  # the loader's processes too: they are in the job's session
@@ -298,6 +299,7 @@ def test_loader_options_are_checked_before_anything_starts(capsys):
 
     assert "--loader-workers: must be 1 or more, not 0" in parse("--loader-workers", "0")
     assert "--threads: must be 1 or more, not 0" in parse("--threads", "0")
+    assert "--prefetch: must be 1 or more, not 0" in parse("--prefetch", "0")
     err = parse("--loader", "thread", "--loader-workers", "2")
     assert "--loader-workers needs worker processes: --loader process or auto" in err
 
