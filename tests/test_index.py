@@ -419,12 +419,13 @@ def test_labels_of_one_number_have_one_order_whatever_the_hash_seed(tmp_path):
     path.write_text("filename,label\n" + "".join(f"{i}.png,{x}\n" for i, x in enumerate(labels)))
     script = ("import sys; from distlearn.dataset import open_index; "
               "print(open_index(sys.argv[1]).labels)")  # fmt: skip
-    seen = set()
-    for seed in range(8):
-        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
-        out = subprocess.run([sys.executable, "-c", script, str(path)], env=env,
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        seen.add(out.strip())
+    procs = [  # side by side: each spends seconds importing torch
+        subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
+        for seed in range(8)
+    ]  # fmt: skip
+    seen = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert [p.returncode for p in procs] == [0] * 8
     assert seen == {"['+5', '005', '05', '5', '9', '10']"}
 
 
