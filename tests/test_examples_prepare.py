@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import fcntl
 import gzip
 import pickle
 import struct
@@ -106,6 +107,32 @@ def test_limit_rebuilds(tmp_path):
     r = run_prepare("--idx", str(tmp_path / "idx"), "--out", str(out), "--limit", "5")
     assert r.returncode == 0, r.stderr
     check_folder(out, {s: (x[:5], y[:5]) for s, (x, y) in data.items()})
+
+
+def test_preparations_at_the_same_time_take_turns(tmp_path):
+    """Two runs on one folder at once: one builds it, the other waits and reuses it.
+
+    The test holds the folder's lock until both runs say they wait, so both
+    really start before either has built anything.
+    """
+    data = make_idx_dir(tmp_path / "idx")
+    out = tmp_path / "mnist"
+    out.mkdir()
+    args = [sys.executable, str(PREPARE), "--idx", str(tmp_path / "idx"), "--out", str(out)]
+    with open(out / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        runs = [
+            subprocess.Popen(args, env=repo_env(), stderr=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
+        first_lines = [run.stderr.readline() for run in runs]
+    assert all("waiting for another process" in line for line in first_lines), first_lines
+    logs = [
+        line + run.communicate(timeout=120)[1] for line, run in zip(first_lines, runs, strict=True)
+    ]
+    assert [run.returncode for run in runs] == [0, 0], logs
+    assert sorted("reusing it" in log for log in logs) == [False, True], logs
+    check_folder(out, data)
 
 
 def test_pickle_source_joins_train_and_valid(tmp_path):
