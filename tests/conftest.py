@@ -28,6 +28,16 @@ def repo_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def shm_files(pid: int) -> set[str]:
+    """The files in /dev/shm that process `pid` maps.
+
+    A test asks this of its own processes, not of /dev/shm as a whole: that is
+    shared with whatever else runs here (another test worker's trees, too).
+    """
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if " /dev/shm/" in line}
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (from /proc)."""
     out = []

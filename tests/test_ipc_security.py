@@ -65,20 +65,27 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> N
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs the stranger as another user (needs root)")
-def test_stranger_knowing_public_values_cannot_join(tmp_path):
+def test_stranger_knowing_public_values_cannot_join(netns_pair, tmp_path):  # noqa: F811
     """A torchrun job on one host (no IPC_TOKEN): another user who knows MASTER_ADDR,
-    MASTER_PORT and the run id, and sees every listening port, cannot join it."""
+    MASTER_PORT and the run id, and sees every listening port, cannot join it.
+
+    The job and the stranger share a network namespace of their own: the stranger
+    knocks on every port listening there, which are the job's alone (not those of
+    tests running beside this one)."""
+    host = netns_pair[0]
     port = _free_port()
     env = {
         "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "none", "TEST_IPC_TIMEOUT": "40",
+        "TEST_NETNS": host,
     }  # fmt: skip
     drop = Path(tempfile.mkdtemp(prefix="dlt-stranger-"))
     drop.chmod(0o777)  # the stranger writes its verdict here
     verdict = drop / "stranger.json"
     node0 = start_worker("env", 0, 2, tmp_path, env={**env, "RANK": "0"})
     stranger = subprocess.Popen(
-        [sys.executable, str(HERE / "ipc_stranger.py"), "8", str(verdict), str(NOBODY)],
+        ["ip", "netns", "exec", host,
+         sys.executable, str(HERE / "ipc_stranger.py"), "8", str(verdict), str(NOBODY)],
         env=repo_env(**env), cwd="/",
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

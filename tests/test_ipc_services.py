@@ -23,6 +23,7 @@ import time
 import pytest
 import torch
 import zmq
+from conftest import shm_files
 
 from distlearn import ipc
 from distlearn.ipc import direct, runtime, wire
@@ -1000,8 +1001,8 @@ def test_large_tensors_go_through_shared_memory_or_the_wire(elsewhere):
         assert theirs["bytes_sent"] < 100_000
 
 
-def _shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _named_shm(pid: int) -> set[str]:
+    return {f for f in shm_files(pid) if not f.endswith(" (deleted)")}
 
 
 def bulk_hammer_client(port: int) -> None:
@@ -1023,7 +1024,9 @@ def bulk_server(out) -> None:
 
 
 def test_sigkill_on_either_side_of_a_shared_memory_exchange_leaves_nothing_in_dev_shm():
-    before = _shm_names()
+    # The arenas are anonymous memfds: what either side maps mid-exchange has no name
+    # in /dev/shm, so a SIGKILL cannot leave one there. (multiprocessing's semaphores
+    # are mapped too, already unlinked: "(deleted)".)
     # the client dies in the middle of sending 4 MB messages through its arena
     server = ipc.Server("127.0.0.1", 0, token=TOKEN)
     try:
@@ -1031,6 +1034,7 @@ def test_sigkill_on_either_side_of_a_shared_memory_exchange_leaves_nothing_in_de
             [conn] = server.clients(1, timeout=60)
             for _ in range(5):
                 assert conn.recv(timeout=60).shape == (BIG,)
+            assert _named_shm(p.pid) == _named_shm(os.getpid()) == set()
             os.kill(p.pid, signal.SIGKILL)
             with pytest.raises(ipc.PeerError):
                 while True:  # what it sent before it died is still readable, then the error
@@ -1045,13 +1049,13 @@ def test_sigkill_on_either_side_of_a_shared_memory_exchange_leaves_nothing_in_de
         for _ in range(5):
             assert torch.equal(c.recv(timeout=60), torch.ones(BIG))
         c.send(torch.ones(BIG))
+        assert _named_shm(p.pid) == _named_shm(os.getpid()) == set()
         os.kill(p.pid, signal.SIGKILL)
         with pytest.raises(ipc.PeerError):
             while True:
                 c.recv(timeout=60)
         assert c.net_stats()["shm"]
         c.close()
-    assert _shm_names() == before  # the arenas are anonymous memfds: nothing to leak
 
 
 def test_the_arena_is_private_and_refuses_what_was_not_offered():

@@ -16,7 +16,7 @@ import torch
 from distlearn.dataset import Dataset, Fetcher, FetchError
 from distlearn.dataset.processors import Image, Raw
 from distlearn.dataset.workers import WorkerDied
-from tests.conftest import repo_env
+from tests.conftest import repo_env, shm_files
 from tests.faulty_server import item_ids, make_pngs
 
 
@@ -83,8 +83,7 @@ def test_sigkilled_main_process_leaves_no_shared_memory(pngs, start, tmp_path):
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
         assert len(workers) == 2, "the batcher did not start"
-        # Only this job's own mappings: /dev/shm is shared with whatever else runs here.
-        named = [_shm_names(pid) for pid in (proc.pid, *workers)]
+        named = [shm_files(pid) for pid in (proc.pid, *workers)]
         assert not any(named), f"the ring has a name in /dev/shm: {named}"
     finally:
         proc.kill()
@@ -97,12 +96,6 @@ def test_sigkilled_main_process_leaves_no_shared_memory(pngs, start, tmp_path):
     for w in orphans:  # never leave them behind, even when the test fails
         os.kill(w, signal.SIGKILL)
     assert not orphans, "workers outlived their main process"
-
-
-def _shm_names(pid: int) -> set[str]:
-    """The files in /dev/shm that process `pid` maps (a ring with a name would be one)."""
-    with open(f"/proc/{pid}/maps") as f:
-        return {line.split(None, 5)[5].strip() for line in f if " /dev/shm/" in line}
 
 
 def test_as_torch_dataloader_and_progress(pngs, capsys):
