@@ -49,6 +49,7 @@ extras = {
     "test": [
         "pytest>=7.4",
         "pytest-timeout>=2.1",
+        "pytest-xdist>=3.2",
         "ruff>=0.5",
         "moto[server]>=5",
         "s3fs>=2023.6",

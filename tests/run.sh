@@ -23,4 +23,11 @@ fi
 VENV="$(scripts/venv.sh)"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
-exec "$VENV/bin/python" -m pytest "$@"
+# Tests run side by side in worker processes (pytest-xdist): most of a test's time is
+# child processes starting (each imports torch) or waiting on a peer, not CPU, so two
+# workers on 2 cores take ~2/3 of the serial time. TEST_WORKERS=0 runs them in this
+# process (as does a later -n in the arguments). worksteal: the long tests at the end
+# do not wait behind one worker's queue.
+cores="$(nproc)"
+workers="${TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+exec "$VENV/bin/python" -m pytest -n "$workers" --dist worksteal "$@"
