@@ -198,7 +198,7 @@ def sweep_dead_sockets(directory: Path, min_age: float = 60.0) -> int:
                     continue
                 os.kill(int(m.group(1)), 0)
             except ProcessLookupError:
-                if not _listened_on(entry.path):
+                if not listened_on(entry.path):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
                         removed += 1
@@ -207,7 +207,7 @@ def sweep_dead_sockets(directory: Path, min_age: float = 60.0) -> int:
     return removed
 
 
-def _listened_on(path: str) -> bool:
+def listened_on(path: str) -> bool:
     """Whether a process listens on the Unix socket at `path` (a refused connection:
     nobody does)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -46,6 +46,7 @@ from . import bulk, direct, runtime, wire
 from .auth import Secret, given_secret, missing_secret_error, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Limits, Link, Liveness
+from .rendezvous import _start_ticks
 from .wire import Kind
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ def _local_name(port: int) -> str:
 
 
 def _local_record(port: int) -> dict:
+    """What a loopback server of ours on `port` left for our clients: {} where there is
+    nothing, nothing well-formed, or its server is gone (a killed server cannot remove
+    its file). Its token and Unix socket then mean nothing: a client without a token is
+    told so, and one with a token reaches whoever listens on the port now over TCP."""
     raw = runtime.read_private(runtime.runtime_dir(), _local_name(port))
     try:
         record = json.loads(raw) if raw is not None else {}
@@ -66,7 +71,22 @@ def _local_record(port: int) -> dict:
     if not isinstance(record, dict):
         return {}
     keep = ("unix", "token", "direct")
-    return {k: v for k, v in record.items() if k in keep and isinstance(v, str)}
+    kept = {k: v for k, v in record.items() if k in keep and isinstance(v, str)}
+    if kept and not _still_serving(record, kept.get("unix", "")):
+        log.info("ipc: the server that left %s (pid %s) is gone; using TCP", _local_name(port),
+                 record.get("pid"))  # fmt: skip
+        return {}
+    return kept
+
+
+def _still_serving(record: dict, unix: str) -> bool:
+    """Whether the server that wrote `record` runs: its pid, with the start time it wrote
+    (pids are reused). A pid not seen from here (another pid namespace sharing this
+    directory) counts while something listens on its Unix socket."""
+    pid, start = record.get("pid"), record.get("start")
+    if isinstance(pid, int) and isinstance(start, int) and _start_ticks(pid) == start:
+        return True
+    return unix.startswith("ipc://") and runtime.listened_on(unix[len("ipc://") :])
 
 
 def _is_loopback(host: str) -> bool:
@@ -210,7 +230,8 @@ class Server:
         if local:
             # Only this user can read it. The port is ours now, so a file left under that
             # name by a server that died is stale.
-            record = {"unix": self._endpoint.addresses[1]}
+            record = {"unix": self._endpoint.addresses[1], "pid": os.getpid()}
+            record["start"] = _start_ticks()
             if self._listener is not None:
                 record["direct"] = self._listener.path
             if secret.origin.startswith("random"):

@@ -13,17 +13,20 @@ import json
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
 import torch
 import zmq
-from conftest import shm_files
+from conftest import repo_env, shm_files
 
 from distlearn import ipc
 from distlearn.ipc import direct, runtime, wire
@@ -337,6 +340,51 @@ def test_token_sources(monkeypatch):
         ipc.Client("10.0.0.1", 1234)
 
 
+_ECHO_SERVER = """
+import contextlib, sys
+from distlearn import ipc
+with ipc.Server("127.0.0.1", int(sys.argv[1]), token=sys.argv[2] or None) as server:
+    print(server.port, flush=True)
+    [conn] = server.clients(1, timeout=60)
+    conn.send(conn.recv(timeout=60))
+    with contextlib.suppress(ipc.PeerError):
+        conn.recv(timeout=60)  # until the client closes
+"""
+
+
+def test_a_killed_servers_record_is_passed_over():
+    """A SIGKILLed loopback server leaves its record (Unix socket, random token). A client
+    neither takes that token nor dials that dead socket: with no token it is told so at
+    once; with one, it reaches over TCP whoever listens on the port now (here a server
+    whose own record is in another runtime directory: another user's, or another TMPDIR)."""
+    first = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, "0", ""], env=repo_env(),
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    port = int(first.stdout.readline())
+    first.kill()
+    first.communicate()
+    name = f"server-{port}.json"
+    assert "token" in json.loads(runtime.read_private(runtime.runtime_dir(), name))
+    elsewhere = tempfile.mkdtemp(prefix="other-")  # short: socket paths have 107 bytes
+    second = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, str(port), TOKEN],
+                              env=repo_env(TMPDIR=elsewhere), stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        start = time.monotonic()
+        with pytest.raises(ipc.IPCError, match="no token"):
+            ipc.Client("127.0.0.1", port, timeout=30)
+        assert time.monotonic() - start < 5
+        assert int(second.stdout.readline()) == port
+        with ipc.Client("127.0.0.1", port, token=TOKEN, timeout=30) as c:
+            c.send("ping")
+            assert c.recv(timeout=30) == "ping"
+        assert second.wait(timeout=60) == 0
+    finally:
+        second.kill()
+        second.communicate()
+        runtime.remove(runtime.runtime_dir(), name)
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
 # ---- map ---------------------------------------------------------------------------------
 
 
@@ -584,7 +632,6 @@ def impostor_client(port: int, out) -> None:
 
 
 def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
-    import threading
 
     server = ipc.Server(token=TOKEN)
     name = f"server-{server.port}.json"
