@@ -411,7 +411,11 @@ class Endpoint:
         link = Link(self, address, dialed=True, rid=rid)
         link.tag = tag
         link.sock = sock
-        link.monitor = sock.get_monitor_socket(_DIALER_EVENTS)
+        # Without reconnecting, a refused connection ends the attempt for good: ZeroMQ
+        # says CLOSED at once, and waiting out the deadline would only hide it.
+        link.monitor = sock.get_monitor_socket(
+            _DIALER_EVENTS if reconnect else _DIALER_EVENTS | zmq.EVENT_CLOSED
+        )
         # Ours before anything can fail, so close() closes it (a context with a socket
         # left open never terminates).
         self.links[rid] = link
@@ -698,7 +702,14 @@ class Endpoint:
                 if event == zmq.EVENT_DISCONNECTED:
                     self._drain_dealer(link)  # what it sent before it went is still ours
                     self.mark_dead(link, "the connection closed")  # closes the monitor
-                elif link.state != "up" and link.failure is None:
+                elif link.state == "up" or link.failure is not None:
+                    continue
+                elif event == zmq.EVENT_CLOSED:  # a dial without reconnecting: refused
+                    link.failure = PeerError(
+                        f"{self.name}: the connection to {link.address} was refused "
+                        "(nothing listens there: the peer is gone or not started)"
+                    )
+                else:
                     why = (
                         "it refused our credentials: its secret is not ours (wrong token?)"
                         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH

@@ -340,6 +340,16 @@ def test_token_sources(monkeypatch):
         ipc.Client("10.0.0.1", 1234)
 
 
+def test_a_client_is_told_at_once_that_nothing_listens():
+    """A refused connection is an error in milliseconds, not a wait for the timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, never listening: ours, and refused
+        start = time.monotonic()
+        with pytest.raises(ipc.PeerError, match="refused"):
+            ipc.Client("127.0.0.1", s.getsockname()[1], token=TOKEN, timeout=30)
+        assert time.monotonic() - start < 5
+
+
 _ECHO_SERVER = """
 import contextlib, sys
 from distlearn import ipc
