@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,16 @@ def repo_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory (0700) right under /tmp, removed afterwards: a TMPDIR whose Unix
+    socket paths stay under their 107 bytes, where tmp_path's do not (longer still under
+    pytest-xdist's popen-gwN)."""
+    path = Path(tempfile.mkdtemp(prefix="dlt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def shm_files(pid: int) -> set[str]:

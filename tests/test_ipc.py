@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -280,18 +278,14 @@ print("SINGLE-OK")
 """
 
 
-def test_from_env_without_a_launcher_is_a_single_process():
+def test_from_env_without_a_launcher_is_a_single_process(short_tmp):
     """Plain `python train.py` (no torchrun, no Slurm): a one-node tree whose collectives
     are identities, said at INFO, nothing on TCP."""
-    tmp = tempfile.mkdtemp(prefix="single-")  # short: socket paths have 107 bytes
-    env = repo_env(TMPDIR=tmp)
+    env = repo_env(TMPDIR=str(short_tmp))
     for var in [*LAUNCHER_VARS, *(v for v in env if v.startswith("SLURM_"))]:
         env.pop(var, None)
-    try:
-        proc = subprocess.run([sys.executable, "-c", SINGLE], env=env, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-c", SINGLE], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0 and "SINGLE-OK" in proc.stdout, proc.stderr
     assert "INFO" in proc.stderr and "single process" in proc.stderr, proc.stderr
 

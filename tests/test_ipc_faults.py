@@ -14,10 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from conftest import repo_env
@@ -159,7 +157,7 @@ def test_malformed_chunks_from_a_peer_are_refused(how, tmp_path):
     assert results[2]["error"] == "PeerError" and results[2]["peer"] == 1
 
 
-def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_path):
+def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_path, short_tmp):
     """A rendezvous file of a live process whose socket is gone (a node 0 of another launch
     that has just finished): a joiner that tries it first gives up on it in seconds and
     joins the real node 0."""
@@ -171,35 +169,32 @@ def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_p
 
     from distlearn.ipc.rendezvous import _start_ticks
 
-    tmpdir = Path(f"/tmp/dlt-{uuid.uuid4().hex[:8]}")
+    tmpdir = short_tmp
     rt = tmpdir / f"distlearn-ipc-{os.getuid()}"
     rt.mkdir(parents=True, mode=0o700)
-    try:
-        key, n = f"vanished-{uuid.uuid4().hex[:6]}", 3
-        digest = hashlib.sha256(f"{key}:{n}".encode()).hexdigest()[:16]
-        fake = rt / f"rv-{digest}-{os.getpid()}.json"
-        fake.write_text(json.dumps({
-            "v": 2, "key": key, "pid": os.getpid(), "start": _start_ticks(),
-            "address": f"ipc://{rt}/gone.sock", "num_nodes": n, "secret": "f" * 64,
-        }))  # fmt: skip
-        fake.chmod(0o600)
-        env = {"TMPDIR": str(tmpdir), "TEST_IPC_TIMEOUT": "40"}
-        start = time.monotonic()
-        # The joiners come first and find only the vanished node 0; the real one starts
-        # once they have tried it (no sleep: their logs say so).
-        procs = [start_worker("launch", i, n, tmp_path, key=key, env=env) for i in (1, 2)]
-        logs = [tmp_path / f"log-{i}.txt" for i in (1, 2)]
-        while time.monotonic() - start < 60 and not all(
-            p.exists() and "gone.sock" in p.read_text(errors="replace") for p in logs
-        ):
-            time.sleep(0.1)
-        procs.insert(0, start_worker("launch", 0, n, tmp_path, key=key, env=env))
-        results, texts = collect(tmp_path, wait_all(procs, timeout=120))
-        assert all(r["count"] == n for r in results)
-        assert "gone.sock" in texts[1] + texts[2]  # they did try it
-        assert time.monotonic() - start < 35, texts  # well within the 40 s timeout
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    key, n = f"vanished-{uuid.uuid4().hex[:6]}", 3
+    digest = hashlib.sha256(f"{key}:{n}".encode()).hexdigest()[:16]
+    fake = rt / f"rv-{digest}-{os.getpid()}.json"
+    fake.write_text(json.dumps({
+        "v": 2, "key": key, "pid": os.getpid(), "start": _start_ticks(),
+        "address": f"ipc://{rt}/gone.sock", "num_nodes": n, "secret": "f" * 64,
+    }))  # fmt: skip
+    fake.chmod(0o600)
+    env = {"TMPDIR": str(tmpdir), "TEST_IPC_TIMEOUT": "40"}
+    start = time.monotonic()
+    # The joiners come first and find only the vanished node 0; the real one starts
+    # once they have tried it (no sleep: their logs say so).
+    procs = [start_worker("launch", i, n, tmp_path, key=key, env=env) for i in (1, 2)]
+    logs = [tmp_path / f"log-{i}.txt" for i in (1, 2)]
+    while time.monotonic() - start < 60 and not all(
+        p.exists() and "gone.sock" in p.read_text(errors="replace") for p in logs
+    ):
+        time.sleep(0.1)
+    procs.insert(0, start_worker("launch", 0, n, tmp_path, key=key, env=env))
+    results, texts = collect(tmp_path, wait_all(procs, timeout=120))
+    assert all(r["count"] == n for r in results)
+    assert "gone.sock" in texts[1] + texts[2]  # they did try it
+    assert time.monotonic() - start < 35, texts  # well within the 40 s timeout
 
 
 def _unshare_available() -> bool:
@@ -258,41 +253,38 @@ server.close()
 """
 
 
-def test_a_killed_servers_socket_file_is_swept_by_the_next_process(tmp_path):
+def test_a_killed_servers_socket_file_is_swept_by_the_next_process(short_tmp):
     """A SIGKILLed server cannot remove its Unix socket. The next process of this user
     that makes one removes those whose process is dead and on which nobody listens,
     and keeps a dead pid's socket that something still listens on (as from another
     pid namespace) and one younger than a minute."""
-    tmp = Path(tempfile.mkdtemp(prefix="sweep-"))  # short: socket paths have 107 bytes
+    tmp = short_tmp
+    env = repo_env(TMPDIR=str(tmp))
+    rt = tmp / f"distlearn-ipc-{os.getuid()}"
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, "wait"], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        env = repo_env(TMPDIR=str(tmp))
-        rt = tmp / f"distlearn-ipc-{os.getuid()}"
-        server = subprocess.Popen([sys.executable, "-c", _SERVER, "wait"], env=env,
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            assert server.stdout.readline().strip().isdigit()
-            killed = list(rt.glob(f"*-{server.pid}-*.sock"))
-            assert killed, sorted(rt.iterdir())
-        finally:
-            server.kill()
-            server.wait()
-        assert all(p.exists() for p in killed)  # nobody else removes them
-
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-        listened = rt / f"l-{dead.stdout.strip()}-0123abcd.sock"
-        young = rt / f"d-{dead.stdout.strip()}-4567cdef.sock"
-        with socket.socket(socket.AF_UNIX) as listening, socket.socket(socket.AF_UNIX) as s:
-            listening.bind(str(listened))
-            listening.listen(1)
-            s.bind(str(young))  # never listened on: refused, but new
-            old = time.time() - 120
-            for p in [*killed, listened]:
-                os.utime(p, (old, old), follow_symlinks=False)
-            subprocess.run([sys.executable, "-c", _SERVER, "close"], env=env, check=True,
-                           capture_output=True, timeout=120)  # fmt: skip
-            left = set(rt.glob("*.sock"))
-        assert not left & set(killed), left
-        assert left == {listened, young}, left
+        assert server.stdout.readline().strip().isdigit()
+        killed = list(rt.glob(f"*-{server.pid}-*.sock"))
+        assert killed, sorted(rt.iterdir())
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        server.kill()
+        server.wait()
+    assert all(p.exists() for p in killed)  # nobody else removes them
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    listened = rt / f"l-{dead.stdout.strip()}-0123abcd.sock"
+    young = rt / f"d-{dead.stdout.strip()}-4567cdef.sock"
+    with socket.socket(socket.AF_UNIX) as listening, socket.socket(socket.AF_UNIX) as s:
+        listening.bind(str(listened))
+        listening.listen(1)
+        s.bind(str(young))  # never listened on: refused, but new
+        old = time.time() - 120
+        for p in [*killed, listened]:
+            os.utime(p, (old, old), follow_symlinks=False)
+        subprocess.run([sys.executable, "-c", _SERVER, "close"], env=env, check=True,
+                       capture_output=True, timeout=120)  # fmt: skip
+        left = set(rt.glob("*.sock"))
+    assert not left & set(killed), left
+    assert left == {listened, young}, left

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -390,37 +389,31 @@ def test_recorded_join_replayed_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="plants a directory owned by another uid")
-def test_planted_runtime_directories_are_not_used(tmp_path):
+def test_planted_runtime_directories_are_not_used(tmp_path, short_tmp):
     """Another user planted our runtime directory's name (owned by them), a copy with mode
     0777, and a symbolic link: none is used or written to; the tree works in the next."""
-    tmpdir = Path(f"/tmp/dlt-{uuid.uuid4().hex[:8]}")
-    tmpdir.mkdir(mode=0o700)
-    try:
-        uid = os.getuid()
-        planted = tmpdir / f"distlearn-ipc-{uid}"
-        planted.mkdir(mode=0o700)
-        os.chown(planted, NOBODY, NOBODY)
-        open_dir = tmpdir / f"distlearn-ipc-{uid}.1"
-        open_dir.mkdir()
-        open_dir.chmod(0o777)
-        elsewhere = tmpdir / "elsewhere"
-        elsewhere.mkdir(mode=0o700)
-        (tmpdir / f"distlearn-ipc-{uid}.2").symlink_to(elsewhere)
-        n = 3
-        procs = [
-            start_worker("launch", i, n, tmp_path, env={"TMPDIR": str(tmpdir)}) for i in range(n)
-        ]
-        results, texts = collect(tmp_path, wait_all(procs, timeout=120))
-        assert all(r["count"] == n for r in results)
-        for d in (planted, open_dir, elsewhere):
-            assert list(d.iterdir()) == [], f"something was written to {d}"
-        used = tmpdir / f"distlearn-ipc-{uid}.3"
-        assert used.is_dir() and (used.stat().st_mode & 0o777) == 0o700
-        log = "".join(texts)
-        assert "owned by uid 65534" in log and "lets other users in" in log
-        assert "symbolic link" in log
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    tmpdir = short_tmp
+    uid = os.getuid()
+    planted = tmpdir / f"distlearn-ipc-{uid}"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, NOBODY, NOBODY)
+    open_dir = tmpdir / f"distlearn-ipc-{uid}.1"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    elsewhere = tmpdir / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmpdir / f"distlearn-ipc-{uid}.2").symlink_to(elsewhere)
+    n = 3
+    procs = [start_worker("launch", i, n, tmp_path, env={"TMPDIR": str(tmpdir)}) for i in range(n)]
+    results, texts = collect(tmp_path, wait_all(procs, timeout=120))
+    assert all(r["count"] == n for r in results)
+    for d in (planted, open_dir, elsewhere):
+        assert list(d.iterdir()) == [], f"something was written to {d}"
+    used = tmpdir / f"distlearn-ipc-{uid}.3"
+    assert used.is_dir() and (used.stat().st_mode & 0o777) == 0o700
+    log = "".join(texts)
+    assert "owned by uid 65534" in log and "lets other users in" in log
+    assert "symbolic link" in log
 
 
 # ---- launches ---------------------------------------------------------------------------

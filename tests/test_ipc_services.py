@@ -13,13 +13,11 @@ import json
 import multiprocessing
 import os
 import pickle
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -362,7 +360,7 @@ with ipc.Server("127.0.0.1", int(sys.argv[1]), token=sys.argv[2] or None) as ser
 """
 
 
-def test_a_killed_servers_record_is_passed_over():
+def test_a_killed_servers_record_is_passed_over(short_tmp):
     """A SIGKILLed loopback server leaves its record (Unix socket, random token). A client
     neither takes that token nor dials that dead socket: with no token it is told so at
     once; with one, it reaches over TCP whoever listens on the port now (here a server
@@ -374,9 +372,8 @@ def test_a_killed_servers_record_is_passed_over():
     first.communicate()
     name = f"server-{port}.json"
     assert "token" in json.loads(runtime.read_private(runtime.runtime_dir(), name))
-    elsewhere = tempfile.mkdtemp(prefix="other-")  # short: socket paths have 107 bytes
     second = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, str(port), TOKEN],
-                              env=repo_env(TMPDIR=elsewhere), stdout=subprocess.PIPE,
+                              env=repo_env(TMPDIR=str(short_tmp)), stdout=subprocess.PIPE,
                               text=True)  # fmt: skip
     try:
         start = time.monotonic()
@@ -392,7 +389,6 @@ def test_a_killed_servers_record_is_passed_over():
         second.kill()
         second.communicate()
         runtime.remove(runtime.runtime_dir(), name)
-        shutil.rmtree(elsewhere, ignore_errors=True)
 
 
 # ---- map ---------------------------------------------------------------------------------
