@@ -72,21 +72,26 @@ def _local_record(port: int) -> dict:
         return {}
     keep = ("unix", "token", "direct")
     kept = {k: v for k, v in record.items() if k in keep and isinstance(v, str)}
-    if kept and not _still_serving(record, kept.get("unix", "")):
+    if kept and not _still_serving(record):
         log.info("ipc: the server that left %s (pid %s) is gone; using TCP", _local_name(port),
                  record.get("pid"))  # fmt: skip
         return {}
     return kept
 
 
-def _still_serving(record: dict, unix: str) -> bool:
+def _still_serving(record: dict) -> bool:
     """Whether the server that wrote `record` runs: its pid, with the start time it wrote
     (pids are reused). A pid not seen from here (another pid namespace sharing this
     directory) counts while something listens on its Unix socket."""
     pid, start = record.get("pid"), record.get("start")
     if isinstance(pid, int) and isinstance(start, int) and _start_ticks(pid) == start:
         return True
-    return unix.startswith("ipc://") and runtime.listened_on(unix[len("ipc://") :])
+    unix = record.get("unix")
+    return (
+        isinstance(unix, str)
+        and unix.startswith("ipc://")
+        and runtime.listened_on(unix.removeprefix("ipc://"))
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -230,8 +235,11 @@ class Server:
         if local:
             # Only this user can read it. The port is ours now, so a file left under that
             # name by a server that died is stale.
-            record = {"unix": self._endpoint.addresses[1], "pid": os.getpid()}
-            record["start"] = _start_ticks()
+            record = {
+                "unix": self._endpoint.addresses[1],
+                "pid": os.getpid(),
+                "start": _start_ticks(),
+            }
             if self._listener is not None:
                 record["direct"] = self._listener.path
             if secret.origin.startswith("random"):
