@@ -13,6 +13,11 @@ the same loop timed the same way (`ddp`, gloo), job by job in alternating order:
 
     python -m bench.training --nodes 4 --backends ipc gloo --overlap on off ddp --reps 3
 
+`--before DIR` adds a row "before": the same epoch run by another checkout's own
+example, launcher and bench/mnist_timed.py (say, `git worktree add DIR 6f284f1`,
+the code before issue 16), in the same alternating order, so a change's effect on
+samples/s and on the allreduce share is measured side by side on one machine.
+
 Its table also splits the allreduce share by arrival (`arrival_split`): waiting for
 the last rank to call the all-reduce, and the all-reduce after it; and says how
 many of a step's gradient buckets left during backward (with one bucket, "on" has
@@ -57,13 +62,16 @@ def run_once(
     extra=(),
     first_bucket_bytes: int | None = None,
     ddp: bool = False,
+    repo: Path = REPO,
 ) -> dict:
-    """One epoch as one job; the example's log plus every rank's phase totals."""
+    """One epoch as one job; the example's log plus every rank's phase totals.
+    `repo`: the checkout whose examples/launch.py and bench/mnist_timed.py run it."""
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         phases_dir = Path(tmp, "phases")
         phases_dir.mkdir()
         cmd = [
-            sys.executable, str(LAUNCH), "--script", str(REPO / "bench" / "mnist_timed.py"),
+            sys.executable, str(repo / "examples" / "launch.py"),
+            "--script", str(repo / "bench" / "mnist_timed.py"),
             "--nodes", str(nodes), "--output", str(Path(tmp, "out")), "--epochs", "1",
             "--backend", backend, *extra,
         ] + (["--quick"] if quick else [])  # fmt: skip
@@ -72,16 +80,19 @@ def run_once(
             env["BENCH_DDP"] = "1"
         if first_bucket_bytes:
             env["BENCH_FIRST_BUCKET_BYTES"] = str(first_bucket_bytes)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f}s"}
+            kill_group(proc)
+            out, _ = proc.communicate()  # what the job said before it was stopped
+            said = " | ".join(out.splitlines()[-8:])
+            return {"error": f"timed out after {timeout:.0f}s: {said}"}
         finally:
             kill_group(proc)
         wall = time.perf_counter() - t0
@@ -96,7 +107,7 @@ def run_once(
         if len(ranks) != nodes:
             return {"error": f"{len(ranks)} of {nodes} ranks reported their phases"}
         res = {
-            "algorithm": log_record["algorithm"],
+            "algorithm": log_record.get("algorithm"),
             "items_per_s": epoch["items_per_s"],
             "train_items": epoch["train_items"],
             "test_accuracy": epoch.get("test_accuracy"),
@@ -260,6 +271,23 @@ def run(args, emit) -> list[dict]:
     return out
 
 
+def revision(repo: Path) -> str:
+    """The commit a checkout is at, or why it cannot be said. git looks upwards for
+    a repository, so a tree exported into another checkout would report that one's
+    commit: the answer counts only when `repo` is the repository's own top level."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"commit unknown: {e}"
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != repo.resolve():
+        return "commit unknown: not the top of a git checkout"
+    return lines[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import statistics
@@ -277,30 +305,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of an earlier commit: its own example runs as row 'before' "
+        "(its defaults; --extra is not passed to it)",
+    )
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="to mnist.py")
     a = p.parse_args(argv)
+    if a.before is not None:
+        a.before = a.before.resolve()
+        for name in ("examples/launch.py", "bench/mnist_timed.py"):
+            if not (a.before / name).is_file():
+                p.error(f"--before {a.before}: no {name} there")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     # DDP runs over torch.distributed: a gloo job, whatever the backends asked for
     configs = [
         (n, b, o)
         for n in a.nodes
         for b in a.backends
-        for o in a.overlap
+        for o in a.overlap + (["before"] if a.before else [])
         if o != "ddp" or b == "gloo"
     ]
     results: dict[tuple, list[dict]] = {c: [] for c in configs}
     for rep in range(a.reps):
         for cfg in configs if rep % 2 == 0 else configs[::-1]:
             first = int(cfg[2].split("@")[1]) << 10 if "@" in cfg[2] else None
+            before = cfg[2] == "before"
             res = run_once(
                 cfg[0],
                 cfg[1],
                 a.quick,
                 a.timeout,
                 cfg[2] != "off",
-                a.extra,
+                () if before else a.extra,
                 first_bucket_bytes=first,
                 ddp=cfg[2] == "ddp",
+                repo=a.before if before else REPO,
             )
             results[cfg].append(res)
             log.info("rep %d %s: %s", rep + 1, cfg, res.get("error") or {
@@ -308,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             })  # fmt: skip
     cmd = " ".join(["python -m bench.training", *(argv if argv is not None else sys.argv[1:])])
     print(f"`{cmd}`, one epoch of examples/mnist.py per job, median (min-max) of {a.reps}.\n")
+    if a.before:
+        print(f"Row before: {a.before} ({revision(a.before)}).\n")
     print("| processes | backend | overlap | buckets sent during backward | samples/s | "
           "allreduce % | waiting for the last rank % | ... its loading / compute / other "
           "lead % | same rank last % | after the last rank called % | "

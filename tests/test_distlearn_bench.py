@@ -85,3 +85,53 @@ def test_the_ddp_reference_trains_with_ddp_and_is_timed_like_allreduce_sgd():
     assert res["wait_last_pct"] + res["after_last_pct"] <= res["allreduce_pct"] + 1e-6
     total = res["loading_pct"] + res["compute_pct"] + res["allreduce_pct"]
     assert total == pytest.approx(100, abs=5)
+
+
+def test_the_before_row_names_a_checkouts_commit_only_at_its_top(tmp_path):
+    # --before takes another checkout; its commit heads the table. git looks upwards
+    # for a repository, so a tree exported into a folder of this one must not be
+    # reported with this repository's commit (the device runs did exactly that).
+    import subprocess
+    from pathlib import Path
+
+    from bench.training import revision
+
+    def git(*args, cwd):
+        subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+    repo = tmp_path / "checkout"
+    repo.mkdir()
+    git("init", "-q", cwd=repo)
+    (repo / "f").write_text("x")
+    git("add", "f", cwd=repo)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one", cwd=repo)
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
+    assert revision(repo) == head
+    (repo / "exported").mkdir()
+    assert revision(repo / "exported").startswith("commit unknown")
+    assert revision(Path(tmp_path / "nowhere")).startswith("commit unknown")
+
+
+def test_before_must_be_a_checkout_with_the_example_and_its_timer(tmp_path, capsys):
+    from bench.training import main
+
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "launch.py").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["--before", str(tmp_path), "--reps", "1"])
+    assert exc.value.code == 2
+    assert "no bench/mnist_timed.py there" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_runs_out_of_time_says_what_it_was_doing():
+    # A timed-out epoch used to be reported as "timed out" alone; the output it left
+    # names the stage it was in (preparing the quick data, serving it, or training).
+    from bench.training import run_once
+
+    res = run_once(2, "ipc", quick=True, timeout=6)
+    said = res["error"].removeprefix("timed out after 6s: ")
+    assert said != res["error"], res["error"]
+    assert any(w in said for w in ("prepare_mnist", "launch", "distlearn", "mnist.py")), said
