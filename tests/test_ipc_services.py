@@ -638,7 +638,6 @@ def impostor_client(port: int, out) -> None:
 
 
 def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
-
     server = ipc.Server(token=TOKEN)
     name = f"server-{server.port}.json"
     record = json.loads(runtime.read_private(runtime.runtime_dir(), name))
