@@ -44,8 +44,12 @@ each a fresh set of processes, and of the per-job ratios to DDP. Models:
 every timed step with `torch.cuda.synchronize()` (the step is done when its
 kernels are). The tree then carries CUDA gradients staged through pinned host
 memory; gloo copies them to the host itself; `--backend nccl` reduces them on the
-GPUs (NCCL wants one GPU per rank: ranks sharing a GPU fail at the first
-collective with NCCL's "Duplicate GPU detected").
+GPUs. NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"), so
+where the ranks outnumber the GPUs each rank gets its own `NCCL_HOSTID`: NCCL then
+takes them for separate machines and carries their traffic over its socket transport
+on loopback (`NCCL_SOCKET_IFNAME=lo`, InfiniBand off), the path between machines
+rather than NVLink or PCIe. DDP and AllReduceSGD share that process group, so their
+ratio stands; the report names the transport.
 """
 
 from __future__ import annotations
@@ -237,6 +241,27 @@ def _worker(a: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the runner
 
 
+def gpus(device: str) -> int:
+    """How many GPUs the ranks see (0 for CPU tensors)."""
+    if device != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def rank_env(backend: str, rank: int, nodes: int, n_gpus: int) -> dict[str, str]:
+    """What rank `rank`'s environment adds: for NCCL on fewer GPUs than ranks, a host id
+    of its own (see the module docstring); the user's NCCL settings are kept."""
+    if backend != "nccl" or nodes <= n_gpus:
+        return {}
+    return {
+        "NCCL_HOSTID": f"bench-step-time-rank{rank}",
+        "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo"),
+        "NCCL_IB_DISABLE": os.environ.get("NCCL_IB_DISABLE", "1"),
+    }
+
+
 def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
     """One job: N fresh processes running every row; per row, rank 0's step times."""
     env = dict(os.environ)
@@ -254,7 +279,7 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "bench.step_time", "--rank", str(r), *args],
-                env=env,
+                env={**env, **rank_env(a.backend, r, nodes, gpus(a.device))},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -294,6 +319,16 @@ def _overlap(stats: dict | None) -> str:
     return f"{per_step:.1f} of {len(mod['bucket_bytes'])}"
 
 
+def _transport(a: argparse.Namespace) -> str:
+    shared = [n for n in a.nodes if rank_env(a.backend, 0, n, gpus(a.device))]
+    if not shared:
+        return ""
+    return (
+        f" (with {' and '.join(map(str, shared))} processes the ranks share GPUs: one "
+        "NCCL_HOSTID a rank, NCCL's socket transport on loopback)"
+    )
+
+
 def _device_text(device: str) -> str:
     if device == "cpu":
         return "CPU"
@@ -317,7 +352,8 @@ def markdown(jobs: dict, a: argparse.Namespace, elapsed: float) -> str:
         f"{m['python']}, load average at start {m['loadavg_start'][0]:.2f}. torch "
         f"{m['versions'].get('torch', '?')}.",
         "",
-        f"Tensors on: {_device_text(a.device)}. Process group (rows ddp and gloo): {a.backend}.",
+        f"Tensors on: {_device_text(a.device)}. Process group (rows ddp and gloo): {a.backend}"
+        f"{_transport(a)}.",
         "",
         f"Each process: batch {a.batch}, {a.threads or 'cores / processes'} torch thread(s). "
         f"All rows of a job run in the same processes, {a.rounds} rounds of "

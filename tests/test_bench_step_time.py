@@ -1,0 +1,43 @@
+"""bench.step_time: a real job of its rows on this machine, and the environment that lets
+NCCL ranks share a GPU."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.step_time import rank_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_nccl_ranks_sharing_a_gpu_each_get_a_host_of_their_own(monkeypatch):
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_IB_DISABLE", raising=False)
+    envs = [rank_env("nccl", r, 2, 1) for r in range(2)]
+    assert envs[0]["NCCL_HOSTID"] != envs[1]["NCCL_HOSTID"]
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" and e["NCCL_IB_DISABLE"] == "1" for e in envs)
+    # a GPU for every rank, or gloo: nothing added
+    assert rank_env("nccl", 0, 2, 2) == {} and rank_env("gloo", 0, 4, 1) == {}
+    # the user's own NCCL settings win
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    assert rank_env("nccl", 1, 4, 1)["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+def test_a_job_of_every_row_reports_each_against_ddp():
+    cmd = [
+        sys.executable, "-m", "bench.step_time", "--models", "mnist", "--nodes", "2",
+        "--rows", "none", "ddp", "gloo", "ipc", "--reps", "1", "--rounds", "2",
+        "--block", "3", "--timeout", "240",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    # | model | processes | row | ms per step | vs DDP | ...
+    line = r"^\| mnist \(0\.04M\) \| 2 \| (\w+) \| [\d.]+ \([^)]*\) \| ([^|]+) \|"
+    rows = {m.group(1): m.group(2) for m in re.finditer(line, out.stdout, re.M)}
+    assert set(rows) == {"none", "ddp", "gloo", "ipc"}, out.stdout
+    assert rows["ddp"].strip() == "-"
+    for row in ("none", "gloo", "ipc"):
+        assert re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", rows[row].strip()), rows
