@@ -37,6 +37,8 @@ def make_comm(kind: str, rank: int, world: int, rendezvous: str | None):
         from distlearn.backends import TorchDistributed
 
         if rendezvous is None:  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+            if os.environ.get("DISTLEARN_TEST_PG_TIMEOUT_S"):
+                options["timeout"] = float(os.environ["DISTLEARN_TEST_PG_TIMEOUT_S"])
             return TorchDistributed.from_env(kind, **options)
         if kind == "nccl":
             torch.cuda.set_device(rank)

@@ -106,11 +106,19 @@ def config(num_nodes: int) -> dict:
 
 
 def launch(
-    comm: str, num_nodes: int, tmp: Path, cfg: dict, killed: tuple[int, ...] = ()
+    comm: str,
+    num_nodes: int,
+    tmp: Path,
+    cfg: dict,
+    killed: tuple[int, ...] = (),
+    torchrun_env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Run `num_nodes` workers to completion; kill them all on failure or timeout.
     Ranks in `killed` are expected to die by SIGKILL (their own, or this function's once
-    the others have ended: one that stopped itself); the others' results are returned."""
+    the others have ended: one that stopped itself); the others' results are returned.
+    With `torchrun_env` (extra variables) the workers meet as under torchrun (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the communicators' `from_env`), not through
+    a shared directory."""
     out = tmp / "out"
     rendezvous = tmp / "rendezvous"
     out.mkdir()
@@ -121,19 +129,23 @@ def launch(
         for rank in range(num_nodes):
             log = open(tmp / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
             logs.append(log)
+            meet = [f"--rank={rank}", f"--world={num_nodes}", f"--rendezvous={rendezvous}"]
+            env = repo_env()
+            if torchrun_env is not None:
+                meet = []
+                env.update(torchrun_env, RANK=str(rank), WORLD_SIZE=str(num_nodes))
+                env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(num_nodes))
             procs.append(
                 subprocess.Popen(
                     [
                         sys.executable,
                         str(WORKER),
                         f"--comm={comm}",
-                        f"--rank={rank}",
-                        f"--world={num_nodes}",
-                        f"--rendezvous={rendezvous}",
+                        *meet,
                         f"--out={out}",
                         f"--config={tmp / 'config.json'}",
                     ],
-                    env=repo_env(),
+                    env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
@@ -583,6 +595,26 @@ def test_a_peer_stopped_mid_backward_is_named_in_seconds(tmp_path):
         assert ours["error"] is not None and "PeerError" in ours["error"], ours
         assert f"node {num_nodes - 1}" in ours["error"], ours
         assert ours["seconds"] < 30, ours  # heartbeats: 6 s; the tree's timeout is 300 s
+
+
+def test_a_peer_stopped_over_gloo_is_an_error_within_the_timeout_given_to_from_env(tmp_path):
+    """Over gloo a stopped peer is waited for until the process group's timeout (torch's
+    default: 30 minutes); `TorchDistributed.from_env(timeout=5)` makes it 5 s, and the
+    others raise and exit."""
+    num_nodes = 3
+    cfg = {"peer_dies": {"steps": 50, "die_at": 3, "signal": "STOP"}}
+    with socket.socket() as sock:  # free now: the group's store listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DISTLEARN_TEST_PG_TIMEOUT_S": "5"}
+    started = time.monotonic()
+    survivors = launch("gloo", num_nodes, tmp_path, cfg, (num_nodes - 1,), torchrun_env=env)
+    assert len(survivors) == num_nodes - 1
+    for res in survivors:
+        ours = res["peer_dies"]
+        assert ours["error"] is not None and "Timed out" in ours["error"], ours
+        assert 4 < ours["seconds"] < 30, ours
+    assert time.monotonic() - started < 90  # they exited too (the stopped one is killed)
 
 
 # -- AllReduceEA -----------------------------------------------------------------------

@@ -3,6 +3,7 @@ communicator protocol on a real one-node gloo group (no other processes needed).
 
 from __future__ import annotations
 
+import datetime
 import inspect
 
 import pytest
@@ -38,6 +39,14 @@ def test_from_env_names_missing_variables(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
         TorchDistributed.from_env()
+
+
+@pytest.mark.parametrize(
+    "timeout", [0, -1, float("nan"), float("inf"), True, "30", datetime.timedelta(0)]
+)
+def test_from_env_refuses_a_timeout_that_is_not_a_positive_duration(timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        TorchDistributed.from_env(timeout=timeout)
 
 
 def test_leaves_order_and_errors():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import socket
@@ -24,6 +25,21 @@ def _machine_id() -> int:
     except OSError:
         name = socket.gethostname().encode()
     return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little", signed=True)
+
+
+def _check_timeout(timeout: object) -> datetime.timedelta:
+    """A positive number of seconds or timedelta, as a timedelta (what torch takes)."""
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        seconds = None
+    if seconds is None or not seconds > 0 or seconds == float("inf"):
+        raise ValueError(
+            f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}"
+        )
+    return datetime.timedelta(seconds=seconds)
 
 
 def _cores() -> int:
@@ -90,12 +106,23 @@ class TorchDistributed(FlatCommunicator):
         self._root_path: bool | None = None  # asked on first need (see _agree)
 
     @classmethod
-    def from_env(cls, backend: str | None = None, **options) -> TorchDistributed:
+    def from_env(
+        cls,
+        backend: str | None = None,
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        **options,
+    ) -> TorchDistributed:
         """Initialise the default process group from torchrun's environment
         (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and wrap it; `close()` destroys it.
 
-        `backend` defaults to NCCL when CUDA is available, else gloo.
+        `backend` defaults to NCCL when CUDA is available, else gloo. `timeout` (seconds,
+        or a timedelta) is how long a collective waits for the other nodes before it
+        raises; torch's default is 30 minutes for gloo and 10 for NCCL. A peer that died
+        is noticed at once (its connection closes), but one that stopped (SIGSTOP, a
+        debugger, a machine swapping) is waited for that long.
         """
+        kwargs = {} if timeout is None else {"timeout": _check_timeout(timeout)}
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
         ]
@@ -107,7 +134,7 @@ class TorchDistributed(FlatCommunicator):
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend, init_method="env://")
+        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
         comm = cls(**options)
         comm._owns_group = True
         return comm
