@@ -237,7 +237,9 @@ def connect(args: argparse.Namespace) -> Any:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(args.master_port),
         )
-    return TorchDistributed.from_env("gloo")  # close() destroys the group
+    # close() destroys the group. A stopped rank fails the job after 5 minutes, as over
+    # the ipc tree (its default timeout), rather than after torch's 30.
+    return TorchDistributed.from_env("gloo", timeout=300.0)
 
 
 def check_data(url: str) -> None:
