@@ -268,6 +268,7 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     threads = a.threads or max(1, (os.cpu_count() or 1) // nodes)
     port = free_port()
+    n_gpus = gpus(a.device)
     with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
         out = Path(tmp, "rank0.json")
         args = [
@@ -279,7 +280,7 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "bench.step_time", "--rank", str(r), *args],
-                env={**env, **rank_env(a.backend, r, nodes, gpus(a.device))},
+                env={**env, **rank_env(a.backend, r, nodes, n_gpus)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -320,7 +321,8 @@ def _overlap(stats: dict | None) -> str:
 
 
 def _transport(a: argparse.Namespace) -> str:
-    shared = [n for n in a.nodes if rank_env(a.backend, 0, n, gpus(a.device))]
+    n_gpus = gpus(a.device)
+    shared = [n for n in a.nodes if rank_env(a.backend, 0, n, n_gpus)]
     if not shared:
         return ""
     return (

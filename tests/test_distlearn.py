@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.procs import free_port
 from tests.conftest import repo_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -603,9 +604,7 @@ def test_a_peer_stopped_over_gloo_is_an_error_within_the_timeout_given_to_from_e
     others raise and exit."""
     num_nodes = 3
     cfg = {"peer_dies": {"steps": 50, "die_at": 3, "signal": "STOP"}}
-    with socket.socket() as sock:  # free now: the group's store listens there
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # the group's store listens there
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DISTLEARN_TEST_PG_TIMEOUT_S": "5"}
     started = time.monotonic()
     survivors = launch("gloo", num_nodes, tmp_path, cfg, (num_nodes - 1,), torchrun_env=env)
