@@ -19,6 +19,10 @@ the other workers are stopped (SIGTERM, then SIGKILL) and `join()` raises
   and the signal or exit code;
 - `IPCTimeoutError` after `timeout` seconds.
 Workers die with the parent (PR_SET_PDEATHSIG), so none outlives a killed job.
+A map still running when the parent's interpreter exits (no `join()`: an
+exception, or a return before it) is stopped the same way, with a warning:
+multiprocessing would otherwise wait at exit for workers that may wait on the
+parent (a WorkQueue read) for ever.
 Forked workers run torch with one thread (`torch.set_num_threads(1)`, as
 DataLoader's workers do): torch's OpenMP pool does not survive fork(), and a
 parallel op in the child would hang on the parent's threads.
@@ -26,15 +30,18 @@ parallel op in the child would hang on the parent's threads.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -43,6 +50,8 @@ from . import queues, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Link
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _MAX_TRACEBACK = 64 << 10
@@ -167,6 +176,7 @@ class Map:
         self._abort = False
         self._thread = threading.Thread(target=self._watch, name="ipc.map", daemon=True)
         self._thread.start()
+        _watch_exit(self)
 
     def _accept(self, link: Link) -> str | None:
         i = link.info.get("i")
@@ -245,6 +255,7 @@ class Map:
 
     def _stop(self) -> None:
         """Acknowledge the workers that finished, stop the others, release everything."""
+        _LIVE.discard(self)
         for p in self._procs:
             if p.is_alive() and not self._done[self._procs.index(p)]:
                 p.terminate()
@@ -258,6 +269,30 @@ class Map:
                 p.kill()
             p.join()
         self._ep.close(linger=0)
+
+
+# Maps not joined yet; stopped at interpreter exit (see the module docstring).
+_LIVE: weakref.WeakSet[Map] = weakref.WeakSet()
+_exit_hook: list[int] = []  # the pid that registered it (a forked child registers its own)
+
+
+def _watch_exit(m: Map) -> None:
+    _LIVE.add(m)
+    if _exit_hook != [os.getpid()]:
+        # Registered after the first Process.start(), so after multiprocessing's own exit
+        # function: atexit runs ours first, before that one waits for the workers.
+        atexit.register(_stop_at_exit)
+        _exit_hook[:] = [os.getpid()]
+
+
+def _stop_at_exit() -> None:
+    for m in list(_LIVE):
+        running = [i for i, p in enumerate(m._procs) if p.is_alive() and not m._done[i]]
+        if running:
+            log.warning("ipc.map: exiting before join(): stopping workers %s", running)
+        m._abort = True
+        m._thread.join(1.0)
+        m._stop()
 
 
 def map(n: int, fn: Callable, *args, context: str = "fork") -> Map:

@@ -515,6 +515,13 @@ class WorkQueue:
         owner, sent without waiting."""
         self._check()
         if self._broker is not None:
+            if obj is None:
+                # A worker's read() says "closed and drained" with None: as an item it
+                # would stop the worker that took it, and the items after it would wait.
+                raise TypeError(
+                    f"ipc: work queue {self.name!r}: None cannot be an item (a worker's "
+                    "read() returns None once the queue is closed); send another value"
+                )
             if self._broker.put("down", obj, timeout) != OPEN:
                 raise IPCError(f"ipc: the work queue {self.name!r} is closed")
         elif self._late:
@@ -547,28 +554,46 @@ class WorkQueue:
             return
         broker = self._broker
         broker.close_queue("down")
-        # The name stays taken, marked closed, while this process lives: a worker that opens
-        # it later must learn that it came late, not become an owner nobody writes to.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        marked = False
+        try:
+            # Items still waiting go to workers that open the queue now (map workers
+            # that start after the owner's last write): the name is marked closed only
+            # once every item was handed out.
+            self._wait_broker(
+                lambda: not broker.queues["down"].items,
+                deadline,
+                timeout,
+                "items not yet handed out to a worker",
+            )
+            self._mark_closed()
+            marked = True
+            self._wait_broker(
+                lambda: not broker.links, deadline, timeout, "workers still connected"
+            )
+        finally:
+            if not marked:
+                self._mark_closed()
+            broker.close_queue("up")  # the workers are gone: read() ends after their results
+            broker.stop()
+
+    def _mark_closed(self) -> None:
+        """The name stays taken, marked closed, while this process lives: a worker that
+        opens it later must learn that it came late, not become an owner nobody writes to."""
         directory = runtime.runtime_dir()
         closed = {"closed": True, "pid": os.getpid()}
         runtime.replace_private(directory, self._file, json.dumps(closed).encode())
         _CLOSED_NAMES.add((os.getpid(), directory, self._file))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while True:
-                with broker.lock:
-                    busy = broker.queues["down"].items or broker.links
-                    if not busy:
-                        break
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise IPCTimeoutError(
-                            f"ipc: work queue {self.name!r}: workers still connected after "
-                            f"{timeout} s"
-                        )
-                    broker.lock.wait(0.05)
-        finally:
-            broker.close_queue("up")  # the workers are gone: read() ends after their results
-            broker.stop()
+
+    def _wait_broker(self, done, deadline: float | None, timeout, what: str) -> None:
+        broker = self._broker
+        with broker.lock:
+            while not done():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise IPCTimeoutError(
+                        f"ipc: work queue {self.name!r}: {what} after {timeout} s"
+                    )
+                broker.lock.wait(0.05)
 
 
 # The names of closed work queues this process owned: freed when it ends.

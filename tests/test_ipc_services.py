@@ -814,6 +814,67 @@ def test_workqueue_delivers_10000_items_exactly_once_to_3_workers():
     assert sum(counts) == n and all(c > 0 for c in counts)
 
 
+def test_workqueue_closed_before_its_workers_came_still_hands_out_every_item():
+    """The README's owner: write the items, close, and the map workers (started just
+    before) open the queue after that. Before, close() marked the name closed at once:
+    each worker came "late" and read None, and close() waited for ever on items that
+    nobody took."""
+    name = f"early-close-{os.getpid()}"
+    q = ipc.WorkQueue(name)
+    n = 6
+    for k in range(n):
+        q.write({"k": k, "t": torch.full((2,), float(k))})
+    closer = threading.Thread(target=q.close, kwargs={"timeout": 60})
+    closer.start()
+    time.sleep(0.3)  # close() is waiting: no worker has come yet
+    workers = ipc.map(2, queue_worker, name)
+    results = [q.read(timeout=60) for _ in range(n)]
+    closer.join(60)
+    assert not closer.is_alive()
+    assert sorted(r["item"] for r in results) == list(range(n))
+    assert sum(workers.join(timeout=60)) == n
+    assert q.read() is None
+
+
+def test_workqueue_refuses_none_as_an_item():
+    """A worker's read() says "closed and drained" with None: as an item it would end
+    that worker's loop, and the items after it would wait for ever."""
+    q = ipc.WorkQueue(f"none-{os.getpid()}")
+    try:
+        with pytest.raises(TypeError, match="None cannot be an item"):
+            q.write(None)
+    finally:
+        q.close(timeout=10)
+
+
+def test_a_map_not_joined_when_the_parent_exits_is_stopped():
+    """The parent raises (or returns) with a map worker waiting on its work queue:
+    before, multiprocessing's exit waited for that worker for ever."""
+    code = (
+        "import os, time\n"
+        "from distlearn import ipc\n"
+        "def worker(name, i):\n"
+        "    q = ipc.WorkQueue(name)\n"
+        "    while q.read() is not None:\n"
+        "        pass\n"
+        "if __name__ == '__main__':\n"
+        "    name = f'exit-{os.getpid()}'\n"
+        "    q = ipc.WorkQueue(name)\n"
+        "    m = ipc.map(1, worker, name)\n"
+        "    q.write(1)\n"
+        "    time.sleep(0.5)\n"
+        "    raise RuntimeError('a bug in the parent')\n"
+    )
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=repo_env(), capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1, run.stderr
+    assert "a bug in the parent" in run.stderr
+    assert "exiting before join(): stopping workers [0]" in run.stderr
+    assert time.monotonic() - start < 60
+
+
 def test_workqueue_name_left_by_a_dead_owner_is_taken_over():
     name = f"stale-{os.getpid()}"
 
