@@ -142,6 +142,17 @@ class RateLimitedLog:
         self.logger.warning(msg, *args)
 
 
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    """(scheme, host, port) of an http(s) URL, the port spelled out."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return parts.scheme.lower(), parts.hostname, port or default
+
+
 class Fetcher:
     """Fetches sources concurrently on its own event loop thread (started lazily).
 
@@ -152,7 +163,9 @@ class Fetcher:
     ``timeout`` bounds one attempt (``idle_timeout``, when given, bounds the
     wait for each chunk instead, for large files); ``retries``/``backoff``/
     ``max_backoff`` the retry policy; ``max_item_bytes`` the size of one body;
-    ``redirects``: ``"same-host"`` (default), ``"any"`` or ``"none"``.
+    ``redirects``: ``"same-host"`` (default: the same host name, never from https to
+    http), ``"any"`` or ``"none"``. ``headers`` go to the origin (scheme, host, port)
+    of the URL asked for, not to another one a redirect leads to.
     """
 
     def __init__(
@@ -277,8 +290,10 @@ class Fetcher:
             connector = aiohttp.TCPConnector(limit=self.pool_size, ttl_dns_cache=300)
             # bytes as stored: aiohttp's default "Accept-Encoding: gzip, deflate" let a server
             # (nginx's gzip, a CDN) compress them on the way, and they came back compressed
-            headers = dict(self.headers)
-            if not any(k.lower() == "accept-encoding" for k in headers):
+            # The user's other headers (credentials, often) go per request, to the
+            # origin of the URL asked for only: never to where a redirect leads.
+            headers = {k: v for k, v in self.headers.items() if k.lower() == "accept-encoding"}
+            if not headers:
                 headers["Accept-Encoding"] = "identity"
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -358,17 +373,22 @@ class Fetcher:
     async def _fetch_http(self, url: str, offset: int | None, length: int | None) -> bytes:
         session = self._get_session()
         assert self._sem is not None
-        headers = None
+        own = {k: v for k, v in self.headers.items() if k.lower() != "accept-encoding"}
+        ranged = {}
         if offset is not None and length is not None:
             if length == 0:
                 return b""
-            headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+            ranged = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        origin = _origin(url)
         current = url
         try:
             for _ in range(MAX_REDIRECTS + 1):
+                # Authorization, cookies, API keys: for the origin the URL names only (as
+                # requests and browsers do), not for a host or port a redirect names.
+                headers = {**own, **ranged} if _origin(current) == origin else ranged
                 async with (
                     self._sem,
-                    session.get(current, headers=headers, allow_redirects=False) as resp,
+                    session.get(current, headers=headers or None, allow_redirects=False) as resp,
                 ):
                     if resp.status in REDIRECT_STATUS:
                         current = self._redirect(url, current, resp)
@@ -404,12 +424,17 @@ class Fetcher:
         if not src.is_http(target):
             raise FetchError(url, f"redirect to {target} refused: not http(s)")
         if self.redirects == "same-host":
-            here = urllib.parse.urlsplit(url).hostname
-            there = urllib.parse.urlsplit(target).hostname
-            if here != there:
+            here, there = urllib.parse.urlsplit(current), urllib.parse.urlsplit(target)
+            if here.hostname != there.hostname:
                 raise FetchError(
                     url,
-                    f"redirect to {target} refused: another host than {here} "
+                    f"redirect to {target} refused: another host than {here.hostname} "
+                    "(redirects='any' follows it)",
+                )
+            if here.scheme == "https" and there.scheme != "https":
+                raise FetchError(
+                    url,
+                    f"redirect to {target} refused: from https to plain http "
                     "(redirects='any' follows it)",
                 )
         return target

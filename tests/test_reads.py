@@ -154,6 +154,70 @@ def test_redirects_stay_on_the_same_host_unless_allowed(www):
             f.read(base + "here.bin")
 
 
+@contextlib.contextmanager
+def header_recorder():
+    """A plain HTTP server on 127.0.0.1 that answers every GET with 4 bytes and keeps
+    the headers of each request."""
+    import http.server
+    import threading
+
+    seen: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            self.send_response(200)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"seen")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_headers_go_to_the_origin_asked_for_not_where_a_redirect_leads(www):
+    """Credentials in `headers=` reach the URL's own origin; a redirect to another port
+    of the same host (another service: same-host lets it through) or to another host
+    gets the request without them, as requests and browsers do."""
+    secret = {"Authorization": "Bearer s3cret", "X-Api-Key": "k"}
+    with header_recorder() as (other, seen):
+        port = other.rsplit(":", 1)[1].rstrip("/")
+        plan = {"port.bin": [f"redirect:http://127.0.0.1:{port}/x"],
+                "host.bin": [f"redirect:http://localhost:{port}/x"]}  # fmt: skip
+        with serve(www, plan) as (base, _):
+            with Fetcher(headers=secret, **FAST) as f:
+                assert f.read(other + "direct") == b"seen"
+                assert f.read(base + "port.bin") == b"seen"
+            with Fetcher(headers=secret, redirects="any", **FAST) as f:
+                assert f.read(base + "host.bin") == b"seen"
+    direct, via_port, via_host = seen
+    assert direct["Authorization"] == "Bearer s3cret" and direct["X-Api-Key"] == "k"
+    for redirected in (via_port, via_host):
+        assert "Authorization" not in redirected and "X-Api-Key" not in redirected
+        assert redirected["Accept-Encoding"] == "identity"
+
+
+def test_same_host_redirects_never_go_from_https_to_http():
+    f = Fetcher(**FAST)
+
+    class Resp:
+        status = 302
+        headers = {"Location": "http://example.invalid/x"}
+
+    with pytest.raises(FetchError, match="from https to plain http"):
+        f._redirect("https://example.invalid/a", "https://example.invalid/a", Resp())
+    assert f._redirect("http://example.invalid/a", "http://example.invalid/a", Resp())
+
+
 @pytest.mark.parametrize(
     "row, kind",
     [("file:///etc/passwd", "a local path"), ("/etc/passwd", None),
