@@ -19,6 +19,11 @@ from .comm import (
 from .tensors import parameters_of, reusable, state_of
 
 
+def _storage(t: torch.Tensor) -> tuple:
+    """Where a tensor's values live: the same for a parameter and its detached view."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
 class AllReduceEA:
     """Nodes train independently and are pulled towards a shared center every `tau` steps.
 
@@ -56,6 +61,8 @@ class AllReduceEA:
         self.alpha = float(alpha)
         self.steps = 0  # steps since the last synchronisation
         self._center: list[torch.Tensor] | None = None
+        self._given: list[torch.Tensor] = []  # the tensors averaged (detached views)
+        self._from_module = False  # ... in module order: given as an nn.Module
         self._delta: list[torch.Tensor] = []
         self._active: torch.Tensor | None = None
         self.overlap = bool(overlap) and supports_async(comm)
@@ -89,12 +96,7 @@ class AllReduceEA:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"center_model needs an nn.Module, got {type(model).__name__}")
-        params = list(model.parameters())
-        center = self.center
-        if len(params) != len(center) or any(
-            p.shape != c.shape for p, c in zip(params, center, strict=True)
-        ):
-            raise ValueError("center_model: the model's parameters are not those being averaged")
+        center = [self.center[i] for i in self._center_order(list(model.parameters()))]
         out = copy.deepcopy(model)
         out.zero_grad(set_to_none=True)  # the copy is for inference or saving, not training
         with torch.no_grad():
@@ -102,10 +104,36 @@ class AllReduceEA:
                 p.copy_(c)
         return out
 
-    def _init(self, params: list[torch.Tensor]) -> None:
+    def _center_order(self, params: list[torch.Tensor]) -> list[int]:
+        """For each of `model`'s parameters, its place in the center.
+
+        By memory first: the tensors averaged may have come as a dict (walked in sorted
+        key order: "10" before "2") or a list in any order. Otherwise (the model was
+        moved or copied) in module order, which only a module's own average had."""
+        self.center  # noqa: B018 (raises before the first call)
+        where = {_storage(t): i for i, t in enumerate(self._given)}
+        order = [where.get(_storage(p.detach())) for p in params]
+        if len(params) == len(where) and None not in order:
+            return order  # type: ignore[return-value]
+        fits = len(params) == len(self._center) and all(
+            p.shape == c.shape for p, c in zip(params, self._center, strict=True)
+        )
+        if self._from_module and fits:
+            return list(range(len(params)))
+        raise ValueError(
+            "center_model: the model's parameters are not those being averaged"
+            + ("" if self._from_module else
+               " (AllReduceEA was given tensors, not this module: pass the module itself "
+               "to average_parameters, or rebuild the model from `center`)")
+        )  # fmt: skip
+
+    def _init(self, params: list[torch.Tensor], x: Any) -> None:
         if self._center is None:
             # The first call of any method, on every node: its first collective.
             check_same_layout(self.comm, params, "AllReduceEA")
+            # What center_model maps a module's parameters through (see _center_order).
+            self._given = list(params)
+            self._from_module = isinstance(x, nn.Module)
             with torch.no_grad():
                 self._center = [p.detach().clone() for p in params]
                 self._delta = [torch.zeros_like(p) for p in params]
@@ -136,7 +164,7 @@ class AllReduceEA:
     def average_parameters(self, x: Any) -> None:
         """Call once per training step; every `tau`-th call averages with the center."""
         params = parameters_of(x)
-        self._init(params)
+        self._init(params, x)
         self.steps += 1
         if self.steps % self.tau == 0:
             self._average(params, active=True, wait=not self.overlap)
@@ -154,7 +182,7 @@ class AllReduceEA:
         """End of epoch: wait out nodes with more steps, then make the center bitwise
         identical on all nodes (the root's), erasing float drift."""
         params = parameters_of(x)
-        self._init(params)
+        self._init(params, x)
         self._handle_uneven_steps(params)
         self.comm.scatter(self._center)
 
@@ -163,7 +191,7 @@ class AllReduceEA:
         center to them. Call at the start, or whenever replicas must agree exactly."""
         x = reusable(x)
         params = parameters_of(x)
-        self._init(params)
+        self._init(params, x)
         self._handle_uneven_steps(params)
         self.comm.scatter(state_of(x))
         with torch.no_grad():

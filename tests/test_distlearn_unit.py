@@ -3,6 +3,7 @@ communicator protocol on a real one-node gloo group (no other processes needed).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import inspect
 
@@ -528,3 +529,23 @@ def test_center_model_is_a_copy_holding_the_center(comm):
         ea.center_model(list(model.parameters()))
     with pytest.raises(ValueError, match="not those being averaged"):
         ea.center_model(nn.Linear(3, 4))
+
+
+def test_center_model_maps_tensors_given_as_a_dict_by_where_they_live(comm):
+    """A dict of parameters is averaged in sorted key order ("10" before "2"): the
+    center goes back into the module's own order, not position by position."""
+    model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(11)])
+    ea = AllReduceEA(comm, tau=1, alpha=0.5)
+    ea.synchronize_parameters(dict(model.named_parameters()))
+    center = ea.center_model(model)
+    for p, q in zip(center.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # Another instance of the model has no such map, and no module order to fall back on.
+    with pytest.raises(ValueError, match="was given tensors, not this module"):
+        ea.center_model(copy.deepcopy(model))
+    # Given the module, a moved or copied model is matched in module order.
+    ea = AllReduceEA(comm, tau=1, alpha=0.5)
+    ea.synchronize_parameters(model)
+    twin = copy.deepcopy(model)
+    for p, q in zip(ea.center_model(twin).parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
