@@ -107,16 +107,25 @@ if TYPE_CHECKING:
     from .seeding import item_rng, item_seed
 
 
-def _env_rank() -> tuple[int, int] | None:
-    """(RANK, WORLD_SIZE) from the environment (torchrun), or None when not set."""
-    if "WORLD_SIZE" not in os.environ:
-        return None
-    try:
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ["WORLD_SIZE"])
-    except ValueError as err:
-        raise ValueError(f"RANK/WORLD_SIZE must be integers ({err})") from None
-    return rank, world
+def _env_rank() -> tuple[int, int, str] | None:
+    """(rank, world size, which variables) from the launcher: torchrun's RANK and
+    WORLD_SIZE, else Slurm's SLURM_PROCID and SLURM_NTASKS (as `ipc.Tree.from_env`
+    reads them); None when neither is set."""
+    env = os.environ
+    for rank_var, world_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if world_var not in env:
+            continue
+        if rank_var not in env:
+            # Every process would read partition 0: the same data on every rank.
+            raise ValueError(f"${world_var} is set without ${rank_var}: set both, or neither")
+        try:
+            rank, world = int(env[rank_var]), int(env[world_var])
+        except ValueError as err:
+            raise ValueError(f"{rank_var}/{world_var} must be integers ({err})") from None
+        if not 0 <= rank < world:
+            raise ValueError(f"${rank_var}={rank} is not in [0, ${world_var}={world})")
+        return rank, world, f"{rank_var}/{world_var}"
+    return None
 
 
 def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, str]:
@@ -130,11 +139,15 @@ def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, 
     if partition is None and partitions is None:
         env = _env_rank()
         if env is not None and env[1] > 1:
-            return env[0], env[1], "RANK/WORLD_SIZE"
+            return env
         return 0, 1, "default"
     if partition == "auto":
-        env = _env_rank() or (0, 1)
-        return env[0], env[1], "RANK/WORLD_SIZE"
+        if partitions is not None:
+            raise ValueError(
+                f'partition="auto" reads the partition count from the environment too: '
+                f"leave out partitions={partitions!r}"
+            )
+        return _env_rank() or (0, 1, "no launcher variables: the whole index")
     if partition is None:
         partition = 0
     if isinstance(partition, bool) or not isinstance(partition, int):

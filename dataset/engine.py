@@ -42,12 +42,13 @@ def choose_workers(opts: WorkerOptions, in_memory: bool) -> tuple[str, int]:
 
     Items already in memory (tensor rows) need no fetch: decoded inline.
     """
-    kind, count = "process", max(1, min(os.cpu_count() or 1, 8))
+    processes = max(1, min(os.cpu_count() or 1, 8))
+    kind, count = "process", processes
     if in_memory:
         kind, count = "thread", 0
     if opts.workers is not None:
         if opts.workers != kind:
-            count = 1 if opts.workers == "thread" else count
+            count = 1 if opts.workers == "thread" else processes
         kind = opts.workers
     if opts.num_workers is not None:
         if opts.num_workers < (1 if kind == "process" else 0):

@@ -43,6 +43,7 @@ BUG_TYPES: tuple[type[BaseException], ...] = (
     TypeError,
     ImportError,
     SyntaxError,
+    SystemExit,  # sys.exit() in a processor: not a property of the item either
 )
 POLICIES = (None, "drop", "raise")
 

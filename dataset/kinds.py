@@ -215,7 +215,13 @@ def from_directory(root: str, multi_hot: bool = False) -> Index:
     found: list[tuple[str, str | None]] = []
     # each folder walked: the (device, inode) of it and of the folders above it
     above = {root: frozenset([_identity(root)])}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+
+    def unreadable(err: OSError) -> None:
+        # os.walk skips a folder it cannot list: a whole label (or part of one) would
+        # vanish from the index, and the label ids after it shift.
+        raise BadIndex(f"{err.filename}: cannot list this folder of the index ({err.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
         keep = []
         for d in dirnames:
             if d.startswith("."):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing import reduction
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import FetchError, WorkerDied
@@ -57,6 +58,27 @@ class BatchResult:
 
 # What a batch is decoded under: (seed, partition, epoch, position of its first item)
 Context = tuple[int, int, int, int]
+
+
+def _verdict(ret: Any) -> tuple[bool, Any]:
+    """(keep the item?, its extra) from what a processor returned: `ret` or `(ret, extra)`.
+
+    False drops the item, and so does numpy's False or a one-element torch bool that is
+    False (`return out.sum() > 0`); anything else keeps it (None, True, the `out` tensor
+    that `out.copy_(...)` returns; 0 too, as in torch-dataset's Lua, where 0 is true).
+    """
+    extra = None
+    if isinstance(ret, tuple):
+        if len(ret) != 2:
+            raise TypeError(
+                f"the processor returned a tuple of {len(ret)}; want (keep, extra) or a bool"
+            )
+        ret, extra = ret
+    if ret is False or isinstance(ret, np.bool_):
+        return bool(ret), extra
+    if isinstance(ret, torch.Tensor) and ret.dtype == torch.bool and ret.numel() == 1:
+        return bool(ret), extra
+    return True, extra
 
 
 async def fill(
@@ -97,16 +119,14 @@ async def fill(
                 ret = call_with_item(key, processor, data, opt, out[i])
             else:
                 ret = await handoff.submit(key, data, out[i])
-        except Exception as err:
+            kept, extra = _verdict(ret)
+        except (Exception, SystemExit) as err:  # (SystemExit: it would end the loop's thread)
             stats["dropped"] += 1
             kind = type(err).__name__
             cause = f"processor raised {kind}: {err}"
             res.errors.append(ItemFailure(i, PROCESS, cause, kind, err, traceback.format_exc()))
             return
-        extra = None
-        if isinstance(ret, tuple):
-            ret, extra = ret
-        if ret is False:
+        if not kept:
             stats["dropped"] += 1
             res.errors.append(ItemFailure(i, PROCESS, "processor returned False"))
             return

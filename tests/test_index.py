@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,6 +202,35 @@ def test_directory_index_follows_links_but_not_round_a_loop(tmp_path, caplog):
     assert "b/again: a link to a folder above it (a loop)" in caplog.text
 
 
+def test_directory_index_refuses_a_folder_it_cannot_list():
+    """os.walk passes over a folder it cannot list: a whole label vanished from the
+    index, silently, and the label ids after it shifted. Run as another user where
+    this one is root (root lists any folder)."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="unlistable-", dir="/tmp")
+    try:
+        for label in ("cat", "dog"):
+            os.makedirs(os.path.join(root, label))
+            write(Path(root, label, "1.png"), "x")
+        os.chmod(root, 0o755)
+        os.chmod(os.path.join(root, "cat"), 0o755)
+        os.chmod(os.path.join(root, "dog"), 0o300)  # may enter, may not list
+        code = f"from distlearn.dataset import Dataset; Dataset({root!r})"
+        cmd = [sys.executable, "-c", code]
+        if os.geteuid() == 0:
+            if shutil.which("setpriv") is None:
+                pytest.skip("root, and no setpriv to run as another user")
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0, run.stdout
+        assert f"BadIndex: {root}/dog: cannot list this folder of the index" in run.stderr
+    finally:
+        os.chmod(os.path.join(root, "dog"), 0o700)
+        shutil.rmtree(root)
+
+
 def test_directory_index_keeps_names_that_are_not_utf8(tmp_path):
     """A file named in Latin-1 (b'caf\\xe9.png') is in the index and read, as os.walk
     and open() find it; it made the index fail with UnicodeEncodeError."""
@@ -290,6 +320,27 @@ def test_partition_auto_reads_env(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     ds = Dataset(str(idx), partition="auto")
     assert (ds.partition, ds.partitions, len(ds.index)) == (2, 4, 3)  # examples 2, 6, 10
+
+
+def test_partition_auto_reads_slurm_and_refuses_half_an_environment(tmp_path, monkeypatch):
+    idx = write(tmp_path / "i.csv", "filename\n" + "".join(f"{i}\n" for i in range(10)))
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # srun, as ipc.Tree.from_env reads it
+    assert (Dataset(str(idx), partition="auto").partition, Dataset(str(idx)).partitions) == (1, 4)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun's win; without RANK every rank
+    with pytest.raises(ValueError, match=r"\$WORLD_SIZE is set without \$RANK"):  # reads 0
+        Dataset(str(idx), partition="auto")
+    with pytest.raises(ValueError, match=r"\$WORLD_SIZE is set without \$RANK"):
+        Dataset(str(idx))
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(ValueError, match=r"\$RANK=4 is not in \[0, \$WORLD_SIZE=4\)"):
+        Dataset(str(idx), partition="auto")
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ValueError, match="leave out partitions=2"):
+        Dataset(str(idx), partition="auto", partitions=2)
+    assert Dataset(str(idx), partition=0, partitions=1).partitions == 1  # explicit wins
 
 
 @pytest.mark.parametrize(

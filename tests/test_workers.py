@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 
@@ -291,3 +292,69 @@ def test_decode_threads_take_what_was_fetched_in_runs_and_keep_each_items_outcom
     assert isinstance(results[7], ValueError)
     assert "in processor" in "".join(traceback.format_exception(results[7]))
     assert out[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 8, 9]
+
+
+def _verdicts(item, opt, out):
+    """Keeps the even items, saying so one way or another (an item is one number)."""
+    out.copy_(item)
+    keep = int(item[0]) % 2 == 0
+    how = int(item[0]) // 2 % 4
+    if how == 0:
+        return keep
+    if how == 1:
+        return out if keep else False  # the tensor out.copy_() returns keeps it
+    if how == 2:
+        return np.bool_(keep)
+    return (out.sum() * 0 + int(keep)) > 0  # a one-element torch bool
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_a_processor_saying_false_in_numpy_or_torch_drops_the_item(workers):
+    """`return out.sum() > 0` is a one-element torch bool, numpy's comparisons give
+    numpy bools: their False dropped nothing before (only `is False` did)."""
+    ds = Dataset({"x": torch.arange(16.0).view(16, 1), "y": torch.zeros(16, dtype=torch.long)})
+    with ds.sampled_batcher(batch_size=16, input_dims=(1,), processor=_verdicts,
+                            workers=workers) as b:  # fmt: skip
+        batch = b.next_batch()
+        assert sorted(batch.input.view(-1).tolist()) == [float(i) for i in range(0, 16, 2)]
+        assert b.stats["dropped"] == 8
+
+
+def test_a_processor_returning_a_malformed_tuple_is_a_bug_named_as_such():
+    ds = Dataset({"x": torch.arange(4.0).view(4, 1), "y": torch.zeros(4, dtype=torch.long)})
+    for ret, match in (((True,), "tuple of 1"), ((True, 1, 2), "tuple of 3")):
+        with (
+            ds.sampled_batcher(batch_size=4, input_dims=(1,), workers="thread",
+                               processor=lambda item, opt, out, r=ret: r) as b,
+            pytest.raises(TypeError, match=match),
+        ):  # fmt: skip
+            b.next_batch()
+
+
+@pytest.mark.timeout(120)
+def test_sys_exit_in_a_processor_is_raised_not_a_stuck_worker():
+    """SystemExit escaped the item's handler and ended the fetch loop's thread: the
+    batch waited for worker_timeout (600 s) and was then called stuck."""
+
+    def gives_up(item, opt, out):
+        sys.exit("decoder gave up")
+
+    ds = Dataset({"x": torch.arange(4.0).view(4, 1), "y": torch.zeros(4, dtype=torch.long)})
+    start = time.monotonic()
+    with (
+        ds.sampled_batcher(batch_size=4, input_dims=(1,), processor=gives_up,
+                           workers="thread", num_workers=1, worker_timeout=60) as b,
+        pytest.raises(SystemExit, match="decoder gave up"),
+    ):  # fmt: skip
+        b.next_batch()
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(180)
+def test_process_workers_on_an_index_in_memory():
+    """workers="process" on a tensor index started no process (the in-memory default
+    is no worker) and the first batch failed with "min() arg is an empty sequence"."""
+    ds = Dataset({"x": torch.arange(8.0).view(8, 1), "y": torch.arange(8) % 2})
+    with ds.sampled_batcher(batch_size=4, input_dims=(1,), workers="process") as b:
+        assert sorted(b.next_batch().input.view(-1).tolist()) == [0.0, 1.0, 2.0, 3.0]
