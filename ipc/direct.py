@@ -47,7 +47,7 @@ import torch
 
 from . import runtime, wire
 from .auth import Secret
-from .link import _env_float
+from .envvars import env_float
 from .wire import WireError
 
 NONCE = 32
@@ -57,7 +57,7 @@ SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
 # A blocked reader polls without sleeping for this long first ($IPC_DIRECT_SPIN_US):
 # a reply that comes within a round trip is then read without a sleep and a wake-up,
 # which on an idle virtual machine (a halted vCPU to wake) cost more than the trip.
-SPIN_S = _env_float("IPC_DIRECT_SPIN_US", 100.0) * 1e-6
+SPIN_S = env_float("IPC_DIRECT_SPIN_US", 100.0) * 1e-6
 HELLO_TIMEOUT = 5.0  # an accepted socket has this long to show a nonce
 MAX_WAITING = 64  # sockets that have not shown a nonce, at most (the oldest go first)
 MAX_TAKEN = 1 << 16

@@ -61,7 +61,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import runtime, wire
 from .auth import Secret, nonce
-from .errors import AuthError, IPCTimeoutError, PeerError
+from .envvars import env_float
+from .errors import AuthError, IPCError, IPCTimeoutError, PeerError
 from .wire import Kind, WireError
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,6 @@ _DIALER_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        raise ValueError(f"${name}={os.environ[name]!r} is not a number") from None
 
 
 @dataclass(frozen=True)
@@ -107,7 +101,7 @@ class Liveness:
     @staticmethod
     def from_env() -> Liveness:
         return Liveness(
-            _env_float("IPC_HEARTBEAT_INTERVAL", 1.0), _env_float("IPC_HEARTBEAT_TIMEOUT", 6.0)
+            env_float("IPC_HEARTBEAT_INTERVAL", 1.0), env_float("IPC_HEARTBEAT_TIMEOUT", 6.0)
         )
 
     def __post_init__(self):
@@ -342,29 +336,36 @@ class Endpoint:
             router.setsockopt(zmq.PLAIN_SERVER, 1)
         self._router_monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         for spec in bind:
-            if spec == "ipc":
-                path = runtime.socket_path("l")
-                router.bind(f"ipc://{path}")
-                self._socket_files.append(path)
-                self.addresses.append(f"ipc://{path}")
-            elif spec.startswith("tcp://"):
-                host, _, port = spec[len("tcp://") :].rpartition(":")
-                if port in ("", "0", "*"):
-                    port = str(router.bind_to_random_port(f"tcp://{host}"))
-                else:
-                    router.bind(spec)
-                self.addresses.append(f"tcp://{host}:{port}")
-            elif spec.startswith("ipc://"):
-                router.bind(spec)
-                self._socket_files.append(spec[len("ipc://") :])
-                self.addresses.append(spec)
-            else:
-                raise ValueError(
-                    f"cannot listen on {spec!r}: want 'ipc', ipc://PATH or tcp://HOST:PORT"
-                )
+            try:
+                self._bind_one(router, spec)
+            except zmq.ZMQError as err:
+                why = "in use" if err.errno == zmq.EADDRINUSE else str(err)
+                raise IPCError(f"{self.name}: cannot listen on {spec}: {why}") from None
         self._bound = list(self.addresses)
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._router_monitor, zmq.POLLIN)
+
+    def _bind_one(self, router: zmq.Socket, spec: str) -> None:
+        if spec == "ipc":
+            path = runtime.socket_path("l")
+            router.bind(f"ipc://{path}")
+            self._socket_files.append(path)
+            self.addresses.append(f"ipc://{path}")
+        elif spec.startswith("tcp://"):
+            host, _, port = spec[len("tcp://") :].rpartition(":")
+            if port in ("", "0", "*"):
+                port = str(router.bind_to_random_port(f"tcp://{host}"))
+            else:
+                router.bind(spec)
+            self.addresses.append(f"tcp://{host}:{port}")
+        elif spec.startswith("ipc://"):
+            router.bind(spec)
+            self._socket_files.append(spec[len("ipc://") :])
+            self.addresses.append(spec)
+        else:
+            raise ValueError(
+                f"cannot listen on {spec!r}: want 'ipc', ipc://PATH or tcp://HOST:PORT"
+            )
 
     def _zap_check(self, mechanism: bytes, creds: list[bytes], address: str) -> bool:
         if self._curve is not None:

@@ -69,9 +69,10 @@ class Packed:
                 by_dtype.setdefault(t.dtype, []).append(t)
         self.groups: list[Group] = []
         for dtype, ts in by_dtype.items():
-            if len(ts) == 1 and ts[0].is_cpu and ts[0].is_contiguous():
-                # Zero-copy: reduce straight into the caller's tensor.
-                t = ts[0]
+            t = ts[0]
+            if len(ts) == 1 and t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+                # Zero-copy: reduce straight into the caller's tensor (not a lazy
+                # conjugate, x.conj(): its memory holds the values before conjugation).
                 flat = t if t.dim() == 1 else t.view(-1)
                 self.groups.append(Group(dtype, ts, flat, aliased=True))
                 continue

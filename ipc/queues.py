@@ -42,6 +42,7 @@ import atexit
 import contextlib
 import json
 import logging
+import multiprocessing.util
 import os
 import re
 import threading
@@ -341,6 +342,7 @@ class _Remote:
             self.endpoint.close(linger=0)
             raise
         _REMOTES.add(self)
+        _flush_at_exit()
 
     def put(self, name: str, obj: object) -> str:
         """Send a write without waiting for it (OPEN: the broker's answer is not awaited)."""
@@ -418,6 +420,16 @@ def close_remotes() -> None:
 
 
 atexit.register(close_remotes)
+_flushing_in: list[int] = []  # the process that registered the hook below
+
+
+def _flush_at_exit() -> None:
+    """A multiprocessing child ends with os._exit, skipping atexit: its writes would be
+    lost. Its own exit hook (the finalizers it runs after the target returns) flushes
+    them instead; registered in the process that writes (a fork's copy is cleared)."""
+    if _flushing_in != [os.getpid()]:
+        _flushing_in[:] = [os.getpid()]
+        multiprocessing.util.Finalize(None, close_remotes, exitpriority=100)
 
 
 # ---- WorkQueue ----------------------------------------------------------------------------
@@ -442,6 +454,7 @@ class WorkQueue:
         self._remote: _Remote | None = None
         self._closed = False
         self._late = False  # a worker that came after its owner had closed the queue
+        self._opened_in = os.getpid()
         directory = runtime.runtime_dir()
         for _ in range(3):
             info = self._read_owner(directory)
@@ -475,6 +488,8 @@ class WorkQueue:
             return
         try:
             self._remote = _Remote(info["address"], info["secret"], label)
+            # Dropped without close() (a function that returns): its writes still go.
+            weakref.finalize(self, self._remote.close)
         except IPCError:
             again = self._read_owner(directory)
             if again is None or again.get("closed") is not True:
@@ -506,8 +521,17 @@ class WorkQueue:
         return f"WorkQueue({self.name!r}, {'owner' if self.owner else 'worker'})"
 
     def _check(self) -> None:
+        self._check_process()
         if self._closed:
             raise IPCError(f"ipc: the work queue {self.name!r} is closed here")
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._opened_in:
+            # A forked copy: its broker thread or link did not come along.
+            raise IPCError(
+                f"ipc: a forked child cannot use its parent's work queue {self.name!r}: "
+                f"open it in the child (ipc.WorkQueue({self.name!r}) makes it a worker)"
+            )
 
     def write(self, obj: object, timeout: float | None = None) -> None:
         """Owner: one item for one worker; with `maxsize`, waits while that many items
@@ -532,6 +556,7 @@ class WorkQueue:
     def read(self, timeout: float | None = None) -> object:
         """Owner: the next result. Worker: the next item, or None once the owner closed the
         queue and every item was handed out. Blocks until then."""
+        self._check_process()
         if self._broker is not None:
             return self._broker.get("up", True, timeout)[1]
         self._check()
@@ -547,6 +572,7 @@ class WorkQueue:
         leave the queue."""
         if self._closed:
             return
+        self._check_process()
         self._closed = True
         if self._remote is not None:
             self._remote.close()
@@ -646,6 +672,8 @@ class Channel:
             return self._broker
         if self._remote is None or self._remote.pid != os.getpid():
             self._remote = _Remote(self._address, self._secret, "channel")
+            # Dropped without the process ending (a worker's copy): its writes still go.
+            weakref.finalize(self, self._remote.close)
         return self._remote
 
     def write(self, obj: object) -> str:

@@ -580,6 +580,14 @@ class Client:
         secret = given_secret(token, token_file)
         record = _local_record(port) if _is_loopback(host) else {}
         if secret is None:
+            if not record and _is_loopback(host):
+                # No server of ours there (a live one leaves a record even when it was
+                # given its token): most likely nobody listens; say that, not "set a token".
+                raise PeerError(
+                    f"Client({host!r}, {port}): no server of this user listens on port "
+                    f"{port} of this host (not started, or closed); for another user's "
+                    "server, pass its token (token=, $IPC_TOKEN or $IPC_TOKEN_FILE)"
+                )
             if "token" not in record:
                 raise missing_secret_error(
                     f"Client({host!r}, {port}) has no token (and no server of ours on this "

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from . import cma
+from .envvars import env_float
 from .errors import IPCTimeoutError, MismatchError, PeerError
 from .hostops import copy
 
@@ -94,7 +95,7 @@ LINES = 7
 # (a training step's skew is milliseconds of compute: spinning would only take
 # the core from data-loading workers, 4% of MNIST throughput measured) and
 # doubles back each time a spin succeeds.
-SPIN_S = float(os.environ.get("IPC_SHM_SPIN_US", "1000")) * 1e-6
+SPIN_S = env_float("IPC_SHM_SPIN_US", 1000.0) * 1e-6
 SPIN_MIN_S = min(SPIN_S, 20e-6)
 # A sleeper re-reads the counters this often even without a wake-up byte: the
 # backstop for a wake-up lost between its "sleeping" mark and the last arrival.
@@ -487,7 +488,7 @@ class SharedMemoryGroup:
             ptrs = [g.data_ptr() for gs, _ in jobs for g in gs]
             ADDRESSES.pack_into(ctl, line(me, 3 + parity), *ptrs, *[0] * (MAX_GROUPS - len(ptrs)))
         groups = head_groups
-        if head_bytes <= self.capacity and writes and not direct:
+        if 0 < head_bytes <= self.capacity and writes and not direct:
             self._copy_in(groups, offsets, parity, sliced)
         self.barrier()
         contributors = []

@@ -45,6 +45,7 @@ from . import hostops
 from . import shm as shm_mod
 from .auth import TOKEN_ENV, TOKEN_FILE_ENV
 from .engine import Engine
+from .envvars import env_float
 from .errors import IPCError
 from .link import Endpoint, Limits, Link, Liveness
 from .pack import Nested, Packed, flatten
@@ -56,9 +57,9 @@ from .topology import build_tree
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = float(os.environ.get("IPC_TIMEOUT", "300"))
+DEFAULT_TIMEOUT = env_float("IPC_TIMEOUT", 300.0)
 DEFAULT_CHUNK = 1 << 20
-DEFAULT_STALL_WARNING = float(os.environ.get("IPC_STALL_WARNING", "30"))
+DEFAULT_STALL_WARNING = env_float("IPC_STALL_WARNING", 30.0)
 SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the links
 # While collectives run back to back the communication thread has nothing to do; it looks
 # ever less often (each wake-up takes the interpreter's lock from the caller), up to this.

@@ -190,7 +190,8 @@ def encode(obj: object, max_frame: int = 1 << 20) -> tuple[dict, list]:
         if isinstance(v, torch.Tensor):
             if v.dtype not in DTYPE_NAMES:
                 raise WireError(f"cannot send dtype {v.dtype}")
-            t = v.detach()
+            # (a lazy conjugate or negation, x.conj(): its bytes are not its values)
+            t = v.detach().resolve_conj().resolve_neg()
             if t.device.type != "cpu":
                 t = t.to("cpu")
             t = t.contiguous()

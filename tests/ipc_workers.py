@@ -626,6 +626,24 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         out["nested"] = s
         out["barrier-net"] = tree.net_stats()["collectives"]
         tree.close()
+    elif scenario == "empty_and_lazy":
+        # An empty tensor as the tree's first collective (the shared-memory slots are
+        # made lazily: copying into none broke the tree), then lazily conjugated and
+        # negated views (x.conj(): their memory holds the values before conjugation).
+        tree = tree_from_args(node, n, key)
+        out["count-empty"] = tree.all_reduce(torch.zeros(0))
+        tree.scatter(torch.zeros(0))
+        z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (node + 1)
+        conj = z.conj()
+        out["count-conj"] = tree.all_reduce(conj)
+        out["conj"] = conj.resolve_conj()
+        neg = (torch.arange(3.0) * (node + 1))._neg_view()
+        tree.all_reduce(neg)
+        out["neg"] = neg.resolve_neg()
+        ones = torch.ones(2)
+        out["count-after"] = tree.all_reduce(ones)
+        out["after"] = ones
+        tree.close()
     elif scenario == "noncontig":
         tree = tree_from_args(node, n, key)
         base = node_tensor(node, (6, 8), torch.float32)

@@ -117,6 +117,19 @@ def test_non_contiguous(shm, tmp_path):
 
 
 @pytest.mark.parametrize("shm", TRANSPORTS)
+def test_an_empty_first_collective_and_lazily_conjugated_tensors(shm, tmp_path):
+    n = 2
+    results, _ = run_tree("empty_and_lazy", n, tmp_path, shm=shm)
+    total = sum(k + 1 for k in range(n))
+    want_conj = (torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * total).conj()
+    for r in results:
+        assert r["count-empty"] == n and r["count-conj"] == n and r["count-after"] == n
+        assert torch.equal(r["conj"], want_conj.resolve_conj())
+        assert torch.equal(r["neg"], -torch.arange(3.0) * total)
+        assert torch.equal(r["after"], torch.full((2,), float(n)))
+
+
+@pytest.mark.parametrize("shm", TRANSPORTS)
 def test_big_tensor_64mib(shm, tmp_path):
     n = 2
     results, _ = run_tree("big", n, tmp_path, timeout=120, shm=shm)
@@ -319,3 +332,18 @@ def test_netns_over_tcp(netns_pair, tmp_path):  # noqa: F811
     assert 2 not in links0
     assert results[2]["stats"]["links"][1]["address"].startswith("ipc://")
     assert links0[1]["bytes_sent"] >= 4 << 20 and links0[1]["bytes_recv"] >= 4 << 20
+
+
+@pytest.mark.parametrize(
+    "var, value, says",
+    [("IPC_TIMEOUT", "5min", "is not a number"), ("IPC_STALL_WARNING", "nan", "is not a finite"),
+     ("IPC_SHM_SPIN_US", "1us", "is not a number")],
+)  # fmt: skip
+def test_a_bad_tuning_variable_is_named_when_ipc_is_imported(var, value, says):
+    """float()'s bare "could not convert string to float: '5min'" named no variable, and
+    IPC_TIMEOUT=nan was taken (a collective that never times out)."""
+    env = {**repo_env(), var: value}
+    run = subprocess.run([sys.executable, "-c", "from distlearn import ipc"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode != 0
+    assert f"${var}={value!r} {says}" in run.stderr

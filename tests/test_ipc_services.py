@@ -348,6 +348,26 @@ def test_a_client_is_told_at_once_that_nothing_listens():
         assert time.monotonic() - start < 5
 
 
+def test_without_a_token_and_without_a_server_of_ours_the_error_says_nobody_listens():
+    """It said "has no token ... set IPC_TOKEN", sending the user after a secret when
+    the server was simply not there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(ipc.PeerError, match=f"no server of this user listens on port {port}"):
+            ipc.Client("127.0.0.1", port, timeout=30)
+
+
+def test_a_port_in_use_is_an_ipc_error_naming_it():
+    with (
+        ipc.Server("127.0.0.1", 0, token=TOKEN) as first,
+        pytest.raises(
+            ipc.IPCError, match=rf"cannot listen on tcp://127\.0\.0\.1:{first.port}: in use"
+        ),
+    ):
+        ipc.Server("127.0.0.1", first.port, token=TOKEN)
+
+
 _ECHO_SERVER = """
 import contextlib, sys
 from distlearn import ipc
@@ -362,9 +382,10 @@ with ipc.Server("127.0.0.1", int(sys.argv[1]), token=sys.argv[2] or None) as ser
 
 def test_a_killed_servers_record_is_passed_over(short_tmp):
     """A SIGKILLed loopback server leaves its record (Unix socket, random token). A client
-    neither takes that token nor dials that dead socket: with no token it is told so at
-    once; with one, it reaches over TCP whoever listens on the port now (here a server
-    whose own record is in another runtime directory: another user's, or another TMPDIR)."""
+    neither takes that token nor dials that dead socket: with no token it is told at
+    once that no server of this user is there; with one, it reaches over TCP whoever
+    listens on the port now (here a server whose own record is in another runtime
+    directory: another user's, or another TMPDIR)."""
     first = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, "0", ""], env=repo_env(),
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     port = int(first.stdout.readline())
@@ -377,7 +398,7 @@ def test_a_killed_servers_record_is_passed_over(short_tmp):
                               text=True)  # fmt: skip
     try:
         start = time.monotonic()
-        with pytest.raises(ipc.IPCError, match="no token"):
+        with pytest.raises(ipc.PeerError, match="no server of this user listens"):
             ipc.Client("127.0.0.1", port, timeout=30)
         assert time.monotonic() - start < 5
         assert int(second.stdout.readline()) == port
@@ -1006,6 +1027,46 @@ def test_channel_pickles_to_a_spawned_process():
     with children(p):
         ch.write("hello across spawn")
         assert out.get(timeout=60) == "hello across spawn"
+
+
+def _writes_and_returns(ch, name, k):
+    torch.set_num_threads(1)
+    q = ipc.WorkQueue(name)
+    for i in range(20):
+        ch.write((k, i))
+        q.write({"k": k, "i": i, "x": torch.zeros(100_000)})  # through shared memory
+    # no close(): the function returns, and multiprocessing ends the child with os._exit
+
+
+def test_writes_from_multiprocessing_children_all_arrive():
+    """Writes are sent without waiting and were flushed at exit by atexit, which a
+    multiprocessing child skips (os._exit): a fork child lost a third of them."""
+    name = f"mp-{os.getpid()}"
+    ch, q = ipc.Channel(), ipc.WorkQueue(name)
+    try:
+        fork = multiprocessing.get_context("fork")
+        procs = [fork.Process(target=_writes_and_returns, args=(ch, name, k)) for k in range(2)]
+        with children(*procs):
+            pass
+        assert [p.exitcode for p in procs] == [0, 0]
+        got = sorted(ch.read(block=False)[1] for _ in range(40))
+        assert got == sorted((k, i) for k in range(2) for i in range(20))
+        results = [q.read(timeout=10) for _ in range(40)]
+        assert sorted((r["k"], r["i"]) for r in results) == got
+    finally:
+        q.close(timeout=10)
+        ch.close()
+
+
+def test_a_forked_copy_of_a_work_queue_is_an_error_not_lost_writes():
+    """A map closure using its parent's WorkQueue object wrote into the child's dead
+    copy of the owner's broker: the write returned, and the item was gone."""
+    q = ipc.WorkQueue(f"forked-{os.getpid()}")
+    try:
+        with pytest.raises(ipc.WorkerError, match="a forked child cannot use its parent's work"):
+            ipc.map(1, lambda i: q.write(i)).join(timeout=60)
+    finally:
+        q.close(timeout=10)
 
 
 def blocked_reader(ch):
