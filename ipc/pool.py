@@ -18,7 +18,8 @@ the other workers are stopped (SIGTERM, then SIGKILL) and `join()` raises
 - `PeerError` naming a worker that died without a result (SIGKILL, os._exit)
   and the signal or exit code;
 - `IPCTimeoutError` after `timeout` seconds.
-Workers die with the parent (PR_SET_PDEATHSIG), so none outlives a killed job.
+Workers die with the parent process (a pidfd watched in each), so none outlives a
+killed job; a worker frozen past the heartbeats (SIGSTOP) is a PeerError too.
 A map still running when the parent's interpreter exits (no `join()`: an
 exception, or a return before it) is stopped the same way, with a warning:
 multiprocessing would otherwise wait at exit for workers that may wait on the
@@ -37,6 +38,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import threading
 import time
@@ -79,23 +81,39 @@ class RemoteTraceback(Exception):
         return f'\n"""\n{self.tb}"""'
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(parent: int) -> None:
+    """End this worker (SIGKILL) when the parent process ends.
+
+    PR_SET_PDEATHSIG alone fires when the parent *thread* that forked the worker ends: a
+    map started from a thread pool's thread lost every worker as that thread finished.
+    So the parent process is watched through a pidfd (readable once it has exited); the
+    death signal stays as the fallback where there is no pidfd (Linux < 5.3)."""
+    try:
+        fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)  # the parent died before we set the death signal
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ipc.map parent", daemon=True).start()
 
 
 def _worker(
-    address: str, secret_text: str, fn: Callable, args: tuple, i: int, forked: bool
+    address: str, secret_text: str, fn: Callable, args: tuple, i: int, forked: bool, parent: int
 ) -> None:
     """One worker: dial the parent, run fn, send its result or its exception."""
-    _die_with_parent()
+    _die_with_parent(parent)
     if forked:
         # torch's OpenMP pool does not survive fork(): a parallel op would wait forever on
         # the parent's threads. One thread, as DataLoader's forked workers run.
         torch.set_num_threads(1)
-    if os.getppid() == 1:
-        os._exit(1)  # the parent died before we set the death signal
     ep = Endpoint(Secret(secret_text, "map"), f"map worker {i}", info={"i": i, "pid": os.getpid()})
     try:
         link = ep.dial(address, reconnect=False)
@@ -164,7 +182,7 @@ class Map:
             for i in range(n):
                 p = ctx.Process(
                     target=_worker,
-                    args=(self._ep.addresses[0], secret.text, fn, args, i, forked),
+                    args=(self._ep.addresses[0], secret.text, fn, args, i, forked, os.getpid()),
                     name=f"ipc.map worker {i}",
                     daemon=False,  # a worker may start processes of its own
                 )
@@ -174,6 +192,7 @@ class Map:
             self._stop()
             raise
         self._abort = False
+        self._link_ended: dict[int, float] = {}  # worker -> when its link was seen ended
         self._thread = threading.Thread(target=self._watch, name="ipc.map", daemon=True)
         self._thread.start()
         _watch_exit(self)
@@ -223,6 +242,22 @@ class Map:
             ended = all(p.exitcode is not None for p in self._procs)
             self._ep.poll(0 if ended else 0.05)
             self._take()
+            for i, link in list(self._links.items()):
+                if self._done[i] or link.dead is None or self._procs[i].exitcode is not None:
+                    continue
+                # Alive but silent past the heartbeats' timeout: frozen (SIGSTOP, a
+                # debugger) or cut off; waiting for its exit would wait for ever. (A
+                # second's grace: a killed worker's link ends before its exit is seen.)
+                seen = self._link_ended.setdefault(i, time.monotonic())
+                if time.monotonic() - seen > 1.0:
+                    pid = self._procs[i].pid
+                    self._fail(
+                        PeerError(
+                            f"ipc.map: worker {i} (pid {pid}) is alive but its link ended "
+                            f"({link.dead}): frozen past the heartbeats' timeout, or cut off",
+                            i,
+                        )
+                    )
             for i, p in enumerate(self._procs):
                 if self._done[i] or p.exitcode is None:
                     continue

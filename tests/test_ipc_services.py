@@ -789,6 +789,31 @@ def test_map_reports_a_worker_killed_by_a_signal():
         ipc.map(3, killed_worker).join(timeout=60)
 
 
+def test_a_map_started_from_a_thread_that_ends_keeps_its_workers():
+    """PR_SET_PDEATHSIG fires when the forking *thread* ends: a map made in a thread
+    pool's thread lost every worker (SIGKILL) as that thread finished."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(ipc.map(2, lambda i: (time.sleep(1), i)[1])))
+    t.start()
+    t.join()
+    assert box[0].join(timeout=60) == [0, 1]
+
+
+def test_a_frozen_map_worker_is_named_not_waited_for():
+    """A SIGSTOPped worker never exits: join() waited on its exit code for ever, though
+    the heartbeats had already ended its link."""
+
+    def worker(i):
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return i
+
+    start = time.monotonic()
+    with pytest.raises(ipc.PeerError, match=r"worker 1 .* frozen past the heartbeats"):
+        ipc.map(2, worker).join(timeout=60)
+    assert time.monotonic() - start < 40
+
+
 def test_map_a_result_that_cannot_travel_is_an_error_not_a_pickle():
     with pytest.raises(ipc.WorkerError, match="cannot send a object"):
         ipc.map(1, lambda i: object()).join(timeout=60)
