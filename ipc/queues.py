@@ -369,7 +369,9 @@ class _Remote:
         # else: the answer to a read that timed out is still to come; it is this read's
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            item = ep.recv(time.monotonic() + 1.0 if deadline is None else deadline)
+            # In slices of a second: a dead owner is noticed within one, not at the deadline.
+            step = time.monotonic() + 1.0
+            item = ep.recv(step if deadline is None else min(step, deadline))
             if item is not None and self.bulk.control(*item):
                 continue
             if item is not None:

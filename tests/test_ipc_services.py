@@ -1094,6 +1094,27 @@ def test_a_forked_copy_of_a_work_queue_is_an_error_not_lost_writes():
         q.close(timeout=10)
 
 
+def _channel_owner(out):
+    ch = ipc.Channel()
+    out.put(ch)  # pickled: its address and secret
+    time.sleep(600)
+
+
+def test_a_read_with_a_timeout_notices_a_dead_owner_within_seconds():
+    """A read with a timeout waited the whole timeout for an owner that had died (one
+    without noticed it within a second)."""
+    fork = multiprocessing.get_context("fork")
+    out = fork.Queue()
+    p = fork.Process(target=_channel_owner, args=(out,))
+    with children(p):
+        ch = out.get(timeout=60)
+        threading.Timer(1.0, os.kill, (p.pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(ipc.PeerError, match=r"its owner .* is gone"):
+            ch.read(timeout=120)
+        assert time.monotonic() - start < 20
+
+
 def blocked_reader(ch):
     ch.read(block=True)  # waits: killed while its read is outstanding
 
