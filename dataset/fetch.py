@@ -321,19 +321,22 @@ class Fetcher:
         if isinstance(source, src.Joined):
             return [await self.fetch(s, stats) for s in source]
         key = source
-        if self.cache is not None:
+        url, offset, length = source if isinstance(source, tuple) else (source, None, None)
+        # A local file is read where it lies: a copy in the cache (keyed by its name
+        # alone) would only go stale when the file changes.
+        cached = self.cache is not None and src.local_path(url) is None
+        if cached:
             data = self.cache.get(key)
             if data is not None:
                 if stats is not None:
                     stats["fetched"] += 1
                     stats["bytes"] += len(data)
                 return data
-        url, offset, length = source if isinstance(source, tuple) else (source, None, None)
         data = await self._fetch_with_retries(url, offset, length, stats)
         if stats is not None:
             stats["fetched"] += 1
             stats["bytes"] += len(data)
-        if self.cache is not None:
+        if cached:
             # off the loop: a put writes and syncs a file
             await asyncio.get_running_loop().run_in_executor(None, self.cache.put, key, data)
         return data

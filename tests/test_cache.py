@@ -41,6 +41,20 @@ def test_put_get_keyed_by_url(tmp_path):
     assert cache.size() == 0 and cache.get("http://h/a") is None
 
 
+def test_local_files_are_read_where_they_lie_not_from_the_cache(tmp_path):
+    """Keyed by the path alone, a cached local file was served stale after it changed."""
+    from distlearn.dataset import Fetcher
+
+    item = tmp_path / "item.bin"
+    item.write_bytes(b"OLD!")
+    cache = Cache(tmp_path / "c")
+    with Fetcher(cache=cache) as f:
+        assert f.read(str(item)) == b"OLD!"
+        item.write_bytes(b"NEW!")
+        assert f.read(str(item)) == b"NEW!"
+    assert str(item) not in cache and cache.size() == 0
+
+
 def test_default_dir_and_bad_limit(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTLEARN_CACHE", str(tmp_path / "env"))
     assert Cache().root == tmp_path / "env"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,25 @@ def test_option_values_are_checked_when_the_dataset_is_built(tmp_path):
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
             Dataset(missing, **bad)
+
+
+def test_sampled_batchers_own_arguments_are_checked_where_given():
+    """They failed at the first batch, with numpy's or torch's message ("expected
+    non-negative integer"), or not at all (seed=1.5 was truncated)."""
+    ds = Dataset({"x": torch.zeros(4, 2)})
+    for bad, match in [
+        (dict(seed=-1), "seed must be an int >= 0, got -1"),
+        (dict(seed=1.5), "seed must be an int >= 0, got 1.5"),
+        (dict(seed="a"), "seed must be an int >= 0"),
+        (dict(batch_size=2.5), "batch_size must be an int >= 1, got 2.5"),
+        (dict(batch_size=0), "batch_size must be an int >= 1, got 0"),
+        (dict(input_dims=(0,)), r"input_dims \(0,\): each size must be an int >= 1"),
+        (dict(input_dims=(2, -1)), r"input_dims \(2, -1\): each size"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ds.sampled_batcher(**{"input_dims": (2,), **bad})
+    ds.sampled_batcher(batch_size=np.int64(2), seed=np.int64(3), input_dims=(2,),
+                       workers="thread").close()  # fmt: skip
 
 
 def test_flat_keywords_reach_their_group_and_batchers_override_them():
