@@ -366,8 +366,13 @@ class SharedMemoryGroup:
         words, mine_at = self._words, self._arrivals[self.node]
         try:
             mine = _map(path, 2 * cap, create=True)
-        except ShmFull:
+        except OSError as err:
+            # No room (ShmFull), or the name taken: /dev/shm is everyone's, and another
+            # user may create our next segment's name first (O_EXCL refuses to share it).
+            # Either way the group goes on over the sockets, never fails.
             mine = None
+            if not isinstance(err, ShmFull):
+                log.warning("ipc: node %d cannot create %s (%s)", self.node, path, err)
         words[mine_at + GROW_GEN] = self._gen
         words[mine_at + GROW_OK] = int(mine is not None)
         self.barrier()
@@ -382,9 +387,10 @@ class SharedMemoryGroup:
             self.limit = self.capacity
             if self.node == 0:
                 log.warning(
-                    "ipc: %s cannot hold %d nodes' slots of %d MiB (nodes %s could not allocate): "
-                    "collectives above %d KiB go through the sockets instead. Give the "
-                    "container a larger /dev/shm (e.g. docker run --shm-size=1g)",
+                    "ipc: %s cannot hold %d nodes' slots of %d MiB (nodes %s could not allocate; "
+                    "or their names were taken: see their warnings): collectives above %d KiB "
+                    "go through the sockets instead. Give the container a larger /dev/shm "
+                    "(e.g. docker run --shm-size=1g)",
                     SHM_DIR, self.n, 2 * cap >> 20, failed, self.capacity >> 10,
                 )  # fmt: skip
             return False

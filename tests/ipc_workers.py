@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from distlearn import ipc
+from distlearn.ipc import shm as shm_mod
 
 DTYPES = [torch.float16, torch.float32, torch.float64, torch.int64]
 
@@ -626,6 +627,22 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         out["nested"] = s
         out["barrier-net"] = tree.net_stats()["collectives"]
         tree.close()
+    elif scenario == "planted":
+        # Another process (any user: /dev/shm is everyone's) creates the name of this
+        # node's next slot segment first: the group goes on over the sockets.
+        tree = tree_from_args(node, n, key)
+        group = tree._shm
+        planted = None
+        if node == 1 and group is not None:
+            planted = shm_mod._segment(group.prefix, f"{node}-{group._gen + 1}", os.getpid())
+            planted.write_bytes(b"not yours")
+        t = torch.full((1 << 20,), float(node + 1))  # 4 MiB: the first slots are made
+        out["count"] = tree.all_reduce(t)
+        out["ok"] = bool((t == sum(range(1, n + 1))).all())
+        out["shm"] = tree.net_stats()["shm"]
+        tree.close()
+        if planted is not None:
+            planted.unlink()
     elif scenario == "empty_and_lazy":
         # An empty tensor as the tree's first collective (the shared-memory slots are
         # made lazily: copying into none broke the tree), then lazily conjugated and

@@ -129,6 +129,17 @@ def test_an_empty_first_collective_and_lazily_conjugated_tensors(shm, tmp_path):
         assert torch.equal(r["after"], torch.full((2,), float(n)))
 
 
+def test_a_slot_name_taken_in_dev_shm_sends_collectives_over_the_sockets(tmp_path):
+    """Another user could create the name of a node's next segment first (O_EXCL then
+    refuses it): the first large all_reduce raised FileExistsError on every node and the
+    tree was broken. Now the group keeps going over the sockets, with a warning."""
+    n = 2
+    results, logs = run_tree("planted", n, tmp_path)
+    for r in results:
+        assert r["count"] == n and r["ok"]
+    assert any("cannot create" in text and "File exists" in text for text in logs), logs
+
+
 @pytest.mark.parametrize("shm", TRANSPORTS)
 def test_big_tensor_64mib(shm, tmp_path):
     n = 2
