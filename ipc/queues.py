@@ -334,6 +334,7 @@ class _Remote:
         self.closed = False
         self.asked: str | None = None  # the queue of a read still unanswered
         self.held: tuple[list, bulk._Memory | None] | None = None  # the last item read
+        self.closed_seen: dict[str, str] = {}  # queue -> CLOSED/DRAINED, once a read said so
         try:
             self.link = self.endpoint.dial(address, reconnect=False)
             self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
@@ -345,7 +346,10 @@ class _Remote:
         _flush_at_exit()
 
     def put(self, name: str, obj: object) -> str:
-        """Send a write without waiting for it (OPEN: the broker's answer is not awaited)."""
+        """Send a write without waiting for it (OPEN: the broker's answer is not awaited),
+        or drop it and say so where this process has seen the queue closed already."""
+        if name in self.closed_seen:
+            return self.closed_seen[name]
         frames = self.bulk.pack(obj, self.link)
         try:
             # Copied: the caller may change its tensors once write returns.
@@ -381,6 +385,8 @@ class _Remote:
                     body = wire.parse_control(frames[0].bytes, {"op": str, "state": str})
                 except wire.WireError as err:
                     raise IPCError(f"ipc {self.label}: a malformed reply: {err}") from None
+                if body["state"] in (CLOSED, DRAINED):
+                    self.closed_seen[name] = body["state"]
                 if body["op"] == "item":
                     # Its shared memory stays taken until we ask again: if we die before
                     # that, the broker gives the item to another reader, bytes intact.
@@ -681,7 +687,7 @@ class Channel:
     def write(self, obj: object) -> str:
         """Append `obj`; returns OPEN, or CLOSED/DRAINED (and drops it) if the channel is
         closed. From another process the write is sent without waiting: a write racing a
-        close may be dropped."""
+        close may be dropped, and once a read there has seen the close, writes say so."""
         return self._side().put("c", obj)
 
     def read(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]:

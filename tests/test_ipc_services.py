@@ -1094,6 +1094,18 @@ def test_a_forked_copy_of_a_work_queue_is_an_error_not_lost_writes():
         q.close(timeout=10)
 
 
+def test_a_write_after_the_close_was_seen_says_so_in_another_process():
+    """A worker's write returned "open" after its own read had said "drained", and the
+    item was gone."""
+    ch = ipc.Channel()
+    ch.close()
+
+    def worker(i):
+        return [ch.read(timeout=30)[0], ch.write("late")]
+
+    assert ipc.map(1, worker).join(timeout=60) == [[ipc.Channel.DRAINED, ipc.Channel.DRAINED]]
+
+
 def _channel_owner(out):
     ch = ipc.Channel()
     out.put(ch)  # pickled: its address and secret
