@@ -361,16 +361,18 @@ class Fetcher:
 
     async def _fetch_once(self, url: str, offset: int | None, length: int | None) -> bytes:
         path = src.local_path(url)
+        cap = self.max_item_bytes
         if path is not None:
-            data = _read(path, offset, length, _open_local, remote=False)
+            data = _read(path, offset, length, _open_local, remote=False, cap=cap)
         elif src.is_http(url):
             return await self._fetch_http(url, offset, length)
         else:
             data = await asyncio.get_running_loop().run_in_executor(
-                None, _read, url, offset, length, _open_fsspec, True
+                None, _read, url, offset, length, _open_fsspec, True, cap
             )
         if len(data) > self.max_item_bytes:
-            raise FetchError(url, f"{len(data)} bytes exceed max_item_bytes={self.max_item_bytes}")
+            # (read up to one byte past the bound: the file may be far larger)
+            raise FetchError(url, f"larger than max_item_bytes={self.max_item_bytes}")
         return data
 
     async def _fetch_http(self, url: str, offset: int | None, length: int | None) -> bytes:
@@ -544,22 +546,30 @@ def _payload_size(payload: Any) -> int:
     return int(nbytes) if isinstance(nbytes, int) else 0
 
 
-def _read(name: str, offset: int | None, length: int | None, opener: Any, remote: bool) -> bytes:
-    """All of `name`, or `length` bytes at `offset`, read through ``opener(name)``.
+def _read(
+    name: str, offset: int | None, length: int | None, opener: Any, remote: bool, cap: int
+) -> bytes:
+    """All of `name`, or `length` bytes at `offset`, read through ``opener(name)``; at
+    most `cap` + 1 bytes are read (the caller refuses more than `cap`), so a huge file or
+    an endless one is never held whole.
 
     A remote store's errors and short reads are retried (they may be transient,
     and fsspec backends raise their own error types); a local file's are not.
     """
+    if length is not None and length > cap:
+        raise FetchError(name, f"a record of {length} bytes exceeds max_item_bytes={cap}")
     try:
         with opener(name) as f:
             if offset is None:
-                return f.read()
+                return f.read(cap + 1)
             f.seek(offset)
             data = f.read(length)
     except FileNotFoundError:
         raise FetchError(name, "no such file", missing=True) from None
     except IsADirectoryError:
         raise FetchError(name, "is a directory") from None
+    except _NotRegular:
+        raise FetchError(name, "not a regular file (a FIFO or a device)") from None
     except Exception as err:
         if not (remote or isinstance(err, OSError)):
             raise  # a local read fails with OSError; anything else is a bug to see
@@ -572,7 +582,20 @@ def _read(name: str, offset: int | None, length: int | None, opener: Any, remote
 
 
 def _open_local(path: str) -> Any:
-    return open(path, "rb")
+    """A local item, if it is a regular file: a FIFO would block the fetch loop (opened
+    without blocking, to be looked at), a device such as /dev/zero never ends."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError if stat.S_ISDIR(os.fstat(fd).st_mode) else _NotRegular
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _NotRegular(OSError):
+    """A local item that is not a regular file (a FIFO, a device, a socket)."""
 
 
 def _open_fsspec(url: str) -> Any:

@@ -140,6 +140,28 @@ def test_a_server_that_ignores_range_is_read_to_the_record_only(www, caplog):
     assert "ignores HTTP Range" in caplog.text
 
 
+def test_a_local_item_is_bounded_before_it_is_read(tmp_path):
+    """A local item was read whole before max_item_bytes applied (a 400 MB file took
+    400 MB, /dev/zero ran out of memory), and a FIFO blocked the fetch loop."""
+    import resource
+
+    huge = tmp_path / "huge.bin"
+    with open(huge, "wb") as f:
+        f.truncate(400 << 20)  # sparse: 400 MB to read, none on disk
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with Fetcher(max_item_bytes=1000, **FAST) as f:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(FetchError, match="larger than max_item_bytes=1000"):
+            f.read(str(huge))
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB
+        for special in (str(pipe), "/dev/zero"):
+            with pytest.raises(FetchError, match="not a regular file"):
+                f.read(special)
+        with pytest.raises(FetchError, match="a record of 5000 bytes exceeds"):
+            f.read((str(huge), 0, 5000))
+
+
 def test_redirects_stay_on_the_same_host_unless_allowed(www):
     plan = {"here.bin": ["redirect:/items/1.bin"],
             "away.bin": ["redirect:http://localhost:{port}/items/2.bin"]}  # fmt: skip
