@@ -57,7 +57,7 @@ from . import bulk, runtime, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .link import Endpoint, Link
-from .rendezvous import _pid_alive
+from .rendezvous import _pid_alive, _start_ticks
 from .wire import Kind
 
 log = logging.getLogger(__name__)
@@ -472,7 +472,12 @@ class WorkQueue:
                 return
             broker = _Broker(("down", "up"), f"work queue {name!r}")
             broker.queues["down"].maxsize = maxsize
-            record = {"address": broker.address, "secret": broker.secret.text, "pid": os.getpid()}
+            record = {
+                "address": broker.address,
+                "secret": broker.secret.text,
+                "pid": os.getpid(),
+                "start": _start_ticks(),
+            }
             try:
                 runtime.create_private(directory, self._file, json.dumps(record).encode())
             except FileExistsError:
@@ -513,7 +518,11 @@ class WorkQueue:
             return None
         try:
             info = json.loads(raw)
+            # Its pid alive and started when the owner did: pids are reused, and a dead
+            # owner's name would stay taken for as long as a stranger held its pid.
             ok = isinstance(info, dict) and _pid_alive(info.get("pid"))
+            if ok and isinstance(info.get("start"), int):
+                ok = _start_ticks(info["pid"]) == info["start"]
             if ok and info.get("closed") is True:
                 ok = info["pid"] != os.getpid()  # our own queue, closed: ours to open anew
             elif ok:
@@ -615,7 +624,7 @@ class WorkQueue:
         """The name stays taken, marked closed, while this process lives: a worker that
         opens it later must learn that it came late, not become an owner nobody writes to."""
         directory = runtime.runtime_dir()
-        closed = {"closed": True, "pid": os.getpid()}
+        closed = {"closed": True, "pid": os.getpid(), "start": _start_ticks()}
         runtime.replace_private(directory, self._file, json.dumps(closed).encode())
         _CLOSED_NAMES.add((os.getpid(), directory, self._file))
 

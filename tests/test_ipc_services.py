@@ -992,6 +992,30 @@ def test_workqueue_refuses_a_planted_queue_file(tmp_path):
         runtime.remove(runtime.runtime_dir(), path.name)
 
 
+def test_workqueue_name_of_a_dead_owner_whose_pid_was_reused_is_taken_over():
+    """The record's pid alive is not enough: pids are reused (containers cycle small
+    pids fast), and the name stayed taken for as long as a stranger held the pid."""
+    name = f"reused-{os.getpid()}"
+    sleeper = subprocess.Popen(["sleep", "60"])  # a live process that is not the owner
+    try:
+        record = {
+            "address": "ipc:///nowhere",
+            "secret": "x" * 43,
+            "pid": sleeper.pid,
+            "start": 1,
+        }  # fmt: skip  (the dead owner's start: long before the sleeper)
+        runtime.create_private(runtime.runtime_dir(), f"workqueue-{name}.json",
+                               json.dumps(record).encode())  # fmt: skip
+        q = ipc.WorkQueue(name)
+        try:
+            assert q.owner
+        finally:
+            q.close(timeout=10)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 # ---- channels ----------------------------------------------------------------------------
 
 
