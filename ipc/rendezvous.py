@@ -257,7 +257,15 @@ def join_root(
             # Only once every message it sent is read: its BYE follows the roster.
             for kind, ev_link in rv.events:
                 if ev_link is link and kind in ("dead", "bye"):
-                    raise PeerError(f"node {join['node']}: node 0 left the rendezvous", node=0)
+                    # It had our JOIN: our node 0 (another launch's refuses at once), gone
+                    # (killed, or frozen past the heartbeats) in the middle of the rendezvous.
+                    err = PeerError(
+                        f"node {join['node']}: node 0 (at {link.address}) left the rendezvous "
+                        f"after taking our join ({link.dead or 'it said goodbye'})",
+                        node=0,
+                    )
+                    err.after_join = True
+                    raise err
             rv.events.clear()
             if time.monotonic() > deadline:
                 raise IPCTimeoutError(
@@ -543,6 +551,8 @@ class Localhost:
                 rv.close(linger=0)
                 if isinstance(err, AuthError) and self.given is not None:
                     raise  # our token is not node 0's: waiting will not change that
+                if getattr(err, "after_join", False):
+                    raise  # our node 0 died mid-rendezvous: no other will come for us
                 log.info("ipc node %d: %s", self.node_index, err)
                 if isinstance(err, IPCError) and "refused by node 0" in str(err):
                     refused.add(name)

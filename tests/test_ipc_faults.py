@@ -208,6 +208,40 @@ def _unshare_available() -> bool:
     return probe.returncode == 0
 
 
+_RENDEZVOUS_NODE = """
+import sys, time
+from distlearn import ipc
+print("imported", flush=True)
+start = time.monotonic()
+try:
+    ipc.LocalhostTree(int(sys.argv[1]), 3, timeout=60)
+except ipc.IPCError as err:
+    print(f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_a_node_0_gone_in_the_middle_of_the_rendezvous_is_named(sig):
+    """Node 1 has joined, node 2 is not there yet, and node 0 dies (or freezes). Node 1
+    took the end of its link for a stale candidate and looked again, until its timeout
+    (300 s by default) said "no node 0"."""
+    env = repo_env(IPC_KEY=f"rv-gone-{uuid.uuid4().hex[:8]}")
+    cmd = [sys.executable, "-c", _RENDEZVOUS_NODE]
+    n0 = subprocess.Popen([*cmd, "0"], env=env, stdout=subprocess.PIPE, text=True)
+    n1 = subprocess.Popen([*cmd, "1"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert n0.stdout.readline() == n1.stdout.readline() == "imported\n"
+        time.sleep(2)  # they meet in milliseconds; then node 0 waits for node 2
+        n0.send_signal(getattr(signal, sig))
+        out, _ = n1.communicate(timeout=50)
+        assert "PeerError" in out and "node 0" in out and "left the rendezvous" in out, out
+        assert float(out.split(" after ")[1].split("s:")[0]) < 40, out
+    finally:
+        for p in (n0, n1):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.skipif(not _unshare_available(), reason="needs root and unshare -m (mount namespace)")
 def test_small_dev_shm_falls_back_to_sockets(tmp_path):
     """Docker's 64 MB /dev/shm: a 64 MiB all_reduce over 4 nodes needs 512 MiB of slots.
