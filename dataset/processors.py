@@ -23,6 +23,9 @@ from PIL import Image as _PIL
 
 _MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}
 _SCALE = np.float32(1.0 / 255.0)
+_SCALE16 = np.float32(1.0 / 65535.0)
+# 16-bit grey (PNG, TIFF): PIL's convert("L") would clip every value over 255 to white.
+_MODES16 = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 class Image:
@@ -72,6 +75,15 @@ class Image:
             )
         channels = out.shape[0] if out.dim() == 3 else 1
         mode = self.mode or _MODES.get(channels, "RGB")
+        scale = _SCALE
+        if img.mode in _MODES16:
+            if mode != "L":
+                raise ValueError(
+                    f"a 16-bit grey image (mode {img.mode}) cannot become mode {mode} without "
+                    "losing its depth: pass Image(mode='L') and one channel in input_dims"
+                )
+            # Kept in float, scaled by its own depth (a PNG's "I" holds 16-bit values too).
+            img, mode, scale = img.convert("F"), "F", _SCALE16
         if self.size is not None:
             h, w = self.size
             if img.format == "JPEG":
@@ -92,7 +104,7 @@ class Image:
             arr = arr[None]
         if arr.shape != dst.shape:
             raise ValueError(_mismatch(tuple(arr.shape), tuple(dst.shape), img.mode))
-        np.multiply(arr, _SCALE, out=dst)
+        np.multiply(arr, scale, out=dst)
         if self._mean is not None:
             dst -= self._mean if dst.ndim == 3 else self._mean[0]
         if self._std is not None:

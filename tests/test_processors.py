@@ -115,3 +115,17 @@ def test_max_image_pixels_is_an_error_not_a_warning(monkeypatch):
         with pytest.raises(PILImage.DecompressionBombError, match="limit of 1000"):
             Image()(data, None, torch.empty(1, 40, 40))
         assert Image(max_pixels=0)(data, None, torch.empty(1, 40, 40))  # 0: no limit of ours
+
+
+def test_16_bit_grey_keeps_its_depth():
+    """PIL's convert("L") clips 16-bit values at 255: a 0..63000 ramp came out as
+    0, 1, 1, 1, ... with no error."""
+    arr = np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000
+    out = torch.empty(1, 8, 8)
+    assert Image(mode="L")(encode(arr), None, out) is True
+    torch.testing.assert_close(out[0], torch.from_numpy(arr.astype(np.float32)) / 65535)
+    small = torch.empty(1, 4, 4)
+    Image(size=4)(encode(arr), None, small)  # resized in float, not clipped first
+    assert 0.3 < float(small.max()) < 1.0
+    with pytest.raises(ValueError, match=r"16-bit grey image .* cannot become mode RGB"):
+        Image()(encode(arr), None, torch.empty(3, 8, 8))
