@@ -25,7 +25,7 @@ from . import sources as src
 from .cores import on_two_threads
 from .csvarrow import pa, pc
 from .csvscan import Fields, iter_rows, scan, scan_rows
-from .errors import BadIndex, IndexNotFound
+from .errors import BadIndex, FetchError, IndexNotFound
 from .fetch import Fetcher, read_bytes
 from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int, sort_labels
 
@@ -62,7 +62,16 @@ def read_meta(
         location, data = meta, read_bytes(meta, cache=cache, fetcher=fetcher)
     else:
         for location in _meta_candidates(index):
-            data = read_bytes(location, missing_ok=True, cache=cache, fetcher=fetcher)
+            try:
+                data = read_bytes(location, missing_ok=True, cache=cache, fetcher=fetcher)
+            except FetchError as err:
+                # S3 without ListBucket and CloudFront answer 403, not 404, for a key that
+                # does not exist: the optional meta file is then taken as absent (`meta=`
+                # names one that must be read).
+                if not err.cause.startswith("HTTP 403"):
+                    raise
+                log.info("%s: HTTP 403 for the optional meta file: taken as absent", location)
+                data = None
             if data is not None:
                 break
     if data is None:

@@ -140,6 +140,18 @@ def test_a_server_that_ignores_range_is_read_to_the_record_only(www, caplog):
     assert "ignores HTTP Range" in caplog.text
 
 
+def test_a_403_for_the_optional_meta_file_reads_as_absent(www):
+    """S3 without ListBucket and CloudFront answer 403 for a key that does not exist:
+    the index itself could not be opened for want of an optional meta file."""
+    with serve(www, {"train-meta.csv": ["403"], "index-meta.csv": ["403"]}) as (base, _):
+        assert len(Dataset(base + "train.csv", **FAST)) == 6
+    with (
+        serve(www, {"m.csv": ["403"]}) as (base, _),  # one named: it must be read
+        pytest.raises(FetchError, match="403"),
+    ):
+        Dataset(base + "train.csv", meta=base + "m.csv", **FAST)
+
+
 def test_a_local_item_is_bounded_before_it_is_read(tmp_path):
     """A local item was read whole before max_item_bytes applied (a 400 MB file took
     400 MB, /dev/zero ran out of memory), and a FIFO blocked the fetch loop."""
