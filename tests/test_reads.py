@@ -140,6 +140,23 @@ def test_a_server_that_ignores_range_is_read_to_the_record_only(www, caplog):
     assert "ignores HTTP Range" in caplog.text
 
 
+def test_a_hash_in_a_file_name_is_part_of_the_url_not_a_fragment(www):
+    """`img#1.bin` fetched `img` over HTTP (the rest was a fragment, never sent): another
+    file's bytes, or a 404, where the same index read from disk was right."""
+    (www / "items" / "h#1.bin").write_bytes(b"HASH")
+    (www / "items" / "h").write_bytes(b"ELSE")
+    (www / "hash.csv").write_text("filename\nitems/h#1.bin\n")
+    (www / "meta.csv").write_text("filename\nh#1.bin\n")
+    (www / "meta-meta.csv").write_text("hostname\n{base}items\n")
+    for index in ("hash.csv", "meta.csv"):
+        with serve(www) as (base, _):
+            meta = (www / "meta-meta.csv").read_text()
+            (www / "meta-meta.csv").write_text(meta.replace("{base}", base))
+            assert raw_epoch(Dataset(base + index, **FAST)) == [ord("H")]
+            (www / "meta-meta.csv").write_text(meta)
+    assert raw_epoch(Dataset(str(www / "hash.csv"))) == [ord("H")]  # as from disk
+
+
 def test_a_403_for_the_optional_meta_file_reads_as_absent(www):
     """S3 without ListBucket and CloudFront answer 403 for a key that does not exist:
     the index itself could not be opened for want of an optional meta file."""
