@@ -468,9 +468,18 @@ async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict
                 _keep_if_picklable(failure)
         except BaseException as err:  # report, so the main process raises it
             res = RuntimeError(f"worker failed on a batch: {type(err).__name__}: {err}")
+        try:
+            payload = reduction.ForkingPickler.dumps((job, res))
+        except Exception as err:  # an extra the processor returned that cannot travel
+            res = RuntimeError(
+                f"worker failed on a batch: its result cannot be sent to the main process "
+                f"({type(err).__name__}: {err}): with workers='process' a processor's extra "
+                "must be picklable (or use workers='thread')"
+            )
+            payload = reduction.ForkingPickler.dumps((job, res))
         if before is not None:
             await before  # answers go back in job order
-        conn.send((job, res))
+        conn.send_bytes(payload)
 
     def readable() -> None:
         nonlocal previous

@@ -358,3 +358,25 @@ def test_process_workers_on_an_index_in_memory():
     ds = Dataset({"x": torch.arange(8.0).view(8, 1), "y": torch.arange(8) % 2})
     with ds.sampled_batcher(batch_size=4, input_dims=(1,), workers="process") as b:
         assert sorted(b.next_batch().input.view(-1).tolist()) == [0.0, 1.0, 2.0, 3.0]
+
+
+def _lock_extra(item, opt, out):
+    import threading
+
+    out.copy_(item)
+    return True, threading.Lock()  # cannot be pickled to the main process
+
+
+@pytest.mark.timeout(120)
+def test_an_extra_that_cannot_travel_from_a_worker_process_is_an_error_at_once():
+    """The worker's send raised outside the batch's handler: the batch, and every one
+    after it, waited for worker_timeout (600 s) and were then called stuck."""
+    ds = Dataset({"x": torch.arange(4.0).view(4, 1), "y": torch.zeros(4, dtype=torch.long)})
+    start = time.monotonic()
+    with (
+        ds.sampled_batcher(batch_size=4, input_dims=(1,), processor=_lock_extra,
+                           workers="process", num_workers=1, worker_timeout=60) as b,
+        pytest.raises(RuntimeError, match="cannot be sent to the main process"),
+    ):  # fmt: skip
+        b.next_batch()
+    assert time.monotonic() - start < 30
