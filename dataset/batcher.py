@@ -159,15 +159,20 @@ class SampledBatcher:
         """
         if self._closed:
             raise RuntimeError("batcher is closed")
-        while True:
-            self._fill()
-            if not self.engine.pending:
-                return None
-            batch, n = self.engine.next()
-            self.stream.consumed(n)
-            self._fill()  # refill before handing over, so workers never wait on the user
-            if batch is not None:
-                return batch
+        try:
+            while True:
+                self._fill()
+                if not self.engine.pending:
+                    return None
+                batch, n = self.engine.next()
+                self.stream.consumed(n)
+                self._fill()  # refill before handing over, so workers never wait on the user
+                if batch is not None:
+                    return batch
+        except Exception as err:
+            if self._closed:  # close() from another thread, while this call waited
+                raise RuntimeError("batcher is closed (by close() during this call)") from err
+            raise
 
     # -- public iteration --------------------------------------------------------------
 

@@ -380,3 +380,27 @@ def test_an_extra_that_cannot_travel_from_a_worker_process_is_an_error_at_once()
     ):  # fmt: skip
         b.next_batch()
     assert time.monotonic() - start < 30
+
+
+def _slow_copy(item, opt, out):
+    time.sleep(0.3)
+    out.copy_(item)
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_close_from_another_thread_during_iteration_says_so(workers):
+    """The waiting iteration raised an internal error: a bare CancelledError (threads)
+    or 'pop from an empty deque' (processes)."""
+    import threading
+
+    ds = Dataset({"x": torch.arange(64.0).view(64, 1), "y": torch.zeros(64, dtype=torch.long)})
+    b = ds.sampled_batcher(batch_size=4, input_dims=(1,), processor=_slow_copy,
+                           workers=workers, num_workers=1)  # fmt: skip
+    it = iter(b)
+    next(it)
+    threading.Timer(0.2, b.close).start()
+    with pytest.raises(RuntimeError, match="batcher is closed"):
+        for _ in it:
+            pass
