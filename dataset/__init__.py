@@ -108,12 +108,16 @@ if TYPE_CHECKING:
     from .seeding import item_rng, item_seed
 
 
-def _env_rank() -> tuple[int, int, str] | None:
+_TORCHRUN = (("RANK", "WORLD_SIZE"),)
+_LAUNCHERS = (*_TORCHRUN, ("SLURM_PROCID", "SLURM_NTASKS"))
+
+
+def _env_rank(launchers=_LAUNCHERS) -> tuple[int, int, str] | None:
     """(rank, world size, which variables) from the launcher: torchrun's RANK and
     WORLD_SIZE, else Slurm's SLURM_PROCID and SLURM_NTASKS (as `ipc.Tree.from_env`
     reads them); None when neither is set."""
     env = os.environ
-    for rank_var, world_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+    for rank_var, world_var in launchers:
         if world_var not in env:
             continue
         if rank_var not in env:
@@ -164,11 +168,14 @@ def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, 
 
     No partition arguments under torchrun (``WORLD_SIZE`` > 1) follow
     ``RANK``/``WORLD_SIZE``, as ``DistributedSampler`` follows the process
-    group; ``partition="auto"`` reads them whatever ``WORLD_SIZE``; explicit
+    group; ``partition="auto"`` reads them whatever ``WORLD_SIZE``, or Slurm's
+    ``SLURM_PROCID``/``SLURM_NTASKS`` (under ``srun``) without them; explicit
     numbers win (``partition=0, partitions=1`` is the whole index).
     """
     if partition is None and partitions is None:
-        env = _env_rank()
+        # torchrun's variables only: a Slurm batch script's own process sees
+        # SLURM_NTASKS of the whole allocation, and would read a part of the index.
+        env = _env_rank(_TORCHRUN)
         if env is not None and env[1] > 1:
             return env
         return 0, 1, "default"
