@@ -188,7 +188,8 @@ def _read(index: str, cache: Any, fetcher: Fetcher | None) -> bytes:
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise BadIndex(f"{index}: not UTF-8 text ({err})") from err
+            line = data.count(b"\n", 0, err.start) + 1  # where to look, not a byte offset
+            raise BadIndex(f"{index}:{line}: not UTF-8 text ({err})") from err
     return data
 
 

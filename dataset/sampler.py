@@ -246,8 +246,10 @@ def label_distribution(
     w = np.asarray(
         [float(weights.get(index.labels[lab], default_weight)) for lab in present], dtype=float
     )
-    if (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"label-distribution: weights must be >= 0 with a positive sum, got {w}")
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(
+            f"label-distribution: weights must be finite, >= 0 and with a positive sum, got {w}"
+        )
     size = _draws(index, num_samples)
     labels = present[rng.choice(len(present), size=size, p=w / w.sum())]
     return _draw_members(members, labels, rng)

@@ -365,6 +365,15 @@ def test_bad_csv_names_file_and_line(tmp_path, text, match):
         open_index(str(idx))
 
 
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path):
+    """It was named by its byte offset ("position 85018"), of no use in a large index."""
+    rows = "".join(f"{i}.png,cat\n" for i in range(5000))
+    path = tmp_path / "i.csv"
+    path.write_bytes(b"filename,label\n" + rows.encode() + b"caf\xe9.png,cat\n")
+    with pytest.raises(BadIndex, match=r"i\.csv:5002: not UTF-8 text"):
+        open_index(str(path))
+
+
 def test_bad_arguments(tmp_path):
     idx = write(tmp_path / "i.csv", "filename\na\nb\n")
     with pytest.raises(ValueError, match="partition 2 out of range for 2"):

@@ -79,6 +79,9 @@ def test_label_distribution_follows_weights():
         draw("label-distribution", ix, weights={"nope": 1})
     with pytest.raises(ValueError, match="needs sampler_opt"):
         draw("label-distribution", ix)
+    for bad in (float("nan"), float("inf")):  # numpy's "probabilities contain NaN" before
+        with pytest.raises(ValueError, match="weights must be finite"):
+            draw("label-distribution", ix, weights={"0": bad, "1": 1.0})
 
 
 def test_register_sampler_and_unknown_name():
