@@ -21,6 +21,8 @@ label's examples only, as torch-dataset's samplers did.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -49,6 +51,26 @@ def get_sampler(sampler: str | SamplerFn) -> SamplerFn:
             f"unknown sampler {sampler!r}; known: {', '.join(sorted(_SAMPLERS))} "
             "(add one with dataset.register_sampler)"
         ) from None
+
+
+def check_options(fn: SamplerFn, opt: Mapping[str, Any], name: str) -> None:
+    """Raise ValueError for a `sampler_opt` key the sampler does not take, naming the
+    closest one (a misspelt key failed at the first batch, with Python's TypeError)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to check against
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    known = [p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in opt:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"sampler {name!r} has no option {key!r}{hint} (its options: "
+                f"{', '.join(known) or 'none'})"
+            )
 
 
 def sampler_names() -> list[str]:
@@ -129,6 +151,11 @@ def uniform(
 ) -> np.ndarray:
     """Examples drawn uniformly with replacement (of `label` when given)."""
     pool = _positions(index, label)
+    if not len(pool):
+        raise ValueError(
+            f"{index.origin}: uniform has nothing to draw from"
+            + (f": label {label!r} has no example in this partition" if label is not None else "")
+        )
     return pool[rng.integers(0, len(pool), size=_draws(index, num_samples))]
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from .errors import BadIndex
 from .index import JoinedIndex
 from .items import Record
-from .sampler import endless, epoch_rng, get_sampler
+from .sampler import check_options, endless, epoch_rng, get_sampler
 from .sources import Joined
 
 __all__ = ["ItemStream", "Work"]
@@ -90,6 +90,7 @@ class ItemStream:
             sampler if isinstance(sampler, str) else getattr(sampler, "__name__", "")
         )
         self.sampler = get_sampler(sampler)
+        check_options(self.sampler, opt, self.sampler_name)
         self.sampler_opt = opt
         self.epoch = -1  # the epoch being read; -1 before the first
         self.done = 0  # items of this epoch handed out (or dropped)
@@ -286,7 +287,9 @@ def split_samplers(index: Any, sampler: Any, sampler_opt: Any) -> tuple[Any, dic
                     f"(entry {k})"
                 )
         else:
-            draws.append(Draw(k, get_sampler(samplers[k]), opts[k]))
+            fn = get_sampler(samplers[k])
+            check_options(fn, opts[k], f"{samplers[k]!r} (index {k})")
+            draws.append(Draw(k, fn, opts[k]))
     return samplers[0], opts[0], draws
 
 

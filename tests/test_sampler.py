@@ -84,6 +84,29 @@ def test_label_distribution_follows_weights():
             draw("label-distribution", ix, weights={"0": bad, "1": 1.0})
 
 
+def test_sampler_options_are_checked_where_given():
+    """A misspelt sampler_opt key failed at the first batch with Python's TypeError
+    ("got an unexpected keyword argument"), naming no valid option."""
+    from distlearn.dataset import Dataset
+
+    ds = Dataset({"x": torch.zeros(6, 1), "y": torch.tensor([0, 1, 0, 1, 0, 1])})
+    with pytest.raises(ValueError, match=r"no option 'weight'; did you mean 'weights'\?"):
+        ds.sampled_batcher(input_dims=(1,), sampler="label-distribution",
+                           sampler_opt={"weight": {"0": 1.0}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"no option 'x' \(its options: none\)"):
+        ds.sampled_batcher(input_dims=(1,), sampler="part-linear", sampler_opt={"x": 1})
+    b = ds.sampled_batcher(input_dims=(1,), sampler="uniform", sampler_opt={"label": "1"},
+                           workers="thread")  # fmt: skip
+    b.close()
+
+
+def test_uniform_over_a_label_with_no_example_says_so():
+    ix = labelled(10)
+    empty = ix.partition(1, 20)  # 10 items over 20 partitions: partition 1 has none of "2"
+    with pytest.raises(ValueError, match="uniform has nothing to draw from"):
+        draw("uniform", empty, label="2")
+
+
 def test_register_sampler_and_unknown_name():
     def evens(index, epoch, rng, start=0):
         return np.arange(start, len(index), 2)
