@@ -52,18 +52,25 @@ from .wire import Kind
 log = logging.getLogger(__name__)
 
 
-def _local_name(port: int) -> str:
-    """The private file where a loopback server on `port` leaves its Unix socket address
-    (and its random token, when it made one) for clients of the same user."""
-    return f"server-{port}.json"
+def _local_name(host: str, port: int) -> str:
+    """The private file where a loopback server on `host`:`port` leaves its Unix socket
+    address (and its random token, when it made one) for clients of the same user. Keyed
+    by the address too: 127.0.0.1:P and 127.0.0.2:P are two servers (by port alone, a
+    client of one reached the other, and the second server's start removed the first's
+    record)."""
+    try:
+        where = "127.0.0.1" if host == "localhost" else str(ipaddress.ip_address(host))
+    except ValueError:
+        where = host
+    return f"server-{where.replace(':', '_')}-{port}.json"
 
 
-def _local_record(port: int) -> dict:
+def _local_record(host: str, port: int) -> dict:
     """What a loopback server of ours on `port` left for our clients: {} where there is
     nothing, nothing well-formed, or its server is gone (a killed server cannot remove
     its file). Its token and Unix socket then mean nothing: a client without a token is
     told so, and one with a token reaches whoever listens on the port now over TCP."""
-    raw = runtime.read_private(runtime.runtime_dir(), _local_name(port))
+    raw = runtime.read_private(runtime.runtime_dir(), _local_name(host, port))
     try:
         record = json.loads(raw) if raw is not None else {}
     except ValueError:
@@ -73,8 +80,8 @@ def _local_record(port: int) -> dict:
     keep = ("unix", "token", "direct")
     kept = {k: v for k, v in record.items() if k in keep and isinstance(v, str)}
     if kept and not _still_serving(record):
-        log.info("ipc: the server that left %s (pid %s) is gone; using TCP", _local_name(port),
-                 record.get("pid"))  # fmt: skip
+        log.info("ipc: the server that left %s (pid %s) is gone; using TCP",
+                 _local_name(host, port), record.get("pid"))  # fmt: skip
         return {}
     return kept
 
@@ -244,7 +251,7 @@ class Server:
                 record["direct"] = self._listener.path
             if secret.origin.startswith("random"):
                 record["token"] = secret.text
-            self._local_file = _local_name(self.port)
+            self._local_file = _local_name(host, self.port)
             runtime.remove(runtime.runtime_dir(), self._local_file)
             runtime.create_private(
                 runtime.runtime_dir(), self._local_file, json.dumps(record).encode()
@@ -578,7 +585,7 @@ class Client:
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"Client: port must be an int in (0, 65536), not {port!r}")
         secret = given_secret(token, token_file)
-        record = _local_record(port) if _is_loopback(host) else {}
+        record = _local_record(host, port) if _is_loopback(host) else {}
         if secret is None:
             if not record and _is_loopback(host):
                 # No server of ours there (a live one leaves a record even when it was

@@ -27,7 +27,7 @@ import zmq
 from conftest import repo_env, shm_files
 
 from distlearn import ipc
-from distlearn.ipc import direct, runtime, wire
+from distlearn.ipc import direct, runtime, service, wire
 
 pytestmark = pytest.mark.timeout(120)
 CTX = multiprocessing.get_context("fork")
@@ -324,7 +324,7 @@ def test_token_sources(monkeypatch):
     monkeypatch.delenv("IPC_TOKEN")
     # loopback without a token: a random secret in the private runtime directory
     server = ipc.Server()
-    name = f"server-{server.port}.json"
+    name = service._local_name("127.0.0.1", server.port)
     try:
         path = runtime.runtime_dir() / name
         assert path.stat().st_mode & 0o777 == 0o600
@@ -356,6 +356,31 @@ def test_without_a_token_and_without_a_server_of_ours_the_error_says_nobody_list
         port = s.getsockname()[1]
         with pytest.raises(ipc.PeerError, match=f"no server of this user listens on port {port}"):
             ipc.Client("127.0.0.1", port, timeout=30)
+
+
+def test_servers_on_one_port_of_two_loopback_addresses_keep_their_own_records():
+    """Records were keyed by port alone: a client of 127.0.0.1:P reached the server on
+    127.0.0.2:P, and that server's close() removed the other's record (its token)."""
+
+    def client(port, got):
+        with ipc.Client("127.0.0.1", port, timeout=30) as c:  # no token: from the record
+            got.append(c.recv(timeout=30))
+
+    with ipc.Server("127.0.0.1", 0) as a:
+        for close_b in (False, True):
+            b = ipc.Server("127.0.0.2", a.port)
+            if close_b:
+                b.close()  # removes its own record, not a's
+            got: list = []
+            t = threading.Thread(target=client, args=(a.port, got))
+            t.start()
+            [conn] = a.clients(1, timeout=30)
+            conn.send("from a")
+            with contextlib.suppress(ipc.PeerError):
+                conn.recv(timeout=30)  # until the client closes
+            t.join(30)
+            assert got == ["from a"]
+            b.close()
 
 
 def test_a_port_in_use_is_an_ipc_error_naming_it():
@@ -391,7 +416,7 @@ def test_a_killed_servers_record_is_passed_over(short_tmp):
     port = int(first.stdout.readline())
     first.kill()
     first.communicate()
-    name = f"server-{port}.json"
+    name = service._local_name("127.0.0.1", port)
     assert "token" in json.loads(runtime.read_private(runtime.runtime_dir(), name))
     second = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, str(port), TOKEN],
                               env=repo_env(TMPDIR=str(short_tmp)), stdout=subprocess.PIPE,
@@ -585,7 +610,9 @@ def test_a_frozen_server_is_named_by_its_clients_heartbeats(path):
 
 
 def _direct_path(server: ipc.Server) -> str:
-    record = runtime.read_private(runtime.runtime_dir(), f"server-{server.port}.json")
+    record = runtime.read_private(
+        runtime.runtime_dir(), service._local_name("127.0.0.1", server.port)
+    )
     return json.loads(record)["direct"]
 
 
@@ -660,7 +687,7 @@ def impostor_client(port: int, out) -> None:
 
 def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
     server = ipc.Server(token=TOKEN)
-    name = f"server-{server.port}.json"
+    name = service._local_name("127.0.0.1", server.port)
     record = json.loads(runtime.read_private(runtime.runtime_dir(), name))
     fake = runtime.socket_path("fake")
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
