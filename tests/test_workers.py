@@ -340,12 +340,17 @@ def test_sys_exit_in_a_processor_is_raised_not_a_stuck_worker():
     def gives_up(item, opt, out):
         sys.exit("decoder gave up")
 
+    _first_batch_fails_at_once(gives_up, "thread", SystemExit, "decoder gave up")
+
+
+def _first_batch_fails_at_once(processor, workers, error, match):
+    """The first batch raises `error` within seconds, not after worker_timeout."""
     ds = Dataset({"x": torch.arange(4.0).view(4, 1), "y": torch.zeros(4, dtype=torch.long)})
     start = time.monotonic()
     with (
-        ds.sampled_batcher(batch_size=4, input_dims=(1,), processor=gives_up,
-                           workers="thread", num_workers=1, worker_timeout=60) as b,
-        pytest.raises(SystemExit, match="decoder gave up"),
+        ds.sampled_batcher(batch_size=4, input_dims=(1,), processor=processor,
+                           workers=workers, num_workers=1, worker_timeout=60) as b,
+        pytest.raises(error, match=match),
     ):  # fmt: skip
         b.next_batch()
     assert time.monotonic() - start < 30
@@ -371,15 +376,9 @@ def _lock_extra(item, opt, out):
 def test_an_extra_that_cannot_travel_from_a_worker_process_is_an_error_at_once():
     """The worker's send raised outside the batch's handler: the batch, and every one
     after it, waited for worker_timeout (600 s) and were then called stuck."""
-    ds = Dataset({"x": torch.arange(4.0).view(4, 1), "y": torch.zeros(4, dtype=torch.long)})
-    start = time.monotonic()
-    with (
-        ds.sampled_batcher(batch_size=4, input_dims=(1,), processor=_lock_extra,
-                           workers="process", num_workers=1, worker_timeout=60) as b,
-        pytest.raises(RuntimeError, match="cannot be sent to the main process"),
-    ):  # fmt: skip
-        b.next_batch()
-    assert time.monotonic() - start < 30
+    _first_batch_fails_at_once(
+        _lock_extra, "process", RuntimeError, "cannot be sent to the main process"
+    )
 
 
 def _slow_copy(item, opt, out):
