@@ -170,6 +170,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert (again / "RESULTS.md").read_text() == md
 
 
+@pytest.mark.slow  # (22 s of benchmark harness: the default suite keeps under 15 minutes)
 @pytest.mark.timeout(200)
 def test_gloo_root_prints_both_ways_side_by_side():
     """bench.gloo_root: the all-reduce at the root and gloo's ring, one row a size."""

@@ -69,6 +69,7 @@ def test_after_the_last_call_is_split_into_the_first_return_and_the_rest():
     assert out["back_ms"] == pytest.approx(6.0)  # (3 + 9) / 2; step 0: (1 + 5) / 2
 
 
+@pytest.mark.slow  # (24 s of benchmark harness: the default suite keeps under 15 minutes)
 @pytest.mark.timeout(600)
 def test_the_ddp_reference_trains_with_ddp_and_is_timed_like_allreduce_sgd():
     # The same loop, 2 processes over gloo, the quick data (launch.py prepares it once):
