@@ -197,6 +197,7 @@ class Fetcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._own_headers: dict[str, str] = {}  # self.headers but Accept-Encoding (per request)
         self._sem: asyncio.Semaphore | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -292,7 +293,9 @@ class Fetcher:
             # (nginx's gzip, a CDN) compress them on the way, and they came back compressed
             # The user's other headers (credentials, often) go per request, to the
             # origin of the URL asked for only: never to where a redirect leads.
-            headers = {k: v for k, v in self.headers.items() if k.lower() == "accept-encoding"}
+            headers, self._own_headers = {}, {}
+            for k, v in self.headers.items():
+                (headers if k.lower() == "accept-encoding" else self._own_headers)[k] = v
             if not headers:
                 headers["Accept-Encoding"] = "identity"
             self._session = aiohttp.ClientSession(
@@ -378,25 +381,25 @@ class Fetcher:
     async def _fetch_http(self, url: str, offset: int | None, length: int | None) -> bytes:
         session = self._get_session()
         assert self._sem is not None
-        own = {k: v for k, v in self.headers.items() if k.lower() != "accept-encoding"}
         ranged = {}
         if offset is not None and length is not None:
             if length == 0:
                 return b""
             ranged = {"Range": f"bytes={offset}-{offset + length - 1}"}
-        origin = _origin(url)
+        headers = {**self._own_headers, **ranged}
         current = url
         try:
             for _ in range(MAX_REDIRECTS + 1):
-                # Authorization, cookies, API keys: for the origin the URL names only (as
-                # requests and browsers do), not for a host or port a redirect names.
-                headers = {**own, **ranged} if _origin(current) == origin else ranged
                 async with (
                     self._sem,
                     session.get(current, headers=headers or None, allow_redirects=False) as resp,
                 ):
                     if resp.status in REDIRECT_STATUS:
                         current = self._redirect(url, current, resp)
+                        # Authorization, cookies, API keys: for the origin the URL names
+                        # only (as requests and browsers do), not one a redirect names.
+                        same = _origin(current) == _origin(url)
+                        headers = {**self._own_headers, **ranged} if same else ranged
                         continue
                     if resp.status >= 400:
                         retry = resp.status in RETRY_STATUS
