@@ -290,7 +290,7 @@ class Map:
 
     def _stop(self) -> None:
         """Acknowledge the workers that finished, stop the others, release everything."""
-        _LIVE.discard(self)
+        _LIVE.pop(self, None)
         for p in self._procs:
             if p.is_alive() and not self._done[self._procs.index(p)]:
                 p.terminate()
@@ -306,22 +306,24 @@ class Map:
         self._ep.close(linger=0)
 
 
-# Maps not joined yet; stopped at interpreter exit (see the module docstring).
-_LIVE: weakref.WeakSet[Map] = weakref.WeakSet()
-_exit_hook: list[int] = []  # the pid that registered it (a forked child registers its own)
+# Maps not joined yet, with the process that started them; stopped at interpreter exit
+# (see the module docstring). A forked child inherits both this set and the hook.
+_LIVE: weakref.WeakKeyDictionary[Map, int] = weakref.WeakKeyDictionary()
+_exit_hook = False
 
 
 def _watch_exit(m: Map) -> None:
-    _LIVE.add(m)
-    if _exit_hook != [os.getpid()]:
+    global _exit_hook
+    _LIVE[m] = os.getpid()
+    if not _exit_hook:
         # Registered after the first Process.start(), so after multiprocessing's own exit
         # function: atexit runs ours first, before that one waits for the workers.
         atexit.register(_stop_at_exit)
-        _exit_hook[:] = [os.getpid()]
+        _exit_hook = True
 
 
 def _stop_at_exit() -> None:
-    for m in list(_LIVE):
+    for m in [m for m, pid in list(_LIVE.items()) if pid == os.getpid()]:
         running = [i for i, p in enumerate(m._procs) if p.is_alive() and not m._done[i]]
         if running:
             log.warning("ipc.map: exiting before join(): stopping workers %s", running)

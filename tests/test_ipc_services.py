@@ -948,6 +948,27 @@ def test_a_map_not_joined_when_the_parent_exits_is_stopped():
     assert time.monotonic() - start < 60
 
 
+def test_a_plain_fork_child_leaves_its_parents_maps_alone_at_exit():
+    """The exit hook is inherited by an os.fork() child: it must not stop (or even look
+    at) the parent's workers, which are not the child's to test."""
+    code = (
+        "import os, sys, time\n"
+        "from distlearn import ipc\n"
+        "m = ipc.map(1, lambda i: time.sleep(2) or i)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(m.join(timeout=60))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=repo_env(), capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[0]"
+    assert "_stop_at_exit" not in run.stderr and "stopping workers" not in run.stderr
+
+
 def test_workqueue_name_left_by_a_dead_owner_is_taken_over():
     name = f"stale-{os.getpid()}"
 
