@@ -26,7 +26,6 @@ if __name__ != "distlearn.dataset":
     )
 
 import logging
-import operator
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -131,36 +130,6 @@ def _env_rank(launchers=_LAUNCHERS) -> tuple[int, int, str] | None:
             raise ValueError(f"${rank_var}={rank} is not in [0, ${world_var}={world})")
         return rank, world, f"{rank_var}/{world_var}"
     return None
-
-
-def _count(value: Any, name: str, low: int) -> int:
-    """`value` as an int >= `low` (numpy's ints too), or a ValueError naming `name`."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}") from None
-    if n < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return n
-
-
-def _check_batcher_args(batch_size: Any, seed: Any, input_dims: Any) -> None:
-    """sampled_batcher()'s own arguments, checked where they are given (not at the first
-    batch, with numpy's or torch's message)."""
-    _count(batch_size, "batch_size", 1)
-    _count(seed, "seed", 0)
-    if isinstance(input_dims, int):
-        input_dims = (input_dims,)
-    try:
-        dims = list(input_dims)
-    except TypeError:
-        raise ValueError(
-            f"input_dims must be a sequence of ints >= 1, got {input_dims!r}"
-        ) from None
-    for d in dims:
-        _count(d, f"input_dims {tuple(dims)}: each size", 1)
 
 
 def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, str]:
@@ -292,7 +261,7 @@ class Dataset:
         """
         from .batcher import SampledBatcher
 
-        _check_batcher_args(batch_size, seed, input_dims)
+        _options.check_batcher_args(batch_size, seed, input_dims)
         groups = ("fetch", "cache", "workers", "sampling")
         _options.check("sampled_batcher()", opts, *(_options.GROUPS[g].names() for g in groups),
                        _options.BATCHER_ARGS)  # fmt: skip

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -263,6 +264,36 @@ def check(where: str, given: Iterable[str], *groups: Iterable[str]) -> None:
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else f"; valid options: {', '.join(valid)}"
         raise TypeError(f"{where} got an unknown option {name!r}{hint}")
+
+
+def _count(value: Any, name: str, low: int) -> int:
+    """`value` as an int >= `low` (numpy's ints too), or a ValueError naming `name`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}") from None
+    if n < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return n
+
+
+def check_batcher_args(batch_size: Any, seed: Any, input_dims: Any) -> None:
+    """sampled_batcher()'s own arguments, checked where they are given (not at the first
+    batch, with numpy's or torch's message)."""
+    _count(batch_size, "batch_size", 1)
+    _count(seed, "seed", 0)
+    if isinstance(input_dims, int):
+        input_dims = (input_dims,)
+    try:
+        dims = list(input_dims)
+    except TypeError:
+        raise ValueError(
+            f"input_dims must be a sequence of ints >= 1, got {input_dims!r}"
+        ) from None
+    for d in dims:
+        _count(d, f"input_dims {tuple(dims)}: each size", 1)
 
 
 @dataclass(frozen=True)

@@ -573,8 +573,8 @@ class WorkQueue:
     def read(self, timeout: float | None = None) -> object:
         """Owner: the next result. Worker: the next item, or None once the owner closed the
         queue and every item was handed out. Blocks until then."""
-        self._check_process()
         if self._broker is not None:
+            self._check_process()  # (results stay readable after close)
             return self._broker.get("up", True, timeout)[1]
         self._check()
         if self._late:

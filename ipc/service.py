@@ -66,7 +66,7 @@ def _local_name(host: str, port: int) -> str:
 
 
 def _local_record(host: str, port: int) -> dict:
-    """What a loopback server of ours on `port` left for our clients: {} where there is
+    """What a loopback server of ours on `host`:`port` left for our clients: {} where there is
     nothing, nothing well-formed, or its server is gone (a killed server cannot remove
     its file). Its token and Unix socket then mean nothing: a client without a token is
     told so, and one with a token reaches whoever listens on the port now over TCP."""
