@@ -42,6 +42,7 @@ import zmq
 
 from . import runtime, wire
 from .errors import PeerError
+from .launch import pid_alive
 from .link import Link
 from .wire import WireError
 
@@ -72,16 +73,6 @@ def arena_bytes() -> int:
     if not 1 <= mb <= MAX_ARENA >> 20:
         raise ValueError(f"$IPC_BULK_ARENA_MB must be in [1, {MAX_ARENA >> 20}], not {mb}")
     return mb << 20
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's: alive
-    return True
 
 
 def _boot_id() -> str:
@@ -226,7 +217,7 @@ class Arena(_Memory):
         for slot, (_, _, gen) in list(self.live.items()):
             free = self.slots[slot] != gen  # released by its reader
             if not free and dead_readers and slot in self.readers:
-                free = not _pid_alive(self.readers[slot])
+                free = not pid_alive(self.readers[slot])
             if free:
                 del self.live[slot]
                 self.readers.pop(slot, None)

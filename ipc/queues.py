@@ -56,8 +56,9 @@ import zmq
 from . import bulk, runtime, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
+from .keywords import checked
+from .launch import pid_alive, start_ticks
 from .link import Endpoint, Link
-from .rendezvous import _pid_alive, _start_ticks
 from .wire import Kind
 
 log = logging.getLogger(__name__)
@@ -451,6 +452,7 @@ class WorkQueue:
     `maxsize` (the owner's; 0: no bound) bounds the items waiting for a worker: the
     owner's `write` then waits for room, so a fast producer cannot outgrow memory."""
 
+    @checked
     def __init__(self, name: str, maxsize: int = 0):
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"WorkQueue: name must match {_NAME.pattern}, not {name!r}")
@@ -476,7 +478,7 @@ class WorkQueue:
                 "address": broker.address,
                 "secret": broker.secret.text,
                 "pid": os.getpid(),
-                "start": _start_ticks(),
+                "start": start_ticks(),
             }
             try:
                 runtime.create_private(directory, self._file, json.dumps(record).encode())
@@ -520,9 +522,9 @@ class WorkQueue:
             info = json.loads(raw)
             # Its pid alive and started when the owner did: pids are reused, and a dead
             # owner's name would stay taken for as long as a stranger held its pid.
-            ok = isinstance(info, dict) and _pid_alive(info.get("pid"))
+            ok = isinstance(info, dict) and pid_alive(info.get("pid"))
             if ok and isinstance(info.get("start"), int):
-                ok = _start_ticks(info["pid"]) == info["start"]
+                ok = start_ticks(info["pid"]) == info["start"]
             if ok and info.get("closed") is True:
                 ok = info["pid"] != os.getpid()  # our own queue, closed: ours to open anew
             elif ok:
@@ -624,7 +626,7 @@ class WorkQueue:
         """The name stays taken, marked closed, while this process lives: a worker that
         opens it later must learn that it came late, not become an owner nobody writes to."""
         directory = runtime.runtime_dir()
-        closed = {"closed": True, "pid": os.getpid(), "start": _start_ticks()}
+        closed = {"closed": True, "pid": os.getpid(), "start": start_ticks()}
         runtime.replace_private(directory, self._file, json.dumps(closed).encode())
         _CLOSED_NAMES.add((os.getpid(), directory, self._file))
 

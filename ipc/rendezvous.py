@@ -37,6 +37,16 @@ from dataclasses import dataclass
 from . import runtime, wire
 from .auth import Secret, given_secret, insecure_secret, missing_secret_error, random_secret
 from .errors import AuthError, IPCError, IPCTimeoutError, PeerError
+from .launch import (
+    LAUNCH_WINDOW_S,
+    environment_differs,
+    environment_digests,
+    pid_alive,
+    running,
+    same_command_line,
+    start_ticks,
+    twin_launch,
+)
 from .link import Endpoint, Limits, Link
 from .wire import Kind, WireError
 
@@ -45,9 +55,6 @@ log = logging.getLogger(__name__)
 KEY_ENV = "IPC_KEY"
 # The rendezvous endpoint carries only small JSON messages.
 RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL)
-# Processes of one launch by a shell or a Python parent start within this many seconds
-# of each other; a node 0 that started further away belongs to another launch.
-LAUNCH_WINDOW_S = 30.0
 WAIT_NOTE_S = 5.0  # say what we wait for after this long, then every WAIT_REPEAT_S
 HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
 SILENT_RETRY_S = 30.0  # ... and how long it then tries the other candidates before that one
@@ -85,42 +92,6 @@ def check_index(node_index: int, num_nodes: int) -> None:
         raise ValueError(f"node_index must be an int, got {node_index!r}")
     if not 0 <= node_index < num_nodes:
         raise ValueError(f"node_index must be in [0, {num_nodes}), got {node_index!r}")
-
-
-def _start_ticks(pid: int | str = "self") -> int | None:
-    """A process's start time in clock ticks since boot (None if unknown)."""
-    try:
-        stat = open(f"/proc/{pid}/stat", "rb").read()  # noqa: SIM115
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _pid_alive(pid: object) -> bool:
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _same_launch_argv(root: list[str], other: list[str], index: int) -> bool:
-    """True when two command lines differ only where each names its own node index.
-
-    `w.py 0 4 out` and `w.py 2 4 out` are one launch; `w.py 0 4 outA` and
-    `w.py 1 4 outB` are two. Only positions that differ are compared, after
-    the node's own index (as a whole number) is blanked in each."""
-    if len(root) != len(other):
-        return False
-    pat0 = re.compile(r"(?<!\d)0(?!\d)")
-    pati = re.compile(rf"(?<!\d){index}(?!\d)")
-    return all(
-        a == b or pat0.sub("#", a) == pati.sub("#", b) for a, b in zip(root, other, strict=True)
-    )
 
 
 def _options_match(mine: dict, theirs: object) -> str | None:
@@ -257,8 +228,9 @@ def join_root(
             # Only once every message it sent is read: its BYE follows the roster.
             for kind, ev_link in rv.events:
                 if ev_link is link and kind in ("dead", "bye"):
-                    # It had our JOIN: our node 0 (another launch's refuses at once), gone
-                    # (killed, or frozen past the heartbeats) in the middle of the rendezvous.
+                    # It had our JOIN: our node 0 gone (killed, or frozen past the
+                    # heartbeats) in the middle of the rendezvous, or one of another launch
+                    # that had its nodes as ours came (the caller tells them apart).
                     err = PeerError(
                         f"node {join['node']}: node 0 (at {link.address}) left the rendezvous "
                         f"after taking our join ({link.dead or 'it said goodbye'})",
@@ -339,8 +311,12 @@ class Localhost:
     also checks that a joining process started within LAUNCH_WINDOW_S of itself
     with the same command line (up to its node index), so a second launch from
     the same shell, or a stale node 0 of a failed one, is not joined by mistake.
-    $IPC_KEY or `key=` names a launch explicitly (no such checks). `port` also
-    lets node 0 accept joins on 127.0.0.1:port from nodes that know the token."""
+    Where the parent runs more processes with such a command line than the launch
+    has nodes (two launches of one script at once, a sweep told apart by
+    environment variables), node 0 also asks for its environment and working
+    directory (up to the node index, as the command line). $IPC_KEY or `key=` names
+    a launch explicitly (no such checks). `port` also lets node 0 accept joins on
+    127.0.0.1:port from nodes that know the token."""
 
     def __init__(
         self,
@@ -368,8 +344,9 @@ class Localhost:
             os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "-",
             *sys.argv[1:],
         ]
-        self.start = _start_ticks()
+        self.start = start_ticks()
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._twins: tuple[float, bool] = (float("-inf"), False)  # (when, whether) found
 
     def describe(self) -> str:
         return f"rendezvous key {self.key!r} in {runtime.runtime_dir()}"
@@ -395,6 +372,7 @@ class Localhost:
             "pid": os.getpid(),
             "start": self.start,
             "argv": self.argv,
+            "env": environment_digests(self.node_index),
         }
 
     def _admit(self, msg: dict) -> str | None:
@@ -410,9 +388,26 @@ class Localhost:
                 )
         if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
             return "no command line"
-        if not _same_launch_argv(self.argv, argv, msg["node"]):
+        if not same_command_line(self.argv, argv, msg["node"]):
             return f"its command line {argv} is not node 0's {self.argv}: another launch"
+        if self._twin_launch():
+            reason = environment_differs(msg.get("env"))
+            if reason is not None:
+                return (
+                    f"{reason}, and our parent runs more processes like us than this launch "
+                    f"has nodes: another launch of the same command line (set ${KEY_ENV} or "
+                    f"key= to tell launches apart)"
+                )
         return None
+
+    def _twin_launch(self) -> bool:
+        """Whether our parent runs another launch like ours (`twin_launch`), looked up at
+        most every 0.25 s: a joiner of the other launch has been running longer."""
+        when, found = self._twins
+        if not found and time.monotonic() - when > 0.25 and self.start is not None:
+            found = twin_launch(self.start, self.hz, self.num_nodes)
+            self._twins = (time.monotonic(), found)
+        return found
 
     def _root(self, listen: Listen, options: dict, timeout: float, host: str, specs) -> Roster:
         secret = self.given or random_secret()
@@ -475,7 +470,7 @@ class Localhost:
                 continue
             if rec.get("key") != self.key or not isinstance(rec.get("address"), str):
                 continue
-            if not _pid_alive(rec.get("pid")):
+            if not pid_alive(rec.get("pid")):
                 continue  # a stale file of a node 0 that died during its rendezvous
             if self.given is None and not isinstance(rec.get("secret"), str):
                 continue  # it expects a token we do not have
@@ -552,7 +547,12 @@ class Localhost:
                 if isinstance(err, AuthError) and self.given is not None:
                     raise  # our token is not node 0's: waiting will not change that
                 if getattr(err, "after_join", False):
-                    raise  # our node 0 died mid-rendezvous: no other will come for us
+                    if not running(rec.get("pid"), rec.get("start")):
+                        raise  # our node 0 died or froze mid-rendezvous: no other will come
+                    # Alive and running, it closed its rendezvous without us: a node 0 of
+                    # another launch that had its nodes a moment after taking our join.
+                    refused.add(name)
+                    continue
                 log.info("ipc node %d: %s", self.node_index, err)
                 if isinstance(err, IPCError) and "refused by node 0" in str(err):
                     refused.add(name)

@@ -45,8 +45,8 @@ import zmq
 from . import bulk, direct, runtime, wire
 from .auth import Secret, given_secret, missing_secret_error, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
+from .launch import start_ticks
 from .link import Endpoint, Limits, Link, Liveness
-from .rendezvous import _start_ticks
 from .wire import Kind
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def _still_serving(record: dict) -> bool:
     (pids are reused). A pid not seen from here (another pid namespace sharing this
     directory) counts while something listens on its Unix socket."""
     pid, start = record.get("pid"), record.get("start")
-    if isinstance(pid, int) and isinstance(start, int) and _start_ticks(pid) == start:
+    if isinstance(pid, int) and isinstance(start, int) and start_ticks(pid) == start:
         return True
     unix = record.get("unix")
     return (
@@ -245,7 +245,7 @@ class Server:
             record = {
                 "unix": self._endpoint.addresses[1],
                 "pid": os.getpid(),
-                "start": _start_ticks(),
+                "start": start_ticks(),
             }
             if self._listener is not None:
                 record["direct"] = self._listener.path

@@ -167,7 +167,7 @@ def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_p
 
     from ipc_harness import start_worker, wait_all
 
-    from distlearn.ipc.rendezvous import _start_ticks
+    from distlearn.ipc.launch import start_ticks
 
     tmpdir = short_tmp
     rt = tmpdir / f"distlearn-ipc-{os.getuid()}"
@@ -176,7 +176,7 @@ def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_p
     digest = hashlib.sha256(f"{key}:{n}".encode()).hexdigest()[:16]
     fake = rt / f"rv-{digest}-{os.getpid()}.json"
     fake.write_text(json.dumps({
-        "v": 2, "key": key, "pid": os.getpid(), "start": _start_ticks(),
+        "v": 2, "key": key, "pid": os.getpid(), "start": start_ticks(),
         "address": f"ipc://{rt}/gone.sock", "num_nodes": n, "secret": "f" * 64,
     }))  # fmt: skip
     fake.chmod(0o600)

@@ -447,6 +447,58 @@ def test_two_launches_from_one_shell_do_not_meet(tmp_path):
             assert r["sum"] == float(sum(pids)), f"job {name} met another launch"
 
 
+_SWEEP_NODE = """
+import json, os, pathlib, sys, time
+i, job = int(sys.argv[1]), os.environ["JOB"]
+if (pathlib.Path(os.environ["MARKS"]) / f"slow-{job}{i}").exists():
+    time.sleep(3)  # comes after the other launch's node of the other index
+import torch
+from distlearn import ipc
+tree = ipc.LocalhostTree(i, 2, timeout=40)
+x = torch.tensor([1.0 if job == "A" else 100.0])
+tree.all_reduce(x)
+tree.close()
+print(json.dumps({"job": job, "node": i, "sum": x.item()}), flush=True)
+"""
+
+
+def test_two_launches_of_one_command_line_told_apart_by_environment_do_not_cross(tmp_path):
+    """A sweep driver starts two 2-node jobs at once with one command line, the jobs told
+    apart by $JOB. Job A's node 1 and job B's node 0 come late, so B's node 1 finds only
+    A's node 0: it was admitted (same parent, start time and command line), and each job
+    summed with the other's nodes. Node 0 now sees that the parent runs more processes
+    like these than a launch has, compares environments, and refuses it."""
+    env = {k: v for k, v in repo_env(MARKS=str(tmp_path)).items() if k != "IPC_KEY"}
+    for late in ("slow-A1", "slow-B0"):
+        (tmp_path / late).touch()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SWEEP_NODE, str(i)],
+            env=dict(env, JOB=job),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for job in "AB"
+        for i in (0, 1)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    sums = {}
+    for out, err in outs:
+        assert out.startswith("{"), err
+        r = json.loads(out)
+        sums[r["job"], r["node"]] = r["sum"]
+    assert sums == {("A", 0): 2.0, ("A", 1): 2.0, ("B", 0): 200.0, ("B", 1): 200.0}
+    assert "its environment differs from node 0's in JOB" in outs[0][1], outs[0][1]
+
+
 def test_waiting_nodes_say_what_they_wait_for(tmp_path):
     """A node whose peers never come says so after a few seconds, naming the key and how
     to share it, instead of waiting silently for the whole timeout."""
