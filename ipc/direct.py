@@ -287,6 +287,86 @@ def await_ack(
 # ---- one bound connection ----------------------------------------------------------------
 
 
+def tensor_message(t: object) -> list | None:
+    """The buffers of a TENSOR message for `t` if it is a contiguous CPU tensor of at most
+    FAST_MAX bytes (one buffer, its bytes copied), else None."""
+    if type(t) is not torch.Tensor or not t.is_cpu or t.layout is not torch.strided:
+        return None
+    code = _CODES.get(t.dtype)
+    if code is None or not t.is_contiguous() or t.is_neg():
+        return None
+    n = t.nbytes
+    if n > FAST_MAX:
+        return None
+    shape = t.shape
+    head = _HEADS[len(shape)].pack(TENSOR, code, len(shape), n, *shape)
+    return [head + ctypes.string_at(t.data_ptr(), n)] if n else [head]
+
+
+def frames_message(frames: list) -> list:
+    """The buffers of a FRAMES message for an ipc.wire message (its header frame first):
+    one if it is small, else a header and the frames themselves (not copied)."""
+    lens = [len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames]
+    head = PREFIX.pack(FRAMES, 0, 0, len(frames)) + struct.pack(f"<{len(lens)}I", *lens)
+    bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+    if sum(lens) < 4096:  # one small write
+        return [head + b"".join(bufs)]
+    return [head, *bufs]
+
+
+class _Left:
+    """What is still to be written of a message: views of its buffers, and its size."""
+
+    __slots__ = ("total", "views")
+
+    def __init__(self, views: deque, total: int):
+        self.views, self.total = views, total
+
+
+def send_all(
+    messages: list[tuple[Direct, list]], service: Callable[[Direct], None]
+) -> dict[Direct, BaseException]:
+    """Send one message (its buffers) on each of several sockets, each at its reader's
+    pace: while one reader is not reading, the others' messages go on (a broadcast
+    waits for its slowest reader, but nobody waits behind it). Between slices of the
+    wait, `service(direct)` runs for each socket still sending, and may raise to give it
+    up. Returns the sockets given up, with why (Closed, or what `service` raised)."""
+    failed: dict[Direct, BaseException] = {}
+    pending: dict[int, tuple[Direct, _Left]] = {}
+    for d, bufs in messages:
+        try:
+            left = d._start(bufs)
+        except Closed as why:
+            failed[d] = why
+            continue
+        if left is not None:
+            pending[d.fileno()] = (d, left)
+    while pending:
+        poll = select.poll()
+        for fd in pending:
+            poll.register(fd, select.POLLOUT | _POLLIN)
+        events = poll.poll(int(SLICE * 1000))
+        if not events:
+            for fd, (d, _) in list(pending.items()):
+                try:
+                    service(d)
+                except Exception as why:  # (a peer known dead by its heartbeats)
+                    failed[d] = why
+                    del pending[fd]
+            continue
+        for fd, ev in events:
+            d, left = pending[fd]
+            try:
+                if ev & _POLLIN:
+                    d._fill(block=False)  # never deadlock with a peer that sends too
+                if d._push(left) is None:
+                    del pending[fd]
+            except Closed as why:
+                failed[d] = why
+                del pending[fd]
+    return failed
+
+
 class Direct:
     """One end of a bound direct socket. `max_frame` caps every frame the peer sends
     (as the link's Limits do); `service()` runs between slices of a wait and raises
@@ -329,65 +409,68 @@ class Direct:
     def send_tensor(self, t: object, service: Callable[[], None]) -> bool:
         """Send `t` as one TENSOR message if it is a contiguous CPU tensor of at most
         FAST_MAX bytes (True); False (nothing sent) for anything else."""
-        if type(t) is not torch.Tensor or not t.is_cpu or t.layout is not torch.strided:
+        bufs = tensor_message(t)
+        if bufs is None:
             return False
-        code = _CODES.get(t.dtype)
-        if code is None or not t.is_contiguous() or t.is_neg():
-            return False
-        n = t.nbytes
-        if n > FAST_MAX:
-            return False
-        shape = t.shape
-        head = _HEADS[len(shape)].pack(TENSOR, code, len(shape), n, *shape)
-        self._send([head + ctypes.string_at(t.data_ptr(), n)] if n else [head], service)
+        self._send(bufs, service)
         return True
 
     def send_frames(self, frames: list, service: Callable[[], None]) -> None:
         """Send an ipc.wire message (its header frame first)."""
-        lens = [len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames]
-        head = PREFIX.pack(FRAMES, 0, 0, len(frames)) + struct.pack(f"<{len(lens)}I", *lens)
-        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]
-        if sum(lens) < 4096:  # one small write
-            self._send([head + b"".join(bufs)], service)
-        else:
-            self._send([head, *bufs], service)
+        self._send(frames_message(frames), service)
 
     def _send(self, bufs: list, service: Callable[[], None]) -> None:
+        """Send one message, waiting for room while the peer reads (see `_wait_writable`)."""
+        left = self._start(bufs)
+        while left is not None:
+            self._wait_writable(service)
+            left = self._push(left)
+
+    def _start(self, bufs: list) -> _Left | None:
+        """Write what the socket takes of a message now; the rest, or None if it all went."""
         if self.closed is not None:
             raise self.closed
-        total = 0
-        views = None
+        n = self._write(bufs) if len(bufs) == 1 else None
+        if n is not None and n == len(bufs[0]):  # the common case: one small message
+            self._sent(n)
+            return None
+        left = _Left(deque(memoryview(b).cast("B") for b in bufs), sum(len(b) for b in bufs))
+        return self._push(left, n)
+
+    def _push(self, left: _Left, n: int | None = None) -> _Left | None:
+        """Write more of a message (`n`: bytes of it already written, not yet dropped)."""
+        views = left.views
         while True:
-            try:
-                if len(bufs) == 1:
-                    n = self.sock.send(bufs[0], _FLAGS)
-                else:
-                    n = self.sock.sendmsg(bufs[:IOV_MAX], (), _FLAGS)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError:
-                self.closed = Closed(False)
-                raise self.closed from None
-            total += n
-            if views is None:
-                if len(bufs) == 1 and n == len(bufs[0]):
-                    break
-                views = deque(memoryview(b).cast("B") for b in bufs)
-            progress = n > 0
-            while n and views:  # drop what went out
-                if n >= len(views[0]):
-                    n -= len(views[0])
-                    views.popleft()
-                else:
-                    views[0] = views[0][n:]
-                    n = 0
+            if n is None:
+                bufs = list(itertools.islice(views, IOV_MAX)) if len(views) > 1 else [views[0]]
+                n = self._write(bufs)
+            wrote = n
+            while views and n >= len(views[0]):  # drop what went out (and empty frames)
+                n -= len(views[0])
+                views.popleft()
+            if n:
+                views[0] = views[0][n:]
             if not views:
-                break
-            bufs = list(itertools.islice(views, IOV_MAX)) if len(views) > 1 else [views[0]]
-            if not progress:  # wait for room, reading what the peer sends meanwhile
-                self._wait_writable(service)
+                self._sent(left.total)
+                return None
+            if wrote == 0:  # the socket is full
+                return left
+            n = None
+
+    def _write(self, bufs: list) -> int:
+        try:
+            if len(bufs) == 1:
+                return self.sock.send(bufs[0], _FLAGS)
+            return self.sock.sendmsg(bufs[:IOV_MAX], (), _FLAGS)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError:
+            self.closed = Closed(False)
+            raise self.closed from None
+
+    def _sent(self, nbytes: int) -> None:
         self.msgs_sent += 1
-        self.bytes_sent += total
+        self.bytes_sent += nbytes
 
     def _wait_writable(self, service: Callable[[], None]) -> None:
         p = select.poll()

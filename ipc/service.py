@@ -504,19 +504,31 @@ class Server:
         # client's send shares by reference.
         frames = [zmq.Frame(f, copy=True) if len(f) >= 65536 else f for f in wire.pack_value(obj)]
         reached = 0
+        sockets: dict[direct.Direct, Connection] = {}
         for conn in self.connections():
+            if conn.direct is not None:
+                sockets[conn.direct] = conn
+                continue
             try:
-                if conn.direct is not None:
-                    service = lambda c=conn: self._direct_service(c)
-                    if not conn.direct.send_tensor(obj, service):
-                        conn.direct.send_frames(frames, service)
-                else:
-                    conn.link.send_frames(frames, copy=False)
+                conn.link.send_frames(frames, copy=False)
                 reached += 1
             except PeerError:
                 continue
-            except direct.Closed as why:
-                self._end_direct(conn, why)
+        if sockets:
+            # Every direct socket at once, each at its reader's pace: a client that is
+            # not reading holds up only its own copy.
+            message = direct.tensor_message(obj) or direct.frames_message(frames)
+            failed = direct.send_all(
+                [(d, message) for d in sockets], lambda d: self._direct_service(sockets[d])
+            )
+            for d, conn in sockets.items():
+                why = failed.get(d)
+                if why is None:
+                    reached += 1
+                elif isinstance(why, direct.Closed):
+                    self._end_direct(conn, why)
+                elif not isinstance(why, PeerError):
+                    raise why
         return reached
 
     def net_stats(self) -> dict:

@@ -215,6 +215,40 @@ def test_a_client_killed_mid_exchange_is_named_and_broadcast_does_not_hang(path)
         server.close()
 
 
+def busy_client(port: int, k: int, times) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, name=f"busy {k}")
+    c.send(k)
+    if k == 0:
+        time.sleep(3)  # computing, not reading
+    value = c.recv(timeout=60)
+    times.put((k, time.monotonic(), value.shape[0]))
+    c.send("got it")
+    c.close()
+
+
+def test_broadcast_does_not_make_clients_wait_behind_one_that_is_not_reading(path):
+    """Over the direct sockets broadcast wrote to one client after the other: a 4 MB copy
+    to a client that was not reading held up every client after it until it read."""
+    server = ipc.Server(token=TOKEN)
+    times = CTX.Queue()
+    procs = [forked(busy_client, server.port, k, times) for k in range(2)]
+    try:
+        with children(*procs):
+            conns = server.clients(2, timeout=60)
+            on_path(conns, path)
+            for _ in range(2):
+                server.recv_any(timeout=60)
+            start = time.monotonic()
+            assert server.broadcast(torch.zeros(1 << 20)) == 2
+            got = dict(((k, (t, n)) for k, t, n in (times.get(timeout=60) for _ in range(2))))
+            assert got[1][0] - start < 1.5, got  # not after client 0's 3 s
+            assert got[0][0] - start > 2.5 and got[0][1] == got[1][1] == 1 << 20
+            for _ in range(2):
+                assert server.recv_any(timeout=60)[0] == "got it"
+    finally:
+        server.close()
+
+
 def test_a_server_that_dies_is_a_peer_error_for_its_client(path):
     def doomed(port_pipe):
         s = ipc.Server(token=TOKEN)
