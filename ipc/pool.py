@@ -51,6 +51,7 @@ import torch
 from . import queues, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
+from .keywords import checked
 from .link import Endpoint, Link
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def _how_it_ended(code: int | None) -> str:
 class Map:
     """n processes running fn(*args, i); `join()` gathers their results in order."""
 
+    @checked
     def __init__(self, n: int, fn: Callable, args: tuple = (), *, context: str = "fork"):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"ipc.map: n must be an int >= 1, not {n!r}")
@@ -332,6 +334,7 @@ def _stop_at_exit() -> None:
         m._stop()
 
 
+@checked
 def map(n: int, fn: Callable, *args, context: str = "fork") -> Map:
     """Start fn(*args, i) for i in range(n) in n processes; `.join()` gathers the results."""
     return Map(n, fn, args, context=context)

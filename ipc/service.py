@@ -45,6 +45,7 @@ import zmq
 from . import bulk, direct, runtime, wire
 from .auth import Secret, given_secret, missing_secret_error, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
+from .keywords import checked
 from .launch import start_ticks
 from .link import Endpoint, Limits, Link, Liveness
 from .wire import Kind
@@ -182,6 +183,7 @@ class Server:
     """Listens on `host:port` (port 0: a free port, in `.port`) for clients that know the
     secret. See the module docstring."""
 
+    @checked
     def __init__(
         self,
         host: str = "127.0.0.1",
@@ -581,6 +583,7 @@ def _traffic(link: Link, d: direct.Direct | None) -> dict:
 class Client:
     """One authenticated connection to a Server at `host:port`."""
 
+    @checked
     def __init__(
         self,
         host: str,

@@ -47,6 +47,7 @@ from .auth import TOKEN_ENV, TOKEN_FILE_ENV
 from .engine import Engine
 from .envvars import env_float
 from .errors import IPCError
+from .keywords import check, checked, keyword_names
 from .link import Endpoint, Limits, Link, Liveness
 from .pack import Nested, Packed, flatten
 from .rendezvous import Localhost, Roster, Static, check_index, is_loopback
@@ -319,6 +320,7 @@ class Tree:
     `stall_warning` (seconds before a waiting collective logs who it waits for).
     Every node must pass the same base, chunk_bytes, shm and encrypt."""
 
+    @checked
     def __init__(
         self,
         rendezvous: Localhost | Static,
@@ -512,6 +514,7 @@ class Tree:
 
     # ---- public API -------------------------------------------------------------
 
+    @checked
     def all_reduce(
         self, tensors: Nested, op: Op = "sum", finished: bool = False, async_op: bool = False
     ) -> Handle | int:
@@ -526,6 +529,7 @@ class Tree:
         kind, reduce = _op(op)
         return self._submit((flatten(tensors), kind, reduce, True, not finished), async_op)
 
+    @checked
     def scatter(self, tensors: Nested, async_op: bool = False) -> Handle | None:
         """Copy the root's `tensors` into every node's `tensors`, in place."""
         self._check()
@@ -781,6 +785,7 @@ def LocalhostTree(
     `token=` / `token_file=` (or $IPC_TOKEN / $IPC_TOKEN_FILE) set the secret yourself;
     with `port=` node 0 also accepts joins on 127.0.0.1:port from nodes that have it.
     `options` as for Tree (shm=False keeps every collective on the sockets)."""
+    check("LocalhostTree()", options, keyword_names(Tree.__init__), keyword_names(LocalhostTree))
     handler = Localhost(
         node_index, num_nodes, key=key, port=port, token=token, token_file=token_file
     )
@@ -806,6 +811,7 @@ def StaticTree(
     trusted cluster, loudly logged). A loopback `root_host` without a secret means every
     node is on this host: they meet as LocalhostTree does, keyed by the port. `host` is
     the address this node binds and advertises. `options` as for Tree."""
+    check("StaticTree()", options, keyword_names(Tree.__init__), keyword_names(StaticTree))
     check_index(node_index, num_nodes)
     if is_loopback(root_host) and not (token or token_file or insecure or _env_secret()):
         handler = Localhost(node_index, num_nodes, key=f"static:{root_host}:{root_port}")

@@ -266,6 +266,39 @@ def test_bad_arguments():
     tree.close()
 
 
+@pytest.mark.parametrize(
+    "call, name, closest",
+    [
+        (lambda: ipc.LocalhostTree(0, 1, chunk_byte=1 << 20), "chunk_byte", "chunk_bytes"),
+        (lambda: ipc.LocalhostTree(0, 1, kye="x"), "kye", "key"),
+        (lambda: ipc.StaticTree(0, 1, "10.0.0.1", 1, tokne="t" * 40), "tokne", "token"),
+        (lambda: ipc.Tree.from_env(heartbeats=None), "heartbeats", "heartbeat"),
+        (lambda: ipc.Server(tokn="t" * 40), "tokn", "token"),
+        (lambda: ipc.Client("127.0.0.1", 1, tiemout=1), "tiemout", "timeout"),
+        (lambda: ipc.map(1, print, contxt="spawn"), "contxt", "context"),
+        (lambda: ipc.WorkQueue("q", max_size=3), "max_size", "maxsize"),
+    ],
+)
+def test_a_misspelt_keyword_names_the_closest(call, name, closest):
+    """Python's own TypeError named the inner function (Tree.__init__ for LocalhostTree's
+    options) and no valid name."""
+    with pytest.raises(
+        TypeError, match=f"unknown keyword argument '{name}'; did you mean '{closest}'"
+    ):
+        call()
+
+
+def test_a_misspelt_keyword_of_a_collective_names_the_closest():
+    tree = ipc.LocalhostTree(0, 1)
+    try:
+        with pytest.raises(TypeError, match="'async_'; did you mean 'async_op'"):
+            tree.all_reduce(torch.ones(1), async_=True)
+        with pytest.raises(TypeError, match="'asyncop'; did you mean 'async_op'"):
+            tree.scatter(torch.ones(1), asyncop=True)
+    finally:
+        tree.close()
+
+
 LAUNCHER_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RUN_ID", "IPC_PORT", "IPC_KEY", "IPC_TOKEN", "IPC_TOKEN_FILE",
