@@ -92,6 +92,7 @@ class SampledBatcher:
         self._resume: tuple[int, int] | None = None
         self._closed = False
         self._pid = os.getpid()
+        self._run = 0  # bumped by every new start of the pipeline (see __iter__)
 
     @property
     def stats(self) -> Stats:
@@ -135,6 +136,7 @@ class SampledBatcher:
     def _start(self, epoch: int, skip: int = 0) -> None:
         self.engine.drain()
         self.stream.start(epoch, skip)
+        self._run += 1
 
     def _start_next(self) -> None:
         """Begin the epoch being resumed, else the next one."""
@@ -177,11 +179,26 @@ class SampledBatcher:
     # -- public iteration --------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        """One epoch: the rest of an epoch being resumed, else the next epoch."""
+        """One epoch: the rest of an epoch being resumed, else the next epoch.
+
+        One pipeline feeds one iteration at a time: a new `iter()` (or `next_batch()`
+        starting an epoch, `reset()`, `load_state_dict()`) ends an iteration still under
+        way, whose next step raises RuntimeError rather than hand out the new one's
+        batches. Leaving a loop with `break` and starting the next is fine."""
         self._start_next()
+        run = self._run
         bar = self._progress_bar()
         try:
-            while (batch := self._next_or_none()) is not None:
+            while True:
+                if run != self._run and not self._closed:
+                    raise RuntimeError(
+                        "this iteration over the batcher was ended by a newer iter() "
+                        "(or next_batch(), reset(), load_state_dict()): a batcher feeds "
+                        "one iteration at a time"
+                    )
+                batch = self._next_or_none()
+                if batch is None:
+                    return
                 if bar is not None:
                     bar.update(1)
                 yield batch
@@ -220,6 +237,7 @@ class SampledBatcher:
         self.engine.drain()
         self.stream.stop()
         self._resume = None
+        self._run += 1
 
     # -- resume ------------------------------------------------------------------------
 
@@ -239,6 +257,7 @@ class SampledBatcher:
         self.engine.drain()
         self.stream.stop()
         self._resume = resume
+        self._run += 1
 
     # -- adapters and lifetime ---------------------------------------------------------
 

@@ -403,3 +403,26 @@ def test_close_from_another_thread_during_iteration_says_so(workers):
     with pytest.raises(RuntimeError, match="batcher is closed"):
         for _ in it:
             pass
+
+
+def test_a_second_iteration_ends_the_first_with_an_error():
+    """Two iter() over one batcher shared its pipeline: the first went on with the second's
+    epoch, its batches split between the two loops, without a word."""
+    ds = Dataset({"x": torch.arange(64.0).view(64, 1), "y": torch.zeros(64, dtype=torch.long)})
+    with ds.sampled_batcher(batch_size=4, input_dims=(1,), sampler="linear") as b:
+        first = iter(b)
+        assert next(first).input[:, 0].tolist() == [0, 1, 2, 3]
+        second = iter(b)
+        assert next(second).input[:, 0].tolist() == [0, 1, 2, 3]  # the next epoch
+        with pytest.raises(RuntimeError, match="ended by a newer iter"):
+            next(first)
+        assert len(list(second)) == 15  # the second one has the whole epoch
+        for _ in b:  # a loop left with break, then the next epoch: fine
+            break
+        assert len(list(b)) == 16
+        b.next_batch()
+        third = iter(b)
+        next(third)
+        b.reset()
+        with pytest.raises(RuntimeError, match="ended by a newer iter"):
+            next(third)
