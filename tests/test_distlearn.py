@@ -52,8 +52,26 @@ COMMS = [
     ),
 ]
 # The scenarios run once per (communicator, nodes) also run on gloo without the small
-# all-reduce at the root, so the process group's own all-reduce carries every step too.
-RUN_COMMS = [*COMMS, "gloo-ring"]
+# all-reduce at the root, so the process group's own all-reduce carries every step too;
+# at 3 nodes in the slow tier only (one launch, 25 s: the suite keeps under 15 minutes).
+RUN_COMMS = [*COMMS, pytest.param("gloo-ring", marks=pytest.mark.slow)]
+
+
+def _run_cases() -> list:
+    """(communicator, nodes) for every communicator and node count: gloo-ring at 3
+    nodes in the slow tier, with the 3-node tests that take RUN_COMMS."""
+    cases = []
+    for n in NODES:
+        for comm in RUN_COMMS:
+            # a pytest.param's value and marks (ipc: skipped without the tree; gloo-ring: slow)
+            name, marks = getattr(comm, "values", (comm,))[0], list(getattr(comm, "marks", ()))
+            if name == "gloo-ring" and n != 3:
+                marks = []
+            cases.append(pytest.param(name, n, marks=marks, id=f"{n}-{name}"))
+    return cases
+
+
+RUN_CASES = _run_cases()
 
 
 def uneven_steps(num_nodes: int, epochs: int, seed: int, low: int, high: int) -> list[list[int]]:
@@ -234,8 +252,7 @@ def assert_same(a, b, atol=0.0, rtol=0.0, what=""):
 # -- the communicator protocol ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_protocol(run, comm, num_nodes):
     results = run(comm, num_nodes)
     n = num_nodes
@@ -331,8 +348,7 @@ def test_small_all_reduce_at_the_root(run, num_nodes):
             assert res["group.calls"] == {"gather": 1, "allreduce": 0}
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_sgd_with_a_complex_parameter(run, comm, num_nodes):
     """A complex parameter trains as in one process (its count and marks read from the
     real part), with buckets and without; AllReduceEA's centers agree."""
@@ -355,8 +371,7 @@ def test_sgd_with_a_complex_parameter(run, comm, num_nodes):
 BESIDE_DDP_TOLERANCE = {"float16": (3e-4, 3e-4), "bfloat16": (3e-3, 3e-3)}
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_sgd_beside_ddp(run, comm, num_nodes):
     """The same training next to DistributedDataParallel gives DDP's weights, with a
     head that some nodes or all of them leave unused (a parameter nobody used keeps
@@ -373,8 +388,7 @@ def test_sgd_beside_ddp(run, comm, num_nodes):
 # -- AllReduceSGD ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_sgd_matches_one_process_on_the_whole_batch(run, comm, num_nodes):
     results = run(comm, num_nodes)
     cfg = config(num_nodes)["sgd_equivalence"]
@@ -389,8 +403,7 @@ def test_sgd_matches_one_process_on_the_whole_batch(run, comm, num_nodes):
         assert_same(ours["state"], results[0]["sgd_equivalence"]["state"])
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_sgd_uneven_steps_end_on_the_longest_node(run, comm, num_nodes):
     results = run(comm, num_nodes)
     table = config(num_nodes)["sgd_uneven"]["steps"]
@@ -435,8 +448,7 @@ OVERLAP_RUNS = {
 }
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_sgd_overlap_matches_one_process(run, comm, num_nodes):
     """Buckets during backward give what one process gets on the whole batch, in every
     way of using the loop, and the buckets really start during backward."""
@@ -475,8 +487,7 @@ def test_sgd_overlap_matches_one_process(run, comm, num_nodes):
             assert any(not torch.equal(ours["state"][k], exact["state"][k]) for k in exact["state"])
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_sgd_overlap_random_steps(run, comm, num_nodes):
     """torch-distlearn's random-steps test on a module, buckets on and off: uneven epochs
     (an idle node, a tie), parameters unused by some nodes or by all (whose .grad stays
@@ -619,8 +630,7 @@ def test_a_peer_stopped_over_gloo_is_an_error_within_the_timeout_given_to_from_e
 # -- AllReduceEA -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("comm", RUN_COMMS)
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize("comm, num_nodes", RUN_CASES)
 def test_easgd_matches_replica_simulation(run, comm, num_nodes):
     results = run(comm, num_nodes)
     cfg = config(num_nodes)["easgd"]
