@@ -6,8 +6,11 @@ parent may run several launches, so node 0 admits a process only if it looks lik
 its own: started within LAUNCH_WINDOW_S of node 0, with the same command line up to its
 node index (`same_command_line`), and, when the parent runs more processes like these
 than the launch has nodes (`twin_launch`: two launches of one script at once, a sweep
-told apart by environment variables), with the same environment and working directory
-up to its node index (`environment_digests`, `environment_differs`).
+told apart by environment variables), with the same environment and working directory:
+equal, but for the variables that name the node (RANK=0 and RANK=2) and those that a
+launcher or the devices set per process (`environment_digests`, `environment_differs`).
+Two launches that differ in nothing else are not told apart, nor is a twin launch whose
+processes start only after this one's rendezvous has taken one of them.
 
 Also the process facts that the runtime directory's records are checked against:
 `start_ticks`, `pid_alive`, `running`. Linux's /proc; elsewhere they know less (a start
@@ -20,14 +23,24 @@ import contextlib
 import hashlib
 import os
 import re
+from collections.abc import Iterable
 
 # Processes of one launch by a shell or a Python parent start within this many seconds
 # of each other; a node 0 that started further away belongs to another launch.
 LAUNCH_WINDOW_S = 30.0
 
-# Variables a launcher sets to a value of its own in each process (not only the node
-# index); `_` is what a shell sets to the command's path or last argument.
-_PER_PROCESS_ENV = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "HYDRA_", "I_MPI_", "MV2_")
+# Variables left out of the environments compared: a launcher's own in each process
+# (Slurm's, MPI's, torchrun's), the devices a node sees (CUDA_VISIBLE_DEVICES=0 and =1, or
+# =0,1 and =2,3: which hardware, not what is computed), and `_`, which a shell sets to
+# the command's path or last argument.
+_LEFT_OUT = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "HYDRA_", "I_MPI_", "MV2_", "TORCHELASTIC_")
+_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+            "NVIDIA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ZE_AFFINITY_MASK", "_")  # fmt: skip
+# Variables that name the node: compared with its index blanked (RANK=0 and RANK=2).
+# Every other variable must be equal: blanking the index everywhere would also blank
+# what tells two launches apart (JOB=0 for node 0 of one, JOB=1 for node 1 of the other).
+_NODE_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK"})
+_NAMED_MAX = 800  # variables named one by one in a JOIN (6 hex each); past that, a count
 
 
 # ---- process facts ------------------------------------------------------------------
@@ -131,54 +144,64 @@ def twin_launch(start: int, hz: int, num_nodes: int) -> bool:
 
 
 def _environment() -> dict[str, str]:
-    """This process's environment and working directory, as a launch's nodes share them."""
-    env = {k: v for k, v in os.environ.items() if k != "_" and not k.startswith(_PER_PROCESS_ENV)}
+    """This process's environment and working directory, as a launch's nodes share them
+    (less what is left out, see _LEFT_OUT)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DEVICES and not k.startswith(_LEFT_OUT)}
     with contextlib.suppress(OSError):  # (a directory removed under us)
         env["(cwd)"] = os.getcwd()
     return env
 
 
-def _digest(name: str, value: str) -> str:
-    return hashlib.blake2b(f"{name}={value}".encode(errors="replace"), digest_size=4).hexdigest()
+def _hash(items: Iterable[str], size: int) -> str:
+    h = hashlib.blake2b(digest_size=size)
+    for item in sorted(items):
+        h.update(item.encode(errors="replace") + b"\0")
+    return h.hexdigest()
+
+
+def _split(env: dict[str, str], index: int) -> tuple[list[str], list[str]]:
+    """NAME=value of the variables compared as they are, and of those that name the node,
+    with its index blanked."""
+    same = [f"{k}={v}" for k, v in env.items() if k not in _NODE_ENV]
+    node = [f"{k}={_blank(v, index)}" for k, v in env.items() if k in _NODE_ENV]
+    return same, node
 
 
 def environment_digests(index: int) -> dict[str, str]:
-    """What a joiner tells node 0 of its environment (see `environment_differs`): an
-    8-hex digest of each variable, and of each variable with the node's index blanked
-    where that changes it; each set as one string, so a JOIN stays small (a few KiB
-    for hundreds of variables)."""
-    env = _environment()
-    raw = "".join(sorted(_digest(k, v) for k, v in env.items()))
-    blanked = "".join(
-        sorted(_digest(k, _blank(v, index)) for k, v in env.items() if _blank(v, index) != v)
-    )
-    return {"raw": raw, "blanked": blanked}
-
-
-def _digest_set(text: object) -> set[str] | None:
-    if not isinstance(text, str) or len(text) % 8 or not re.fullmatch(r"[0-9a-f]*", text):
-        return None
-    return {text[i : i + 8] for i in range(0, len(text), 8)}
+    """What a joiner tells node 0 of its environment (see `environment_differs`): a
+    digest of the variables that must be equal, one of those that name the node (with
+    its index blanked), and, to name what differs, 6 hex of each variable (up to
+    _NAMED_MAX of them; a JOIN stays under its 16 KiB)."""
+    same, node = _split(_environment(), index)
+    named = "".join(_hash([v], 3) for v in same) if len(same) <= _NAMED_MAX else ""
+    return {"same": _hash(same, 16), "node": _hash(node, 16), "named": named, "count": len(same)}
 
 
 def environment_differs(theirs: object) -> str | None:
     """Why a joiner's environment (its `environment_digests`) is not node 0's (this
-    process's), or None: every variable must be equal, or equal once each side's node
-    index is blanked (RANK=0 and RANK=2), as `same_command_line` compares arguments."""
-    raw = _digest_set(theirs.get("raw")) if isinstance(theirs, dict) else None
-    blanked = _digest_set(theirs.get("blanked")) if isinstance(theirs, dict) else None
-    if raw is None or blanked is None:
+    process's), or None: every variable must be equal but those that name the node
+    (equal up to the node index) and those left out (a launcher's, the devices')."""
+    if not (
+        isinstance(theirs, dict)
+        and all(isinstance(theirs.get(k), str) for k in ("same", "node", "named"))
+        and isinstance(theirs.get("count"), int)
+        and re.fullmatch(r"[0-9a-f]*", theirs["named"])
+        and len(theirs["named"]) % 6 == 0
+    ):
         return "it sent no environment"
     env = _environment()
-    differ = sorted(
-        k
-        for k, v in env.items()
-        if _digest(k, v) not in raw and _digest(k, _blank(v, 0)) not in blanked
-    )
-    extra = len(raw) - len(env)  # each of ours matched one of theirs, or is in `differ`
-    if not differ and extra <= 0:
-        return None
+    same, node = _split(env, 0)
+    if theirs["same"] == _hash(same, 16):
+        if theirs["node"] == _hash(node, 16):
+            return None
+        names = ", ".join(sorted(_NODE_ENV & set(env))) or "a variable that names the node"
+        return f"its environment differs from node 0's in {names} (beyond the node index)"
+    named = {theirs["named"][i : i + 6] for i in range(0, len(theirs["named"]), 6)}
+    if not named and theirs["count"] > _NAMED_MAX:
+        return f"its environment ({theirs['count']} variables) differs from node 0's"
+    differ = sorted(v.split("=", 1)[0] for v in same if _hash([v], 3) not in named)
+    extra = theirs["count"] - (len(same) - len(differ))
     what = ", ".join(differ[:5]) + (" ..." if len(differ) > 5 else "")
-    if extra > 0:
-        what += f"{' and ' if differ else ''}{extra} variable(s) node 0 has not"
-    return f"its environment differs from node 0's in {what}"
+    if extra > len(differ):
+        what += f"{' and ' if differ else ''}{extra - len(differ)} variable(s) node 0 has not"
+    return f"its environment differs from node 0's in {what or 'a variable'}"

@@ -23,6 +23,7 @@ passes the same tree options. It knows nothing about trees or collectives.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -131,16 +132,40 @@ def gather(
 ) -> tuple[list, list]:
     """Node 0: collect every other node's JOIN on the rendezvous endpoint `rv`, then send
     each the roster. `join` is node 0's own JOIN; `admit(join)` may refuse a node of
-    another launch. Returns (hosts, addresses)."""
+    another launch. Returns (hosts, addresses). If it fails (its timeout, an interrupt),
+    the nodes that joined are told so before it raises."""
     joined: dict[int, tuple[Link, dict]] = {}
+    try:
+        return _gather(rv, num_nodes, join, timeout, where, admit, joined)
+    except BaseException as err:
+        # Those that joined would take our silence for our death, or for another
+        # launch's node 0 that had its nodes: tell them we gave up, and why.
+        for link, _ in joined.values():
+            with contextlib.suppress(IPCError, OSError):
+                link.send_control(Kind.ROSTER, {"abort": f"{type(err).__name__}: {err}"[:2000]})
+        raise
+
+
+def _gather(
+    rv: Endpoint,
+    num_nodes: int,
+    join: dict,
+    timeout: float,
+    where: str,
+    admit: Callable[[dict], str | None] | None,
+    joined: dict[int, tuple[Link, dict]],
+) -> tuple[list, list]:
+    """`gather`'s loop; `joined` holds who has joined, by node index."""
     deadline = time.monotonic() + timeout
     note = _Note()
+    refusals, last_refusal = 0, ""
     while len(joined) < num_nodes - 1:
         remaining = deadline - time.monotonic()
         missing = [i for i in range(1, num_nodes) if i not in joined]
         if remaining <= 0:
+            refused = f"; refused {refusals} join(s), the last: {last_refusal}" if refusals else ""
             raise IPCTimeoutError(
-                f"node 0: nodes {missing} did not join within {timeout:g}s ({where})",
+                f"node 0: nodes {missing} did not join within {timeout:g}s ({where}){refused}",
                 node=missing[0],
             )
         waited = note.due()
@@ -203,6 +228,7 @@ def gather(
             )
         if reason is not None:
             log.warning("ipc node 0: refused a join: %s", reason)
+            refusals, last_refusal = refusals + 1, reason
             link.send_control(Kind.ROSTER, {"refused": reason})
             continue
         joined[i] = (link, msg)
@@ -253,6 +279,15 @@ def join_root(
             continue
         if "refused" in body:
             raise IPCError(f"node {join['node']}: refused by node 0: {body['refused']}", node=0)
+        if "abort" in body:
+            err = IPCError(
+                f"node {join['node']}: node 0 gave up the rendezvous after taking our join: "
+                f"{body['abort']}",
+                node=0,
+            )
+            err.after_join = True  # ours, and gone: no other node 0 will come for us
+            err.gave_up = True
+            raise err
         n = join["num_nodes"]
         hosts, addresses = body.get("hosts"), body.get("addresses")
         if not (
@@ -280,7 +315,7 @@ def serve(
     try:
         hosts, addresses = gather(rv, num_nodes, join, timeout, where, admit)
     except BaseException:
-        rv.close(linger=0)
+        rv.close(linger=1.0)  # (long enough for the joined nodes' aborts to go out)
         raise
     rv.close(linger=timeout)
     return hosts, addresses
@@ -486,14 +521,17 @@ class Localhost:
         deadline = time.monotonic() + timeout
         note = _Note()
         refused: set[str] = set()
+        why_refused = ""  # the last refusal, for the timeout's message
         silent: dict[str, float] = {}  # candidates that did not answer -> when to try again
         addrs: list[str] | None = None
         bound: Secret | None = None  # the secret our endpoint listens with
         direct = self.port is not None and self.given is not None
         while True:
             if time.monotonic() > deadline:
+                why = f"; the last node 0 refused us: {why_refused}" if why_refused else ""
                 raise IPCTimeoutError(
-                    f"node {self.node_index}: no node 0 for {self.describe()} within {timeout:g}s",
+                    f"node {self.node_index}: no node 0 for {self.describe()} within "
+                    f"{timeout:g}s{why}",
                     node=0,
                 )
             waited = note.due()
@@ -547,7 +585,9 @@ class Localhost:
                 if isinstance(err, AuthError) and self.given is not None:
                     raise  # our token is not node 0's: waiting will not change that
                 if getattr(err, "after_join", False):
-                    if not running(rec.get("pid"), rec.get("start")):
+                    if getattr(err, "gave_up", False) or not running(
+                        rec.get("pid"), rec.get("start")
+                    ):
                         raise  # our node 0 died or froze mid-rendezvous: no other will come
                     # Alive and running, it closed its rendezvous without us: a node 0 of
                     # another launch that had its nodes a moment after taking our join.
@@ -556,6 +596,7 @@ class Localhost:
                 log.info("ipc node %d: %s", self.node_index, err)
                 if isinstance(err, IPCError) and "refused by node 0" in str(err):
                     refused.add(name)
+                    why_refused = str(err).split("refused by node 0: ", 1)[-1]
                 elif isinstance(err, IPCTimeoutError):
                     # Its socket does not answer (gone, or frozen): try the others first,
                     # or we would knock on it forever while the real node 0 waits.

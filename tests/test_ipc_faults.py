@@ -242,6 +242,26 @@ def test_a_node_0_gone_in_the_middle_of_the_rendezvous_is_named(sig):
             p.wait()
 
 
+def test_a_node_0_that_gives_up_tells_the_nodes_that_joined():
+    """Node 0's own timeout ends its rendezvous while node 1, which had joined, waits on:
+    node 1 took the closed link for another launch's node 0 and waited for its own
+    timeout (40 s), then said "no node 0"."""
+    env = repo_env(IPC_KEY=f"rv-gives-up-{uuid.uuid4().hex[:8]}")
+    code = _RENDEZVOUS_NODE.replace("timeout=60", "timeout=float(sys.argv[2])")
+    cmd = [sys.executable, "-c", code]
+    n0 = subprocess.Popen([*cmd, "0", "6"], env=env, stdout=subprocess.PIPE, text=True)
+    n1 = subprocess.Popen([*cmd, "1", "40"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = n1.communicate(timeout=60)
+        assert "node 0 gave up the rendezvous" in out and "did not join within 6s" in out, out
+        assert float(out.split(" after ")[1].split("s:")[0]) < 15, out
+        assert "IPCTimeoutError" in n0.communicate(timeout=30)[0]
+    finally:
+        for p in (n0, n1):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.skipif(not _unshare_available(), reason="needs root and unshare -m (mount namespace)")
 def test_small_dev_shm_falls_back_to_sockets(tmp_path):
     """Docker's 64 MB /dev/shm: a 64 MiB all_reduce over 4 nodes needs 512 MiB of slots.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,10 +28,12 @@ def _joiner_digests(monkeypatch, index: int, **changes: str | None) -> dict:
 
 def test_environments_equal_up_to_the_node_index(monkeypatch):
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOG", "out-0.txt")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the same on every node
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the devices: left out
     monkeypatch.setenv("SLURM_TASK_PID", "4242")  # a launcher's per-process value
-    theirs = _joiner_digests(monkeypatch, 2, RANK="2", LOG="out-2.txt", SLURM_TASK_PID="77")
+    theirs = _joiner_digests(
+        monkeypatch, 2, RANK="2", LOCAL_RANK="2", CUDA_VISIBLE_DEVICES="4,5", SLURM_TASK_PID="7"
+    )
     assert launch.environment_differs(theirs) is None
 
 
@@ -42,9 +45,37 @@ def test_environments_that_differ_are_named(monkeypatch):
         "its environment differs from node 0's in JOB, SEED"
     )
     theirs = _joiner_digests(monkeypatch, 1, EXTRA_FLAG="1")
-    assert "1 variable(s) node 0 has not" in launch.environment_differs(theirs)
+    assert launch.environment_differs(theirs).endswith("in 1 variable(s) node 0 has not")
     theirs = _joiner_digests(monkeypatch, 1, JOB=None)
     assert launch.environment_differs(theirs).endswith("in JOB")
+    monkeypatch.setenv("RANK", "0")
+    theirs = _joiner_digests(monkeypatch, 1, RANK="3")
+    assert "in RANK (beyond the node index)" in launch.environment_differs(theirs)
+
+
+def test_a_number_that_tells_launches_apart_is_not_taken_for_the_node_index(monkeypatch):
+    """Node 1 of the launch with JOB=1 beside node 0 of the one with JOB=0: blanking the
+    node index everywhere made both JOB=#, and the launches crossed. Only the variables
+    that name the node are compared so; a per-node log file therefore needs a key."""
+    monkeypatch.setenv("JOB", "0")
+    monkeypatch.setenv("OUT", "/runs/0/log")
+    theirs = _joiner_digests(monkeypatch, 1, JOB="1", OUT="/runs/1/log")
+    assert launch.environment_differs(theirs).endswith("in JOB, OUT")
+
+
+def test_a_large_environment_fits_a_join(monkeypatch):
+    """8 hex a variable made a JOIN of 2,100 variables pass the 16 KiB control frame, and
+    the rendezvous failed even without a twin launch."""
+    for i in range(3000):
+        monkeypatch.setenv(f"MODULE_VAR_{i}", f"/opt/v1/lib/{i}" * 5)
+    digests = launch.environment_digests(1)
+    assert len(json.dumps(digests)) < 200 and launch.environment_differs(digests) is None
+    theirs = _joiner_digests(monkeypatch, 1, MODULE_VAR_7="other")
+    assert launch.environment_differs(theirs).endswith("variables) differs from node 0's")
+    for i in range(2500):
+        monkeypatch.delenv(f"MODULE_VAR_{i}")
+    digests = launch.environment_digests(1)
+    assert len(json.dumps(digests)) < 6 * 600 and launch.environment_differs(digests) is None
 
 
 def test_a_joiner_in_another_directory_differs(monkeypatch, tmp_path):
@@ -58,8 +89,10 @@ def test_a_joiner_in_another_directory_differs(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(
     "junk",
-    [None, "x", {}, {"raw": "abc", "blanked": ""}, {"raw": "zzzzzzzz", "blanked": ""},
-     {"raw": ["0" * 8], "blanked": ""}, {"raw": "0" * 8}],
+    [None, "x", {}, {"same": "a", "node": "b", "named": "abc", "count": 1},
+     {"same": "a", "node": "b", "named": "zzzzzz", "count": 1},
+     {"same": "a", "node": "b", "named": ["abcdef"], "count": 1},
+     {"same": "a", "node": "b", "named": "", "count": "1"}, {"same": "a", "node": "b"}],
 )  # fmt: skip
 def test_a_malformed_environment_is_refused(junk):
     assert launch.environment_differs(junk) == "it sent no environment"

@@ -455,7 +455,7 @@ if (pathlib.Path(os.environ["MARKS"]) / f"slow-{job}{i}").exists():
 import torch
 from distlearn import ipc
 tree = ipc.LocalhostTree(i, 2, timeout=40)
-x = torch.tensor([1.0 if job == "A" else 100.0])
+x = torch.tensor([1.0 if job == "0" else 100.0])
 tree.all_reduce(x)
 tree.close()
 print(json.dumps({"job": job, "node": i, "sum": x.item()}), flush=True)
@@ -464,12 +464,13 @@ print(json.dumps({"job": job, "node": i, "sum": x.item()}), flush=True)
 
 def test_two_launches_of_one_command_line_told_apart_by_environment_do_not_cross(tmp_path):
     """A sweep driver starts two 2-node jobs at once with one command line, the jobs told
-    apart by $JOB. Job A's node 1 and job B's node 0 come late, so B's node 1 finds only
-    A's node 0: it was admitted (same parent, start time and command line), and each job
-    summed with the other's nodes. Node 0 now sees that the parent runs more processes
-    like these than a launch has, compares environments, and refuses it."""
+    apart by $JOB=0 or 1. Job 0's node 1 and job 1's node 0 come late, so job 1's node 1
+    finds only job 0's node 0: it was admitted (same parent, start time and command line),
+    and each job summed with the other's nodes. Node 0 now sees that the parent runs more
+    processes like these than a launch has, compares environments, and refuses it (JOB=1
+    is not its JOB=0 with the node index in place of 0: only RANK and the like are)."""
     env = {k: v for k, v in repo_env(MARKS=str(tmp_path)).items() if k != "IPC_KEY"}
-    for late in ("slow-A1", "slow-B0"):
+    for late in ("slow-01", "slow-10"):
         (tmp_path / late).touch()
     procs = [
         subprocess.Popen(
@@ -479,7 +480,7 @@ def test_two_launches_of_one_command_line_told_apart_by_environment_do_not_cross
             stderr=subprocess.PIPE,
             text=True,
         )
-        for job in "AB"
+        for job in "01"
         for i in (0, 1)
     ]
     outs = []
@@ -495,7 +496,7 @@ def test_two_launches_of_one_command_line_told_apart_by_environment_do_not_cross
         assert out.startswith("{"), err
         r = json.loads(out)
         sums[r["job"], r["node"]] = r["sum"]
-    assert sums == {("A", 0): 2.0, ("A", 1): 2.0, ("B", 0): 200.0, ("B", 1): 200.0}
+    assert sums == {("0", 0): 2.0, ("0", 1): 2.0, ("1", 0): 200.0, ("1", 1): 200.0}
     assert "its environment differs from node 0's in JOB" in outs[0][1], outs[0][1]
 
 
