@@ -63,8 +63,15 @@ class WireError(ValueError):
 
 
 def control(kind: Kind, body: Mapping) -> bytes:
-    """Header frame of a control message."""
-    return bytes([kind]) + json.dumps(body, separators=(",", ":")).encode()
+    """Header frame of a control message. One over MAX_CONTROL is refused here, where the
+    sender can be told, rather than by every receiver (which drops the link)."""
+    header = bytes([kind]) + json.dumps(body, separators=(",", ":")).encode()
+    if len(header) > MAX_CONTROL:
+        raise WireError(
+            f"a message described in {len(header)} bytes of JSON (limit {MAX_CONTROL}): "
+            f"too many values in one message (send fewer, larger tensors)"
+        )
+    return header
 
 
 def kind_of(header: bytes | memoryview) -> int:

@@ -249,6 +249,27 @@ def test_broadcast_does_not_make_clients_wait_behind_one_that_is_not_reading(pat
         server.close()
 
 
+def test_a_message_too_many_values_to_describe_is_refused_by_its_sender(path):
+    """A value whose description passes the 16 KiB header limit (a list of 2,000 empty
+    tensors) was sent: every client dropped the link ('it broke the framing')."""
+    server = ipc.Server(token=TOKEN)
+    procs = [forked(echo_client, server.port, k, 1) for k in range(2)]
+    try:
+        with children(*procs):
+            conns = server.clients(2, timeout=60)
+            on_path(conns, path)
+            with pytest.raises(ValueError, match="limit 16384"):
+                server.broadcast([torch.empty(0)] * 2000)
+            with pytest.raises(ValueError, match="limit 16384"):
+                conns[0].send(list(range(5000)))
+            assert server.broadcast(torch.arange(3)) == 2  # the links are intact
+            for _ in range(2):
+                value, _ = server.recv_any(timeout=60)
+                assert torch.equal(value["value"], torch.arange(3))
+    finally:
+        server.close()
+
+
 def test_a_server_that_dies_is_a_peer_error_for_its_client(path):
     def doomed(port_pipe):
         s = ipc.Server(token=TOKEN)
