@@ -95,6 +95,7 @@ class ItemStream:
         self.epoch = -1  # the epoch being read; -1 before the first
         self.done = 0  # items of this epoch handed out (or dropped)
         self.position = 0  # items of this epoch dispatched
+        self.ended = False  # the epoch has no more items to dispatch
         self._batches: Iterator[Work] | None = None
         self._sized: tuple[int, Any] | None = None  # (epoch, its items) when they have a length
 
@@ -116,6 +117,7 @@ class ItemStream:
     def start(self, epoch: int, skip: int = 0) -> None:
         """Begin `epoch` after its first `skip` items."""
         self.epoch, self.done, self.position = epoch, skip, skip
+        self.ended = False
         items = self.items(epoch)
         if isinstance(items, np.ndarray):
             self._batches = self._slices(items, skip)
@@ -137,7 +139,7 @@ class ItemStream:
             raise StopIteration
         work = next(self._batches, None)
         if work is None:
-            self._batches = None
+            self._batches, self.ended = None, True
             raise StopIteration
         self.position += len(work)
         return work
@@ -200,10 +202,14 @@ class ItemStream:
     # -- resume ----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The epoch, how many of its items were handed out, and what the order depends on."""
+        """The epoch, how many of its items were handed out, and what the order depends on.
+
+        Once every item of an epoch is handed out, where it stands is the start of the
+        next one: a job resumed from there trains on, rather than over an empty epoch."""
+        over = self.ended and self.done == self.position
         state = {
-            "epoch": max(self.epoch, 0),
-            "consumed": self.done if self.epoch >= 0 else 0,
+            "epoch": max(self.epoch + over, 0),
+            "consumed": self.done if self.epoch >= 0 and not over else 0,
             "seed": self.seed,
             "partition": self.partition,
             "sampler": self.sampler_name,

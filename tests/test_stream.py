@@ -70,6 +70,24 @@ def test_resume_from_a_state_dict_sees_exactly_the_rest():
         ItemStream(tensor_index(30), seed=9).check_state(state)
 
 
+def test_a_state_saved_at_the_end_of_an_epoch_resumes_into_the_next():
+    """It said (epoch e, every item consumed): a job resumed from it ran an empty epoch
+    e before the next, one epoch short of the job that was not stopped."""
+    s = ItemStream(tensor_index(30), sampler="permutation", batch_size=7, seed=1)
+    s.start(2)
+    for work in s:
+        s.consumed(len(work))
+    last = s.state_dict()
+    assert last == {**last, "epoch": 3, "consumed": 0}
+    again = ItemStream(tensor_index(30), sampler="permutation", batch_size=7, seed=1)
+    assert values(epoch(again, *again.check_state(last))) == values(epoch(s, 3))
+    s.start(4)
+    work = next(s)
+    assert s.state_dict()["epoch"] == 4  # dispatched, not handed out: epoch 4 stands
+    s.stop()
+    assert s.state_dict()["epoch"] == 4  # an epoch stopped early is not over
+
+
 @pytest.mark.parametrize("n", [1_000_000, pytest.param(10_000_000, marks=pytest.mark.slow)])
 def test_millions_of_items_stay_numpy_and_the_state_stays_small(n):
     index = open_index({"x": torch.empty(n, 0), "y": torch.arange(n) % 1000})
