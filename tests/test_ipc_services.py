@@ -107,6 +107,15 @@ def on_path(conns, path: str) -> None:
     assert all((c.direct is not None) == (path == "direct") for c in conns), conns
 
 
+def greeted(server: ipc.Server, n: int, path: str) -> list:
+    """The server's n clients, on the expected path, once each has sent its greeting."""
+    conns = server.clients(n, timeout=60)
+    on_path(conns, path)
+    for _ in range(n):
+        server.recv_any(timeout=60)
+    return conns
+
+
 def echo_client(port: int, k: int, rounds: int) -> None:
     c = ipc.Client("127.0.0.1", port, token=TOKEN, name=f"echo {k}")
     for _ in range(rounds):
@@ -191,10 +200,7 @@ def test_a_client_killed_mid_exchange_is_named_and_broadcast_does_not_hang(path)
     procs = [forked(killed_client, server.port, k) for k in range(2)]
     try:
         with children(*procs):
-            conns = server.clients(2, timeout=60)
-            on_path(conns, path)
-            for _ in range(2):
-                server.recv_any(timeout=60)
+            conns = greeted(server, 2, path)
             victim = next(c for c in conns if c.name == "victim 0")
             victim.send(torch.ones(10))
             with pytest.raises(ipc.PeerError, match="victim 0"):
@@ -234,10 +240,7 @@ def test_broadcast_does_not_make_clients_wait_behind_one_that_is_not_reading(pat
     procs = [forked(busy_client, server.port, k, times) for k in range(2)]
     try:
         with children(*procs):
-            conns = server.clients(2, timeout=60)
-            on_path(conns, path)
-            for _ in range(2):
-                server.recv_any(timeout=60)
+            greeted(server, 2, path)
             start = time.monotonic()
             assert server.broadcast(torch.zeros(1 << 20)) == 2
             got = dict(((k, (t, n)) for k, t, n in (times.get(timeout=60) for _ in range(2))))
