@@ -483,10 +483,10 @@ def test_labels_of_one_number_have_one_order_whatever_the_hash_seed(tmp_path):
     procs = [  # side by side: each spends seconds importing torch
         subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE,
                          text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
-        for seed in range(8)
+        for seed in range(4)
     ]  # fmt: skip
     seen = {p.communicate(timeout=120)[0].strip() for p in procs}
-    assert [p.returncode for p in procs] == [0] * 8
+    assert [p.returncode for p in procs] == [0] * 4
     assert seen == {"['+5', '005', '05', '5', '9', '10']"}
 
 

@@ -124,25 +124,25 @@ def test_running_tells_a_stopped_or_dead_process_from_a_live_one():
 def test_a_twin_launch_is_counted_among_the_parents_processes():
     """Processes with one command line (numbers aside) under one parent, a shell as in a
     launch script: three are more than a launch of 2 has, not more than one of 3; other
-    command lines do not count."""
+    command lines do not count. (The probes load ipc/launch.py alone: no torch to import.)"""
     probe = (
-        "import sys, time; from distlearn.ipc import launch; s = launch.start_ticks(); "
+        "import importlib.util as u, sys, time; "
+        'spec = u.spec_from_file_location("launch", sys.argv[2]); '
+        "launch = u.module_from_spec(spec); spec.loader.exec_module(launch); "
+        "s = launch.start_ticks(); "
         "print(launch.twin_launch(s, 100, 2), launch.twin_launch(s, 100, 3), flush=True); "
         "time.sleep(float(sys.argv[1]))"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
 
     def run(script: str) -> list[str]:
-        out = subprocess.run(
-            ["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env
-        )
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
         return out.stdout.split()
 
     def after(background: str) -> list[str]:
-        me = f"\"{sys.executable}\" -c '{probe}' 0"
+        me = f"\"{sys.executable}\" -c '{probe}' 0 {launch.__file__}"
         return run(f"{background} & {background} & sleep 1; {me}; kill $(jobs -p)")
 
     others = f'"{sys.executable}" -c "import time; time.sleep(4)" 1'
     assert after(others) == ["False", "False"]
-    twins = f"\"{sys.executable}\" -c '{probe}' 4 > /dev/null"
+    twins = f"\"{sys.executable}\" -c '{probe}' 4 {launch.__file__} > /dev/null"
     assert after(twins) == ["True", "False"]
