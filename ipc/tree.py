@@ -449,10 +449,15 @@ class Tree:
             if all(j in self._links and self._links[j].state == "up" for j in neighbours):
                 break
             if time.monotonic() > deadline:
-                missing = [j for j in self.children if j not in self._links]
+                down = [
+                    j for j in neighbours if j not in self._links or self._links[j].state != "up"
+                ]
+                children = [j for j in down if j in self.children]
+                what = [f"nodes {children} did not link to us"] if children else []
+                if self.parent in down:
+                    what.append(f"our link to node {self.parent} (our parent) did not come up")
                 raise IPCError(
-                    f"node {me}: nodes {missing} did not link to us within {self.timeout:g}s",
-                    node=missing[0] if missing else self.parent,
+                    f"node {me}: {' and '.join(what)} within {self.timeout:g}s", node=down[0]
                 )
             ep.poll(0.05)
         # Every neighbour is connected: the Unix socket names can go now, so even a
