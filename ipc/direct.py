@@ -328,9 +328,10 @@ def send_all(
 ) -> dict[Direct, BaseException]:
     """Send one message (its buffers) on each of several sockets, each at its reader's
     pace: while one reader is not reading, the others' messages go on (a broadcast
-    waits for its slowest reader, but nobody waits behind it). Between slices of the
-    wait, `service(direct)` runs for each socket still sending, and may raise to give it
-    up. Returns the sockets given up, with why (Closed, or what `service` raised)."""
+    waits for its slowest reader, but nobody waits behind it). Every SLICE seconds,
+    however busy the others are, `service(direct)` runs for each socket still sending,
+    and may raise to give it up. Returns the sockets given up, with why (Closed, or
+    what `service` raised)."""
     failed: dict[Direct, BaseException] = {}
     pending: dict[int, tuple[Direct, _Left]] = {}
     for d, bufs in messages:
@@ -341,20 +342,12 @@ def send_all(
             continue
         if left is not None:
             pending[d.fileno()] = (d, left)
+    serviced = time.monotonic()
     while pending:
         poll = select.poll()
         for fd in pending:
             poll.register(fd, select.POLLOUT | _POLLIN)
-        events = poll.poll(int(SLICE * 1000))
-        if not events:
-            for fd, (d, _) in list(pending.items()):
-                try:
-                    service(d)
-                except Exception as why:  # (a peer known dead by its heartbeats)
-                    failed[d] = why
-                    del pending[fd]
-            continue
-        for fd, ev in events:
+        for fd, ev in poll.poll(int(SLICE * 1000)):
             d, left = pending[fd]
             try:
                 if ev & _POLLIN:
@@ -364,6 +357,14 @@ def send_all(
             except Closed as why:
                 failed[d] = why
                 del pending[fd]
+        if time.monotonic() - serviced >= SLICE:  # every SLICE, busy sockets or not
+            serviced = time.monotonic()
+            for fd, (d, _) in list(pending.items()):
+                try:
+                    service(d)
+                except Exception as why:  # (a peer known dead by its heartbeats)
+                    failed[d] = why
+                    del pending[fd]
     return failed
 
 
