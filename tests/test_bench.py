@@ -124,6 +124,7 @@ def test_targets_compare_against_the_peer_at_its_best():
     assert "targets (checked, not asserted)" in report.targets_text(list(checks.values()))
 
 
+@pytest.mark.slow  # (51 s of benchmark harness: the default suite keeps under 15 minutes)
 @pytest.mark.timeout(400)
 def test_quick_run_end_to_end(tmp_path):
     """A tiny full pipeline: data, server, loader rows in fresh processes, gloo, report, chart."""

@@ -53,19 +53,20 @@ COMMS = [
 ]
 # The scenarios run once per (communicator, nodes) also run on gloo without the small
 # all-reduce at the root, so the process group's own all-reduce carries every step too;
-# at 3 nodes in the slow tier only (one launch, 25 s: the suite keeps under 15 minutes).
+# at 3 and 4 nodes in the slow tier only (a launch each, 25-32 s: the suite keeps under
+# 15 minutes), at 1 and 2 nodes in every run.
 RUN_COMMS = [*COMMS, pytest.param("gloo-ring", marks=pytest.mark.slow)]
 
 
 def _run_cases() -> list:
-    """(communicator, nodes) for every communicator and node count: gloo-ring at 3
-    nodes in the slow tier, with the 3-node tests that take RUN_COMMS."""
+    """(communicator, nodes) for every communicator and node count: gloo-ring at 3 and
+    4 nodes in the slow tier, with the 3-node tests that take RUN_COMMS."""
     cases = []
     for n in NODES:
         for comm in RUN_COMMS:
             # a pytest.param's value and marks (ipc: skipped without the tree; gloo-ring: slow)
             name, marks = getattr(comm, "values", (comm,))[0], list(getattr(comm, "marks", ()))
-            if name == "gloo-ring" and n != 3:
+            if name == "gloo-ring" and n < 3:
                 marks = []
             cases.append(pytest.param(name, n, marks=marks, id=f"{n}-{name}"))
     return cases
