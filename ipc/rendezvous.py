@@ -349,9 +349,9 @@ class Localhost:
     Where the parent runs more processes with such a command line than the launch
     has nodes (two launches of one script at once, a sweep told apart by
     environment variables), node 0 also asks for its environment and working
-    directory (up to the node index, as the command line). $IPC_KEY or `key=` names
-    a launch explicitly (no such checks). `port` also lets node 0 accept joins on
-    127.0.0.1:port from nodes that know the token."""
+    directory: equal but for the variables that name the node (see ipc.launch).
+    $IPC_KEY or `key=` names a launch explicitly (no such checks). `port` also lets
+    node 0 accept joins on 127.0.0.1:port from nodes that know the token."""
 
     def __init__(
         self,
