@@ -35,6 +35,7 @@ import hmac
 import itertools
 import math
 import os
+import resource
 import select
 import socket
 import struct
@@ -112,6 +113,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # ---- setting up ----------------------------------------------------------------------
 
 
+def _max_shown() -> int:
+    """Nonces shown and not yet claimed by a handshake, at most (the oldest go first):
+    every client of a burst that connects before the server looks at the handshakes is
+    there at once, each an open file. A quarter of the process's file limit, at most
+    4096; a client whose socket went first is served over ZeroMQ alone. Also the
+    listening socket's backlog (the kernel caps it at net.core.somaxconn)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(64, min(4096, soft // 4 if soft != resource.RLIM_INFINITY else 4096))
+
+
 class Listener:
     """The server's listening socket, and the accepted sockets whose nonce no link has
     claimed yet."""
@@ -119,10 +130,11 @@ class Listener:
     def __init__(self, secret: Secret):
         self.secret = secret
         self.path = runtime.socket_path("d")
+        self.max_shown = _max_shown()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.path)
-            sock.listen(MAX_WAITING)
+            sock.listen(self.max_shown)
             sock.setblocking(False)
         except BaseException:
             sock.close()
@@ -164,43 +176,57 @@ class Listener:
             except OSError:
                 break
             s.setblocking(False)
-            if len(self.waiting) >= MAX_WAITING:
-                self._forget(next(iter(self.waiting)))
-            self.waiting[s] = (bytearray(), now)
-            if self.on_change is not None:
-                self.on_change(s, True)
-        for s, (got, since) in list(self.waiting.items()):
-            try:
-                chunk = s.recv(NONCE - len(got))
-            except (BlockingIOError, InterruptedError):
-                chunk = None
-            except OSError:
-                chunk = b""
-            if chunk == b"":  # gone before showing a whole nonce
-                self._forget(s)
-                continue
-            if chunk:
-                got += chunk
-            if len(got) == NONCE:
-                nonce = bytes(got)
-                self.waiting.pop(s)
+            # Read its nonce now: a client writes it right after connecting, so in a
+            # burst most never wait (and never push an older one out of `waiting`).
+            self._read_nonce(s, bytearray(), now)
+            if s in self.waiting:
+                if len(self.waiting) > MAX_WAITING:
+                    self._forget(next(iter(self.waiting)))
                 if self.on_change is not None:
-                    self.on_change(s, False)
-                if nonce in self.taken or nonce in self.shown:
-                    s.close()  # a replay, or a copy racing the first: neither is served
-                    old = self.shown.pop(nonce, None)
-                    if old is not None:
-                        old[0].close()
-                    self._take(nonce)
-                else:
-                    self.shown[nonce] = (s, since)
-            elif now - since > HELLO_TIMEOUT:
+                    self.on_change(s, True)
+        for s, (got, since) in list(self.waiting.items()):
+            self._read_nonce(s, got, since)
+            if s in self.waiting and now - since > HELLO_TIMEOUT:
                 self._forget(s)
         # A nonce that no handshake claimed soon after it was shown is a stranger's.
         for nonce, (s, since) in list(self.shown.items()):
-            if now - since > HELLO_TIMEOUT or len(self.shown) > MAX_WAITING:
+            if now - since > HELLO_TIMEOUT or len(self.shown) > self.max_shown:
                 del self.shown[nonce]
                 s.close()
+
+    def _read_nonce(self, s: socket.socket, got: bytearray, since: float) -> None:
+        """Read what `s` has of its nonce: a whole one moves it to `shown` (or closes it:
+        a replay), an end of stream closes it, a part keeps it in `waiting`."""
+        try:
+            chunk = s.recv(NONCE - len(got))
+        except (BlockingIOError, InterruptedError):
+            chunk = None
+        except OSError:
+            chunk = b""
+        if chunk == b"":  # gone before showing a whole nonce
+            if s in self.waiting:
+                self._forget(s)
+            else:
+                s.close()
+            return
+        if chunk:
+            got += chunk
+        if len(got) < NONCE:
+            self.waiting[s] = (got, since)
+            return
+        nonce = bytes(got)
+        if s in self.waiting:
+            self.waiting.pop(s)
+            if self.on_change is not None:
+                self.on_change(s, False)
+        if nonce in self.taken or nonce in self.shown:
+            s.close()  # a replay, or a copy racing the first: neither is served
+            old = self.shown.pop(nonce, None)
+            if old is not None:
+                old[0].close()
+            self._take(nonce)
+        else:
+            self.shown[nonce] = (s, since)
 
     def claim(self, nonce_hex: object) -> socket.socket | None:
         """The socket that showed this nonce (which the link's handshake carried), acked;
@@ -241,28 +267,46 @@ class Listener:
 
 def connect(path: object, timeout: float) -> tuple[socket.socket, bytes] | None:
     """A client's first step: connect to the server's socket and show a fresh nonce.
-    None when the path is not one in our private runtime directory, or nobody listens."""
+    None when the path is not one in our private runtime directory, nobody listens, or
+    its queue stayed full for `timeout` seconds."""
     if not isinstance(path, str) or os.path.dirname(path) != str(runtime.runtime_dir()):
         return None
     nonce = os.urandom(NONCE)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(nonce)
-        s.setblocking(False)
-    except OSError:
-        s.close()
-        return None
-    return s, nonce
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect(path)
+            s.sendall(nonce)
+            s.setblocking(False)
+            return s, nonce
+        except BlockingIOError:
+            # A Unix socket's connect does not wait for room in a full accept queue (a
+            # burst of clients, a server busy elsewhere): it fails with EAGAIN. Wait for
+            # the server, as a TCP connect would.
+            s.close()
+            if time.monotonic() + pause > deadline:
+                return None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        except OSError:
+            s.close()
+            return None
+
+
+ACKED, ENDED = "acked", "ended"
 
 
 def await_ack(
     s: socket.socket, nonce: bytes, secret: Secret, deadline: float, service: Callable[[], None]
-) -> bool:
-    """The client's last step: wait for the server's answer and check it (True), calling
-    `service` between slices (it raises if the link failed); False if the socket ended,
-    the answer was wrong or the deadline passed."""
+) -> str | None:
+    """The client's last step: wait for the server's answer, calling `service` between
+    slices (it raises if the link failed). ACKED: it proved the secret. ENDED: the socket
+    ended unanswered (the server let it go, as it does the oldest of a burst too large
+    to hold; the link still works without it). None: a wrong answer (not our server), or
+    none by the deadline."""
     p = select.poll()
     p.register(s, _POLLIN)
     got = b""
@@ -273,15 +317,15 @@ def await_ack(
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError:
-                return False
+                return ENDED
             if not chunk:
-                return False
+                return ENDED if not got else None
             got += chunk
             continue
         service()
         if time.monotonic() > deadline:
-            return False
-    return hmac.compare_digest(got, secret.mac(ACK, nonce))
+            return None
+    return ACKED if hmac.compare_digest(got, secret.mac(ACK, nonce)) else None
 
 
 # ---- one bound connection ----------------------------------------------------------------

@@ -327,8 +327,10 @@ class Server:
             return
         sock = self._listener.claim(nonce)
         if sock is None:
-            log.warning("ipc server: %s showed no direct socket for its nonce", conn.name)
-            self._drop(conn)
+            # Its socket went (the oldest of too large a burst, or gone before the
+            # handshake): the authenticated link serves it alone, and the client, whose
+            # socket ends unanswered, does the same.
+            log.info("ipc server: %s showed no direct socket for its nonce", conn.name)
             return
         conn.direct = direct.Direct(sock, self._max_frame)
         self._by_fd[sock.fileno()] = conn
@@ -656,12 +658,15 @@ class Client:
             self._endpoint.wait_up([self._link], deadline, f"the server at {host}:{port}")
             self._bulk.up(self._link)
             if raw is not None:
-                ok = direct.await_ack(*raw, secret, deadline, self._service_refused)
-                if not ok:
+                answer = direct.await_ack(*raw, secret, deadline, self._service_refused)
+                if answer is None:
                     raise IPCError(
                         f"{name}: the server at {host}:{port} did not take our direct socket"
                     )
-                self._direct = direct.Direct(raw[0], max_frame)
+                if answer == direct.ACKED:
+                    self._direct = direct.Direct(raw[0], max_frame)
+                else:
+                    raw[0].close()  # ended unanswered: the link alone carries the messages
                 raw = None
         except BaseException:
             self._closed = True
