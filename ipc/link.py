@@ -80,6 +80,14 @@ _DIALER_EVENTS = (
 )
 
 
+MAX_AGAIN = 100  # times a dialer starts its handshake over before it gives up
+
+
+def _again(header: bytes) -> bool:
+    """A REFUSED that asks the dialer to start its handshake over."""
+    return wire.parse_control(header).get("again") is True
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a peer may make us hold before we have read it."""
@@ -147,6 +155,7 @@ class Link:
         self.stats = LinkStats()
         self._nonce = b""
         self._hello: dict = {}
+        self.again = 0  # handshakes the listener lost and we started over
 
     def __repr__(self) -> str:
         return f"Link({self.name!r}, {self.address}, {self.state}{', dead' if self.dead else ''})"
@@ -610,7 +619,12 @@ class Endpoint:
     def _authenticate(self, rid: bytes, mac: bytes, peer: str = "") -> None:
         p = self._pending.pop(rid, None)
         if p is None:
-            raise WireError("AUTH without a HELLO")
+            # Its handshake lost its place (the oldest of more than `limits.handshakes`
+            # at once: a burst of clients) or expired: it starts again, a dialer of
+            # ours at once. The answer is unauthenticated; all it can make a dialer do
+            # is try again until its deadline.
+            self._reply(rid, wire.control(Kind.REFUSED, {"reason": "start again", "again": True}))
+            return
         parts = (b"auth", rid, p.dialer_nonce, p.our_nonce, p.name.encode(), _canon(p.info))
         if not self.secret.check(mac, *parts):
             self._note_stranger(f"refused {p.name!r}: it does not know this job's secret")
@@ -668,6 +682,8 @@ class Endpoint:
                     link.failure = AuthError(f"{self.name}: {link.address}: {reason}")
                     return
                 link.state = "up"
+            elif kind == Kind.REFUSED and link.state == "auth" and _again(header):
+                self._hello_again(link)
             elif kind == Kind.REFUSED:
                 reason = wire.parse_control(header).get("reason", "?")
                 link.failure = AuthError(
@@ -677,6 +693,21 @@ class Endpoint:
                 raise WireError(f"kind {kind} during the handshake")
         except WireError as err:
             self._drop(f"a bad handshake message from {link.address}: {err}")
+
+    def _hello_again(self, link: Link) -> None:
+        """Start the handshake over (the listener lost ours), with a fresh nonce."""
+        link.again += 1
+        if link.again > MAX_AGAIN:
+            link.failure = IPCError(
+                f"{self.name}: the endpoint at {link.address} lost our handshake "
+                f"{MAX_AGAIN} times (more connections at once than it holds)"
+            )
+            return
+        link._nonce = nonce()
+        link.state = "handshake"
+        hello = {"name": self.name, "nonce": link._nonce.hex(), "info": self.info}
+        with contextlib.suppress(zmq.Again):
+            link.sock.send(wire.control(Kind.HELLO, hello), zmq.NOBLOCK)
 
     def _reply(self, rid: bytes, header: bytes) -> None:
         with contextlib.suppress(zmq.ZMQError):  # a stranger may be gone already

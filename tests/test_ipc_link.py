@@ -111,6 +111,29 @@ def test_a_peer_of_another_wire_version_is_refused_by_name(older):
         listener.close(linger=0)
 
 
+def test_a_burst_of_dialers_larger_than_the_handshake_table_all_get_in():
+    """More dialers at once than the listener holds handshakes for: the oldest lose
+    their place, are told to start again, and get in (they used to wait out their
+    deadline: their AUTH found no HELLO)."""
+    listener = Endpoint(SECRET, "listener", bind=["tcp://127.0.0.1:*"],
+                        limits=Limits(handshakes=2))  # fmt: skip
+    dialers = [Endpoint(SECRET, f"dialer {i}") for i in range(12)]
+    try:
+        links = [d.dial(listener.addresses[0]) for d in dialers]
+        deadline = time.monotonic() + 30
+        while not all(link.state == "up" for link in links):
+            assert time.monotonic() < deadline, [str(link) for link in links]
+            assert all(link.failure is None for link in links)
+            listener.poll(0.01)
+            for d in dialers:
+                d.poll(0)
+        assert sum(link.again for link in links) > 0  # the table did overflow
+        assert len([ln for kind, ln in listener.events if kind == "accepted"]) == 12
+    finally:
+        for ep in [listener, *dialers]:
+            ep.close(linger=0)
+
+
 def test_close_waits_until_the_peer_has_read_everything():
     """The listener sends 200 messages and closes at once, while the dialer reads nothing
     for a second: every message arrives, then the BYE."""
