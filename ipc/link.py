@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 ZAP_DOMAIN = b"distlearn-ipc"
 PLAIN_USER = b"distlearn"
 _PROBE = bytes([Kind.PROBE])
+CLOSING = "closing: it takes no more links"
 _ACK = wire.control(Kind.ACK, {})
 # What a dialer's monitor reports: the link's end, or a failed ZeroMQ handshake.
 _DIALER_EVENTS = (
@@ -632,6 +633,11 @@ class Endpoint:
             return
         link = Link(self, f"accepted from {peer or 'a Unix socket'}", dialed=False, rid=rid)
         link.name, link.info = p.name, p.info
+        if self._closed:
+            # Closing: a link taken now would get neither our BYE nor anything else before
+            # its connection ends (the peer would take that for our death).
+            self._reply(rid, wire.control(Kind.REFUSED, {"reason": CLOSING}))
+            return
         reason = _other_version(p.info, p.name, self.name)
         if reason is None and self.accept is not None:
             reason = self.accept(link)
@@ -689,6 +695,7 @@ class Endpoint:
                 link.failure = AuthError(
                     f"{self.name}: refused by the endpoint at {link.address}: {str(reason)[:200]}"
                 )
+                link.failure.closing = reason == CLOSING
             else:
                 raise WireError(f"kind {kind} during the handshake")
         except WireError as err:

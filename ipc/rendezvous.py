@@ -263,6 +263,9 @@ def join_root(
                         node=0,
                     )
                     err.after_join = True
+                    # It finished its rendezvous without sending us a roster: it had its
+                    # nodes (another launch's node 0), whether or not it still runs.
+                    err.had_its_nodes = bool(link.bye and link.bye.get("done"))
                     raise err
             rv.events.clear()
             if time.monotonic() > deadline:
@@ -309,15 +312,19 @@ def serve(
     timeout: float,
     where: str,
     admit: Callable[[dict], str | None] | None = None,
+    gathered: Callable[[], None] | None = None,
 ) -> tuple[list, list]:
     """Node 0: `gather` on the rendezvous endpoint `rv`, then close it, waiting until every
-    node has read its roster (at once, on failure)."""
+    node has read its roster (at once, on failure). `gathered` runs between the two
+    (Localhost: no longer advertise a node 0 that takes no more nodes)."""
     try:
         hosts, addresses = gather(rv, num_nodes, join, timeout, where, admit)
+        if gathered is not None:
+            gathered()
     except BaseException:
         rv.close(linger=1.0)  # (long enough for the joined nodes' aborts to go out)
         raise
-    rv.close(linger=timeout)
+    rv.close(bye={"done": True}, linger=timeout)
     return hosts, addresses
 
 
@@ -474,8 +481,16 @@ class Localhost:
             raise
         try:
             join = self._join_body(addrs, options, host)
+            # The record goes as soon as the nodes are in: a joiner of another launch
+            # that read it while node 0 closes would retry a closed socket for seconds.
             hosts, addresses = serve(
-                rv, self.num_nodes, join, timeout, self.describe(), self._admit
+                rv,
+                self.num_nodes,
+                join,
+                timeout,
+                self.describe(),
+                self._admit,
+                gathered=lambda: runtime.remove(directory, name),
             )
         finally:
             runtime.remove(directory, name)
@@ -582,6 +597,9 @@ class Localhost:
                 )
             except (IPCError, OSError) as err:
                 rv.close(linger=0)
+                if getattr(err, "closing", False) or getattr(err, "had_its_nodes", False):
+                    refused.add(name)  # a node 0 that had its nodes as we came
+                    continue
                 if isinstance(err, AuthError) and self.given is not None:
                     raise  # our token is not node 0's: waiting will not change that
                 if getattr(err, "after_join", False):

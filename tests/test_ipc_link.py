@@ -134,6 +134,29 @@ def test_a_burst_of_dialers_larger_than_the_handshake_table_all_get_in():
             ep.close(linger=0)
 
 
+def test_a_closing_endpoint_refuses_new_links_by_name():
+    """A dialer that reaches an endpoint while it closes (waiting for its peers' last
+    acknowledgements) is refused as such. It used to be let in, then cut off without a
+    word, which a rendezvous took for the death of its node 0 (two launches side by
+    side failed so one time in nine)."""
+    listener, early = _pair()
+    late = Endpoint(SECRET, "late")
+    try:
+        _up(listener, early)  # `early` will not read: the close lingers for its ack
+        closing = threading.Thread(target=listener.close, kwargs={"linger": 2.0})
+        closing.start()
+        link = late.dial(listener.addresses[0])
+        deadline = time.monotonic() + 10
+        while link.failure is None and link.dead is None and time.monotonic() < deadline:
+            late.poll(0.01)
+        assert isinstance(link.failure, ipc.AuthError) and link.failure.closing, link
+        assert link.state != "up"
+        closing.join(10)
+    finally:
+        for ep in (listener, early, late):
+            ep.close(linger=0)
+
+
 def test_close_waits_until_the_peer_has_read_everything():
     """The listener sends 200 messages and closes at once, while the dialer reads nothing
     for a second: every message arrives, then the BYE."""
