@@ -475,7 +475,9 @@ class Localhost:
             "secret": None if self.given else secret.text,
         }
         try:
-            runtime.create_private(directory, name, json.dumps(record).encode())
+            # Named after our pid: a file of that name is a dead node 0's whose pid we
+            # were given again (killed before it could remove it), never a live one's.
+            runtime.replace_private(directory, name, json.dumps(record).encode())
         except BaseException:
             rv.close(linger=0)
             raise
@@ -497,7 +499,9 @@ class Localhost:
         return roster(0, self.num_nodes, secret, hosts, addresses, options, self.describe())
 
     def _candidates(self, refused: set[str]) -> list[tuple[str, dict]]:
-        """Live node 0s of our key, nearest start time first."""
+        """Live node 0s of our key, nearest start time first, each as (name, record).
+        A name is the file's and the node 0's address: a file of a pid given again to
+        a new node 0 names another node 0 than the one that refused us."""
         directory = runtime.runtime_dir()
         found = []
         try:
@@ -508,10 +512,8 @@ class Localhost:
             ]
         except OSError:
             return []
-        for name in names:
-            if name in refused:
-                continue
-            raw = runtime.read_private(directory, name)
+        for file in names:
+            raw = runtime.read_private(directory, file)
             try:
                 rec = json.loads(raw) if raw else None
             except ValueError:
@@ -520,8 +522,12 @@ class Localhost:
                 continue
             if rec.get("key") != self.key or not isinstance(rec.get("address"), str):
                 continue
+            name = f"{file} {rec['address']}"
+            if name in refused:
+                continue
             if not pid_alive(rec.get("pid")):
-                continue  # a stale file of a node 0 that died during its rendezvous
+                runtime.remove(directory, file)  # a node 0 that died in its rendezvous
+                continue
             if self.given is None and not isinstance(rec.get("secret"), str):
                 continue  # it expects a token we do not have
             start = rec.get("start")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -20,10 +22,13 @@ from ipc_harness import (
     local_reduce,
     netns_pair,  # noqa: F401 (a fixture)
     run_tree,
+    start_worker,
+    wait_all,
 )
 from ipc_workers import DTYPES, nested, node_tensor
 
 from distlearn import ipc
+from distlearn.ipc import runtime
 from distlearn.ipc.topology import build_tree, depth
 
 OPS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -197,6 +202,34 @@ def test_stale_shared_memory_is_swept(tmp_path):
     finally:
         for path in (stale, fresh, alive):
             path.unlink(missing_ok=True)
+
+
+def test_stale_rendezvous_records_are_replaced_and_swept(tmp_path):
+    """A node 0 killed in its rendezvous leaves its record (named after its pid): a node 0
+    given that pid again replaces it (it used to fail, the name taken), and a joiner
+    that comes across one whose process is gone removes it."""
+    key = f"test-{uuid.uuid4().hex[:8]}"
+    digest = hashlib.sha256(f"{key}:2".encode()).hexdigest()[:16]
+    directory = runtime.runtime_dir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = {"v": 2, "key": key, "pid": dead.pid, "start": 1, "address": "ipc:///nowhere",
+             "num_nodes": 2, "secret": "s" * 32}  # fmt: skip
+    runtime.create_private(directory, f"rv-{digest}-{dead.pid}.json", json.dumps(stale).encode())
+
+    def plant_own():  # in node 0 before it runs: a dead node 0's record under its pid
+        record = {**stale, "pid": os.getpid()}
+        runtime.create_private(
+            directory, f"rv-{digest}-{os.getpid()}.json", json.dumps(record).encode()
+        )
+
+    procs = [
+        start_worker("uneven", 0, 2, tmp_path, key=key, preexec_fn=plant_own),
+        start_worker("uneven", 1, 2, tmp_path, key=key),
+    ]
+    results, _ = collect(tmp_path, wait_all(procs, timeout=120))
+    assert all(r is not None for r in results)
+    assert not [n for n in os.listdir(directory) if n.startswith(f"rv-{digest}-")]
 
 
 @pytest.mark.parametrize("shm", TRANSPORTS)
