@@ -3,8 +3,9 @@
 A module's trainable parameters are split, in the order backward reaches them (the
 reverse of `module.parameters()`), into buckets of about `bucket_bytes` (the first one
 smaller, so communication starts early). Each bucket owns a flat buffer. A hook on each
-parameter (`register_post_accumulate_grad_hook`) copies its gradient into its bucket;
-a full bucket starts its all-reduce at once, in bucket order, while backward goes on.
+parameter's gradient accumulator (run after the parameter's own post-accumulate hooks, a
+user's among them) copies its gradient into its bucket; a full bucket starts its
+all-reduce at once, in bucket order, while backward goes on.
 `finish_step` (AllReduceSGD's `sum_*_gradients`) starts what is left, waits, and points
 each `.grad` at its slice of the bucket: one copy per step (in), like DDP's
 `gradient_as_bucket_view`, with the division by the node count riding on that copy.
@@ -155,27 +156,52 @@ class _Bucket:
 def _layout(
     params: list[nn.Parameter], wire: Callable[[torch.dtype], torch.dtype], first: int, cap: int
 ) -> list[list[nn.Parameter]]:
-    """Parameters (in backward order) grouped into buckets of one device and wire dtype.
+    """Parameters (in backward order) grouped into buckets of one device, one dtype and
+    one wire dtype (a bucket is either the parameters' own dtype, its buffer the `.grad`,
+    or compressed, copied back).
 
     A bucket closes once it holds `cap` bytes (`first` for the first bucket of each
     device and dtype), so one large parameter makes a bucket of its own. Buckets are
     ordered by their first parameter, the order in which backward fills them.
     """
-    open_: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-    size: dict[tuple[torch.device, torch.dtype], int] = {}
-    closed: dict[tuple[torch.device, torch.dtype], int] = {}
+    Key = tuple[torch.device, torch.dtype, torch.dtype]
+    open_: dict[Key, list[nn.Parameter]] = {}
+    size: dict[Key, int] = {}
+    closed: dict[Key, int] = {}
     buckets: list[tuple[int, list[nn.Parameter]]] = []
     for i, p in enumerate(params):
-        key = (p.device, wire(p.dtype))
+        key = (p.device, p.dtype, wire(p.dtype))
         if key not in open_:
             open_[key], size[key] = [], 0
             buckets.append((i, open_[key]))
         open_[key].append(p)
-        size[key] += p.numel() * key[1].itemsize
+        size[key] += p.numel() * key[2].itemsize
         if size[key] >= (first if closed.get(key, 0) == 0 else cap):
             closed[key] = closed.get(key, 0) + 1
             del open_[key]
     return [members for _, members in sorted(buckets, key=lambda b: b[0])]
+
+
+def _hook(p: nn.Parameter, reducer: weakref.ref) -> tuple:
+    """Call `reducer()._ready(p)` each time backward has accumulated `p.grad`.
+
+    The hook sits on `p`'s gradient accumulator (as DDP's do), not on `p` itself
+    (`register_post_accumulate_grad_hook`): the accumulator's hooks run after every
+    hook on the tensor, so a user's hook that changes `.grad` in place (registered
+    before or after ours) has run when the gradient is copied into its bucket. The
+    accumulator lives only as long as someone holds it: the caller keeps the node.
+    Weak references: a parameter or reducer that is gone is not kept alive by it.
+    """
+    with torch.enable_grad():
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+    param = weakref.ref(p)
+
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        me, q = reducer(), param()
+        if me is not None and q is not None:
+            me._ready(q)
+
+    return param, node, node.register_hook(hook)
 
 
 class GradientBuckets:
@@ -210,7 +236,7 @@ class GradientBuckets:
         self.late = False
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._signature: list[tuple] = []
-        self._hooks: dict[int, Any] = {}  # id(parameter) -> its hook's handle
+        self._hooks: dict[int, tuple] = {}  # id(parameter) -> _hook's (ref, node, handle)
         # steps ended; buckets started by hooks (overlapped with backward); steps sent
         # twice (a node was late, or the trainable parameters changed)
         self.stats = {"steps": 0, "started_in_backward": 0, "resent": 0}
@@ -238,12 +264,15 @@ class GradientBuckets:
 
     def _build(self) -> None:
         self._signature = self._trainable()
-        # backward order, each parameter once (a shared one where the tree first holds it)
-        params = list({id(e[0]): e[0] for e in self._signature}.values())[::-1]
+        # backward order, each parameter once (a shared one where the tree first holds it);
+        # one without elements has nothing to send, and keeps the .grad backward gave it
+        unique = {id(e[0]): e[0] for e in self._signature}.values()
+        params = [p for p in unique if p.numel() > 0][::-1]
         groups = _layout(params, self._wire, self.first_bucket_bytes, self.bucket_bytes)
         if not groups:
             raise ValueError(
-                f"AllReduceSGD: {type(self.module).__name__} has no trainable parameters"
+                f"AllReduceSGD: {type(self.module).__name__} has no trainable parameters "
+                "with elements"
             )
         last = len(groups) - 1
         self.params = params
@@ -268,19 +297,13 @@ class GradientBuckets:
             self.remove_hooks()
             return
         reducer = weakref.ref(self)
-
-        def hook(p: torch.Tensor) -> None:
-            # A weak reference: hooks of a reducer that is gone do nothing.
-            me = reducer()
-            if me is not None:
-                me._ready(p)
-
-        for p in params:  # the trainable ones (a frozen tensor refuses a hook)
-            if id(p) not in self._hooks:
-                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(hook)
+        for p in params:  # the trainable ones (a frozen tensor has no accumulator)
+            hooked = self._hooks.get(id(p))
+            if hooked is None or hooked[0]() is not p:  # (an id can be a dead one's)
+                self._hooks[id(p)] = _hook(p, reducer)
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks.values():
+        for _, _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
 

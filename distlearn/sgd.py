@@ -293,6 +293,8 @@ class AllReduceSGD:
                 layout.append((layout[0][0], layout[0][1], torch.Size([owners])))
         else:
             layout = self._layout
+        if not layout:
+            return  # nothing to send (a frozen module): no node can be stepping it
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for dtype, device, shape in layout]
         while self.comm.all_reduce(zeros, finished=True) > 0:
             for z in zeros:

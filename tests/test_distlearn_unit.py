@@ -249,6 +249,68 @@ def test_bucket_layout_follows_backward_order():
     # Compressed: sizes count the bytes that travel.
     assert [len(g) for g in _layout([a, b, c], lambda t: t, first=64, cap=256)] == [2, 1]
     assert [len(g) for g in _layout([a, b, c], lambda t: torch.bfloat16, 64, 256)] == [3]
+    # bfloat16 parameters and float32 ones sent as bfloat16 travel alike but land
+    # differently (a view of the buffer, a copy back): never one bucket.
+    h = p(4, dtype=torch.bfloat16)
+    assert [len(g) for g in _layout([a, h, b], lambda t: torch.bfloat16, 1024, 1024)] == [2, 1]
+
+
+def test_a_users_hook_on_the_gradient_has_run_when_its_bucket_is_filled(comm):
+    """A post-accumulate hook that changes .grad in place, registered after ours (at the
+    first synchronize_parameters): its change is in the sum, as under DDP (the bucket
+    used to take the gradient before it ran: twice the gradient here)."""
+    model, reference = _deep(), _deep()
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    assert len(sgd._buckets[model].buckets) >= 3
+
+    def halve(q):
+        q.grad.mul_(0.5)
+
+    for m in (model, reference):
+        for q in m.parameters():
+            q.register_post_accumulate_grad_hook(halve)
+    x = torch.ones(3, 4)
+    for m in (model, reference):
+        m(x).sum().backward()
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    for q, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(q.grad, r.grad)
+
+
+def test_buckets_of_mixed_dtypes_with_compression(comm):
+    """A bfloat16 head beside float32 layers, gradients sent as bfloat16: each lands in
+    its parameter's dtype (a float32 .grad used to be handed a bfloat16 view)."""
+    model, reference = _deep(), _deep()
+    for m in (model, reference):
+        m[4].bfloat16()
+        m[3].register_forward_hook(lambda mod, inp, out: out.bfloat16())
+    sgd = AllReduceSGD(comm, grad_dtype=torch.bfloat16)  # one bucket's worth: bfloat16 first
+    sgd.synchronize_parameters(model)
+    x = torch.ones(3, 4)
+    for m in (model, reference):
+        m(x).float().sum().backward()
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    for q, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert q.grad.dtype == q.dtype
+        torch.testing.assert_close(q.grad, r.grad, atol=0, rtol=2**-8)
+
+
+def test_zero_element_and_frozen_modules(comm):
+    """A parameter without elements alone in its dtype (it made an empty bucket, which
+    the counted all-reduce refused), and a module with nothing trainable: both go
+    through a step and a synchronize_parameters."""
+    model = _deep()
+    model[2].empty = nn.Parameter(torch.zeros(0, dtype=torch.float64))
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    (model(torch.ones(3, 4)).sum() + model[2].empty.sum()).backward()
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    assert model[2].empty.grad.shape == (0,)
+    sgd.synchronize_parameters(model)
+    teacher = _deep().requires_grad_(False)  # e.g. the teacher of a distillation
+    for overlap in (True, False):
+        AllReduceSGD(comm, overlap=overlap).synchronize_parameters(teacher)
 
 
 def _deep(seed=0):
