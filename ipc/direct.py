@@ -61,6 +61,7 @@ SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
 SPIN_S = env_float("IPC_DIRECT_SPIN_US", 100.0) * 1e-6
 HELLO_TIMEOUT = 5.0  # an accepted socket has this long to show a nonce
 MAX_WAITING = 64  # sockets that have not shown a nonce, at most (the oldest go first)
+QUEUE_WAIT = 2.0  # how long a client waits for room in a full accept queue
 MAX_TAKEN = 1 << 16
 FAST_MAX = 64 << 10  # tensors up to this size go as TENSOR (larger: FRAMES, maybe bulk)
 MAX_DIMS = 32
@@ -168,7 +169,9 @@ class Listener:
     def poll(self) -> None:
         """Accept what is queued, read the nonces shown so far, drop the expired."""
         now = time.monotonic()
-        while True:
+        # At most MAX_WAITING a call: under a flood of connections the caller gets back
+        # to its own work (and deadline); the rest wait in the kernel's queue.
+        for _ in range(MAX_WAITING):
             try:
                 s, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -268,11 +271,12 @@ class Listener:
 def connect(path: object, timeout: float) -> tuple[socket.socket, bytes] | None:
     """A client's first step: connect to the server's socket and show a fresh nonce.
     None when the path is not one in our private runtime directory, nobody listens, or
-    its queue stayed full for `timeout` seconds."""
+    its queue stayed full for QUEUE_WAIT seconds (or `timeout`, if shorter): the client
+    then goes without (the server may be busy elsewhere for long, or flooded)."""
     if not isinstance(path, str) or os.path.dirname(path) != str(runtime.runtime_dir()):
         return None
     nonce = os.urandom(NONCE)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + min(timeout, QUEUE_WAIT)
     pause = 0.001
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
