@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import runtime, wire
 from .auth import Secret, given_secret, insecure_secret, missing_secret_error, random_secret
@@ -345,6 +346,54 @@ def roster(
 # ---- handlers ------------------------------------------------------------------
 
 
+_swept = False  # once per process: a sweep reads the whole directory
+_RECORD_NAME = re.compile(r"rv-[0-9a-f]{16}-([0-9]+)\.json")
+
+
+def _dead_record(directory: Path, name: str) -> bool:
+    """Whether the node 0 of record `name` is gone: nobody listens at its address. (Its
+    pid alone cannot say: a node 0 in another pid namespace that shares the directory
+    looks dead from here.)"""
+    try:
+        rec = json.loads(runtime.read_private(directory, name) or b"null")
+    except ValueError:
+        return False
+    address = rec.get("address") if isinstance(rec, dict) else None
+    if not isinstance(address, str) or not address.startswith("ipc://"):
+        return False  # not ours to judge
+    path = address[len("ipc://") :]
+    return not os.path.exists(path) or not runtime.listened_on(path)
+
+
+def sweep_dead_records(directory: Path) -> int:
+    """Remove the rendezvous records of node 0s that were killed in their rendezvous (they
+    hold a secret, and would pile up): a dead pid whose address nobody listens on."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            m = _RECORD_NAME.fullmatch(name)
+            if m and not pid_alive(int(m.group(1))) and _dead_record(directory, name):
+                runtime.remove(directory, name)
+                removed += 1
+    return removed
+
+
+def _publish_record(directory: Path, name: str, data: bytes) -> None:
+    """Create node 0's record, named after its pid. One already there is a dead node 0's
+    whose pid we were given again (it was killed before it could remove it), unless it
+    is a live node 0's in another pid namespace: replaced in the first case only."""
+    try:
+        runtime.create_private(directory, name, data)
+    except FileExistsError:
+        if not _dead_record(directory, name):
+            raise IPCError(
+                f"node 0: the rendezvous record {name} in {directory} belongs to a live "
+                "node 0 with our pid (another pid namespace?); set $IPC_KEY to tell the "
+                "launches apart"
+            ) from None
+        runtime.replace_private(directory, name, data)
+
+
 class Localhost:
     """Every node on this host; they meet through the private runtime directory.
 
@@ -400,6 +449,10 @@ class Localhost:
             secret = self.given or random_secret()
             addrs = listen(secret, specs)
             return roster(0, 1, secret, [host], [addrs], options, self.describe())
+        global _swept
+        if not _swept:
+            _swept = True
+            sweep_dead_records(runtime.runtime_dir())
         if self.node_index == 0:
             return self._root(listen, options, timeout, host, specs)
         return self._joiner(listen, options, timeout, host, specs)
@@ -475,9 +528,7 @@ class Localhost:
             "secret": None if self.given else secret.text,
         }
         try:
-            # Named after our pid: a file of that name is a dead node 0's whose pid we
-            # were given again (killed before it could remove it), never a live one's.
-            runtime.replace_private(directory, name, json.dumps(record).encode())
+            _publish_record(directory, name, json.dumps(record).encode())
         except BaseException:
             rv.close(linger=0)
             raise
@@ -523,11 +574,8 @@ class Localhost:
             if rec.get("key") != self.key or not isinstance(rec.get("address"), str):
                 continue
             name = f"{file} {rec['address']}"
-            if name in refused:
-                continue
-            if not pid_alive(rec.get("pid")):
-                runtime.remove(directory, file)  # a node 0 that died in its rendezvous
-                continue
+            if name in refused or not pid_alive(rec.get("pid")):
+                continue  # (a dead node 0's file: `sweep_dead_records` removes it)
             if self.given is None and not isinstance(rec.get("secret"), str):
                 continue  # it expects a token we do not have
             start = rec.get("start")

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -206,8 +207,9 @@ def test_stale_shared_memory_is_swept(tmp_path):
 
 def test_stale_rendezvous_records_are_replaced_and_swept(tmp_path):
     """A node 0 killed in its rendezvous leaves its record (named after its pid): a node 0
-    given that pid again replaces it (it used to fail, the name taken), and a joiner
-    that comes across one whose process is gone removes it."""
+    given that pid again replaces it (it used to fail, the name taken), and the next
+    rendezvous removes it, of any key. Not the record of a pid that looks dead but
+    whose address is listened on (a node 0 in another pid namespace)."""
     key = f"test-{uuid.uuid4().hex[:8]}"
     digest = hashlib.sha256(f"{key}:2".encode()).hexdigest()[:16]
     directory = runtime.runtime_dir()
@@ -215,7 +217,16 @@ def test_stale_rendezvous_records_are_replaced_and_swept(tmp_path):
     dead.wait()
     stale = {"v": 2, "key": key, "pid": dead.pid, "start": 1, "address": "ipc:///nowhere",
              "num_nodes": 2, "secret": "s" * 32}  # fmt: skip
-    runtime.create_private(directory, f"rv-{digest}-{dead.pid}.json", json.dumps(stale).encode())
+    other = f"rv-{'0' * 16}-{dead.pid}.json"  # another key's
+    runtime.create_private(directory, other, json.dumps(stale).encode())
+    elsewhere = runtime.socket_path("t")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(elsewhere)
+    listener.listen(1)
+    alive = f"rv-{digest}-{dead.pid}.json"  # of our key: our joiner must pass over it
+    runtime.create_private(
+        directory, alive, json.dumps({**stale, "address": f"ipc://{elsewhere}"}).encode()
+    )
 
     def plant_own():  # in node 0 before it runs: a dead node 0's record under its pid
         record = {**stale, "pid": os.getpid()}
@@ -227,9 +238,16 @@ def test_stale_rendezvous_records_are_replaced_and_swept(tmp_path):
         start_worker("uneven", 0, 2, tmp_path, key=key, preexec_fn=plant_own),
         start_worker("uneven", 1, 2, tmp_path, key=key),
     ]
-    results, _ = collect(tmp_path, wait_all(procs, timeout=120))
-    assert all(r is not None for r in results)
-    assert not [n for n in os.listdir(directory) if n.startswith(f"rv-{digest}-")]
+    try:
+        results, _ = collect(tmp_path, wait_all(procs, timeout=120))
+        assert all(r is not None for r in results)
+        assert [n for n in os.listdir(directory) if n.startswith(f"rv-{digest}-")] == [alive]
+        assert not os.path.exists(directory / other)
+        assert os.path.exists(directory / alive)
+    finally:
+        listener.close()
+        for name in (other, alive, os.path.basename(elsewhere)):
+            runtime.remove(directory, name)
 
 
 @pytest.mark.parametrize("shm", TRANSPORTS)
