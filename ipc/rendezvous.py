@@ -361,8 +361,7 @@ def _dead_record(directory: Path, name: str) -> bool:
     address = rec.get("address") if isinstance(rec, dict) else None
     if not isinstance(address, str) or not address.startswith("ipc://"):
         return False  # not ours to judge
-    path = address[len("ipc://") :]
-    return not os.path.exists(path) or not runtime.listened_on(path)
+    return not runtime.listened_on(address[len("ipc://") :])
 
 
 def sweep_dead_records(directory: Path) -> int:

@@ -208,13 +208,13 @@ def sweep_dead_sockets(directory: Path, min_age: float = 60.0) -> int:
 
 
 def listened_on(path: str) -> bool:
-    """Whether a process listens on the Unix socket at `path` (a refused connection:
-    nobody does)."""
+    """Whether a process listens on the Unix socket at `path` (a refused connection, or
+    no file there: nobody does)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.setblocking(False)
         try:
             s.connect(path)
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, FileNotFoundError):
             return False
         except BlockingIOError:
             return True  # its backlog is full: it listens
