@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import runtime, wire
+from . import fdlimit, runtime, wire
 from .auth import Secret
 from .envvars import env_float
 from .wire import WireError
@@ -171,6 +171,7 @@ class Listener:
         now = time.monotonic()
         # At most MAX_WAITING a call: under a flood of connections the caller gets back
         # to its own work (and deadline); the rest wait in the kernel's queue.
+        free = fdlimit.room()
         for _ in range(MAX_WAITING):
             try:
                 s, _ = self.sock.accept()
@@ -178,6 +179,13 @@ class Listener:
                 break
             except OSError:
                 break
+            if free <= 0:
+                # Into the files kept free for libzmq (ipc.fdlimit): let it go at once
+                # (left queued, it would wake us up again and again); the client's link
+                # is refused with the reason.
+                s.close()
+                continue
+            free -= 1
             s.setblocking(False)
             # Read its nonce now: a client writes it right after connecting, so in a
             # burst most never wait (and never push an older one out of `waiting`).

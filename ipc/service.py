@@ -42,7 +42,7 @@ from collections import deque
 
 import zmq
 
-from . import bulk, direct, runtime, wire
+from . import bulk, direct, fdlimit, runtime, wire
 from .auth import Secret, given_secret, missing_secret_error, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .keywords import checked
@@ -205,6 +205,7 @@ class Server:
             secret = random_secret()
         self.host = host
         local = _is_loopback(host)
+        fdlimit.raise_limit()  # each client takes files; see ipc.fdlimit
         self._bulk = bulk.Bulk()  # large tensors to clients on this host: shared memory
         self._endpoint = Endpoint(
             secret,
@@ -216,6 +217,9 @@ class Server:
             limits=Limits(max_frame=max_frame),
             liveness=liveness,
             info={"name": name, "pid": os.getpid(), **self._bulk.info()},
+            # Out of files, libzmq would abort this process: a client past the budget
+            # is refused with the reason instead.
+            accept=lambda link: fdlimit.full_reason(),
         )
         self.address = self._endpoint.addresses[0]
         self.port = int(self.address.rpartition(":")[2])

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import resource
 import signal
 import socket
 import struct
@@ -27,7 +28,7 @@ import zmq
 from conftest import repo_env, shm_files
 
 from distlearn import ipc
-from distlearn.ipc import direct, runtime, service, wire
+from distlearn.ipc import direct, fdlimit, runtime, service, wire
 
 pytestmark = pytest.mark.timeout(120)
 CTX = multiprocessing.get_context("fork")
@@ -770,6 +771,91 @@ def test_a_burst_of_clients_larger_than_the_direct_queue_all_connect(monkeypatch
         server.close()
         for t in closing:
             t.join(30)
+
+
+_LIMITED_SERVER = """
+import resource, sys
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+from distlearn import ipc
+with ipc.Server(token=sys.argv[3]) as server:
+    print(server.port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+    while True:
+        msg, conn = server.recv_any(timeout=120, skip_dead=True)
+        if msg == "stop":
+            break
+        conn.send(msg)
+"""
+
+
+def _clients_of(port: int, n: int) -> tuple[list, list]:
+    clients, errors = [], []
+
+    def connect(i):
+        try:
+            c = ipc.Client("127.0.0.1", port, token=TOKEN, timeout=60)
+            clients.append(c)
+            c.send(i)
+            assert c.recv(timeout=60) == i
+        except ipc.IPCError as err:  # reported by the caller
+            errors.append(err)
+
+    threads = [threading.Thread(target=connect, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return clients, errors
+
+
+def test_a_server_short_of_files_refuses_clients_instead_of_aborting():
+    """Each same-host client costs the server three files, and libzmq aborts a process
+    whose Unix-socket accept finds no file left (it did: SIGABRT, every client lost).
+    Past its file limit the server refuses clients by name, serves the ones it took,
+    and takes new ones once files are free again."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _LIMITED_SERVER, "96", "96", TOKEN],
+        env=repo_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    clients = []
+    try:
+        port, soft = map(int, server.stdout.readline().split())
+        assert soft == 96
+        clients, errors = _clients_of(port, 40)
+        assert errors and len(clients) >= 5, (len(clients), errors[:3])
+        assert all("limit of open files" in str(e) for e in errors), errors[:3]
+        assert all("raise `ulimit -n`" in str(e) for e in errors)
+        for c in clients:  # the ones it took are still served
+            c.send("again")
+            assert c.recv(timeout=30) == "again"
+        for c in clients:
+            c.close()
+        clients, errors = _clients_of(port, 3)  # room again
+        assert errors == [] and len(clients) == 3
+        with ipc.Client("127.0.0.1", port, token=TOKEN, timeout=30) as c:
+            c.send("stop")
+        assert server.wait(timeout=60) == 0  # not -SIGABRT
+    finally:
+        for c in clients:
+            c.close()
+        server.kill()
+        server.communicate()
+
+
+def test_a_server_raises_its_soft_file_limit_to_the_hard_one(monkeypatch):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(256, soft)
+    if hard != resource.RLIM_INFINITY and hard <= low:
+        pytest.skip(f"the hard file limit ({hard}) leaves nothing to raise")
+    monkeypatch.setattr(fdlimit, "_raised", False)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with ipc.Server(token=TOKEN):
+            raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        unlimited = hard == resource.RLIM_INFINITY
+        assert raised == (fdlimit.MAX_SOFT if unlimited else min(hard, fdlimit.MAX_SOFT))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def impostor_client(port: int, out) -> None:
