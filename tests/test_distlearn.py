@@ -53,14 +53,15 @@ COMMS = [
 ]
 # The scenarios run once per (communicator, nodes) also run on gloo without the small
 # all-reduce at the root, so the process group's own all-reduce carries every step too;
-# at 3 and 4 nodes in the slow tier only (a launch each, 25-32 s: the suite keeps under
-# 15 minutes), at 1 and 2 nodes in every run.
+# at 3 and 4 nodes in the slow tier only. Every scenario at 4 nodes is in the slow tier
+# too (a launch each, 25-32 s: the suite keeps under 15 minutes); 1, 2 and 3 nodes run
+# in every run.
 RUN_COMMS = [*COMMS, pytest.param("gloo-ring", marks=pytest.mark.slow)]
 
 
 def _run_cases() -> list:
     """(communicator, nodes) for every communicator and node count: gloo-ring at 3 and
-    4 nodes in the slow tier, with the 3-node tests that take RUN_COMMS."""
+    4 nodes and everything at 4 nodes in the slow tier."""
     cases = []
     for n in NODES:
         for comm in RUN_COMMS:
@@ -68,6 +69,8 @@ def _run_cases() -> list:
             name, marks = getattr(comm, "values", (comm,))[0], list(getattr(comm, "marks", ()))
             if name == "gloo-ring" and n < 3:
                 marks = []
+            if n == 4:
+                marks = [pytest.mark.slow]
             cases.append(pytest.param(name, n, marks=marks, id=f"{n}-{name}"))
     return cases
 
@@ -300,7 +303,9 @@ def test_protocol(run, comm, num_nodes):
             )
 
 
-@pytest.mark.parametrize("num_nodes", NODES)
+@pytest.mark.parametrize(
+    "num_nodes", [pytest.param(n, marks=[pytest.mark.slow] * (n == 4)) for n in NODES]
+)
 def test_small_all_reduce_at_the_root(run, num_nodes):
     """gloo's small all-reduces go gather, reduce at node 0, broadcast (one machine);
     the results are the process group's own, for every op and dtype."""

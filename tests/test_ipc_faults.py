@@ -262,6 +262,7 @@ def test_a_node_0_that_gives_up_tells_the_nodes_that_joined():
             p.wait()
 
 
+@pytest.mark.slow  # 4 nodes moving 64 MiB over sockets: 20-35 s
 @pytest.mark.skipif(not _unshare_available(), reason="needs root and unshare -m (mount namespace)")
 def test_small_dev_shm_falls_back_to_sockets(tmp_path):
     """Docker's 64 MB /dev/shm: a 64 MiB all_reduce over 4 nodes needs 512 MiB of slots.

@@ -100,6 +100,7 @@ def test_wheel_installs_only_the_distlearn_namespace(wheel):
     assert "distlearn/dataset/index.py" in names and "distlearn/ipc/tree.py" in names
 
 
+@pytest.mark.slow  # two venvs and PyPI installs: 40-75 s
 @pytest.mark.timeout(600)
 def test_beside_pypi_dataset_and_ipc_in_both_orders(tmp_path, wheel):
     env = Venv(tmp_path / "venv")
