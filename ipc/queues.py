@@ -106,11 +106,13 @@ class _Broker:
     -> {"op": "item", "state": s} + frames, or {"op": "none", "state": s};
     {"op": "close", "q": name}. Local calls take the lock and go straight to the
     queues; the thread is woken through a pipe when a local write can serve a
-    remote reader."""
+    remote reader. The queues in `kept` are read in this process: their items stay
+    readable once the thread has stopped."""
 
-    def __init__(self, names: tuple[str, ...], label: str):
+    def __init__(self, names: tuple[str, ...], label: str, kept: tuple[str, ...] = ()):
         self.secret = random_secret()
         self.queues = {n: _Queue() for n in names}
+        self.kept = kept
         self.lock = threading.Condition()
         self.label = label
         self.bulk = bulk.Bulk()  # large items through shared memory, see ipc.bulk
@@ -237,8 +239,11 @@ class _Broker:
                     self._serve()
         finally:
             with self.lock:
-                for q in self.queues.values():  # never read: their blocks are free again
-                    while q.items:
+                for name, q in self.queues.items():
+                    # Items no other process will read now: their blocks are free again.
+                    # Results the owner has still to read stay (its close() may end
+                    # while another of its threads reads them).
+                    while q.items and name not in self.kept:
                         self.bulk.drop(*q.items.popleft())
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -472,7 +477,7 @@ class WorkQueue:
                 self.owner = False
                 self._join(directory, info)
                 return
-            broker = _Broker(("down", "up"), f"work queue {name!r}")
+            broker = _Broker(("down", "up"), f"work queue {name!r}", kept=("up",))
             broker.queues["down"].maxsize = maxsize
             record = {
                 "address": broker.address,

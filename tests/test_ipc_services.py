@@ -1097,6 +1097,32 @@ def test_workqueue_closed_before_its_workers_came_still_hands_out_every_item():
     assert q.read() is None
 
 
+def big_result_worker(name, i):
+    q = ipc.WorkQueue(name)
+    while (item := q.read()) is not None:
+        # 512 KiB: in this worker's shared-memory arena, which outlives the worker
+        q.write({"item": item, "big": torch.full((1 << 17,), float(item))})
+    q.close()
+
+
+def test_workqueue_results_stay_readable_after_close_returns():
+    """close() returns once every worker has left; the results they wrote are read after
+    it (its docstring's promise). The broker's thread used to drop them as it stopped:
+    an owner whose close() (in another thread) ended before its reads got None early."""
+    name = f"read-after-close-{os.getpid()}"
+    q = ipc.WorkQueue(name)
+    for k in range(6):
+        q.write(k)
+    workers = ipc.map(2, big_result_worker, name)
+    q.close(timeout=60)  # returns once both have left, their results sent
+    workers.join(timeout=60)
+    results = [q.read(timeout=10) for _ in range(6)]
+    assert None not in results
+    assert sorted(r["item"] for r in results) == list(range(6))
+    assert all(torch.equal(r["big"], torch.full((1 << 17,), float(r["item"]))) for r in results)
+    assert q.read() is None
+
+
 def test_workqueue_refuses_none_as_an_item():
     """A worker's read() says "closed and drained" with None: as an item it would end
     that worker's loop, and the items after it would wait for ever."""
