@@ -210,6 +210,7 @@ def _bench_netns() -> set[str]:
     return {name for name in names if BENCH_NETNS.fullmatch(name)}
 
 
+@pytest.mark.slow  # (19 s of benchmark harness: the default suite keeps under 15 minutes)
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(netns.missing() is not None, reason=f"{netns.missing()}")
 def test_gloo_root_between_namespaces_is_rate_limited_and_leaves_nothing_behind():
