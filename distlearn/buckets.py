@@ -19,7 +19,7 @@ whose trainable parameters changed since the buckets were built. If any node was
 or every contributing node's trainable parameters changed, every node all-reduces its
 gradients once more (after rebuilding the buckets and checking that all nodes' new
 sets match), so the result is always the sum of what each node holds when it ends the
-step. If only some changed, every node raises ValueError at that step: the others'
+step; a parameter frozen after backward keeps its result from the first send. If only some changed, every node raises ValueError at that step: the others'
 buckets would no longer line up with theirs. A parameter
 that no contributing node had a `.grad` for keeps `.grad = None`, as in one process
 (and under DDP): the optimizer skips it rather than stepping on zeros.
@@ -463,6 +463,22 @@ class GradientBuckets:
             count = round(tail[-1]) if last.handle.count_in_slot else last.handle.wait()
         return count, round(tail[at + 1])
 
+    def _frozen_means(self, count: int | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The parameters of these buckets that stopped requiring grad after backward (before
+        the sum), each with its result from this round: the rebuilt buckets leave them out,
+        and their `.grad` (which the optimizer still steps on) must be the mean, as in one
+        process and under DDP, not this node's own. One that no node had a `.grad` for
+        keeps None."""
+        out = []
+        for j, p in enumerate(self.params):
+            if p.requires_grad or (p.grad is None and j in self.unused):
+                continue
+            bucket, i = self._slot[id(p)]
+            view = bucket.views[bucket.cur][i]
+            # widen first, as _land does: a product in bfloat16 would round again
+            out.append((p, view.to(p.dtype) * (1.0 / bucket.scale / (count or 1))))
+        return out
+
     def _mark(self, last: _Bucket, late: bool, contribute: bool, changed: bool) -> None:
         """This node's marks into the last bucket, after its gradients: 1 for each
         parameter it has a .grad for, 1 if it was late, 1 if its trainable parameters
@@ -508,9 +524,12 @@ class GradientBuckets:
                 f"step, {'this one among them' if self.changed() else 'not this one'}: "
                 f"change them on every node before the same step"
             )
+        frozen = []
         if self.late_nodes > 0 or changed:
             # Somebody's gradients moved after they were sent, or the buckets no
             # longer fit the parameters: everyone sends what it holds now.
+            if changed and contribute:
+                frozen = self._frozen_means(count if normalize else None)
             self._reset()
             if changed:
                 self._build()
@@ -524,6 +543,8 @@ class GradientBuckets:
             self.stats["resent"] += 1
         if contribute:
             self._land(count if normalize else None)
+            for p, mean in frozen:
+                p.grad = mean
             self.stats["steps"] += 1
             self.expect_normalize = normalize
         return count

@@ -12,7 +12,7 @@ from torch import nn
 
 from .buckets import GradientBuckets, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, check_same_layout, supports_async
-from .tensors import gradient_holders, gradients_of, leaves, reusable, state_of
+from .tensors import check_dense, gradient_holders, gradients_of, leaves, reusable, state_of
 
 _MiB = 1 << 20
 _WIRE_DTYPES = {
@@ -42,6 +42,13 @@ def _positive_bytes(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
     return value
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    check_dense(p.grad, p)
+    return p.grad
 
 
 class AllReduceSGD:
@@ -97,6 +104,9 @@ class AllReduceSGD:
         # (dtype, device, shape) of the last gradients as sent, so a finished node can
         # keep joining the others' gradient all-reduces with zeros of the same layout.
         self._layout: list[tuple[torch.dtype, torch.device, torch.Size]] | None = None
+        # The parameters the last sum since the last synchronisation took (the plain path),
+        # by id (a tensor's == is elementwise, so no set of tensors).
+        self._owners: dict[int, weakref.ref] = {}
         self._buckets: weakref.WeakKeyDictionary[nn.Module, GradientBuckets] = (
             weakref.WeakKeyDictionary()
         )
@@ -198,6 +208,11 @@ class AllReduceSGD:
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return wire_dtype(dtype, self.grad_dtype)
 
+    def _took(self, p: torch.Tensor) -> bool:
+        """Whether the last sum took `p` (the plain path)."""
+        ref = self._owners.get(id(p))
+        return ref is not None and ref() is p
+
     def _reduce_plain(self, x: Any, normalize: bool) -> int:
         """Every gradient in one all-reduce, after backward (converted for `grad_dtype`).
 
@@ -207,9 +222,15 @@ class AllReduceSGD:
         of stepping on zeros (momentum, weight decay and Adam would move it).
         """
         holders = gradient_holders(x)
-        owners = [t for t in holders if t.requires_grad]
+        # Parameters that stopped requiring grad since the last sum (after backward, say)
+        # are summed once more: the optimizer still steps on their `.grad`, which must be
+        # the mean, as in one process and under DDP (and as the buckets do), not this
+        # node's own. Every node's last sum had the same parameters, so they agree.
+        params = x.parameters() if isinstance(x, nn.Module) else ()
+        frozen = [p for p in params if not p.requires_grad and self._took(p)]
+        owners = [t for t in holders if t.requires_grad] + frozen
         had = [t.grad is not None for t in owners]
-        grads = gradients_of(holders)
+        grads = gradients_of(holders) + [_grad_or_zeros(p) for p in frozen]
         wires = [self._wire(g.dtype) for g in grads]
         nodes = self.comm.num_nodes
         scales = [compressed_scale(g.dtype, w, nodes) for g, w in zip(grads, wires, strict=True)]
@@ -240,6 +261,7 @@ class AllReduceSGD:
                 if not mine and total == 0:
                     t.grad = None
         self._layout = [(t.dtype, t.device, t.shape) for t in sent]
+        self._owners = {id(t): weakref.ref(t) for t in holders if t.requires_grad}
         return n
 
     # -- parameters ---------------------------------------------------------------------
@@ -262,6 +284,7 @@ class AllReduceSGD:
         self.comm.all_reduce(steps)
         self.steps = 0
         self._layout = None
+        self._owners = {}
         if int(steps.max()) == 0:
             self.comm.scatter(params)
             return

@@ -207,18 +207,28 @@ def branchy_uses_b(step: int, node: int) -> bool:
     return (True, False, node == 0, False)[step % 4]
 
 
-def deep_reference(steps: int, size: int, frozen: dict[int, list[int]] | None = None) -> dict:
+def deep_reference(
+    steps: int, size: int, frozen: dict[int, list[int]] | None = None, late: bool = False
+) -> dict:
     """One process on the whole batch (mean loss), from seed 100's weights; `frozen` maps
-    a step to the indices of the parameters that do not train from that step on."""
+    a step to the indices of the parameters that do not train from that step on (`late`:
+    frozen after that step's backward, so the optimizer still steps on their `.grad`)."""
     model = make_deep_model(seed=100)
     opt = MomentumSGD(model)
-    for step in range(steps):
+
+    def freeze(step):
         if frozen and step in frozen:
             for i, p in enumerate(model.parameters()):
                 p.requires_grad_(i not in frozen[step])
+
+    for step in range(steps):
+        if not late:
+            freeze(step)
         x, y = batch(step, size)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
+        if late:
+            freeze(step)
         opt.step()
     return model.state_dict()
 

@@ -340,6 +340,7 @@ def sgd_overlap(comm, cfg) -> dict:
         frozen=None,
         overlap=True,
         zero_in_place=False,
+        late=False,
     ):
         # Every node starts from seed 100's weights when it skips synchronize_parameters.
         model = sim.make_deep_model(seed=100 + (r if sync_first else 0)).to(dev)
@@ -348,10 +349,15 @@ def sgd_overlap(comm, cfg) -> dict:
         if sync_first:
             sgd.synchronize_parameters(model)
         counts = []
-        for step in range(cfg["steps"]):
+
+        def freeze(step):
             if frozen and step in frozen:
                 for i, p in enumerate(model.parameters()):
                     p.requires_grad_(i not in frozen[step])
+
+        for step in range(cfg["steps"]):
+            if not late:
+                freeze(step)
             x, y = sim.batch(step, cfg["batch"])
             x, y = x[r::n].to(dev), y[r::n].to(dev)
             if zero_in_place:  # zero_grad(set_to_none=False): .grad is last step's bucket
@@ -370,6 +376,8 @@ def sgd_overlap(comm, cfg) -> dict:
                         loss.backward()
                 else:
                     loss.backward()
+            if late:  # after backward, before the sum: the optimizer still steps on them
+                freeze(step)
             counts.append(sgd.sum_and_normalize_gradients(model))
             opt.step()
         sgd.synchronize_parameters(model)
@@ -382,7 +390,10 @@ def sgd_overlap(comm, cfg) -> dict:
     train("accumulate", micro=3)
     train("accumulate_in_place", micro=3, zero_in_place=True)
     train("accumulate_node0", micro=lambda node: 2 if node == 0 else 1)
-    train("frozen", frozen={int(step): ps for step, ps in cfg["frozen"].items()})
+    frozen = {int(step): ps for step, ps in cfg["frozen"].items()}
+    train("frozen", frozen=frozen)
+    train("frozen_late", frozen=frozen, late=True)
+    train("frozen_late_off", frozen=frozen, late=True, overlap=False)
     for dtype in ("bfloat16", "float16"):
         train(dtype, grad_dtype=dtype)
     return out
