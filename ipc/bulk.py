@@ -427,6 +427,11 @@ class Bulk:
         `link`: as they are when its peer reads that memory (our arena), else with the
         payloads copied out of it (and the block released)."""
         if memory is None:
+            if "shm" in wire.parse_control(_header(frames)):
+                # Its arena is not ours to read (a peer we never mapped, or one gone before
+                # its write was taken in): sent on, the reader would look the reference up
+                # in our arena and read another item's bytes.
+                raise WireError("a shared-memory reference from a peer whose arena is not mapped")
             return frames
         if memory is self.arena and link in self.readers:
             ref = wire.parse_control(_header(frames)).get("shm")
@@ -437,6 +442,8 @@ class Bulk:
         ref = meta.pop("shm", None)
         if ref is None:
             return frames
+        if not isinstance(ref, dict):
+            raise WireError("a shared-memory reference that is not an object")
         try:
             payload = memory.payload(ref, list(frames[1:]))
             return [wire.control(wire.Kind.MESSAGE, meta), *(bytes(f) for f in payload)]

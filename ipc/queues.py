@@ -218,24 +218,21 @@ class _Broker:
                 # only once it is queued, so a local close() that follows cannot drop it.
                 with self.lock:
                     ep.process(events)
+                    ended = []
                     while ep.events:
                         kind, link = ep.events.popleft()
                         if kind == "accepted":
                             self.bulk.up(link)
-                        elif kind == "dead" or (link.bye or {}).get("unread") is True:
-                            self._take_back(link)
                         else:
-                            self.inflight.pop(link, None)  # it left having read its item
-                        if kind in ("dead", "bye"):
-                            self.bulk.forget(link)  # its items keep the arena they lie in
-                            self.links.discard(link)
-                            for q in self.queues.values():
-                                with contextlib.suppress(ValueError):
-                                    q.waiting.remove(link)
+                            ended.append((kind, link))
+                    # A link's last requests before its end, before the end: a write that
+                    # came in with its writer's BYE (or death) keeps the arena it lies in.
                     while ep.inbox:
                         link, frames = ep.inbox.popleft()
                         if not self.bulk.control(link, frames):
                             self._request(link, frames)
+                    for kind, link in ended:
+                        self._ended(kind, link)
                     self._serve()
         finally:
             with self.lock:
@@ -248,6 +245,18 @@ class _Broker:
             os.close(self._wake_r)
             os.close(self._wake_w)
             ep.close(linger=1.0)
+
+    def _ended(self, kind: str, link: Link) -> None:
+        if kind == "dead" or (link.bye or {}).get("unread") is True:
+            self._take_back(link)
+        else:
+            self.inflight.pop(link, None)  # it left having read its item
+        if kind in ("dead", "bye"):
+            self.bulk.forget(link)  # its items keep the arena they lie in
+            self.links.discard(link)
+            for q in self.queues.values():
+                with contextlib.suppress(ValueError):
+                    q.waiting.remove(link)
 
     def _request(self, link: Link, frames: list) -> None:
         try:

@@ -28,7 +28,7 @@ import zmq
 from conftest import repo_env, shm_files
 
 from distlearn import ipc
-from distlearn.ipc import direct, fdlimit, runtime, service, wire
+from distlearn.ipc import direct, fdlimit, queues, runtime, service, wire
 
 pytestmark = pytest.mark.timeout(120)
 CTX = multiprocessing.get_context("fork")
@@ -1123,6 +1123,29 @@ def test_workqueue_results_stay_readable_after_close_returns():
     assert q.read() is None
 
 
+def big_result_and_leave(name, i):
+    q = ipc.WorkQueue(name)
+    k = q.read()
+    # 1 MiB, in this worker's shared-memory arena; then map closes the link at once
+    q.write(torch.full((1 << 18,), float(k)))
+
+
+def test_workqueue_a_large_result_written_just_before_leaving_is_read():
+    """A worker's write and its BYE came in together, and the broker took the BYE (and
+    with it the writer's arena) first: the result became unreadable ("a shared-memory
+    reference from a peer whose arena is not mapped"), in 18 of 20 runs."""
+    name = f"write-and-leave-{os.getpid()}"
+    q = ipc.WorkQueue(name)
+    for k in range(8):
+        q.write(k)
+    workers = ipc.map(8, big_result_and_leave, name)
+    results = [q.read(timeout=60) for _ in range(8)]
+    workers.join(timeout=60)
+    q.close(timeout=60)
+    assert sorted(int(r[0]) for r in results) == list(range(8))
+    assert all(torch.equal(r, torch.full((1 << 18,), r[0].item())) for r in results)
+
+
 def test_workqueue_refuses_none_as_an_item():
     """A worker's read() says "closed and drained" with None: as an item it would end
     that worker's loop, and the items after it would wait for ever."""
@@ -1312,6 +1335,40 @@ def test_channel_many_writers_and_readers():
     assert sorted(got) == sorted(want)  # every item exactly once
     assert ch.read(block=False) == (ipc.Channel.DRAINED, None)
     assert ch.write(1) == ipc.Channel.DRAINED  # refused once closed
+
+
+def _bad_shm_writer(ch):
+    ch.read(block=False)  # opens the link
+    link = ch._remote.link
+    bad = wire.control(wire.Kind.MESSAGE, {"v": 1, "shm": 5})  # a reference, not an object
+    link.send_frames([queues._ctl({"op": "put", "q": "c"}), bad], copy=True)
+    ch.write(2)
+    ch._remote.close()
+
+
+def _channel_reader(ch, out):
+    try:
+        out.send(ch.read(block=True, timeout=20))
+    except Exception as err:  # reported by the test
+        out.send(f"{type(err).__name__}: {err}")
+
+
+def test_channel_drops_a_malformed_shared_memory_reference_and_goes_on():
+    """A member's put whose shared-memory reference is not an object killed the broker
+    thread (AttributeError in the copy's clean-up): readers elsewhere got "owner gone",
+    while the creator's own reads and writes still said "open"."""
+    ch = ipc.Channel()
+    writer = forked(_bad_shm_writer, ch)
+    with children(writer):
+        writer.join(30)
+    ours, theirs = multiprocessing.Pipe()
+    reader = forked(_channel_reader, ch, theirs)
+    with children(reader):
+        assert ours.poll(30)
+        assert ours.recv() == ("open", 2)  # the bad item dropped, the good one served
+    assert ch.write(3) == "open"
+    assert ch.read(timeout=10) == ("open", 3)
+    ch.close()
 
 
 def test_channel_states_and_order():
