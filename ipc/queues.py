@@ -29,8 +29,11 @@ reader died after working on it but before asking again is worked on twice
 unpickled.
 
 Closing: a closed queue takes no more writes; its remaining items can still
-be read; once it is empty it is *drained* and every read says so at once
-(`WorkQueue.read` returns None, `Channel.read` returns DRAINED). A worker that
+be read; once it is empty, and no item is out with a reader that may still
+die, it is *drained* and every read says so at once (`WorkQueue.read` returns
+None, `Channel.read` returns DRAINED); until then a read waits, to take such an
+item if it comes back. One that comes back when no worker is left makes the
+owner's `close()` raise IPCError, naming how many. A worker that
 opens a WorkQueue whose owner closed it, and still runs, is told the same:
 it came late (a map worker that started after the others had done the work),
 and must not take the name and wait for workers of its own.
@@ -173,7 +176,9 @@ class _Broker:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             q = self.queues[name]
-            while not q.items and not q.closed and block:
+            # Closed and empty is not drained while an item is out with a reader: it comes
+            # back if that reader dies, and must find a reader then.
+            while block and not q.items and (not q.closed or self._out(q)):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
@@ -249,8 +254,8 @@ class _Broker:
     def _ended(self, kind: str, link: Link) -> None:
         if kind == "dead" or (link.bye or {}).get("unread") is True:
             self._take_back(link)
-        else:
-            self.inflight.pop(link, None)  # it left having read its item
+        elif self.inflight.pop(link, None) is not None:  # it left having read its item
+            self.lock.notify_all()
         if kind in ("dead", "bye"):
             self.bulk.forget(link)  # its items keep the arena they lie in
             self.links.discard(link)
@@ -268,8 +273,8 @@ class _Broker:
             self.endpoint._drop(f"a bad request from {link.name}: {err}")
             return
         op = body["op"]
-        if op == "get":
-            self.inflight.pop(link, None)  # it asks again: it has the last one
+        if op == "get" and self.inflight.pop(link, None) is not None:
+            self.lock.notify_all()  # it asks again: it has the last one (see get)
         if op == "put":
             if len(frames) < 2:
                 self.endpoint._drop(f"an empty put from {link.name}")
@@ -310,8 +315,17 @@ class _Broker:
                         self.inflight[link] = (q, *kept)
                     else:
                         q.items.appendleft(kept)  # it died before it got it: the next one
+                elif self._out(q):
+                    # Not drained while an item is out with a reader (see get): this one
+                    # waits for it to come back, or for its reader to ask again.
+                    q.waiting.appendleft(link)
+                    break
                 else:
                     self._reply(link, {"op": "none", "state": q.state()})
+
+    def _out(self, q: _Queue) -> bool:
+        """Whether an item of `q` is out with a reader that has not asked again yet."""
+        return any(entry[0] is q for entry in self.inflight.values())
 
     def _take_back(self, link: Link) -> None:
         """`link`'s reader died (or left) before asking for the next item: the one it was
@@ -599,8 +613,9 @@ class WorkQueue:
 
     def close(self, timeout: float | None = None) -> None:
         """Owner: no more items; waits until every item was handed out and every worker
-        has left (or `timeout`). Results still queued stay readable (read() returns None
-        after the last). The name stays marked closed while this process lives (a worker
+        has left (or `timeout`); IPCError if items came back from workers that died with
+        no worker left to take them. Results still queued stay readable (read() returns
+        None after the last). The name stays marked closed while this process lives (a worker
         that opens it later reads None at once); this process may open it anew. Worker:
         leave the queue."""
         if self._closed:
@@ -630,6 +645,15 @@ class WorkQueue:
             self._wait_broker(
                 lambda: not broker.links, deadline, timeout, "workers still connected"
             )
+            with broker.lock:
+                left = len(broker.queues["down"].items)
+            if left:
+                # Out with workers that died, and back when no worker was left to take
+                # them: said, not dropped without a word.
+                raise IPCError(
+                    f"ipc: work queue {self.name!r}: {left} item(s) came back from workers "
+                    "that died, and no worker was left to take them"
+                )
         finally:
             if not marked:
                 self._mark_closed()

@@ -1146,6 +1146,60 @@ def test_workqueue_a_large_result_written_just_before_leaving_is_read():
     assert all(torch.equal(r, torch.full((1 << 18,), r[0].item())) for r in results)
 
 
+def _hold_then_die(name, held):
+    q = ipc.WorkQueue(name)
+    held.send(q.read())
+    time.sleep(60)  # working on it, until SIGKILLed
+
+
+def _drain_queue(name, out):
+    q = ipc.WorkQueue(name)
+    done = []
+    while (item := q.read(timeout=60)) is not None:
+        done.append(item)
+    q.close()
+    out.send(done)
+
+
+@pytest.mark.parametrize("second", [True, False])
+def test_workqueue_item_of_a_reader_killed_after_the_close_is_done_or_named(second):
+    """Reader A holds an item when the owner closes; B asks again. B used to read None at
+    once (drained, though A's item was still out) and leave, A was then SIGKILLed, and
+    its item was dropped with no word to anyone. Now B waits and takes it; with no B,
+    close() says that an item came back and nobody was left to take it."""
+    name = f"out-{os.getpid()}-{second}"
+    q = ipc.WorkQueue(name)
+    q.write("a")
+    if second:
+        q.write("b")
+    ours, theirs = multiprocessing.Pipe()
+    a = forked(_hold_then_die, name, theirs)
+    with children(a):
+        assert ours.poll(30) and ours.recv() == "a"
+        errors = []
+
+        def close():
+            try:
+                q.close(timeout=60)
+            except ipc.IPCError as err:
+                errors.append(err)
+
+        closer = threading.Thread(target=close)
+        closer.start()
+        b = forked(_drain_queue, name, theirs) if second else None
+        with children(*([b] if b else [])):
+            time.sleep(1.0)  # B has "b" and asks again (and waits)
+            os.kill(a.pid, signal.SIGKILL)
+            if b:
+                assert ours.poll(30) and ours.recv() == ["b", "a"]
+            closer.join(60)
+    assert not closer.is_alive()
+    if second:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and "1 item(s) came back from workers that died" in str(errors[0])
+
+
 def test_workqueue_refuses_none_as_an_item():
     """A worker's read() says "closed and drained" with None: as an item it would end
     that worker's loop, and the items after it would wait for ever."""
