@@ -254,8 +254,8 @@ class _Broker:
     def _ended(self, kind: str, link: Link) -> None:
         if kind == "dead" or (link.bye or {}).get("unread") is True:
             self._take_back(link)
-        elif self.inflight.pop(link, None) is not None:  # it left having read its item
-            self.lock.notify_all()
+        else:
+            self._done_with(link)  # it left having read its item
         if kind in ("dead", "bye"):
             self.bulk.forget(link)  # its items keep the arena they lie in
             self.links.discard(link)
@@ -273,8 +273,8 @@ class _Broker:
             self.endpoint._drop(f"a bad request from {link.name}: {err}")
             return
         op = body["op"]
-        if op == "get" and self.inflight.pop(link, None) is not None:
-            self.lock.notify_all()  # it asks again: it has the last one (see get)
+        if op == "get":
+            self._done_with(link)  # it asks again: it has the last one
         if op == "put":
             if len(frames) < 2:
                 self.endpoint._drop(f"an empty put from {link.name}")
@@ -322,6 +322,12 @@ class _Broker:
                     break
                 else:
                     self._reply(link, {"op": "none", "state": q.state()})
+
+    def _done_with(self, link: Link) -> None:
+        """`link`'s reader has its last item for good: no longer out."""
+        entry = self.inflight.pop(link, None)
+        if entry is not None and entry[0].closed:
+            self.lock.notify_all()  # a local read may wait for the last one out (see get)
 
     def _out(self, q: _Queue) -> bool:
         """Whether an item of `q` is out with a reader that has not asked again yet."""
