@@ -19,10 +19,11 @@ whose trainable parameters changed since the buckets were built. If any node was
 or every contributing node's trainable parameters changed, every node all-reduces its
 gradients once more (after rebuilding the buckets and checking that all nodes' new
 sets match), so the result is always the sum of what each node holds when it ends the
-step; a parameter frozen after backward keeps its result from the first send. If only some changed, every node raises ValueError at that step: the others'
-buckets would no longer line up with theirs. A parameter
-that no contributing node had a `.grad` for keeps `.grad = None`, as in one process
-(and under DDP): the optimizer skips it rather than stepping on zeros.
+step; a parameter frozen after backward keeps its result from the first send. If only
+some changed, every node raises ValueError at that step: the others' buckets would no
+longer line up with theirs. A parameter that no contributing node had a `.grad` for
+keeps `.grad = None`, as in one process (and under DDP): the optimizer skips it rather
+than stepping on zeros.
 Nodes that finished their epoch run the same sequence with `finished=True`
 (`finish_step(contribute=False)`), until a step in which nobody contributes.
 
