@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 OPEN = "open"
 CLOSED = "closed"
 DRAINED = "drained"
-EMPTY = "empty"  # a non-blocking read of an open, empty queue
+EMPTY = "empty"  # a non-blocking read that finds nothing now
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -135,6 +135,7 @@ class _Broker:
         # link -> (queue, frames, memory) of the item it was sent last: it comes back to
         # the queue if that reader dies before it asks for the next one (or leaves)
         self.inflight: dict[Link, tuple[_Queue, list, bulk._Memory | None]] = {}
+        self.polling: set[Link] = set()  # links whose waiting read is a non-blocking one
         self._thread = threading.Thread(target=self._run, name=f"ipc {label}", daemon=True)
         self._thread.start()
 
@@ -184,7 +185,8 @@ class _Broker:
                     raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
                 self.lock.wait(remaining)
             if not q.items:
-                return (q.state() if q.closed else EMPTY), None
+                drained = q.closed and not self._out(q)
+                return (DRAINED if drained else EMPTY), None
             item = q.items.popleft()
             state = CLOSED if q.closed else OPEN
         return state, _decode(self.bulk, item, self.label)
@@ -259,6 +261,7 @@ class _Broker:
         if kind in ("dead", "bye"):
             self.bulk.forget(link)  # its items keep the arena they lie in
             self.links.discard(link)
+            self.polling.discard(link)
             for q in self.queues.values():
                 with contextlib.suppress(ValueError):
                     q.waiting.remove(link)
@@ -286,6 +289,8 @@ class _Broker:
         elif op == "get":
             if q.items or q.closed or body.get("block") is True:
                 q.waiting.append(link)
+                if body.get("block") is not True:
+                    self.polling.add(link)
             else:
                 self._reply(link, {"op": "none", "state": EMPTY})
         elif op == "close":
@@ -298,6 +303,7 @@ class _Broker:
         for q in self.queues.values():
             if q.maxsize and q.waiting and q.items:
                 self.lock.notify_all()  # room for a writer waiting in put
+            held = []  # blocking reads that wait for an item out
             while q.waiting and (q.items or q.closed):
                 link = q.waiting.popleft()
                 if q.items:
@@ -311,17 +317,24 @@ class _Broker:
                         continue
                     state = CLOSED if q.closed else OPEN  # never DRAINED with an item
                     kept = (out, memory if out is frames else None)
+                    self.polling.discard(link)
                     if self._reply(link, {"op": "item", "state": state}, out):
                         self.inflight[link] = (q, *kept)
                     else:
                         q.items.appendleft(kept)  # it died before it got it: the next one
                 elif self._out(q):
-                    # Not drained while an item is out with a reader (see get): this one
-                    # waits for it to come back, or for its reader to ask again.
-                    q.waiting.appendleft(link)
-                    break
+                    # Not drained while an item is out with a reader (see get): a blocking
+                    # read waits for it to come back, or for its reader to ask again; a
+                    # non-blocking one finds nothing now.
+                    if link in self.polling:
+                        self.polling.discard(link)
+                        self._reply(link, {"op": "none", "state": EMPTY})
+                    else:
+                        held.append(link)
                 else:
+                    self.polling.discard(link)
                     self._reply(link, {"op": "none", "state": q.state()})
+            q.waiting.extendleft(reversed(held))
 
     def _done_with(self, link: Link) -> None:
         """`link`'s reader has its last item for good: no longer out."""
@@ -747,7 +760,8 @@ class Channel:
 
     def read(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]:
         """(status, item): (OPEN or CLOSED, item), (DRAINED, None) once closed and empty,
-        or (EMPTY, None) for a non-blocking read of an open, empty channel."""
+        or (EMPTY, None) for a non-blocking read that finds nothing now (an open, empty
+        channel, or a closed one whose last items are still out with readers)."""
         return self._side().get("c", bool(block), timeout)
 
     def close(self) -> None:

@@ -1425,6 +1425,40 @@ def test_channel_drops_a_malformed_shared_memory_reference_and_goes_on():
     ch.close()
 
 
+def _hold_one(ch, out, go):
+    out.send(ch.read(block=True, timeout=20))  # holds it: does not ask again yet
+    go.recv()  # until told
+    out.send(ch.read(block=True, timeout=20))
+
+
+def _poll_once(ch, out):
+    start = time.monotonic()
+    out.send((ch.read(block=False), time.monotonic() - start))
+
+
+def test_channel_non_blocking_read_with_an_item_out_does_not_wait():
+    """Closed and empty, but an item is out with a reader that may still die: a blocking
+    read waits (to take it if it comes back), a non-blocking one says EMPTY at once,
+    and once the holder asks again every read says DRAINED."""
+    ch = ipc.Channel()
+    ch.write(1)
+    ch.close()
+    ours, theirs = multiprocessing.Pipe()
+    go_ours, go_theirs = multiprocessing.Pipe()
+    holder = forked(_hold_one, ch, theirs, go_theirs)
+    with children(holder):
+        assert ours.poll(30) and ours.recv() == ("closed", 1)
+        assert ch.read(block=False) == ("empty", None)  # here (the creator)
+        poller = forked(_poll_once, ch, theirs)
+        with children(poller):
+            assert ours.poll(30)
+            got, took = ours.recv()
+            assert got == ("empty", None) and took < 5  # there, at once
+        go_ours.send("ask again")
+        assert ours.poll(30) and ours.recv() == ("drained", None)
+    assert ch.read(block=False) == ("drained", None)
+
+
 def test_channel_states_and_order():
     ch = ipc.Channel()
     assert ch.read(block=False) == (ipc.Channel.EMPTY, None)
