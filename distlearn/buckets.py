@@ -147,6 +147,11 @@ class _Bucket:
             self.filling = True
         return self.views[self.cur]
 
+    def still_to_apply(self, count: int | None) -> float:
+        """What the result is still to be multiplied by: the sum, or the mean over
+        `count` nodes (the way in multiplied by `scale`)."""
+        return 1.0 / self.scale / (count or 1)
+
     def reset(self) -> None:
         self.ready = [False] * len(self.params)  # gradient copied in this step
         self.pending = len(self.params)  # members not ready yet
@@ -398,7 +403,7 @@ class GradientBuckets:
         """Results into `.grad`: the sum, or the mean over `count` nodes; None where no
         node had a gradient."""
         for bucket in self.buckets:
-            factor = 1.0 / bucket.scale / (count or 1)  # what is still to apply
+            factor = bucket.still_to_apply(count)
             views = bucket.views[bucket.cur]
             if bucket.alias:
                 if factor != 1.0:  # e.g. fewer contributors than nodes
@@ -477,7 +482,7 @@ class GradientBuckets:
             bucket, i = self._slot[id(p)]
             view = bucket.views[bucket.cur][i]
             # widen first, as _land does: a product in bfloat16 would round again
-            out.append((p, view.to(p.dtype) * (1.0 / bucket.scale / (count or 1))))
+            out.append((p, view.to(p.dtype) * bucket.still_to_apply(count)))
         return out
 
     def _mark(self, last: _Bucket, late: bool, contribute: bool, changed: bool) -> None:

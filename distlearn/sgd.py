@@ -12,7 +12,7 @@ from torch import nn
 
 from .buckets import GradientBuckets, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, check_same_layout, supports_async
-from .tensors import check_dense, gradient_holders, gradients_of, leaves, reusable, state_of
+from .tensors import grad_or_zeros, gradient_holders, gradients_of, leaves, reusable, state_of
 
 _MiB = 1 << 20
 _WIRE_DTYPES = {
@@ -42,13 +42,6 @@ def _positive_bytes(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
     return value
-
-
-def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    check_dense(p.grad, p)
-    return p.grad
 
 
 class AllReduceSGD:
@@ -230,7 +223,7 @@ class AllReduceSGD:
         frozen = [p for p in params if not p.requires_grad and self._took(p)]
         owners = [t for t in holders if t.requires_grad] + frozen
         had = [t.grad is not None for t in owners]
-        grads = gradients_of(holders) + [_grad_or_zeros(p) for p in frozen]
+        grads = gradients_of(holders) + [grad_or_zeros(p) for p in frozen]
         wires = [self._wire(g.dtype) for g in grads]
         nodes = self.comm.num_nodes
         scales = [compressed_scale(g.dtype, w, nodes) for g, w in zip(grads, wires, strict=True)]

@@ -122,11 +122,16 @@ def gradients_of(x: Any) -> list[torch.Tensor]:
     grads = []
     for p in gradient_holders(x):
         if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            check_dense(p.grad, p)
-            grads.append(p.grad)
+            grads.append(grad_or_zeros(p))
         else:
             check_dense(p, p)
             grads.append(p)
     return grads
+
+
+def grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    """`p.grad`, made zeros where missing (checked dense)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    check_dense(p.grad, p)
+    return p.grad

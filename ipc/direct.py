@@ -35,7 +35,6 @@ import hmac
 import itertools
 import math
 import os
-import resource
 import select
 import socket
 import struct
@@ -120,8 +119,7 @@ def _max_shown() -> int:
     there at once, each an open file. A quarter of the process's file limit, at most
     4096; a client whose socket went first is served over ZeroMQ alone. Also the
     listening socket's backlog (the kernel caps it at net.core.somaxconn)."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return max(64, min(4096, soft // 4 if soft != resource.RLIM_INFINITY else 4096))
+    return max(64, min(4096, fdlimit.limit() // 4))
 
 
 class Listener:
@@ -171,7 +169,7 @@ class Listener:
         now = time.monotonic()
         # At most MAX_WAITING a call: under a flood of connections the caller gets back
         # to its own work (and deadline); the rest wait in the kernel's queue.
-        free = fdlimit.room()
+        free = None  # counted once a socket is there (most calls accept none)
         for _ in range(MAX_WAITING):
             try:
                 s, _ = self.sock.accept()
@@ -179,6 +177,8 @@ class Listener:
                 break
             except OSError:
                 break
+            if free is None:
+                free = fdlimit.room() + 1  # (the one just accepted is counted)
             if free <= 0:
                 # Into the files kept free for libzmq (ipc.fdlimit): let it go at once
                 # (left queued, it would wake us up again and again); the client's link

@@ -49,9 +49,9 @@ def open_files() -> int:
         return 0
 
 
-def room() -> int:
+def room(open_now: int | None = None) -> int:
     """Files that may still be opened before the reserve."""
-    return limit() - reserve() - open_files()
+    return limit() - reserve() - (open_files() if open_now is None else open_now)
 
 
 def raise_limit() -> None:
@@ -72,9 +72,10 @@ def raise_limit() -> None:
 
 def full_reason() -> str | None:
     """Why a server takes no more clients now (None: it has room for one)."""
-    if room() >= 3:  # a client's three files
+    open_now = open_files()
+    if room(open_now) >= 3:  # a client's three files
         return None
     return (
-        f"it is at its limit of open files ({open_files()} open of {limit()}, "
+        f"it is at its limit of open files ({open_now} open of {limit()}, "
         f"{reserve()} kept free): raise `ulimit -n` where the server runs"
     )
