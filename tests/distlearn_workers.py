@@ -41,7 +41,7 @@ def make_comm(kind: str, rank: int, world: int, rendezvous: str | None):
                 options["timeout"] = float(os.environ["DISTLEARN_TEST_PG_TIMEOUT_S"])
             return TorchDistributed.from_env(kind, **options)
         if kind == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks may share
         dist.init_process_group(
             kind, init_method=f"file://{rendezvous}/{kind}-store", rank=rank, world_size=world
         )

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from bench.procs import free_port
+from bench.step_time import rank_env
 from tests.conftest import repo_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -133,13 +134,15 @@ def launch(
     cfg: dict,
     killed: tuple[int, ...] = (),
     torchrun_env: dict[str, str] | None = None,
+    gpus: int = 0,
 ) -> list[dict]:
     """Run `num_nodes` workers to completion; kill them all on failure or timeout.
     Ranks in `killed` are expected to die by SIGKILL (their own, or this function's once
     the others have ended: one that stopped itself); the others' results are returned.
     With `torchrun_env` (extra variables) the workers meet as under torchrun (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the communicators' `from_env`), not through
-    a shared directory."""
+    a shared directory. `gpus` is how many CUDA GPUs the ranks share: NCCL on fewer GPUs
+    than ranks gives each rank a host id of its own (bench.step_time.rank_env)."""
     out = tmp / "out"
     rendezvous = tmp / "rendezvous"
     out.mkdir()
@@ -151,7 +154,7 @@ def launch(
             log = open(tmp / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
             logs.append(log)
             meet = [f"--rank={rank}", f"--world={num_nodes}", f"--rendezvous={rendezvous}"]
-            env = repo_env()
+            env = {**repo_env(), **rank_env(comm, rank, num_nodes, gpus)}
             if torchrun_env is not None:
                 meet = []
                 env.update(torchrun_env, RANK=str(rank), WORLD_SIZE=str(num_nodes))
@@ -754,7 +757,7 @@ def _cuda_devices() -> int:
 @pytest.mark.parametrize(
     "comm, gpus",
     [
-        pytest.param("nccl", 2, id="nccl"),
+        pytest.param("nccl", 1, id="nccl"),
         pytest.param("gloo", 1, id="gloo-cuda-tensors"),
         pytest.param(
             "ipc",
@@ -765,14 +768,15 @@ def _cuda_devices() -> int:
     ],
 )
 def test_cuda_sgd(tmp_path, comm, gpus):
-    """Two nodes training on CUDA: NCCL needs a GPU per rank; gloo and the tree stage
-    CUDA tensors through the host, so they share one GPU."""
+    """Two nodes training on CUDA, sharing the GPUs when there are fewer than two: gloo
+    and the tree stage CUDA tensors through the host; NCCL, which refuses two ranks on
+    one GPU of one host, gets a host id per rank and talks over loopback sockets."""
     if _cuda_devices() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPU(s); this machine has {_cuda_devices()}")
     cfg = {k: v for k, v in config(2).items() if k in ("sgd_equivalence", "sgd_uneven")}
     for scenario in cfg.values():
         scenario["device"] = "cuda"
-    results = launch(comm, 2, tmp_path, cfg)
+    results = launch(comm, 2, tmp_path, cfg, gpus=_cuda_devices())
     reference = sim.sgd_reference(cfg["sgd_equivalence"]["steps"], cfg["sgd_equivalence"]["batch"])
     uneven = sim.uneven_reference(cfg["sgd_uneven"]["steps"])
     for res in results:
