@@ -128,6 +128,7 @@ class _Broker:
         )
         self.address = self.endpoint.addresses[0]
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()  # the pipe is closed by the thread as it ends
         self.endpoint.watch(self._wake_r)
         self._stop = False
         self._pid = os.getpid()
@@ -198,17 +199,17 @@ class _Broker:
         self.wake()
 
     def wake(self) -> None:
-        if self._stop:
-            return
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
+        with self._wake_lock:
+            if self._wake_w is not None:
+                with contextlib.suppress(BlockingIOError):  # (full: a wake-up is pending)
+                    os.write(self._wake_w, b"x")
 
     def stop(self) -> None:
         """End the thread and close the endpoint (peers see the link end)."""
         if self._stop or os.getpid() != self._pid:
             return  # a forked child's copy: the thread and the endpoint are the parent's
         self._stop = True
-        self.wake()
+        self.wake()  # (not left to the thread's next poll: a second away)
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -249,8 +250,10 @@ class _Broker:
                     # while another of its threads reads them).
                     while q.items and name not in self.kept:
                         self.bulk.drop(*q.items.popleft())
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = None
             ep.close(linger=1.0)
 
     def _ended(self, kind: str, link: Link) -> None:
