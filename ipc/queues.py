@@ -401,6 +401,8 @@ class _Remote:
         or drop it and say so where this process has seen the queue closed already."""
         if name in self.closed_seen:
             return self.closed_seen[name]
+        if self.asked is None and self.link not in self.bulk.readers:
+            self._see_bulk_ok()
         frames = self.bulk.pack(obj, self.link)
         try:
             # Copied: the caller may change its tensors once write returns.
@@ -409,6 +411,16 @@ class _Remote:
             self.bulk.drop(frames, self.bulk.arena)
             raise
         return OPEN
+
+    def _see_bulk_ok(self) -> None:
+        """Take the broker's BULK_OK ("I mapped your arena") if it has come. It arrives as
+        a message, which only a read would otherwise take: a process that only writes
+        would send every large item over the link. With no read asked, nothing else is
+        on the way (the broker answers reads only)."""
+        ep = self.endpoint
+        ep.poll(0)
+        while ep.inbox and self.bulk.control(*ep.inbox[0]):
+            ep.inbox.popleft()
 
     def close_queue(self, name: str) -> None:
         self.link.send_frames([_ctl({"op": "close", "q": name})])

@@ -1776,6 +1776,27 @@ def test_workqueue_moves_large_tensors_through_shared_memory():
         workers.join(timeout=60)
 
 
+def write_only_worker(ch, k):
+    for j in range(40):
+        ch.write(torch.full((BIG // 4,), float(k * 100 + j)))  # 1 MB
+        time.sleep(0.025)
+
+
+def test_a_process_that_only_writes_sends_large_items_through_shared_memory():
+    """The broker's BULK_OK comes as a message, which only a read used to take: a
+    worker that only wrote sent every large item over the link."""
+    ch = ipc.Channel()
+    try:
+        ipc.map(1, write_only_worker, ch).join(timeout=60)
+        got = [ch.read(block=False)[1] for _ in range(40)]
+        assert [x[0].item() for x in got] == [float(j) for j in range(40)]
+        assert all(torch.equal(x, torch.full((BIG // 4,), x[0].item())) for x in got)
+        # The first writes may go before the BULK_OK arrives: half a second is ample.
+        assert ch._broker.bulk.received >= 20
+    finally:
+        ch.close()
+
+
 def test_blocks_lent_to_a_reader_that_died_are_taken_back_when_the_arena_is_full():
     from distlearn.ipc import bulk
 
