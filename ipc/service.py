@@ -266,6 +266,7 @@ class Server:
         self._by_link: dict[int, Connection] = {}
         self._pending: deque[tuple[Connection, list]] = deque()  # arrival order
         self._reported: set[int] = set()  # dead connections whose PeerError was raised
+        self._ended: list[Connection] = []  # gone; their arena mapped until read (_unmap)
         self._closed = False
         self._pid = os.getpid()
 
@@ -298,8 +299,12 @@ class Server:
                 self._by_link[id(link)] = conn
                 self._bulk.up(link)
                 self._bind_direct(conn)
-            elif kind == "dead" and id(link) in self._by_link:
-                log.info("ipc server: %s is gone (%s)", link.name, link.dead)
+            elif kind in ("dead", "bye") and id(link) in self._by_link:
+                if kind == "dead":
+                    log.info("ipc server: %s is gone (%s)", link.name, link.dead)
+                conn = self._by_link[id(link)]
+                if conn not in self._ended:
+                    self._ended.append(conn)
         while ep.inbox:
             link, frames = ep.inbox.popleft()
             if self._bulk.control(link, frames):
@@ -307,6 +312,8 @@ class Server:
             conn = self._by_link.get(id(link))
             if conn is not None:
                 self._pending.append((conn, frames))
+        if self._ended:
+            self._unmap()
         if self._epoll is not None:
             for fd, _ in self._epoll.poll(0):
                 conn = self._by_fd.get(fd)
@@ -314,6 +321,15 @@ class Server:
                     self._listener.poll()  # a new socket, or one showing its nonce
                 elif conn is not self._reading:
                     self._drain_direct(conn)
+
+    def _unmap(self) -> None:
+        """Let go of the arenas of clients that are gone, once their last messages are
+        read (their large payloads lie there). Each mapping holds a file: kept, they
+        ran the server out of files after as many clients as its limit."""
+        unread = {id(conn) for conn, _ in self._pending}
+        for conn in [c for c in self._ended if id(c) not in unread]:
+            self._bulk.forget(conn.link)
+            self._ended.remove(conn)
 
     # ---- the direct sockets ------------------------------------------------------------
 

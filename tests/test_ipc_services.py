@@ -842,6 +842,35 @@ def test_a_server_short_of_files_refuses_clients_instead_of_aborting():
         server.communicate()
 
 
+def _echo_once(port: int, i: int) -> None:
+    with ipc.Client("127.0.0.1", port, token=TOKEN, timeout=60) as c:
+        c.send(i)
+        assert c.recv(timeout=60) == i
+
+
+def test_a_server_lets_go_of_the_arenas_of_clients_that_left():
+    """The server maps each same-host client process's shared-memory arena, and a
+    mapping holds a file. It kept them after the clients left: at a limit of 96 files
+    it refused every client after some 40 had come and gone, none connected."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _LIMITED_SERVER, "96", "96", TOKEN],
+        env=repo_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port, _ = map(int, server.stdout.readline().split())
+        for i in range(60):  # one after the other, each its own process and arena
+            p = CTX.Process(target=_echo_once, args=(port, i))
+            p.start()
+            p.join(60)
+            assert p.exitcode == 0, f"client {i} failed"
+        with ipc.Client("127.0.0.1", port, token=TOKEN, timeout=30) as c:
+            c.send("stop")
+        assert server.wait(timeout=60) == 0
+    finally:
+        server.kill()
+        server.communicate()
+
+
 def test_a_server_raises_its_soft_file_limit_to_the_hard_one(monkeypatch):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = min(256, soft)
