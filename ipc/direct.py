@@ -116,10 +116,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _max_shown() -> int:
     """Nonces shown and not yet claimed by a handshake, at most (the oldest go first):
     every client of a burst that connects before the server looks at the handshakes is
-    there at once, each an open file. A quarter of the process's file limit, at most
-    4096; a client whose socket went first is served over ZeroMQ alone. Also the
-    listening socket's backlog (the kernel caps it at net.core.somaxconn)."""
-    return max(64, min(4096, fdlimit.limit() // 4))
+    there at once, each an open file: as many as the listening socket's backlog
+    (`fdlimit.backlog`). A client whose socket went first is served over ZeroMQ alone."""
+    return fdlimit.backlog()
 
 
 class Listener:

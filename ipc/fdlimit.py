@@ -41,6 +41,14 @@ def reserve() -> int:
     return max(32, limit() // 8)
 
 
+def backlog() -> int:
+    """A listening socket's queue for a burst of clients: a quarter of the file limit,
+    from libzmq's default of 100 up to 4096 (the kernel caps it at net.core.somaxconn).
+    Past it a Unix socket's connect fails at once (EAGAIN), and a ZeroMQ client reads
+    that as nothing listening there."""
+    return max(100, min(4096, limit() // 4))
+
+
 def open_files() -> int:
     """How many files this process has open now (0 where /proc is not there)."""
     try:

@@ -59,7 +59,7 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from . import runtime, wire
+from . import fdlimit, runtime, wire
 from .auth import Secret, nonce
 from .envvars import env_float
 from .errors import AuthError, IPCError, IPCTimeoutError, PeerError
@@ -338,6 +338,7 @@ class Endpoint:
         router = self.router = self._ctx.socket(zmq.ROUTER)
         self._options(router)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises: it is gone
+        router.setsockopt(zmq.BACKLOG, fdlimit.backlog())  # a burst of clients waits
         router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         if self._curve is not None:
             router.setsockopt(zmq.CURVE_SERVER, 1)

@@ -842,6 +842,43 @@ def test_a_server_short_of_files_refuses_clients_instead_of_aborting():
         server.communicate()
 
 
+def test_a_burst_of_same_host_clients_waits_in_the_servers_queue():
+    """libzmq's Unix-socket listener queues 100 connections by default, and a connect
+    past a full queue fails at once, which a client reads as nothing listening there:
+    130 of a burst of 300 client processes were told so by a live server. Now the queue
+    is as long as the direct socket's (a quarter of the file limit, up to 4096)."""
+    with open("/proc/sys/net/core/somaxconn") as f:
+        if int(f.read()) < 512:
+            pytest.skip("net.core.somaxconn caps every listening queue below 512 here")
+    code = (
+        "from distlearn import ipc; import sys, time\n"
+        f"s = ipc.Server(token={TOKEN!r})\n"
+        "print(*[a for a in s._endpoint.addresses if a.startswith('ipc://')], flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", code], env=repo_env(), stdout=subprocess.PIPE, text=True
+    )
+    socks = []
+    try:
+        path = server.stdout.readline().split()[0][len("ipc://") :]
+        os.kill(server.pid, signal.SIGSTOP)  # nothing is accepted: the queue fills
+        for _ in range(400):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            socks.append(s)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                break
+        assert len(socks) > 200, f"only {len(socks) - 1} connections queued"  # 101 before
+    finally:
+        for s in socks:
+            s.close()
+        server.kill()
+        server.communicate()
+
+
 def _echo_once(port: int, i: int) -> None:
     with ipc.Client("127.0.0.1", port, token=TOKEN, timeout=60) as c:
         c.send(i)
