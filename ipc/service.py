@@ -324,10 +324,15 @@ class Server:
 
     def _unmap(self) -> None:
         """Let go of the arenas of clients that are gone, once their last messages are
-        read (their large payloads lie there). Each mapping holds a file: kept, they
-        ran the server out of files after as many clients as its limit."""
+        read, here and on their direct sockets (their large payloads lie there). Each
+        mapping holds a file: kept, they ran the server out of files after as many
+        clients as its limit."""
         unread = {id(conn) for conn, _ in self._pending}
-        for conn in [c for c in self._ended if id(c) not in unread]:
+        for conn in [
+            c
+            for c in self._ended
+            if id(c) not in unread and (c.direct is None or c.direct.sock.fileno() < 0)
+        ]:
             self._bulk.forget(conn.link)
             self._ended.remove(conn)
 
