@@ -78,12 +78,12 @@ def raise_limit() -> None:
             log.debug("ipc: could not raise the open-file limit from %d: %s", soft, err)
 
 
-def full_reason() -> str | None:
-    """Why a server takes no more clients now (None: it has room for one)."""
+def full_reason(who: str = "the server") -> str | None:
+    """Why `who` takes no more clients now (None: it has room for one)."""
     open_now = open_files()
     if room(open_now) >= 3:  # a client's three files
         return None
     return (
         f"it is at its limit of open files ({open_now} open of {limit()}, "
-        f"{reserve()} kept free): raise `ulimit -n` where the server runs"
+        f"{reserve()} kept free): raise `ulimit -n` where {who} runs"
     )

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import bulk, runtime, wire
+from . import bulk, fdlimit, runtime, wire
 from .auth import Secret, random_secret
 from .errors import IPCError, IPCTimeoutError, PeerError
 from .keywords import checked
@@ -96,6 +96,10 @@ class _Queue:
     maxsize: int = 0  # local writes wait while it holds this many (0: no bound)
     closed: bool = False
     waiting: deque = field(default_factory=deque)  # remote blocked readers: Link
+    # What other processes may ask of it (a work queue's workers only read the owner's
+    # items and write results: a worker that closed or read the results lost them).
+    remote: frozenset = frozenset({"put", "get", "close"})
+    reserved: int = 0  # local writes past the maxsize check, storing their item
 
     def state(self) -> str:
         return (DRAINED if not self.items else CLOSED) if self.closed else OPEN
@@ -119,6 +123,7 @@ class _Broker:
         self.lock = threading.Condition()
         self.label = label
         self.bulk = bulk.Bulk()  # large items through shared memory, see ipc.bulk
+        fdlimit.raise_limit()  # each other process takes files; see ipc.fdlimit
         self.endpoint = Endpoint(
             self.secret,
             label,
@@ -141,8 +146,12 @@ class _Broker:
         self._thread.start()
 
     def _accept(self, link: Link) -> str | None:
-        self.links.add(link)
-        return None
+        # Out of files, libzmq would abort this process (the owner, and its queues with
+        # it): a process past the budget is refused with the reason instead.
+        why = fdlimit.full_reason(f"the process that made {self.label}")
+        if why is None:
+            self.links.add(link)
+        return why
 
     # ---- local side (any thread of this process) -----------------------------------
 
@@ -150,7 +159,10 @@ class _Broker:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             q = self.queues[name]
-            while q.maxsize and len(q.items) >= q.maxsize and not q.closed:
+            # A writer's slot is reserved before it lets go of the lock to store its
+            # item: writers in other threads count it (without, each got past a full
+            # queue: maxsize + writers - 1 items).
+            while q.maxsize and len(q.items) + q.reserved >= q.maxsize and not q.closed:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise IPCTimeoutError(
@@ -159,11 +171,18 @@ class _Broker:
                 self.lock.wait(remaining)
             if q.closed:
                 return q.state()
-        # Large tensors are copied into our arena, the rest into bytes: the caller may
-        # change its tensors once write returns.
-        item = self.bulk.store(obj)
+            q.reserved += 1
+        try:
+            # Large tensors are copied into our arena, the rest into bytes: the caller
+            # may change its tensors once write returns.
+            item = self.bulk.store(obj)
+        except BaseException:
+            with self.lock:
+                q.reserved -= 1
+                self.lock.notify_all()
+            raise
         with self.lock:
-            q = self.queues[name]
+            q.reserved -= 1
             if q.closed:
                 self.bulk.drop(*item)
                 return q.state()
@@ -279,6 +298,14 @@ class _Broker:
             self.endpoint._drop(f"a bad request from {link.name}: {err}")
             return
         op = body["op"]
+        if op in ("put", "get", "close") and op not in q.remote:
+            self.endpoint._drop(f"a {op} of {body['q']!r} from {link.name}: not a worker's")
+            return
+        if op == "get" and any(link in other.waiting for other in self.queues.values()):
+            # One read at a time: a second would be answered over the first's item,
+            # which then could not come back if this reader died.
+            self.endpoint._drop(f"a second read from {link.name} before its first's answer")
+            return
         if op == "get":
             self._done_with(link)  # it asks again: it has the last one
         if op == "put":
@@ -457,7 +484,14 @@ class _Remote:
                     return body["state"], _decode(self.bulk, self.held, self.label, release=False)
                 return body["state"], None
             if link.dead is not None or link.bye is not None:
-                raise PeerError(f"ipc {self.label}: its owner (the process that made it) is gone")
+                why = (
+                    "it said goodbye"
+                    if link.bye is not None
+                    else f"{link.dead}; or this process was frozen past the heartbeats' timeout"
+                )
+                raise PeerError(
+                    f"ipc {self.label}: its owner (the process that made it) is gone ({why})"
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 # The request stays queued at the broker; the next read takes its answer.
                 raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
@@ -536,6 +570,8 @@ class WorkQueue:
                 return
             broker = _Broker(("down", "up"), f"work queue {name!r}", kept=("up",))
             broker.queues["down"].maxsize = maxsize
+            broker.queues["down"].remote = frozenset({"get"})
+            broker.queues["up"].remote = frozenset({"put"})
             record = {
                 "address": broker.address,
                 "secret": broker.secret.text,

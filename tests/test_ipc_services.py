@@ -879,6 +879,53 @@ def test_a_burst_of_same_host_clients_waits_in_the_servers_queue():
         server.communicate()
 
 
+_LIMITED_OWNER = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+from distlearn import ipc
+q = ipc.WorkQueue(sys.argv[1])
+print(q._broker.address, q._broker.secret.text, flush=True)
+sys.stdin.read()  # until the test is done
+q.close(timeout=0)
+"""
+
+
+def test_a_work_queue_owner_short_of_files_refuses_workers_instead_of_aborting():
+    """Each worker's link is a file of the owner's, and libzmq aborted the owner
+    (SIGABRT) when a Unix-socket accept found none left: 100 workers at a limit of 64."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _LIMITED_OWNER, f"short-{os.getpid()}"],
+        env=repo_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    remotes, errors = [], []
+    lock = threading.Lock()
+
+    def join(address, secret):
+        try:
+            r = queues._Remote(address, secret, "work queue")
+            with lock:
+                remotes.append(r)
+        except ipc.IPCError as err:
+            with lock:
+                errors.append(err)
+
+    try:
+        address, secret = owner.stdout.readline().split()
+        threads = [threading.Thread(target=join, args=(address, secret)) for _ in range(60)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert remotes and errors, (len(remotes), errors[:2])
+        assert all("limit of open files" in str(e) for e in errors), errors[:2]
+        assert owner.poll() is None  # alive, not -SIGABRT
+    finally:
+        for r in remotes:
+            r.close()
+        owner.communicate("", timeout=60)
+        assert owner.returncode == 0
+
+
 def _echo_once(port: int, i: int) -> None:
     with ipc.Client("127.0.0.1", port, token=TOKEN, timeout=60) as c:
         c.send(i)
@@ -1916,6 +1963,81 @@ def relay_worker(name):
     while (x := q.read()) is not None:
         q.write(x)
     q.close()
+
+
+def test_a_bounded_work_queue_holds_maxsize_items_with_writers_in_several_threads():
+    """A write checked for room, let go of the lock to store its item, then queued it:
+    every writer waiting for room got through at once (up to maxsize + writers - 1)."""
+    q = ipc.WorkQueue(f"bound-{os.getpid()}", maxsize=2)
+    held = []
+    try:
+        item = torch.zeros(BIG // 4)  # 1 MB: a store takes a while
+        writers = [threading.Thread(target=q.write, args=(item,)) for _ in range(6)]
+        for t in writers:
+            t.start()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            with q._broker.lock:
+                held.append(len(q._broker.queues["down"].items))
+            time.sleep(0.005)
+        assert max(held) == 2
+        with children(forked(relay_worker, q.name)):
+            for _ in writers:
+                q.read(timeout=60)
+            for t in writers:
+                t.join(60)
+            q.close(timeout=60)
+    finally:
+        q.close(timeout=60)
+
+
+def overstep_and_die(address, secret, out):
+    """A worker (it holds the secret) asking what only the owner may: it writes into
+    the owner's queue, closes both, reads the results, then reads twice at once."""
+    r = queues._Remote(address, secret, "work queue")
+
+    def ask(body, *payload):
+        r.link.send_frames([queues._ctl(body), *payload], copy=True)
+
+    ask({"op": "put", "q": "down"}, *wire.pack_value(None))  # an "end" for the others
+    ask({"op": "close", "q": "down"})
+    ask({"op": "close", "q": "up"})  # the owner's read() would say None at once
+    ask({"op": "get", "q": "up", "block": True})  # the results
+    ask({"op": "get", "q": "down", "block": True})
+    ask({"op": "get", "q": "down", "block": True})  # a second, over the first's item
+    answers = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and len(answers) < 3:
+        item = r.endpoint.recv(deadline)
+        if item is not None and not r.bulk.control(*item):
+            answers.append(wire.parse_control(item[1][0].bytes)["op"])
+    out.put(answers)
+    out.close()
+    out.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)  # with the item it was sent
+
+
+def test_a_worker_cannot_act_for_the_owner_of_a_work_queue():
+    """Any worker holds the queue's secret, and the broker did whatever a link asked:
+    one could end the other workers (a None into the owner's queue), close the
+    queues (the results dropped without a word), take the results, or read twice and
+    die with two items, of which only one came back."""
+    q = ipc.WorkQueue(f"roles-{os.getpid()}")
+    try:
+        for i in range(10):
+            q.write(i)
+        out = CTX.Queue()
+        broker = q._broker
+        with children(forked(overstep_and_die, broker.address, broker.secret.text, out)) as (p,):
+            assert out.get(timeout=60) == ["item"]  # one item for its one read
+            p.join(60)
+        with children(forked(relay_worker, q.name)):
+            results = sorted(q.read(timeout=60) for _ in range(10))
+            q.close(timeout=60)
+        assert results == list(range(10))  # every item, the dead one's too, once
+        assert q.read(timeout=5) is None
+    finally:
+        q.close(timeout=60)
 
 
 @pytest.mark.parametrize("through", ["wire", "shared memory"])
