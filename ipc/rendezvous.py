@@ -57,6 +57,16 @@ log = logging.getLogger(__name__)
 KEY_ENV = "IPC_KEY"
 # The rendezvous endpoint carries only small JSON messages.
 RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL)
+# The roster travels from node 0 as a frame of its own, JSON: in the control header
+# (16 KiB) it capped a tree at some 250 nodes. A node's entry is at most a host and 8
+# addresses of under 512 bytes each (what a JOIN may carry): each joining node's
+# endpoint takes a frame of that much a node (`joiner_limits`).
+_ROSTER_ENTRY = 5 << 10
+
+
+def joiner_limits(num_nodes: int) -> Limits:
+    """The limits of a node's endpoint for the rendezvous: a roster of `num_nodes`."""
+    return Limits(max_frame=max(wire.MAX_CONTROL, _ROSTER_ENTRY * num_nodes))
 WAIT_NOTE_S = 5.0  # say what we wait for after this long, then every WAIT_REPEAT_S
 HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
 SILENT_RETRY_S = 30.0  # ... and how long it then tries the other candidates before that one
@@ -235,8 +245,9 @@ def _gather(
         joined[i] = (link, msg)
     hosts = [join["host"]] + [joined[i][1]["host"] for i in range(1, num_nodes)]
     addresses = [join["addresses"]] + [joined[i][1]["addresses"] for i in range(1, num_nodes)]
+    body = json.dumps({"hosts": hosts, "addresses": addresses}, separators=(",", ":")).encode()
     for link, _ in joined.values():
-        link.send_control(Kind.ROSTER, {"hosts": hosts, "addresses": addresses})
+        link.send_frames([wire.control(Kind.ROSTER, {"nodes": num_nodes}), body])
     return hosts, addresses
 
 
@@ -293,6 +304,7 @@ def join_root(
             err.gave_up = True
             raise err
         n = join["num_nodes"]
+        body = _roster_of(frames, n)
         hosts, addresses = body.get("hosts"), body.get("addresses")
         if not (
             isinstance(hosts, list)
@@ -304,6 +316,17 @@ def join_root(
         ):
             raise IPCError(f"node {join['node']}: node 0 sent a malformed roster", node=0)
         return body
+
+
+def _roster_of(frames: list, num_nodes: int) -> dict:
+    """The roster's JSON frame (see `_ROSTER_ENTRY`); {} where there is none."""
+    if len(frames) != 2 or len(frames[1]) > _ROSTER_ENTRY * num_nodes:
+        return {}
+    try:
+        body = json.loads(frames[1].bytes.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def serve(
@@ -633,7 +656,7 @@ class Localhost:
                 secret,
                 f"node {self.node_index}",
                 encrypt=options.get("encrypt", False),
-                limits=RENDEZVOUS_LIMITS,
+                limits=joiner_limits(self.num_nodes),
                 info={"name": f"node {self.node_index}"},
             )
             try:
@@ -786,7 +809,7 @@ class Static:
         rv = Endpoint(
             self.secret,
             f"node {self.node_index}",
-            limits=RENDEZVOUS_LIMITS,
+            limits=joiner_limits(self.num_nodes),
             encrypt=encrypt,
             info={"name": f"node {self.node_index}"},
         )

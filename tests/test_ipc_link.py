@@ -467,3 +467,47 @@ def test_liveness_options_are_checked():
         Liveness(interval=2.0, timeout=1.0)
     with pytest.raises(ipc.IPCError, match=r"bad: cannot listen on tcp://256\.0\.0\.1:\*"):
         Endpoint(SECRET, "bad", bind=["tcp://256.0.0.1:*"])
+
+
+def test_a_roster_of_many_nodes_is_not_capped_by_the_control_limit():
+    """Node 0 sent the roster (every node's host and addresses) as a control message,
+    whose 16 KiB capped a tree at some 250 nodes: each node failed with "too many
+    values in one message". It is a frame of its own now, bounded by the node count.
+    One link joins as nodes 2..n-1 here, then as node 1 (`join_root`)."""
+    from distlearn.ipc import rendezvous
+    from distlearn.ipc.auth import random_secret
+
+    n = 400
+    secret = random_secret()
+
+    def join(i):
+        addresses = [f"tcp://10.1.{i // 256}.{i % 256}:{40000 + i}", f"ipc:///tmp/l-{i}-ab12.sock"]
+        return {"node": i, "num_nodes": n, "host": f"host-{i}", "addresses": addresses,
+                "options": {}}  # fmt: skip
+
+    root = Endpoint(secret, "node 0", bind=["ipc"], limits=rendezvous.RENDEZVOUS_LIMITS)
+    node = Endpoint(secret, "node 1", limits=rendezvous.joiner_limits(n))
+    gathered = {}
+
+    def serve():
+        hosts, addresses = rendezvous.gather(root, n, join(0), 60, "a test")
+        gathered.update(hosts=hosts, addresses=addresses)
+
+    t = threading.Thread(target=serve)  # node 0 answers handshakes as it gathers
+    t.start()
+    try:
+        link = node.dial(root.addresses[0], tag=0)
+        node.wait_up([link], time.monotonic() + 30, "node 0")
+        for i in range(2, n):
+            link.send_control(Kind.JOIN, join(i))
+        body = rendezvous.join_root(node, link, join(1), time.monotonic() + 60)
+        t.join(60)
+        hosts = [f"host-{i}" for i in range(n)]
+        assert body["hosts"] == gathered["hosts"] == hosts
+        assert (
+            body["addresses"] == gathered["addresses"] == [join(i)["addresses"] for i in range(n)]
+        )
+        assert len(json.dumps(body)) > wire.MAX_CONTROL
+    finally:
+        node.close(linger=0)
+        root.close(linger=0)
