@@ -55,24 +55,24 @@ from .wire import Kind, WireError
 log = logging.getLogger(__name__)
 
 KEY_ENV = "IPC_KEY"
-# The rendezvous endpoint carries only small JSON messages.
+# Node 0's rendezvous endpoint takes only small JSON messages.
 RENDEZVOUS_LIMITS = Limits(max_frame=wire.MAX_CONTROL)
 # The roster travels from node 0 as a frame of its own, JSON: in the control header
 # (16 KiB) it capped a tree at some 250 nodes. A node's entry is at most a host and 8
 # addresses of under 512 bytes each (what a JOIN may carry): each joining node's
 # endpoint takes a frame of that much a node (`joiner_limits`).
 _ROSTER_ENTRY = 5 << 10
-
-
-def joiner_limits(num_nodes: int) -> Limits:
-    """The limits of a node's endpoint for the rendezvous: a roster of `num_nodes`."""
-    return Limits(max_frame=max(wire.MAX_CONTROL, _ROSTER_ENTRY * num_nodes))
 WAIT_NOTE_S = 5.0  # say what we wait for after this long, then every WAIT_REPEAT_S
 HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
 SILENT_RETRY_S = 30.0  # ... and how long it then tries the other candidates before that one
 WAIT_REPEAT_S = 30.0
 
 Listen = Callable[[Secret, list[str]], list[str]]
+
+
+def joiner_limits(num_nodes: int) -> Limits:
+    """The limits of a node's endpoint for the rendezvous: a roster of `num_nodes`."""
+    return Limits(max_frame=max(wire.MAX_CONTROL, _ROSTER_ENTRY * num_nodes))
 
 
 @dataclass(frozen=True)
