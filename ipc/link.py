@@ -388,7 +388,7 @@ class Endpoint:
         if not ok:
             want = b"CURVE" if self._curve is not None else b"PLAIN"
             hint = "" if mechanism == want else " (encrypt= must be the same on every node)"
-            self._note_stranger(
+            self._note_rate_limited(
                 f"refused a connection{' from ' + address if address else ''}: its "
                 f"{mechanism.decode(errors='replace')} credentials are not this job's{hint}"
             )
@@ -629,7 +629,7 @@ class Endpoint:
             return
         parts = (b"auth", rid, p.dialer_nonce, p.our_nonce, p.name.encode(), _canon(p.info))
         if not self.secret.check(mac, *parts):
-            self._note_stranger(f"refused {p.name!r}: it does not know this job's secret")
+            self._note_rate_limited(f"refused {p.name!r}: it does not know this job's secret")
             self._reply(rid, wire.control(Kind.REFUSED, {"reason": "wrong token"}))
             return
         link = Link(self, f"accepted from {peer or 'a Unix socket'}", dialed=False, rid=rid)
@@ -643,7 +643,9 @@ class Endpoint:
         if reason is None and self.accept is not None:
             reason = self.accept(link)
         if reason is not None:
-            log.warning("ipc %s: refused %s: %s", self.name, p.name, reason)
+            # Rate-limited: a refused peer that retries in a loop (a server out of files)
+            # would flood the log; the peer itself is told why.
+            self._note_rate_limited(f"refused {p.name}: {reason}")
             self._reply(rid, wire.control(Kind.REFUSED, {"reason": str(reason)}))
             return
         link.state = "up"
@@ -809,11 +811,11 @@ class Endpoint:
 
     def _drop(self, what: str) -> None:
         self._dropped += 1
-        self._note_stranger(f"dropped {what}")
+        self._note_rate_limited(f"dropped {what}")
 
-    def _note_stranger(self, what: str) -> None:
+    def _note_rate_limited(self, what: str) -> None:
         now = time.monotonic()
-        if now - self._dropped_logged > 10:  # rate-limited: a stranger could flood us
+        if now - self._dropped_logged > 10:  # a stranger, or a peer retrying, could flood us
             more = f" (and {self._unlogged} more since the last report)" if self._unlogged else ""
             self._dropped_logged = now
             self._unlogged = 0
