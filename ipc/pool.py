@@ -11,7 +11,8 @@ containers, scalars, bytes), or the exception it raised (type, message and
 traceback as text). Nothing a worker sends is unpickled.
 
 `join()` returns the results in index order. The first failure ends the map:
-the other workers are stopped (SIGTERM, then SIGKILL) and `join()` raises
+`join()` stops the other workers (SIGTERM, then SIGKILL; until then they run on,
+and those still starting are answered) and raises
 - the worker's exception, rebuilt when it is a built-in type (ValueError,
   KeyError, ...) and `WorkerError` otherwise, with the worker's traceback as its
   `__cause__` and in `.traceback`;
@@ -194,6 +195,7 @@ class Map:
             self._stop()
             raise
         self._abort = False
+        self._settled = threading.Event()  # a worker failed, or all have ended
         self._link_ended: dict[int, float] = {}  # worker -> when its link was seen ended
         self._thread = threading.Thread(target=self._watch, name="ipc.map", daemon=True)
         self._thread.start()
@@ -233,11 +235,15 @@ class Map:
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
+        self._settled.set()
 
     def _watch(self) -> None:
         """The map's thread: answers the workers' links (handshakes, results, goodbyes)
-        while the caller does other work, until every worker has ended or one failed."""
-        while not self._abort and self._error is None:
+        while the caller does other work, until every worker has ended or `join()`
+        stops it. Also after a failure: the workers still starting would otherwise wait
+        for a handshake no one answers until `join()` stops them, neither stopped nor
+        running (the others go on meanwhile: a WorkQueue's items are still done)."""
+        while not self._abort:
             # Seen ended before the look below, so a worker that died just after the
             # previous look is still named (leaving as soon as all had ended would
             # return its result as None).
@@ -268,7 +274,9 @@ class Map:
                 if not self._done[i]:
                     how = _how_it_ended(p.exitcode)
                     self._fail(PeerError(f"ipc.map: worker {i} (pid {p.pid}) {how}", i))
+                    self._done[i] = True  # said once
             if ended:
+                self._settled.set()
                 return
 
     def join(self, timeout: float | None = None) -> list:
@@ -278,12 +286,11 @@ class Map:
             raise IPCError("ipc.map: join() was called already")
         self._joined = True
         try:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+            if not self._settled.wait(timeout):
                 late = [i for i in range(self.n) if not self._done[i]]
                 self._fail(IPCTimeoutError(f"ipc.map: workers {late} not done in {timeout} s"))
-                self._abort = True
-                self._thread.join()
+            self._abort = True
+            self._thread.join()
         finally:
             self._stop()
         if self._error is not None:

@@ -1147,6 +1147,25 @@ def test_map_a_result_that_cannot_travel_is_an_error_not_a_pickle():
         ipc.map(1, lambda i: object()).join(timeout=60)
 
 
+def write_index(ch, i):
+    ch.write(i)
+
+
+def test_map_workers_still_starting_when_one_fails_are_answered():
+    """The map's thread stopped answering at the first failure: spawned workers that
+    had not finished their handshake waited for it until join() killed them, and did
+    none of their work meanwhile."""
+    ch = ipc.Channel()
+    m = ipc.map(3, write_index, ch, context="spawn")
+    try:
+        os.kill(m._procs[0].pid, signal.SIGKILL)  # long before the others are up
+        assert sorted(ch.read(timeout=60)[1] for _ in range(2)) == [1, 2]
+    finally:
+        with pytest.raises(ipc.PeerError, match=r"worker 0 .* SIGKILL"):
+            m.join(timeout=60)
+        ch.close()
+
+
 def test_map_with_spawn_and_a_timeout():
     results = ipc.map(2, scaled, torch.ones(2), 3.0, context="spawn").join(timeout=120)
     assert torch.equal(results[1]["t"], torch.full((2,), 4.0))
