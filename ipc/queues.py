@@ -484,13 +484,11 @@ class _Remote:
                     return body["state"], _decode(self.bulk, self.held, self.label, release=False)
                 return body["state"], None
             if link.dead is not None or link.bye is not None:
-                why = (
-                    "it said goodbye"
-                    if link.bye is not None
-                    else f"{link.dead}; or this process was frozen past the heartbeats' timeout"
-                )
+                # (Why, in the link layer's words: also when this process was the one
+                # frozen past the heartbeats.)
                 raise PeerError(
-                    f"ipc {self.label}: its owner (the process that made it) is gone ({why})"
+                    f"ipc {self.label}: its owner (the process that made it) is gone: "
+                    f"{ep.dead_error(link)}"
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 # The request stays queued at the broker; the next read takes its answer.
