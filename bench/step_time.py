@@ -4,6 +4,7 @@
     python -m bench.step_time --models convnet --nodes 2 --reps 5
     python -m bench.step_time --rows ddp gloo gloo@4/0.25 gloo+bf16   # variants side by side
     python -m bench.step_time --device cuda --models convnet --nodes 2   # CUDA tensors
+    python -m bench.step_time --models mnist --nodes 2 --reps 1 --profile prof/  # where it goes
 
 A step is what a user's loop does: `zero_grad`, forward, `backward`, then for
 AllReduceSGD `sum_and_normalize_gradients(model)`, then `opt.step()` (SGD with
@@ -221,6 +222,12 @@ def _worker(a: argparse.Namespace) -> None:
                 step(i)
                 times[row].append(time.perf_counter() - t0)
                 cpu[row].append(time.process_time() - c0)
+    if a.profile:
+        # One more block of every row, untimed, with rank 0 under torch.profiler: where
+        # a row's step goes (every rank runs it, to meet rank 0 in its collectives).
+        for row in a.rows:
+            _profile_block(a, row, steps[row][0], i, device)
+            i += a.block or BLOCK[a.model]
     dist.barrier()
     if a.rank == 0:
         result = {
@@ -236,6 +243,39 @@ def _worker(a: argparse.Namespace) -> None:
     if "ipc" in comms:
         comms["ipc"].close()
     dist.destroy_process_group()
+
+
+def _profile_block(a: argparse.Namespace, row: str, step, first: int, device) -> None:
+    """Run one block of `row`'s steps; on rank 0 under torch.profiler, writing
+    `MODEL-xN-ROW.txt` (the ops by self CPU time, and by device time on CUDA) and
+    `MODEL-xN-ROW.trace.json` (a Chrome trace: chrome://tracing or ui.perfetto.dev)
+    into `--profile`."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = a.block or BLOCK[a.model]
+    step(first)  # untimed, as in the timed rounds
+    dist.barrier()
+    if a.rank != 0:
+        for k in range(steps):
+            step(first + 1 + k)
+        return
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for k in range(steps):
+            step(first + 1 + k)
+    name = f"{a.model}-x{a.world}-{row.replace('/', '_')}"
+    out = Path(a.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages()
+    text = [f"{row}: {steps} steps, {a.model} model, {a.world} processes, rank 0", ""]
+    text += ["By self CPU time:", table.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if device.type == "cuda":
+        text += ["By device time:", table.table(sort_by="self_device_time_total", row_limit=30)]
+    (out / f"{name}.txt").write_text("\n".join(text))
+    prof.export_chrome_trace(str(out / f"{name}.trace.json"))
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -277,6 +317,8 @@ def run_job(model: str, nodes: int, a: argparse.Namespace) -> dict:
             "--batch", str(a.batch), "--device", a.device, "--backend", a.backend,
             "--threads", str(threads), "--out", str(out), "--rows", *a.rows,
         ]  # fmt: skip
+        if a.profile:
+            args += ["--profile", str(Path(a.profile).resolve())]
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "bench.step_time", "--rank", str(r), *args],
@@ -410,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / processes)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     p.add_argument("--out", help="markdown report (default: print only)")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the timed rounds, one more block of each row with rank 0 under "
+        "torch.profiler: an op table and a Chrome trace a row in DIR (the last job's)",
+    )
     # one rank of a job (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)

@@ -3,6 +3,7 @@ NCCL ranks share a GPU."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -26,11 +27,11 @@ def test_nccl_ranks_sharing_a_gpu_each_get_a_host_of_their_own(monkeypatch):
     assert rank_env("nccl", 1, 4, 1)["NCCL_SOCKET_IFNAME"] == "eth0"
 
 
-def test_a_job_of_every_row_reports_each_against_ddp():
+def test_a_job_of_every_row_reports_each_against_ddp(tmp_path):
     cmd = [
         sys.executable, "-m", "bench.step_time", "--models", "mnist", "--nodes", "2",
         "--rows", "none", "ddp", "gloo", "ipc", "--reps", "1", "--rounds", "2",
-        "--block", "3", "--timeout", "240",
+        "--block", "3", "--timeout", "240", "--profile", str(tmp_path / "prof"),
     ]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -41,3 +42,11 @@ def test_a_job_of_every_row_reports_each_against_ddp():
     assert rows["ddp"].strip() == "-"
     for row in ("none", "gloo", "ipc"):
         assert re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", rows[row].strip()), rows
+    # --profile: each row's ops on rank 0, the collectives among them, and a trace
+    for row in ("none", "ddp", "gloo", "ipc"):
+        text = (tmp_path / "prof" / f"mnist-x2-{row}.txt").read_text()
+        assert text.startswith(f"{row}: 3 steps, mnist model, 2 processes") and "aten::" in text
+        trace = json.loads((tmp_path / "prof" / f"mnist-x2-{row}.trace.json").read_text())
+        assert trace["traceEvents"]
+    assert "c10d::allreduce_" in (tmp_path / "prof" / "mnist-x2-ddp.txt").read_text()
+    assert "c10d::" not in (tmp_path / "prof" / "mnist-x2-none.txt").read_text()
