@@ -28,3 +28,8 @@ step steps-gloo 240 "$py" -m bench.step_time --device cuda --models convnet mnis
 step steps-nccl 330 "$py" -m bench.step_time --device cuda --backend nccl \
     --models convnet mnist --nodes 2 4 --rows none ddp gloo ipc --reps 3 --timeout 90 \
     --out "$out/RESULTS-step-time-nccl.md"
+# Where the NCCL rows' steps go (issue 16: AllReduceSGD over NCCL trails DDP): one
+# profiled block of each row, an op table and a Chrome trace a row in OUT/profile-nccl.
+step profile-nccl 120 "$py" -m bench.step_time --device cuda --backend nccl \
+    --models mnist convnet --nodes 2 --rows ddp gloo --reps 1 --timeout 90 \
+    --profile "$out/profile-nccl"
