@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import runtime, wire
+from . import fdlimit, runtime, wire
 from .auth import Secret, given_secret, insecure_secret, missing_secret_error, random_secret
 from .errors import AuthError, IPCError, IPCTimeoutError, PeerError
 from .launch import (
@@ -115,6 +115,23 @@ def _options_match(mine: dict, theirs: object) -> str | None:
     return None
 
 
+class FileBudget:
+    """`accept=` of node 0's rendezvous endpoint: refuse a node past node 0's budget of
+    open files (ipc.fdlimit), since libzmq's Unix-socket listener aborts the process
+    when accept() finds none left. Every joined node holds a file of node 0's until the
+    roster, so once one was refused the rendezvous cannot end: `gather` gives up,
+    telling the joined nodes why, and the refused one raises at once (`_joiner`)."""
+
+    def __init__(self) -> None:
+        self.refused: str | None = None  # the first refusal's reason
+
+    def __call__(self, link: Link) -> str | None:
+        reason = fdlimit.full_reason("node 0")
+        if reason is not None and self.refused is None:
+            self.refused = reason
+        return reason
+
+
 class _Note:
     """Says what a node waits for after WAIT_NOTE_S, then every WAIT_REPEAT_S."""
 
@@ -140,14 +157,16 @@ def gather(
     timeout: float,
     where: str,
     admit: Callable[[dict], str | None] | None = None,
+    budget: FileBudget | None = None,
 ) -> tuple[list, list]:
     """Node 0: collect every other node's JOIN on the rendezvous endpoint `rv`, then send
     each the roster. `join` is node 0's own JOIN; `admit(join)` may refuse a node of
-    another launch. Returns (hosts, addresses). If it fails (its timeout, an interrupt),
-    the nodes that joined are told so before it raises."""
+    another launch; `budget` is `rv`'s FileBudget, if it has one. Returns (hosts,
+    addresses). If it fails (its timeout, an interrupt, out of files), the nodes that
+    joined are told so before it raises."""
     joined: dict[int, tuple[Link, dict]] = {}
     try:
-        return _gather(rv, num_nodes, join, timeout, where, admit, joined)
+        return _gather(rv, num_nodes, join, timeout, where, admit, budget, joined)
     except BaseException as err:
         # Those that joined would take our silence for our death, or for another
         # launch's node 0 that had its nodes: tell them we gave up, and why.
@@ -164,6 +183,7 @@ def _gather(
     timeout: float,
     where: str,
     admit: Callable[[dict], str | None] | None,
+    budget: FileBudget | None,
     joined: dict[int, tuple[Link, dict]],
 ) -> tuple[list, list]:
     """`gather`'s loop; `joined` holds who has joined, by node index."""
@@ -199,6 +219,12 @@ def _gather(
                             "ipc node 0: node %d left the rendezvous; waiting for it again", i
                         )
                         del joined[i]
+        if budget is not None and budget.refused is not None:
+            raise IPCError(
+                f"node 0: {len(joined) + 1} of {num_nodes} nodes had joined when {budget.refused}"
+                f" (node 0 holds a connection from every other node until all have joined)",
+                node=0,
+            )
         if got is None:
             continue
         link, frames = got
@@ -337,12 +363,13 @@ def serve(
     where: str,
     admit: Callable[[dict], str | None] | None = None,
     gathered: Callable[[], None] | None = None,
+    budget: FileBudget | None = None,
 ) -> tuple[list, list]:
     """Node 0: `gather` on the rendezvous endpoint `rv`, then close it, waiting until every
     node has read its roster (at once, on failure). `gathered` runs between the two
     (Localhost: no longer advertise a node 0 that takes no more nodes)."""
     try:
-        hosts, addresses = gather(rv, num_nodes, join, timeout, where, admit)
+        hosts, addresses = gather(rv, num_nodes, join, timeout, where, admit, budget)
         if gathered is not None:
             gathered()
     except BaseException:
@@ -530,6 +557,7 @@ class Localhost:
         secret = self.given or random_secret()
         addrs = listen(secret, specs)
         rv_specs = ["ipc"] + ([f"tcp://127.0.0.1:{self.port}"] if self.port is not None else [])
+        budget = FileBudget()
         rv = Endpoint(
             secret,
             "node 0",
@@ -537,6 +565,7 @@ class Localhost:
             limits=RENDEZVOUS_LIMITS,
             encrypt=options.get("encrypt", False),
             info={"name": "node 0"},
+            accept=budget,
         )
         directory = runtime.runtime_dir()
         name = f"{self.prefix}{os.getpid()}.json"
@@ -566,6 +595,7 @@ class Localhost:
                 self.describe(),
                 self._admit,
                 gathered=lambda: runtime.remove(directory, name),
+                budget=budget,
             )
         finally:
             runtime.remove(directory, name)
@@ -687,6 +717,10 @@ class Localhost:
                     # another launch that had its nodes a moment after taking our join.
                     refused.add(name)
                     continue
+                if isinstance(err, IPCError) and "refused by the endpoint" in str(err):
+                    # Past the handshake, so by a node 0 of our key and secret, and for
+                    # what holds whoever comes (out of files, another version): final.
+                    raise
                 log.info("ipc node %d: %s", self.node_index, err)
                 if isinstance(err, IPCError) and "refused by node 0" in str(err):
                     refused.add(name)
@@ -793,6 +827,7 @@ class Static:
             return roster(0, 1, self.secret, [host], [addrs], options, self.describe())
         encrypt = options.get("encrypt", False)
         if self.node_index == 0:
+            budget = FileBudget()
             rv = Endpoint(
                 self.secret,
                 "node 0",
@@ -800,8 +835,11 @@ class Static:
                 limits=RENDEZVOUS_LIMITS,
                 encrypt=encrypt,
                 info={"name": "node 0"},
+                accept=budget,
             )
-            hosts, addresses = serve(rv, self.num_nodes, join, timeout, self.describe())
+            hosts, addresses = serve(
+                rv, self.num_nodes, join, timeout, self.describe(), budget=budget
+            )
             return roster(
                 0, self.num_nodes, self.secret, hosts, addresses, options, self.describe()
             )

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import hostops
+from . import fdlimit, hostops
 from . import shm as shm_mod
 from .auth import TOKEN_ENV, TOKEN_FILE_ENV
 from .engine import Engine
@@ -366,6 +366,9 @@ class Tree:
             "shm": bool(shm),
             "encrypt": self.encrypt,
         }
+        # Node 0 holds a connection from every node during the rendezvous, and libzmq
+        # aborts a process whose Unix-socket accept finds no file left (ipc.fdlimit).
+        fdlimit.raise_limit()
         limits = Limits(max_frame=chunk_bytes + 1024)
         me = self.node_index
         info = {"name": f"node {me}", "node": me, "pid": os.getpid()}

@@ -511,3 +511,70 @@ def test_a_roster_of_many_nodes_is_not_capped_by_the_control_limit():
     finally:
         node.close(linger=0)
         root.close(linger=0)
+
+
+_LIMITED_ROOT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))
+from distlearn import ipc
+tree = ipc.LocalhostTree(0, int(sys.argv[3]), key=sys.argv[4], timeout=60)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+tree.close()
+"""
+
+
+def _limited_root(soft: int, hard: int, nodes: int, key: str) -> subprocess.Popen:
+    from conftest import repo_env
+
+    return subprocess.Popen(
+        [sys.executable, "-c", _LIMITED_ROOT, str(soft), str(hard), str(nodes), key],
+        env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_a_tree_raises_its_soft_file_limit_to_the_hard_one():
+    """Node 0 holds a connection from every node during the rendezvous: a tree starts
+    with the hard limit, as a server does (ipc.fdlimit)."""
+    root = _limited_root(64, 4096, 1, f"raise-{os.getpid()}")
+    out, err = root.communicate(timeout=120)
+    assert root.returncode == 0, err[-2000:]
+    assert int(out) == 4096  # 64 before
+
+
+def test_node_0_out_of_files_gives_up_the_rendezvous_saying_why_instead_of_aborting():
+    """libzmq aborted node 0 (SIGABRT, "Too many open files") when a Unix-socket accept
+    found no file left: 60 nodes at a limit of 64. Node 0 now refuses the node past its
+    budget, and gives up at once, telling the joined nodes why."""
+    from distlearn.ipc import rendezvous
+    from distlearn.ipc.tree import DEFAULT_CHUNK
+
+    n, key = 60, f"short-{os.getpid()}"
+    options = {"base": 2, "chunk_bytes": DEFAULT_CHUNK, "shm": True, "encrypt": False}
+    root = _limited_root(64, 64, n, key)
+    errors: list[BaseException] = []
+
+    def join(i: int) -> None:
+        listen = lambda secret, specs: [f"ipc:///nowhere/node-{i}.sock"]
+        try:
+            rendezvous.Localhost(i, n, key=key).rendezvous(listen, options, 8)
+        except ipc.IPCError as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(1, n)]
+    record = runtime.runtime_dir() / f"{rendezvous.Localhost(0, n, key=key).prefix}{root.pid}.json"
+    try:
+        deadline = time.monotonic() + 60
+        while not record.exists() and root.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # node 0 is up (importing torch takes a while)
+        for t in threads:
+            t.start()
+        _, err = root.communicate(timeout=120)
+        for t in threads:
+            t.join(60)
+    finally:
+        root.kill()
+    assert root.returncode == 1, err[-2000:]  # an exception, not -6 (SIGABRT)
+    assert "nodes had joined when it is at its limit of open files" in err, err[-2000:]
+    assert len(errors) == n - 1  # nobody got a roster
+    told = [e for e in errors if "limit of open files" in str(e)]
+    assert told, [str(e) for e in errors[:3]]
