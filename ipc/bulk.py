@@ -361,8 +361,11 @@ class Bulk:
         return True
 
     def forget(self, link: Link) -> None:
+        """`link` is gone for good: drop its arena's mapping and its counts (a caller that
+        reports them reads `stats` first)."""
         self.peers.pop(link, None)
         self.readers.discard(link)
+        self.sent.pop(link, None)
 
     def stats(self, link: Link) -> dict:
         msgs, nbytes = self.sent.get(link, (0, 0))

@@ -456,6 +456,10 @@ class Direct:
             with contextlib.suppress(OSError):
                 self.sock.send(_BYE, _FLAGS)
         self.sock.close()
+        # Nothing is read from a closed socket: its buffer (BUF, or as large as its
+        # largest message) goes now, not when the last reference to us does.
+        self._set_buf(bytearray(1))
+        self._lo = self._hi = 0
 
     def close_inherited(self) -> None:
         self.sock.close()

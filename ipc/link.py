@@ -785,6 +785,15 @@ class Endpoint:
             self._forget_dealer(link)
         self.events.append(("dead", link))
 
+    def forget(self, link: Link) -> None:
+        """Drop an accepted link that has ended (BYE, or dead) once its owner is done with
+        it: a long-lived listener would otherwise keep every link it ever took, and walk
+        them all on every heartbeat. A later message on its routing id is a stranger's."""
+        if link.dialed or (link.dead is None and link.bye is None):
+            raise ValueError(f"{self.name}: forget() takes an accepted link that has ended")
+        if self.links.get(link.rid) is link:
+            del self.links[link.rid]
+
     def dead_error(self, link: Link) -> PeerError:
         detail = (
             "it said goodbye"

@@ -282,6 +282,7 @@ class _Broker:
             self._done_with(link)  # it left having read its item
         if kind in ("dead", "bye"):
             self.bulk.forget(link)  # its items keep the arena they lie in
+            self.endpoint.forget(link)
             self.links.discard(link)
             self.polling.discard(link)
             for q in self.queues.values():

@@ -262,11 +262,13 @@ class Server:
             runtime.create_private(
                 runtime.runtime_dir(), self._local_file, json.dumps(record).encode()
             )
-        self._conns: list[Connection] = []
+        self._conns: list[Connection] = []  # connected, or gone and not yet settled
+        self._accepted = 0  # connections ever: the next one's index
+        self._past = dict.fromkeys(_TRAFFIC, 0)  # traffic of the settled ones (net_stats)
         self._by_link: dict[int, Connection] = {}
         self._pending: deque[tuple[Connection, list]] = deque()  # arrival order
         self._reported: set[int] = set()  # dead connections whose PeerError was raised
-        self._ended: list[Connection] = []  # gone; their arena mapped until read (_unmap)
+        self._ended: list[Connection] = []  # gone, not yet settled (_settle)
         self._closed = False
         self._pid = os.getpid()
 
@@ -294,7 +296,8 @@ class Server:
         while ep.events:
             kind, link = ep.events.popleft()
             if kind == "accepted":
-                conn = Connection(self, link, len(self._conns))
+                conn = Connection(self, link, self._accepted)
+                self._accepted += 1
                 self._conns.append(conn)
                 self._by_link[id(link)] = conn
                 self._bulk.up(link)
@@ -313,7 +316,7 @@ class Server:
             if conn is not None:
                 self._pending.append((conn, frames))
         if self._ended:
-            self._unmap()
+            self._settle()
         if self._epoll is not None:
             for fd, _ in self._epoll.poll(0):
                 conn = self._by_fd.get(fd)
@@ -322,19 +325,31 @@ class Server:
                 elif conn is not self._reading:
                     self._drain_direct(conn)
 
-    def _unmap(self) -> None:
-        """Let go of the arenas of clients that are gone, once their last messages are
-        read, here and on their direct sockets (their large payloads lie there). Each
-        mapping holds a file: kept, they ran the server out of files after as many
-        clients as its limit."""
+    def _settle(self) -> None:
+        """Let go of clients that are gone, once their last messages are read, here and on
+        their direct sockets (their large payloads lie in their arena), and the death of
+        one that died has been reported (recv_any). Each arena's mapping holds a file:
+        kept, they ran the server out of files after as many clients as its limit; and
+        each connection kept its buffers and was walked by every recv_any and heartbeat
+        (1,000 clients come and gone: 268 MB more, round trips 1.7x as long)."""
         unread = {id(conn) for conn, _ in self._pending}
         for conn in [
             c
             for c in self._ended
             if id(c) not in unread and (c.direct is None or c.direct.sock.fileno() < 0)
         ]:
-            self._bulk.forget(conn.link)
+            link = conn.link
+            if not (link.bye is not None or conn.said_bye or conn.index in self._reported):
+                continue  # a death recv_any has yet to report
+            for key, value in {**_traffic(link, conn.direct), **self._bulk.stats(link)}.items():
+                if key in self._past:
+                    self._past[key] += value
+            self._bulk.forget(link)
+            self._endpoint.forget(link)
             self._ended.remove(conn)
+            self._conns.remove(conn)
+            self._by_link.pop(id(link), None)
+            self._reported.discard(conn.index)
 
     # ---- the direct sockets ------------------------------------------------------------
 
@@ -561,7 +576,8 @@ class Server:
         return reached
 
     def net_stats(self) -> dict:
-        """Bytes and messages sent and received, in all and per client."""
+        """Bytes and messages sent and received, in all (clients that left included) and
+        per client (those connected, and those gone whose end is not yet settled)."""
         per = {
             c.index: {
                 "name": c.name,
@@ -571,13 +587,7 @@ class Server:
             }
             for c in self._conns
         }
-        total = {
-            k: sum(p[k] for p in per.values())
-            for k in (
-                "bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv", "shm_bytes_sent",
-                "shm_msgs_sent",
-            )
-        }  # fmt: skip
+        total = {k: self._past[k] + sum(p[k] for p in per.values()) for k in _TRAFFIC}
         return {"address": self.address, "clients": len(self.connections()), **total, "per": per}
 
     def close(self) -> None:
@@ -596,6 +606,11 @@ class Server:
                 self._epoll.close()  # only now: the endpoint's poll watched it
             if self._local_file is not None:
                 runtime.remove(runtime.runtime_dir(), self._local_file)
+
+
+_TRAFFIC = (
+    "bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv", "shm_bytes_sent", "shm_msgs_sent",
+)  # fmt: skip
 
 
 def _traffic(link: Link, d: direct.Direct | None) -> dict:
