@@ -66,6 +66,12 @@ WAIT_NOTE_S = 5.0  # say what we wait for after this long, then every WAIT_REPEA
 HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
 SILENT_RETRY_S = 30.0  # ... and how long it then tries the other candidates before that one
 WAIT_REPEAT_S = 30.0
+# Node 0 holds a connection (a file) from every other node until all have joined, and
+# libzmq aborts a process whose Unix-socket accept finds no file left. A node 0 that
+# cannot hold them says so for this long (in its runtime record, or to every handshake)
+# before it raises, so the nodes already waiting for it are told why.
+UNABLE_S = 10.0
+JOIN_MARGIN = 16  # files node 0 keeps free beyond one a node, for libzmq and the user
 
 Listen = Callable[[Secret, list[str]], list[str]]
 
@@ -115,21 +121,42 @@ def _options_match(mine: dict, theirs: object) -> str | None:
     return None
 
 
-class FileBudget:
-    """`accept=` of node 0's rendezvous endpoint: refuse a node past node 0's budget of
-    open files (ipc.fdlimit), since libzmq's Unix-socket listener aborts the process
-    when accept() finds none left. Every joined node holds a file of node 0's until the
-    roster, so once one was refused the rendezvous cannot end: `gather` gives up,
-    telling the joined nodes why, and the refused one raises at once (`_joiner`)."""
+def files_for_joins(num_nodes: int) -> str | None:
+    """Why node 0 cannot hold a connection from every other node at once (None: it can).
+    Checked before it listens: a burst of joins past its file limit aborts it inside
+    libzmq, whatever it refuses afterwards."""
+    open_now, limit = fdlimit.open_files(), fdlimit.limit()
+    if open_now + num_nodes - 1 + JOIN_MARGIN <= limit:
+        return None
+    return (
+        f"a tree of {num_nodes} nodes needs {num_nodes - 1 + JOIN_MARGIN} more open files "
+        f"at node 0 (a connection from every node until all have joined, and "
+        f"{JOIN_MARGIN} to spare), and node 0 has {open_now} open of its limit of {limit}: "
+        f"raise `ulimit -n` where node 0 runs"
+    )
 
-    def __init__(self) -> None:
-        self.refused: str | None = None  # the first refusal's reason
+
+class FileBudget:
+    """`accept=` of node 0's rendezvous endpoint: past node 0's files (the user's own,
+    opened during the rendezvous, or `files_for_joins` found too few from the start), it
+    refuses every node from then on, saying why; a refused node raises at once
+    (`_joiner`). `gather` gives up UNABLE_S later, telling the joined nodes why."""
+
+    def __init__(self, unable: str | None = None) -> None:
+        self.refused = unable  # why, once it refuses
+        self.since = time.monotonic() if unable else None
 
     def __call__(self, link: Link) -> str | None:
-        reason = fdlimit.full_reason("node 0")
-        if reason is not None and self.refused is None:
-            self.refused = reason
-        return reason
+        if self.refused is None and fdlimit.open_files() + JOIN_MARGIN // 2 > fdlimit.limit():
+            self.refused = (
+                f"node 0 is at its limit of open files ({fdlimit.open_files()} open of "
+                f"{fdlimit.limit()}): raise `ulimit -n` where node 0 runs"
+            )
+            self.since = time.monotonic()
+        return self.refused
+
+    def gave_up(self) -> bool:
+        return self.since is not None and time.monotonic() - self.since > UNABLE_S
 
 
 class _Note:
@@ -219,10 +246,9 @@ def _gather(
                             "ipc node 0: node %d left the rendezvous; waiting for it again", i
                         )
                         del joined[i]
-        if budget is not None and budget.refused is not None:
+        if budget is not None and budget.gave_up():
             raise IPCError(
-                f"node 0: {len(joined) + 1} of {num_nodes} nodes had joined when {budget.refused}"
-                f" (node 0 holds a connection from every other node until all have joined)",
+                f"node 0: {len(joined) + 1} of {num_nodes} nodes had joined: {budget.refused}",
                 node=0,
             )
         if got is None:
@@ -556,6 +582,9 @@ class Localhost:
     def _root(self, listen: Listen, options: dict, timeout: float, host: str, specs) -> Roster:
         secret = self.given or random_secret()
         addrs = listen(secret, specs)
+        unable = files_for_joins(self.num_nodes)
+        if unable is not None:
+            self._say_unable(unable)
         rv_specs = ["ipc"] + ([f"tcp://127.0.0.1:{self.port}"] if self.port is not None else [])
         budget = FileBudget()
         rv = Endpoint(
@@ -601,6 +630,21 @@ class Localhost:
             runtime.remove(directory, name)
         return roster(0, self.num_nodes, secret, hosts, addresses, options, self.describe())
 
+    def _say_unable(self, unable: str) -> None:
+        """Node 0 without the files for the joins: a record that says so, for UNABLE_S
+        (the nodes that find it raise with its reason), then raise. Not a listening
+        socket: a burst of joins would abort it in libzmq before any could be refused."""
+        directory = runtime.runtime_dir()
+        name = f"{self.prefix}{os.getpid()}.json"
+        record = {"v": 2, "key": self.key, "pid": os.getpid(), "start": self.start,
+                  "address": "", "num_nodes": self.num_nodes, "unable": unable}  # fmt: skip
+        _publish_record(directory, name, json.dumps(record).encode())
+        try:
+            time.sleep(UNABLE_S)
+        finally:
+            runtime.remove(directory, name)
+        raise IPCError(f"node 0: {unable}", node=0)
+
     def _candidates(self, refused: set[str]) -> list[tuple[str, dict]]:
         """Live node 0s of our key, nearest start time first, each as (name, record).
         A name is the file's and the node 0's address: a file of a pid given again to
@@ -628,7 +672,8 @@ class Localhost:
             name = f"{file} {rec['address']}"
             if name in refused or not pid_alive(rec.get("pid")):
                 continue  # (a dead node 0's file: `sweep_dead_records` removes it)
-            if self.given is None and not isinstance(rec.get("secret"), str):
+            unable = isinstance(rec.get("unable"), str)  # (no secret: it does not listen)
+            if self.given is None and not isinstance(rec.get("secret"), str) and not unable:
                 continue  # it expects a token we do not have
             start = rec.get("start")
             apart = abs(start - self.start) if isinstance(start, int) and self.start else 0
@@ -676,6 +721,12 @@ class Localhost:
                 time.sleep(0.02)
                 continue
             name, rec = found[0]
+            if isinstance(rec.get("unable"), str):
+                raise IPCError(
+                    f"node {self.node_index}: node 0 of {self.describe()} cannot take this "
+                    f"tree: {rec['unable'][:500]}",
+                    node=0,
+                )
             secret = self.given or Secret(rec["secret"], "the runtime directory")
             if bound is None or bound.text != secret.text:
                 # Our endpoint must answer with this node 0's secret (a node 0 of another
@@ -827,7 +878,10 @@ class Static:
             return roster(0, 1, self.secret, [host], [addrs], options, self.describe())
         encrypt = options.get("encrypt", False)
         if self.node_index == 0:
-            budget = FileBudget()
+            # TCP only: libzmq's TCP listener survives running out of files, so node 0
+            # listens even without the files for the joins, and refuses every node, saying
+            # why, for UNABLE_S.
+            budget = FileBudget(files_for_joins(self.num_nodes))
             rv = Endpoint(
                 self.secret,
                 "node 0",

@@ -514,9 +514,20 @@ def test_a_roster_of_many_nodes_is_not_capped_by_the_control_limit():
 
 
 _LIMITED_ROOT = """
-import resource, sys
+import os, resource, sys, threading
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))
 from distlearn import ipc
+from distlearn.ipc import fdlimit, rendezvous
+rendezvous.UNABLE_S = 2.0  # (10 s: how long node 0 tells the waiting nodes why)
+held = []
+
+def open_files_on_a_line():  # the user's own files, opened during the rendezvous:
+    sys.stdin.readline()  # past node 0's budget, within its margin (JOIN_MARGIN // 2)
+    while fdlimit.open_files() < fdlimit.limit() - rendezvous.JOIN_MARGIN // 2 + 1:
+        held.append(open(os.devnull))
+    print("full", flush=True)
+
+threading.Thread(target=open_files_on_a_line, daemon=True).start()
 tree = ipc.LocalhostTree(0, int(sys.argv[3]), key=sys.argv[4], timeout=60)
 print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
 tree.close()
@@ -528,7 +539,8 @@ def _limited_root(soft: int, hard: int, nodes: int, key: str) -> subprocess.Pope
 
     return subprocess.Popen(
         [sys.executable, "-c", _LIMITED_ROOT, str(soft), str(hard), str(nodes), key],
-        env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=repo_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
 
 
@@ -541,40 +553,91 @@ def test_a_tree_raises_its_soft_file_limit_to_the_hard_one():
     assert int(out) == 4096  # 64 before
 
 
-def test_node_0_out_of_files_gives_up_the_rendezvous_saying_why_instead_of_aborting():
-    """libzmq aborted node 0 (SIGABRT, "Too many open files") when a Unix-socket accept
-    found no file left: 60 nodes at a limit of 64. Node 0 now refuses the node past its
-    budget, and gives up at once, telling the joined nodes why."""
-    from distlearn.ipc import rendezvous
-    from distlearn.ipc.tree import DEFAULT_CHUNK
+class _Joiners:
+    """Nodes 1..n-1 of a tree as threads of this process, each only through the
+    rendezvous (their own addresses are never dialled)."""
 
-    n, key = 60, f"short-{os.getpid()}"
-    options = {"base": 2, "chunk_bytes": DEFAULT_CHUNK, "shm": True, "encrypt": False}
-    root = _limited_root(64, 64, n, key)
-    errors: list[BaseException] = []
+    def __init__(self, n: int, key: str):
+        from distlearn.ipc.tree import DEFAULT_CHUNK
 
-    def join(i: int) -> None:
+        self.n, self.key = n, key
+        self.options = {"base": 2, "chunk_bytes": DEFAULT_CHUNK, "shm": True, "encrypt": False}
+        self.errors: dict[int, tuple[float, BaseException]] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, nodes) -> None:
+        for i in nodes:
+            self.threads.append(threading.Thread(target=self._join, args=(i,)))
+            self.threads[-1].start()
+
+    def _join(self, i: int) -> None:
+        from distlearn.ipc import rendezvous
+
         listen = lambda secret, specs: [f"ipc:///nowhere/node-{i}.sock"]
+        t0 = time.monotonic()
         try:
-            rendezvous.Localhost(i, n, key=key).rendezvous(listen, options, 8)
+            rendezvous.Localhost(i, self.n, key=self.key).rendezvous(listen, self.options, 30)
         except ipc.IPCError as err:
-            errors.append(err)
+            self.errors[i] = (time.monotonic() - t0, err)
 
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(1, n)]
-    record = runtime.runtime_dir() / f"{rendezvous.Localhost(0, n, key=key).prefix}{root.pid}.json"
-    try:
-        deadline = time.monotonic() + 60
-        while not record.exists() and root.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # node 0 is up (importing torch takes a while)
-        for t in threads:
-            t.start()
-        _, err = root.communicate(timeout=120)
-        for t in threads:
+    def join(self) -> None:
+        for t in self.threads:
             t.join(60)
+
+
+def _record_of(root: subprocess.Popen, n: int, key: str):
+    from distlearn.ipc import rendezvous
+
+    record = runtime.runtime_dir() / f"{rendezvous.Localhost(0, n, key=key).prefix}{root.pid}.json"
+    deadline = time.monotonic() + 60
+    while not record.exists() and root.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # node 0 is up (importing torch takes a while)
+    return record
+
+
+def test_node_0_without_the_files_for_the_joins_tells_every_node_instead_of_aborting():
+    """libzmq aborted node 0 (SIGABRT, "Too many open files") when a Unix-socket accept
+    found no file left: 60 nodes at a hard limit of 64. Node 0 now checks before it
+    listens, and says why in its record: every waiting node raises with the reason."""
+    n, key = 60, f"short-{os.getpid()}"
+    root = _limited_root(64, 64, n, key)
+    joiners = _Joiners(n, key)
+    try:
+        _record_of(root, n, key)
+        joiners.start(range(1, n))
+        _, err = root.communicate(timeout=120)
+        joiners.join()
     finally:
         root.kill()
     assert root.returncode == 1, err[-2000:]  # an exception, not -6 (SIGABRT)
-    assert "nodes had joined when it is at its limit of open files" in err, err[-2000:]
-    assert len(errors) == n - 1  # nobody got a roster
-    told = [e for e in errors if "limit of open files" in str(e)]
-    assert told, [str(e) for e in errors[:3]]
+    assert f"node 0: a tree of {n} nodes needs" in err, err[-2000:]
+    assert len(joiners.errors) == n - 1  # nobody got a roster, everyone was told why
+    for took, e in joiners.errors.values():
+        assert "cannot take this tree" in str(e) and "ulimit -n" in str(e), str(e)
+        assert took < 10, (took, str(e))
+
+
+def test_node_0_that_runs_out_of_files_mid_rendezvous_refuses_and_then_gives_up():
+    """The user's own files can take what node 0 had for the joins: it then refuses every
+    node that comes, saying why, and after a while gives up, telling the joined ones."""
+    n, key = 10, f"mid-{os.getpid()}"
+    root = _limited_root(128, 128, n, key)
+    joiners = _Joiners(n, key)
+    try:
+        _record_of(root, n, key)
+        joiners.start(range(1, 4))
+        time.sleep(1.0)  # they join
+        root.stdin.write("go\n")
+        root.stdin.flush()
+        assert root.stdout.readline().strip() == "full"
+        joiners.start(range(4, n))
+        _, err = root.communicate(timeout=120)
+        joiners.join()
+    finally:
+        root.kill()
+    assert root.returncode == 1, err[-2000:]
+    assert "nodes had joined: node 0 is at its limit of open files" in err, err[-2000:]
+    assert sorted(joiners.errors) == list(range(1, n))
+    for i, (_, e) in joiners.errors.items():
+        said = "gave up the rendezvous" if i < 4 else "refused by the endpoint"
+        assert said in str(e) and "limit of open files" in str(e), (i, str(e))
