@@ -81,6 +81,7 @@ _DIALER_EVENTS = (
 )
 
 
+_FORGOTTEN = 4096  # routing ids of forgotten links whose late messages are dropped quietly
 MAX_AGAIN = 100  # times a dialer starts its handshake over before it gives up
 
 
@@ -301,6 +302,7 @@ class Endpoint:
         self._socket_files: list[str] = []
         self._zap: _Zap | None = None
         self.links: dict[bytes, Link] = {}  # every link by routing id, dialed or accepted
+        self._forgotten: dict[bytes, None] = {}  # routing ids of the last links forgotten
         self._by_sock: dict[zmq.Socket, Link] = {}
         self._by_monitor: dict[zmq.Socket, Link] = {}
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
@@ -525,6 +527,8 @@ class Endpoint:
                 return
             rid = frames[0].bytes
             link = self.links.get(rid)
+            if link is None and rid in self._forgotten:
+                continue
             if link is None or link.dialed:
                 self._handshake_message(rid, frames)
             elif len(frames) < 2:
@@ -793,6 +797,11 @@ class Endpoint:
             raise ValueError(f"{self.name}: forget() takes an accepted link that has ended")
         if self.links.get(link.rid) is link:
             del self.links[link.rid]
+            # What it still sends (the ACK of our BYE) is dropped quietly: libzmq never
+            # gives a routing id to a second connection, so this is only ever that peer.
+            self._forgotten[link.rid] = None
+            if len(self._forgotten) > _FORGOTTEN:
+                del self._forgotten[next(iter(self._forgotten))]
 
     def dead_error(self, link: Link) -> PeerError:
         detail = (

@@ -985,6 +985,49 @@ def test_a_server_forgets_clients_that_left_but_counts_their_traffic():
         server.close()
 
 
+_DYING_CLIENTS = """
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+from distlearn import ipc
+TOKEN = sys.argv[1]
+with ipc.Server("127.0.0.1", 0, token=TOKEN) as server:
+    for i in range(60):  # each dies without closing; served through Connection.recv only
+        pid = os.fork()
+        if pid == 0:
+            c = ipc.Client("127.0.0.1", server.port, token=TOKEN, timeout=30)
+            c.send(i)
+            c.recv(timeout=30)
+            os._exit(0)
+        [conn] = server.clients(1, timeout=30)
+        assert conn.recv(timeout=30) == i
+        conn.send("ok")
+        try:
+            conn.recv(timeout=30)
+            raise SystemExit("a message from a client that died")
+        except ipc.PeerError:
+            pass
+        os.waitpid(pid, 0)
+        try:  # its death was reported by conn.recv: recv_any does not raise it again
+            server.recv_any(timeout=0.2)
+            raise SystemExit("recv_any returned a message")
+        except ipc.IPCTimeoutError:
+            pass
+    print("served", i + 1, flush=True)
+"""
+
+
+def test_a_server_reading_each_client_lets_go_of_those_that_died():
+    """A server that learns of deaths through Connection.recv (never recv_any) kept
+    each dead client's arena mapping, a file each, once connections were forgotten only
+    after recv_any reported them: at a limit of 96, clients were refused before 60. And recv_any
+    reported again a death that Connection.recv had raised."""
+    out = subprocess.run(
+        [sys.executable, "-c", _DYING_CLIENTS, TOKEN], env=repo_env(), capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0 and "served 60" in out.stdout, out.stderr[-2000:]
+
+
 def test_a_server_raises_its_soft_file_limit_to_the_hard_one(monkeypatch):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = min(256, soft)
