@@ -985,6 +985,37 @@ def test_a_server_forgets_clients_that_left_but_counts_their_traffic():
         server.close()
 
 
+def _dropped_client(port: int) -> None:
+    c = ipc.Client("127.0.0.1", port, token=TOKEN, timeout=30)
+    c.send("hi")
+    with pytest.raises(ipc.PeerError, match="closed the connection"):
+        c.recv(timeout=30)
+    c.close()
+
+
+def test_a_client_the_server_dropped_is_forgotten_without_a_false_alarm(caplog):
+    """The ACK of the server's goodbye came after the link was forgotten, and was
+    logged as "dropped an unauthenticated message" from a legitimate client."""
+    server = ipc.Server("127.0.0.1", 0, token=TOKEN)
+    try:
+        with children(forked(_dropped_client, server.port)) as (child,):
+            [conn] = server.clients(1, timeout=30)
+            assert conn.recv(timeout=30) == "hi"
+            conn.close()
+            deadline = time.monotonic() + 30
+            while child.exitcode is None and time.monotonic() < deadline:
+                with contextlib.suppress(ipc.IPCTimeoutError):
+                    server.recv_any(timeout=0.1)
+            for _ in range(5):  # what it sent last is read
+                with contextlib.suppress(ipc.IPCTimeoutError):
+                    server.recv_any(timeout=0.1)
+            assert child.exitcode == 0
+        assert server.net_stats()["per"] == {}
+        assert "unauthenticated" not in caplog.text, caplog.text
+    finally:
+        server.close()
+
+
 _DYING_CLIENTS = """
 import os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
