@@ -71,7 +71,9 @@ WAIT_REPEAT_S = 30.0
 # cannot hold them says so for this long (in its runtime record, or to every handshake)
 # before it raises, so the nodes already waiting for it are told why.
 UNABLE_S = 10.0
-JOIN_MARGIN = 16  # files node 0 keeps free beyond one a node, for libzmq and the user
+# Files node 0 keeps free beyond one a node: its rendezvous endpoint takes about 12
+# (libzmq's own), and FileBudget refuses nodes once fewer than a quarter are left.
+JOIN_MARGIN = 32
 
 Listen = Callable[[Secret, list[str]], list[str]]
 
@@ -147,7 +149,7 @@ class FileBudget:
         self.since = time.monotonic() if unable else None
 
     def __call__(self, link: Link) -> str | None:
-        if self.refused is None and fdlimit.open_files() + JOIN_MARGIN // 2 > fdlimit.limit():
+        if self.refused is None and fdlimit.open_files() + JOIN_MARGIN // 4 > fdlimit.limit():
             self.refused = (
                 f"node 0 is at its limit of open files ({fdlimit.open_files()} open of "
                 f"{fdlimit.limit()}): raise `ulimit -n` where node 0 runs"
@@ -426,14 +428,29 @@ _swept = False  # once per process: a sweep reads the whole directory
 _RECORD_NAME = re.compile(r"rv-[0-9a-f]{16}-([0-9]+)\.json")
 
 
+def _read_record(directory: Path, name: str) -> object:
+    """The JSON of a record in our private directory (None: missing, or not JSON)."""
+    try:
+        return json.loads(runtime.read_private(directory, name) or b"null")
+    except ValueError:
+        return None
+
+
+def _unable_record(rec: object) -> bool:
+    """Whether `rec` is the record of a node 0 without the files for the joins."""
+    return isinstance(rec, dict) and isinstance(rec.get("unable"), str)
+
+
 def _dead_record(directory: Path, name: str) -> bool:
     """Whether the node 0 of record `name` is gone: nobody listens at its address. (Its
     pid alone cannot say: a node 0 in another pid namespace that shares the directory
-    looks dead from here.)"""
-    try:
-        rec = json.loads(runtime.read_private(directory, name) or b"null")
-    except ValueError:
-        return False
+    looks dead from here.) One that never listened (`_unable_record`) is gone unless
+    its process, started when the record says, still runs: a zombie or a pid given to
+    another process is not it (in another pid namespace it may be swept early, which
+    costs its nodes only the reason it gives)."""
+    rec = _read_record(directory, name)
+    if _unable_record(rec):
+        return not running(rec.get("pid"), rec.get("start"))
     address = rec.get("address") if isinstance(rec, dict) else None
     if not isinstance(address, str) or not address.startswith("ipc://"):
         return False  # not ours to judge
@@ -442,12 +459,19 @@ def _dead_record(directory: Path, name: str) -> bool:
 
 def sweep_dead_records(directory: Path) -> int:
     """Remove the rendezvous records of node 0s that were killed in their rendezvous (they
-    hold a secret, and would pile up): a dead pid whose address nobody listens on."""
+    hold a secret, and would pile up): a dead pid whose address nobody listens on, or a
+    node 0 without the files for the joins whose process is gone (`_dead_record`)."""
     removed = 0
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             m = _RECORD_NAME.fullmatch(name)
-            if m and not pid_alive(int(m.group(1))) and _dead_record(directory, name):
+            if (
+                m
+                and _dead_record(directory, name)
+                and (
+                    not pid_alive(int(m.group(1))) or _unable_record(_read_record(directory, name))
+                )
+            ):
                 runtime.remove(directory, name)
                 removed += 1
     return removed
@@ -672,7 +696,9 @@ class Localhost:
             name = f"{file} {rec['address']}"
             if name in refused or not pid_alive(rec.get("pid")):
                 continue  # (a dead node 0's file: `sweep_dead_records` removes it)
-            unable = isinstance(rec.get("unable"), str)  # (no secret: it does not listen)
+            unable = _unable_record(rec)  # (no secret: it does not listen)
+            if unable and not running(rec.get("pid"), rec.get("start")):
+                continue  # killed in its wait: a zombie, or its pid given to another
             if self.given is None and not isinstance(rec.get("secret"), str) and not unable:
                 continue  # it expects a token we do not have
             start = rec.get("start")
@@ -720,8 +746,9 @@ class Localhost:
             if not found:
                 time.sleep(0.02)
                 continue
-            name, rec = found[0]
-            if isinstance(rec.get("unable"), str):
+            listening = [(n, r) for n, r in found if not _unable_record(r)]
+            name, rec = (listening or found)[0]  # a node 0 that listens first
+            if _unable_record(rec):
                 raise IPCError(
                     f"node {self.node_index}: node 0 of {self.describe()} cannot take this "
                     f"tree: {rec['unable'][:500]}",

@@ -522,8 +522,8 @@ rendezvous.UNABLE_S = 2.0  # (10 s: how long node 0 tells the waiting nodes why)
 held = []
 
 def open_files_on_a_line():  # the user's own files, opened during the rendezvous:
-    sys.stdin.readline()  # past node 0's budget, within its margin (JOIN_MARGIN // 2)
-    while fdlimit.open_files() < fdlimit.limit() - rendezvous.JOIN_MARGIN // 2 + 1:
+    sys.stdin.readline()  # past node 0's budget, within its margin (JOIN_MARGIN // 4)
+    while fdlimit.open_files() < fdlimit.limit() - rendezvous.JOIN_MARGIN // 4 + 1:
         held.append(open(os.devnull))
     print("full", flush=True)
 
@@ -641,3 +641,28 @@ def test_node_0_that_runs_out_of_files_mid_rendezvous_refuses_and_then_gives_up(
     for i, (_, e) in joiners.errors.items():
         said = "gave up the rendezvous" if i < 4 else "refused by the endpoint"
         assert said in str(e) and "limit of open files" in str(e), (i, str(e))
+
+
+def test_the_record_of_a_node_0_killed_while_it_said_it_was_unable_is_passed_over():
+    """A node 0 without the files says so in its record, and is killed in its wait: its
+    record stayed (nobody listens at its address, so the sweep judged it not ours), and
+    while its pid looked alive (a zombie not yet reaped, or the pid given to another
+    process) the next launch's nodes raised its reason instead of joining their own."""
+    n, key = 3, f"stale-{os.getpid()}"
+    unable = _limited_root(40, 40, n, key)  # 3 nodes need 2 + 32 more files than 40 allow
+    record = _record_of(unable, n, key)
+    assert b'"unable"' in record.read_bytes()
+    unable.kill()  # SIGKILL, and not reaped yet: a zombie
+    time.sleep(0.2)
+    assert record.exists()  # left behind
+    root = _limited_root(4096, 4096, n, key)
+    joiners = _Joiners(n, key)
+    try:
+        _record_of(root, n, key)
+        joiners.start(range(1, n))
+        joiners.join()  # the rendezvous: the roster, or an error
+    finally:
+        root.kill()
+        root.communicate()
+        unable.communicate()
+    assert joiners.errors == {}, {i: str(e) for i, (_, e) in joiners.errors.items()}
