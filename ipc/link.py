@@ -797,8 +797,8 @@ class Endpoint:
             raise ValueError(f"{self.name}: forget() takes an accepted link that has ended")
         if self.links.get(link.rid) is link:
             del self.links[link.rid]
-            # What it still sends (the ACK of our BYE) is dropped quietly: libzmq never
-            # gives a routing id to a second connection, so this is only ever that peer.
+            # What it still sends (the ACK of our BYE) is dropped quietly: a dialer picks
+            # a random routing id for each connection (`dial`), so only that peer has it.
             self._forgotten[link.rid] = None
             if len(self._forgotten) > _FORGOTTEN:
                 del self._forgotten[next(iter(self._forgotten))]
