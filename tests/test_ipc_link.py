@@ -649,7 +649,7 @@ def test_the_record_of_a_node_0_killed_while_it_said_it_was_unable_is_passed_ove
     while its pid looked alive (a zombie not yet reaped, or the pid given to another
     process) the next launch's nodes raised its reason instead of joining their own."""
     n, key = 3, f"stale-{os.getpid()}"
-    unable = _limited_root(40, 40, n, key)  # 3 nodes need 2 + 32 more files than 40 allow
+    unable = _limited_root(28, 28, n, key)  # 3 nodes need 2 + 32 more files than 28 allow
     record = _record_of(unable, n, key)
     assert b'"unable"' in record.read_bytes()
     unable.kill()  # SIGKILL, and not reaped yet: a zombie
