@@ -149,12 +149,14 @@ class FileBudget:
         self.since = time.monotonic() if unable else None
 
     def __call__(self, link: Link) -> str | None:
-        if self.refused is None and fdlimit.open_files() + JOIN_MARGIN // 4 > fdlimit.limit():
-            self.refused = (
-                f"node 0 is at its limit of open files ({fdlimit.open_files()} open of "
-                f"{fdlimit.limit()}): raise `ulimit -n` where node 0 runs"
-            )
-            self.since = time.monotonic()
+        if self.refused is None:
+            open_now, limit = fdlimit.open_files(), fdlimit.limit()
+            if open_now + JOIN_MARGIN // 4 > limit:
+                self.refused = (
+                    f"node 0 is at its limit of open files ({open_now} open of {limit}): "
+                    f"raise `ulimit -n` where node 0 runs"
+                )
+                self.since = time.monotonic()
         return self.refused
 
     def gave_up(self) -> bool:
@@ -441,14 +443,13 @@ def _unable_record(rec: object) -> bool:
     return isinstance(rec, dict) and isinstance(rec.get("unable"), str)
 
 
-def _dead_record(directory: Path, name: str) -> bool:
-    """Whether the node 0 of record `name` is gone: nobody listens at its address. (Its
+def _dead_record(rec: object) -> bool:
+    """Whether the node 0 of record `rec` is gone: nobody listens at its address. (Its
     pid alone cannot say: a node 0 in another pid namespace that shares the directory
     looks dead from here.) One that never listened (`_unable_record`) is gone unless
     its process, started when the record says, still runs: a zombie or a pid given to
     another process is not it (in another pid namespace it may be swept early, which
     costs its nodes only the reason it gives)."""
-    rec = _read_record(directory, name)
     if _unable_record(rec):
         return not running(rec.get("pid"), rec.get("start"))
     address = rec.get("address") if isinstance(rec, dict) else None
@@ -465,13 +466,10 @@ def sweep_dead_records(directory: Path) -> int:
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             m = _RECORD_NAME.fullmatch(name)
-            if (
-                m
-                and _dead_record(directory, name)
-                and (
-                    not pid_alive(int(m.group(1))) or _unable_record(_read_record(directory, name))
-                )
-            ):
+            if not m:
+                continue
+            rec = _read_record(directory, name)
+            if _dead_record(rec) and (not pid_alive(int(m.group(1))) or _unable_record(rec)):
                 runtime.remove(directory, name)
                 removed += 1
     return removed
@@ -484,7 +482,7 @@ def _publish_record(directory: Path, name: str, data: bytes) -> None:
     try:
         runtime.create_private(directory, name, data)
     except FileExistsError:
-        if not _dead_record(directory, name):
+        if not _dead_record(_read_record(directory, name)):
             raise IPCError(
                 f"node 0: the rendezvous record {name} in {directory} belongs to a live "
                 "node 0 with our pid (another pid namespace?); set $IPC_KEY to tell the "
@@ -620,19 +618,10 @@ class Localhost:
             info={"name": "node 0"},
             accept=budget,
         )
-        directory = runtime.runtime_dir()
-        name = f"{self.prefix}{os.getpid()}.json"
-        record = {
-            "v": 2,
-            "key": self.key,
-            "pid": os.getpid(),
-            "start": self.start,
-            "address": rv.addresses[0],
-            "num_nodes": self.num_nodes,
-            "secret": None if self.given else secret.text,
-        }
+        directory, name = runtime.runtime_dir(), self._record_name()
+        record = self._record(rv.addresses[0], secret=None if self.given else secret.text)
         try:
-            _publish_record(directory, name, json.dumps(record).encode())
+            _publish_record(directory, name, record)
         except BaseException:
             rv.close(linger=0)
             raise
@@ -654,15 +643,22 @@ class Localhost:
             runtime.remove(directory, name)
         return roster(0, self.num_nodes, secret, hosts, addresses, options, self.describe())
 
+    def _record_name(self) -> str:
+        return f"{self.prefix}{os.getpid()}.json"
+
+    def _record(self, address: str, **fields) -> bytes:
+        """Node 0's runtime record: where it listens, and `fields` (its secret, or why
+        it cannot take the tree)."""
+        record = {"v": 2, "key": self.key, "pid": os.getpid(), "start": self.start,
+                  "address": address, "num_nodes": self.num_nodes, **fields}  # fmt: skip
+        return json.dumps(record).encode()
+
     def _say_unable(self, unable: str) -> None:
         """Node 0 without the files for the joins: a record that says so, for UNABLE_S
         (the nodes that find it raise with its reason), then raise. Not a listening
         socket: a burst of joins would abort it in libzmq before any could be refused."""
-        directory = runtime.runtime_dir()
-        name = f"{self.prefix}{os.getpid()}.json"
-        record = {"v": 2, "key": self.key, "pid": os.getpid(), "start": self.start,
-                  "address": "", "num_nodes": self.num_nodes, "unable": unable}  # fmt: skip
-        _publish_record(directory, name, json.dumps(record).encode())
+        directory, name = runtime.runtime_dir(), self._record_name()
+        _publish_record(directory, name, self._record("", unable=unable))
         try:
             time.sleep(UNABLE_S)
         finally:
