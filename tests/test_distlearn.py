@@ -638,9 +638,12 @@ def test_a_peer_stopped_over_gloo_is_an_error_within_the_timeout_given_to_from_e
     started = time.monotonic()
     survivors = launch("gloo", num_nodes, tmp_path, cfg, (num_nodes - 1,), torchrun_env=env)
     assert len(survivors) == num_nodes - 1
-    for res in survivors:
-        ours = res["peer_dies"]
-        assert ours["error"] is not None and "Timed out" in ours["error"], ours
+    errors = [res["peer_dies"] for res in survivors]
+    # The first to time out exits; one whose own timeout was a moment away may see that
+    # instead ("Connection closed by peer"), at the same time.
+    assert any(e["error"] is not None and "Timed out" in e["error"] for e in errors), errors
+    for ours in errors:
+        assert ours["error"] is not None, ours
         assert 4 < ours["seconds"] < 30, ours
     assert time.monotonic() - started < 90  # they exited too (the stopped one is killed)
 
