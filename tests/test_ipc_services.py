@@ -2128,12 +2128,14 @@ def overstep_and_die(address, secret, out):
     ask({"op": "get", "q": "up", "block": True})  # the results
     ask({"op": "get", "q": "down", "block": True})
     ask({"op": "get", "q": "down", "block": True})  # a second, over the first's item
+    out.put("sent")  # (the queue is empty until now: the first read is surely waiting)
     answers = []
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(answers) < 3:
         item = r.endpoint.recv(deadline)
         if item is not None and not r.bulk.control(*item):
             answers.append(wire.parse_control(item[1][0].bytes)["op"])
+            deadline = min(deadline, time.monotonic() + 2)  # time for a second to come
     out.put(answers)
     out.close()
     out.join_thread()
@@ -2147,11 +2149,16 @@ def test_a_worker_cannot_act_for_the_owner_of_a_work_queue():
     die with two items, of which only one came back."""
     q = ipc.WorkQueue(f"roles-{os.getpid()}")
     try:
-        for i in range(10):
-            q.write(i)
         out = CTX.Queue()
         broker = q._broker
         with children(forked(overstep_and_die, broker.address, broker.secret.text, out)) as (p,):
+            # The items come after its two reads: with items there, the broker could
+            # answer the first before the second arrived, and a read after an answer
+            # is a worker done with its item (a race that failed this test under load).
+            assert out.get(timeout=60) == "sent"
+            time.sleep(0.5)  # its requests are in
+            for i in range(10):
+                q.write(i)
             assert out.get(timeout=60) == ["item"]  # one item for its one read
             p.join(60)
         with children(forked(relay_worker, q.name)):
