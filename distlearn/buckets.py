@@ -497,10 +497,10 @@ class GradientBuckets:
         marks.copy_(self._marks)
         if self._missing:
             marks[self._missing] = 0
-        if late:
-            marks[had] = 1
+        if late:  # (fill_: an assigned number would wait for the device, see _set_slot)
+            marks[had].fill_(1)
         if changed:
-            marks[had + 1] = 1
+            marks[had + 1].fill_(1)
 
     def _reset(self) -> None:
         for bucket in self.buckets:

@@ -399,6 +399,62 @@ def sgd_overlap(comm, cfg) -> dict:
     return out
 
 
+def _syncs(fn) -> int:
+    """How many times `fn()` makes the host wait for the CUDA device (torch's sync
+    debug mode warns once for each such call)."""
+    import warnings
+
+    torch.cuda.synchronize()  # nothing left over from before
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(w.message) for w in seen)
+
+
+def cuda_syncs(comm, cfg) -> dict:
+    """Where a CUDA step waits for the device: starting a collective must not (the
+    host would stop queueing work until backward is done, and NCCL's kernel would
+    start only after the host has caught up), and a step of AllReduceSGD reads back
+    once (its count and marks), where DDP reads back nothing."""
+    r, n = comm.node_index, comm.num_nodes
+    dev = torch.device("cuda", torch.cuda.current_device())
+    flat = torch.ones(1001, device=dev)
+    started = {}
+
+    def start_counted():
+        started["counted"] = comm.all_reduce_counted(flat, async_op=True)
+
+    def start_tensors():
+        started["tensors"] = comm.all_reduce([flat[:10], flat[10:20]], async_op=True)
+
+    out = {"start_counted": _syncs(start_counted)}
+    out["complete"] = _syncs(lambda: started["counted"].complete())
+    out["start_tensors"] = _syncs(start_tensors)
+    out["count"] = started["tensors"].wait()
+    model = sim.make_deep_model(seed=100).to(dev)
+    opt = sim.MomentumSGD(model)
+    sgd = AllReduceSGD(comm, bucket_bytes=256, first_bucket_bytes=256)
+    sgd.synchronize_parameters(model)
+    per_step = []
+    for step in range(cfg["steps"]):
+        x, y = sim.batch(step, cfg["batch"])
+        x, y = x[r::n].to(dev), y[r::n].to(dev)
+        opt.zero_grad()
+
+        def step_(x=x, y=y):
+            nn.functional.cross_entropy(model(x), y).backward()
+            sgd.sum_and_normalize_gradients(model)
+
+        per_step.append(_syncs(step_))
+    out["per_step"] = per_step
+    out["stats"] = _overlap_stats(sgd)
+    return out
+
+
 def sgd_beside_ddp(comm, cfg) -> dict:
     """AllReduceSGD next to DistributedDataParallel, in the same processes: the same
     model (a head unused on some nodes or all of them), data and optimizer, DDP over a
@@ -650,6 +706,7 @@ SCENARIOS = {
         sgd_overlap,
         sgd_coefficients,
         sgd_beside_ddp,
+        cuda_syncs,
         sgd_complex,
         models_differ,
         trainable_differs,

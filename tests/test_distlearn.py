@@ -785,3 +785,20 @@ def test_cuda_sgd(tmp_path, comm, gpus):
     for res in results:
         assert_same(res["sgd_equivalence"]["state"], reference, atol=1e-5, rtol=1e-4)
         assert_same(res["sgd_uneven"]["synced"], uneven, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.cuda
+def test_nccl_starts_collectives_without_waiting_for_the_device(tmp_path):
+    """Over NCCL, starting an all-reduce queues it behind the work already on the GPU:
+    the host never waits there (it did once: a count slot set by assignment copied the
+    value from host memory, which waits for backward to finish first), and a whole step
+    of AllReduceSGD waits once, to read its count and marks."""
+    if _cuda_devices() < 1:
+        pytest.skip("needs a CUDA GPU")
+    cfg = {"cuda_syncs": {"steps": 4, "batch": 12}}
+    for res in launch("nccl", 2, tmp_path, cfg, gpus=_cuda_devices()):
+        ours = res["cuda_syncs"]
+        assert (ours["start_counted"], ours["complete"], ours["start_tensors"]) == (0, 0, 0)
+        assert ours["count"] == 2
+        assert ours["stats"]["started_in_backward"] > 0  # the hooks' launches are counted too
+        assert ours["per_step"][1:] == [1, 1, 1], ours["per_step"]  # the first builds buckets
