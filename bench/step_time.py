@@ -13,6 +13,8 @@ momentum). Rows:
     none       no communication (each process trains alone): the compute floor
     ddp        torch DistributedDataParallel over the process group (`--backend`, gloo
                by default; its defaults: 25 MiB buckets)
+    ddp-join   the same inside `ddp.join()`, DDP's support for uneven inputs (which
+               AllReduceSGD always has): two one-element all-reduces more a step
     gloo       AllReduceSGD over TorchDistributed (the same process group): buckets
                during backward
     gloo-sync  the same with overlap=False: one all-reduce after backward
@@ -56,6 +58,7 @@ ratio stands; the report names the transport.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -73,7 +76,7 @@ log = logging.getLogger("bench.step_time")
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 KINDS = (
-    "none", "ddp", "gloo", "gloo-sync", "gloo-ring", "ipc", "ipc-sync",
+    "none", "ddp", "ddp-join", "gloo", "gloo-sync", "gloo-ring", "ipc", "ipc-sync",
     "ea-gloo", "ea-gloo-sync", "ea-ipc", "ea-ipc-sync",
 )  # fmt: skip
 MODELS = ("convnet", "mnist")
@@ -89,7 +92,7 @@ def parse_row(row: str) -> dict:
     if not m or m["kind"] not in KINDS:
         raise argparse.ArgumentTypeError(f"{row!r}: a row is KIND[@BUCKET_MB/FIRST_MB][+DTYPE], "
                                          f"KIND one of {', '.join(KINDS)}")  # fmt: skip
-    sgd = m["kind"] not in ("none", "ddp") and not m["kind"].startswith("ea-")
+    sgd = m["kind"] not in ("none", "ddp", "ddp-join") and not m["kind"].startswith("ea-")
     if (m["bucket"] or m["dtype"]) and not sgd:
         raise argparse.ArgumentTypeError(f"{row!r}: bucket sizes and dtypes are AllReduceSGD's")
     if m["dtype"] not in (None, "bfloat16", "float16"):
@@ -177,10 +180,13 @@ def _worker(a: argparse.Namespace) -> None:
         model = make_model(a.model)[0].to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         net, sgd, ea = model, None, None
+        block = contextlib.nullcontext  # what a block of steps runs in
         comm = comms["ipc" if "ipc" in kind else "gloo-ring" if "ring" in kind else "gloo"]
-        if kind == "ddp":
+        if kind in ("ddp", "ddp-join"):
             ids = [device.index] if device.type == "cuda" else None
             net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            if kind == "ddp-join":
+                block = net.join  # (its exit, after the block's last step, is not timed)
         elif kind.startswith("ea-"):
             ea = AllReduceEA(comm, tau=10, alpha=0.2, overlap=not kind.endswith("-sync"))
             ea.synchronize_parameters(model)
@@ -205,7 +211,7 @@ def _worker(a: argparse.Namespace) -> None:
                 ea.average_parameters(model)
             sync()
 
-        return step, sgd, sum(p.numel() for p in model.parameters())
+        return step, sgd, sum(p.numel() for p in model.parameters()), block
 
     steps = {row: make_step(row) for row in a.rows}
     times: dict[str, list[float]] = {row: [] for row in a.rows}
@@ -213,20 +219,22 @@ def _worker(a: argparse.Namespace) -> None:
     i = 0
     for rnd in range(a.rounds):
         for row in a.rows if rnd % 2 == 0 else a.rows[::-1]:
-            step = steps[row][0]
+            step, _, _, block = steps[row]
             step(i)  # untimed: the other rows' blocks cooled the caches
             dist.barrier()
-            for _ in range(a.block or BLOCK[a.model]):
-                i += 1
-                t0, c0 = time.perf_counter(), time.process_time()
-                step(i)
-                times[row].append(time.perf_counter() - t0)
-                cpu[row].append(time.process_time() - c0)
+            with block():
+                for _ in range(a.block or BLOCK[a.model]):
+                    i += 1
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    step(i)
+                    times[row].append(time.perf_counter() - t0)
+                    cpu[row].append(time.process_time() - c0)
     if a.profile:
         # One more block of every row, untimed, with rank 0 under torch.profiler: where
         # a row's step goes (every rank runs it, to meet rank 0 in its collectives).
         for row in a.rows:
-            _profile_block(a, row, steps[row][0], i, device)
+            with steps[row][3]():
+                _profile_block(a, row, steps[row][0], i, device)
             i += a.block or BLOCK[a.model]
     dist.barrier()
     if a.rank == 0:
@@ -237,7 +245,7 @@ def _worker(a: argparse.Namespace) -> None:
                 "params": params,
                 "sgd": sgd.stats if sgd else None,
             }
-            for row, (_, sgd, params) in steps.items()
+            for row, (_, sgd, params, _) in steps.items()
         }
         Path(a.out).write_text(json.dumps(result))
     if "ipc" in comms:

@@ -30,23 +30,37 @@ def test_nccl_ranks_sharing_a_gpu_each_get_a_host_of_their_own(monkeypatch):
 def test_a_job_of_every_row_reports_each_against_ddp(tmp_path):
     cmd = [
         sys.executable, "-m", "bench.step_time", "--models", "mnist", "--nodes", "2",
-        "--rows", "none", "ddp", "gloo", "ipc", "--reps", "1", "--rounds", "2",
+        "--rows", "none", "ddp", "ddp-join", "gloo", "ipc", "--reps", "1", "--rounds", "2",
         "--block", "3", "--timeout", "240", "--profile", str(tmp_path / "prof"),
     ]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     # | model | processes | row | ms per step | vs DDP | ...
-    line = r"^\| mnist \(0\.04M\) \| 2 \| (\w+) \| [\d.]+ \([^)]*\) \| ([^|]+) \|"
+    line = r"^\| mnist \(0\.04M\) \| 2 \| ([\w-]+) \| [\d.]+ \([^)]*\) \| ([^|]+) \|"
     rows = {m.group(1): m.group(2) for m in re.finditer(line, out.stdout, re.M)}
-    assert set(rows) == {"none", "ddp", "gloo", "ipc"}, out.stdout
+    assert set(rows) == {"none", "ddp", "ddp-join", "gloo", "ipc"}, out.stdout
     assert rows["ddp"].strip() == "-"
-    for row in ("none", "gloo", "ipc"):
+    for row in ("none", "ddp-join", "gloo", "ipc"):
         assert re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", rows[row].strip()), rows
     # --profile: each row's ops on rank 0, the collectives among them, and a trace
-    for row in ("none", "ddp", "gloo", "ipc"):
+    for row in ("none", "ddp", "ddp-join", "gloo", "ipc"):
         text = (tmp_path / "prof" / f"mnist-x2-{row}.txt").read_text()
         assert text.startswith(f"{row}: 3 steps, mnist model, 2 processes") and "aten::" in text
         trace = json.loads((tmp_path / "prof" / f"mnist-x2-{row}.trace.json").read_text())
         assert trace["traceEvents"]
     assert "c10d::allreduce_" in (tmp_path / "prof" / "mnist-x2-ddp.txt").read_text()
+    # under join(), DDP's forward adds two one-element all-reduces to each step's bucket
+    calls = {
+        row: _calls(tmp_path / "prof" / f"mnist-x2-{row}.txt", "c10d::allreduce_")
+        for row in ("ddp", "ddp-join")
+    }
+    assert calls == {"ddp": 3, "ddp-join": 9}, calls
     assert "c10d::" not in (tmp_path / "prof" / "mnist-x2-none.txt").read_text()
+
+
+def _calls(table: Path, op: str) -> int:
+    """An op's call count (the table's last column) in a profile's first table."""
+    for line in table.read_text().splitlines():
+        if line.strip().startswith(op + " "):
+            return int(line.split()[-1])
+    raise AssertionError(f"{op} not in {table}")
