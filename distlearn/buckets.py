@@ -98,7 +98,7 @@ class _Bucket:
 
     __slots__ = (
         "alias", "cur", "datas", "extra", "filling", "flats", "handle", "index", "numel",
-        "params", "pending", "ready", "scale", "views",
+        "params", "pending", "ready", "scale", "share", "views",
     )  # fmt: skip
 
     def __init__(self, params: list[nn.Parameter], wire: torch.dtype, extra: int) -> None:
@@ -112,7 +112,10 @@ class _Bucket:
         self.views: list[list[torch.Tensor]] = []
         self._add_buffer(wire)
         self.cur = 0  # the buffer of this step (or of the last one, until `target`)
-        self.scale = 1.0  # what this step's gradients were multiplied by on the way in
+        # This step's gradients went in as each one's share of the mean over `share`
+        # nodes (1: as they are), multiplied by `scale` = 1 / share.
+        self.share = 1
+        self.scale = 1.0
         self.handle: Any = None
         self.reset()
 
@@ -134,11 +137,11 @@ class _Bucket:
     def data(self) -> torch.Tensor:
         return self.datas[self.cur]
 
-    def target(self, scale: float) -> list[torch.Tensor]:
+    def target(self, share: int) -> list[torch.Tensor]:
         """The views to fill this step: a buffer no `.grad` points into. The first call
-        of a step also sets what the gradients are multiplied by on the way in."""
+        of a step also sets over how many nodes the gradients go in as their share."""
         if not self.filling:
-            self.scale = scale
+            self.share, self.scale = share, 1.0 / share
             views = self.views[self.cur]
             if self.alias and any(p.grad is v for p, v in zip(self.params, views, strict=True)):
                 if len(self.flats) == 1:
@@ -149,8 +152,10 @@ class _Bucket:
 
     def still_to_apply(self, count: int | None) -> float:
         """What the result is still to be multiplied by: the sum, or the mean over
-        `count` nodes (the way in multiplied by `scale`)."""
-        return 1.0 / self.scale / (count or 1)
+        `count` nodes. Exactly 1.0 when `count` is `share` (the usual step), where
+        1 / (1 / n) / n is not for some n (49 among them), which would cost a pass over
+        the gradients that changes nothing."""
+        return self.share / (count or 1)
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)  # gradient copied in this step
@@ -365,7 +370,7 @@ class GradientBuckets:
         # asked for (the division rides on the copy in, not on a pass of its own).
         nodes = self.comm.num_nodes
         scale = compressed_scale(bucket.params[0].dtype, bucket.flat.dtype, nodes)
-        return bucket.target(1.0 / nodes if self.expect_normalize else scale)
+        return bucket.target(nodes if self.expect_normalize or scale != 1.0 else 1)
 
     def _copy_in(self, bucket: _Bucket, i: int, views: list | None = None) -> None:
         """One gradient into its bucket (under no_grad: `out=` refuses autograd)."""

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from distlearn import AllReduceEA, AllReduceSGD, broadcast_state_dict, synchronize_optimizer
 from distlearn.backends import TorchDistributed
-from distlearn.buckets import _layout
+from distlearn.buckets import _Bucket, _layout
 from distlearn.comm import Completed, start_all_reduce, supports_async
 from distlearn.tensors import gradients_of, leaves, parameters_of, state_of
 
@@ -345,19 +345,23 @@ def test_buckets_start_during_backward(comm):
 
 
 class _HostReads(TorchFunctionMode):
-    """Counts the calls that read a tensor's values back to the host: on CUDA each one
-    waits for the device (a sync)."""
+    """Counts the calls that read a tensor's values back to the host, and the numbers
+    assigned into a tensor (`t[i] = 1`, which on CUDA travels from host memory): on
+    CUDA each one waits for the device (a sync)."""
 
     READS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy"}
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
+        self.writes: list[object] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in self.READS:
             self.reads.append(name)
+        if name == "__setitem__" and not isinstance(args[2], torch.Tensor):
+            self.writes.append(args[2])
         return func(*args, **(kwargs or {}))
 
 
@@ -375,10 +379,27 @@ def test_a_step_reads_back_to_the_host_once(comm):
         with _HostReads() as mode:
             assert sgd.sum_and_normalize_gradients(model) == 1
         assert mode.reads == ["tolist"]
+        assert mode.writes == []  # the count slots and marks are filled on the device
     # A finished node's drain reads the same once a step.
     with _HostReads() as mode:
         sgd.synchronize_parameters(model)
     assert mode.reads.count("tolist") == 1
+
+
+def test_the_mean_over_every_node_needs_no_second_pass_for_any_node_count():
+    """Gradients go into a bucket as their share of the mean over n nodes; what the
+    result is still multiplied by must be exactly 1.0 when all n contributed. As
+    1 / (1 / n) / n it is not for some n (49, 93, 98, ...), and each step paid a pass
+    over the gradients that changed nothing."""
+    bucket = _Bucket([nn.Parameter(torch.zeros(3))], torch.float32, 1)
+    for n in (1, 2, 3, 49, 93, 98, 1000):
+        bucket.reset()
+        bucket.target(n)
+        assert bucket.scale == 1.0 / n
+        assert bucket.still_to_apply(n) == 1.0, n
+        assert bucket.still_to_apply(None) == n  # the sum, not the mean
+        if n > 1:
+            assert bucket.still_to_apply(n - 1) == n / (n - 1)  # a node had finished
 
 
 class _TwoHeads(nn.Module):
