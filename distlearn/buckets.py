@@ -193,6 +193,15 @@ def _layout(
     return [members for _, members in sorted(buckets, key=lambda b: b[0])]
 
 
+def _zero_at(buf: torch.Tensor, places: list[int]) -> None:
+    """`buf[places] = 0`, queued on the device. Assigned, the places would be copied
+    from pageable host memory, which on CUDA waits for all that was queued before (the
+    backward pass); from pinned memory the copy is queued like a kernel, and torch's
+    host allocator keeps the pinned block until it has run."""
+    index = torch.tensor(places, dtype=torch.int64, pin_memory=buf.is_cuda)
+    buf.index_fill_(0, index.to(buf.device, non_blocking=True), 0)
+
+
 def _hook(p: nn.Parameter, reducer: weakref.ref) -> tuple:
     """Call `reducer()._ready(p)` each time backward has accumulated `p.grad`.
 
@@ -501,7 +510,7 @@ class GradientBuckets:
             return
         marks.copy_(self._marks)
         if self._missing:
-            marks[self._missing] = 0
+            _zero_at(marks, self._missing)
         if late:  # (fill_: an assigned number would wait for the device, see _set_slot)
             marks[had].fill_(1)
         if changed:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buckets import GradientBuckets, compressed_scale, wire_dtype
+from .buckets import GradientBuckets, _zero_at, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, check_same_layout, supports_async
 from .tensors import grad_or_zeros, gradient_holders, gradients_of, leaves, reusable, state_of
 
@@ -239,7 +239,7 @@ class AllReduceSGD:
                 # Made on the device, not copied from the host (on CUDA, a sync).
                 flags = torch.ones(len(owners), dtype=wires[0], device=grads[0].device)
                 if not all(had):
-                    flags[[j for j, mine in enumerate(had) if not mine]] = 0
+                    _zero_at(flags, [j for j, mine in enumerate(had) if not mine])
                 sent.append(flags)
             n = self.comm.all_reduce(sent)
             divisor = n if normalize and n > 1 else 1

@@ -435,23 +435,27 @@ def cuda_syncs(comm, cfg) -> dict:
     out["complete"] = _syncs(lambda: started["counted"].complete())
     out["start_tensors"] = _syncs(start_tensors)
     out["count"] = started["tensors"].wait()
-    model = sim.make_deep_model(seed=100).to(dev)
-    opt = sim.MomentumSGD(model)
-    sgd = AllReduceSGD(comm, bucket_bytes=256, first_bucket_bytes=256)
-    sgd.synchronize_parameters(model)
-    per_step = []
-    for step in range(cfg["steps"]):
-        x, y = sim.batch(step, cfg["batch"])
-        x, y = x[r::n].to(dev), y[r::n].to(dev)
-        opt.zero_grad()
+    for name, unused in (("per_step", False), ("per_step_unused", True)):
+        model = sim.make_deep_model(seed=100).to(dev)
+        if unused:  # a parameter no step uses: its .grad stays None on every node
+            model.register_parameter("unused", nn.Parameter(torch.zeros(3, device=dev)))
+        opt = sim.MomentumSGD(model)
+        sgd = AllReduceSGD(comm, bucket_bytes=256, first_bucket_bytes=256)
+        sgd.synchronize_parameters(model)
+        per_step = []
+        for step in range(cfg["steps"]):
+            x, y = sim.batch(step, cfg["batch"])
+            x, y = x[r::n].to(dev), y[r::n].to(dev)
+            opt.zero_grad()
 
-        def step_(x=x, y=y):
-            nn.functional.cross_entropy(model(x), y).backward()
-            sgd.sum_and_normalize_gradients(model)
+            def step_(x=x, y=y, model=model, sgd=sgd):
+                nn.functional.cross_entropy(model(x), y).backward()
+                sgd.sum_and_normalize_gradients(model)
 
-        per_step.append(_syncs(step_))
-    out["per_step"] = per_step
-    out["stats"] = _overlap_stats(sgd)
+            per_step.append(_syncs(step_))
+        out[name] = per_step
+        out["stats"] = _overlap_stats(sgd)
+        out["unused_grad"] = model.unused.grad if unused else None
     return out
 
 

@@ -792,7 +792,8 @@ def test_nccl_starts_collectives_without_waiting_for_the_device(tmp_path):
     """Over NCCL, starting an all-reduce queues it behind the work already on the GPU:
     the host never waits there (it did once: a count slot set by assignment copied the
     value from host memory, which waits for backward to finish first), and a whole step
-    of AllReduceSGD waits once, to read its count and marks."""
+    of AllReduceSGD waits once, to read its count and marks, also when a parameter has
+    no gradient."""
     if _cuda_devices() < 1:
         pytest.skip("needs a CUDA GPU")
     cfg = {"cuda_syncs": {"steps": 4, "batch": 12}}
@@ -802,3 +803,6 @@ def test_nccl_starts_collectives_without_waiting_for_the_device(tmp_path):
         assert ours["count"] == 2
         assert ours["stats"]["started_in_backward"] > 0  # the hooks' launches are counted too
         assert ours["per_step"][1:] == [1, 1, 1], ours["per_step"]  # the first builds buckets
+        # a parameter without a .grad on every node: its marks are zeroed on the device
+        assert ours["per_step_unused"][1:] == [1, 1, 1], ours["per_step_unused"]
+        assert ours["unused_grad"] is None

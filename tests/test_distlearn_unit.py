@@ -430,6 +430,7 @@ def test_a_parameter_nobody_used_keeps_grad_none(comm, overlap):
             assert sgd.sum_and_normalize_gradients(model) == 1
         if overlap:
             assert mode.reads == ["tolist"]
+        assert mode.writes == []  # (the places of the missing .grad: queued on the device)
         for n, p in model.named_parameters():
             assert (p.grad is None) == (want[n] is None) == (n.startswith("b.") and not use_b)
             if p.grad is not None:
