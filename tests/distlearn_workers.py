@@ -454,8 +454,10 @@ def cuda_syncs(comm, cfg) -> dict:
 
             per_step.append(_syncs(step_))
         out[name] = per_step
-        out["stats"] = _overlap_stats(sgd)
-        out["unused_grad"] = model.unused.grad if unused else None
+        if unused:
+            out["unused_grad"] = model.unused.grad
+        else:
+            out["stats"] = _overlap_stats(sgd)
     return out
 
 
