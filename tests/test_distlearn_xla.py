@@ -71,6 +71,25 @@ def test_sgd_on_xla_matches_cpu(comm):
         torch.testing.assert_close(value.cpu(), reference[name], atol=1e-5, rtol=1e-4)
 
 
+def test_a_parameter_without_a_gradient_keeps_grad_none_on_xla(comm):
+    """The plain path zeroes the count of a parameter this node had no .grad for on
+    the device (index_fill_): the parameter keeps None, the others their gradient."""
+    from distlearn import AllReduceSGD
+
+    dev = comm.device
+    model = sim.make_model(seed=100).to(dev)
+    model.register_parameter("unused", nn.Parameter(torch.zeros(3).to(dev)))
+    sgd = AllReduceSGD(comm)
+    x, y = sim.batch(0, 12)
+    nn.functional.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
+    want = {n: p.grad.cpu().clone() for n, p in model.named_parameters() if n != "unused"}
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    assert model.unused.grad is None
+    for n, p in model.named_parameters():
+        if n != "unused":
+            torch.testing.assert_close(p.grad.cpu(), want[n])
+
+
 def test_easgd_on_xla_matches_simulation(comm):
     from distlearn import AllReduceEA
 
