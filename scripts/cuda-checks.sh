@@ -26,7 +26,7 @@ step steps-gloo 240 "$py" -m bench.step_time --device cuda --models convnet mnis
     --nodes 2 4 --rows none ddp gloo ipc ipc-sync --reps 2 --timeout 90 \
     --out "$out/RESULTS-step-time-cuda.md"
 step steps-nccl 330 "$py" -m bench.step_time --device cuda --backend nccl \
-    --models convnet mnist --nodes 2 4 --rows none ddp ddp-join gloo ipc --reps 3 --timeout 90 \
+    --models convnet mnist --nodes 2 4 --rows none ddp ddp-join gloo ipc --reps 2 --timeout 90 \
     --out "$out/RESULTS-step-time-nccl.md"
 # Where the NCCL rows' steps go (issue 16: AllReduceSGD over NCCL trails DDP): one
 # profiled block of each row, an op table and a Chrome trace a row in OUT/profile-nccl.
