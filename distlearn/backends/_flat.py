@@ -52,11 +52,8 @@ def _identity(op: str, dtype: torch.dtype) -> float | int | bool:
 
 
 def _set_flags(flags: torch.Tensor, op: str, node: int, finished: bool) -> None:
-    """The count's slots: one (a 0/1 summed) or one per node (this node's set).
-
-    `fill_`, never `flags[i] = value`: on CUDA that copies the value from host memory
-    and waits for the device to finish all it was given (backward, say) before the
-    collective can even be started (see `_set_slot`)."""
+    """The count's slots: one (a 0/1 summed) or one per node (this node's set), each
+    set by `_set_slot`, never by assignment (on CUDA that waits for the device)."""
     if flags.numel() == 1:
         _set_slot(flags, 0, 0 if finished else 1)
         return
