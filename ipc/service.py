@@ -345,9 +345,9 @@ class Server:
             closed = link.bye is not None or conn.said_bye
             if not closed and conn.index not in self._reported:
                 self._unreported[conn.index] = self._gone(conn)
-            for key, value in {**_traffic(link, conn.direct), **self._bulk.stats(link)}.items():
-                if key in self._past:
-                    self._past[key] += value
+            traffic = _traffic(link, conn.direct, self._bulk)
+            for key in _TRAFFIC:
+                self._past[key] += traffic[key]
             self._bulk.forget(link)
             self._endpoint.forget(link)
             self._ended.remove(conn)
@@ -593,8 +593,7 @@ class Server:
             c.index: {
                 "name": c.name,
                 "alive": c.alive,
-                **_traffic(c.link, c.direct),
-                **self._bulk.stats(c.link),
+                **_traffic(c.link, c.direct, self._bulk),
             }
             for c in self._conns
         }
@@ -624,13 +623,14 @@ _TRAFFIC = (
 )  # fmt: skip
 
 
-def _traffic(link: Link, d: direct.Direct | None) -> dict:
-    """A link's traffic counts plus its direct socket's."""
+def _traffic(link: Link, d: direct.Direct | None, shared: bulk.Bulk) -> dict:
+    """A link's traffic counts plus its direct socket's, and what went through shared
+    memory (`_TRAFFIC`'s last two, and whether the peer reads it)."""
     stats = dict(vars(link.stats))
     if d is not None:
         for key in ("bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv"):
             stats[key] += getattr(d, key)
-    return stats
+    return {**stats, **shared.stats(link)}
 
 
 class Client:
@@ -845,8 +845,7 @@ class Client:
     def net_stats(self) -> dict:
         return {
             "server": self._link.address,
-            **_traffic(self._link, self._direct),
-            **self._bulk.stats(self._link),
+            **_traffic(self._link, self._direct, self._bulk),
         }
 
     def close(self) -> None:
