@@ -68,7 +68,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from bench.procs import free_port, wait_ranks
 
@@ -141,6 +143,16 @@ def make_model(name: str):
 # ----------------------------------------------------------------------------- one rank
 
 
+class _Row(NamedTuple):
+    """One row in a rank: its step, its AllReduceSGD (if any), the model's parameter
+    count, and what each block of its steps runs in (DDP's join() for ddp-join)."""
+
+    step: Callable[[int], None]
+    sgd: Any
+    params: int
+    block: Callable[[], contextlib.AbstractContextManager]
+
+
 def _worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -211,7 +223,7 @@ def _worker(a: argparse.Namespace) -> None:
                 ea.average_parameters(model)
             sync()
 
-        return step, sgd, sum(p.numel() for p in model.parameters()), block
+        return _Row(step, sgd, sum(p.numel() for p in model.parameters()), block)
 
     steps = {row: make_step(row) for row in a.rows}
     times: dict[str, list[float]] = {row: [] for row in a.rows}
@@ -219,10 +231,10 @@ def _worker(a: argparse.Namespace) -> None:
     i = 0
     for rnd in range(a.rounds):
         for row in a.rows if rnd % 2 == 0 else a.rows[::-1]:
-            step, _, _, block = steps[row]
+            step = steps[row].step
             step(i)  # untimed: the other rows' blocks cooled the caches
             dist.barrier()
-            with block():
+            with steps[row].block():
                 for _ in range(a.block or BLOCK[a.model]):
                     i += 1
                     t0, c0 = time.perf_counter(), time.process_time()
@@ -233,8 +245,8 @@ def _worker(a: argparse.Namespace) -> None:
         # One more block of every row, untimed, with rank 0 under torch.profiler: where
         # a row's step goes (every rank runs it, to meet rank 0 in its collectives).
         for row in a.rows:
-            with steps[row][3]():
-                _profile_block(a, row, steps[row][0], i, device)
+            with steps[row].block():
+                _profile_block(a, row, steps[row].step, i, device)
             i += a.block or BLOCK[a.model]
     dist.barrier()
     if a.rank == 0:
@@ -242,10 +254,10 @@ def _worker(a: argparse.Namespace) -> None:
             row: {
                 "times_s": times[row],
                 "cpu_s": cpu[row],
-                "params": params,
-                "sgd": sgd.stats if sgd else None,
+                "params": r.params,
+                "sgd": r.sgd.stats if r.sgd else None,
             }
-            for row, (_, sgd, params, _) in steps.items()
+            for row, r in steps.items()
         }
         Path(a.out).write_text(json.dumps(result))
     if "ipc" in comms:
