@@ -41,7 +41,9 @@ its whole process (communication threads included: on a loaded machine the CPU
 figure moves far less); the table shows the median (min-max) over `--reps` jobs,
 each a fresh set of processes, and of the per-job ratios to DDP. Models:
 `convnet`, 9.5M parameters (two 3x3 convolutions, three linear layers, on
-3x32x32 inputs) and `mnist`, examples/mnist_lib.py's Net; batch 32 per process.
+3x32x32 inputs), `mnist`, examples/mnist_lib.py's Net, and `transformer`, 0.4M
+parameters in 98 tensors (8 encoder layers of width 64 over 16 positions); batch 32
+per process.
 
 `--device cuda` puts each rank's model and batches on GPU `rank % GPUs` and ends
 every timed step with `torch.cuda.synchronize()` (the step is done when its
@@ -81,9 +83,9 @@ KINDS = (
     "none", "ddp", "ddp-join", "gloo", "gloo-sync", "gloo-ring", "ipc", "ipc-sync",
     "ea-gloo", "ea-gloo-sync", "ea-ipc", "ea-ipc-sync",
 )  # fmt: skip
-MODELS = ("convnet", "mnist")
+MODELS = ("convnet", "mnist", "transformer")
 # Timed steps per row and round: the MNIST model's ~10 ms step gets more of them.
-BLOCK = {"convnet": 5, "mnist": 20}
+BLOCK = {"convnet": 5, "mnist": 20, "transformer": 5}
 _MiB = 1 << 20
 _ROW = re.compile(r"^(?P<kind>[a-z-]+)(@(?P<bucket>[\d.]+)/(?P<first>[\d.]+))?(\+(?P<dtype>\w+))?$")
 
@@ -137,6 +139,23 @@ def make_model(name: str):
         import mnist_lib
 
         return mnist_lib.Net(), (1, 28, 28)
+    if name == "transformer":
+
+        class Transformer(nn.Module):
+            """8 encoder layers (width 64, 4 heads, feed-forward 256) over 16 positions,
+            mean pooled into 10 classes: 0.4M parameters in 98 tensors, where the other
+            two models have 10 and 8 (a cost per tensor shows here)."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+                self.encoder = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)
+                self.head = nn.Linear(64, 10)
+
+            def forward(self, x):
+                return self.head(self.encoder(x).mean(1))
+
+        return Transformer(), (16, 64)
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 

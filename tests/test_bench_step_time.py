@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.step_time import rank_env
+from bench.step_time import make_model, rank_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,6 +25,18 @@ def test_nccl_ranks_sharing_a_gpu_each_get_a_host_of_their_own(monkeypatch):
     # the user's own NCCL settings win
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
     assert rank_env("nccl", 1, 4, 1)["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+def test_the_models_train_on_their_items():
+    import torch
+    import torch.nn.functional as F
+
+    tensors = {"convnet": 10, "mnist": 8, "transformer": 98}
+    for name, count in tensors.items():
+        model, item = make_model(name)
+        assert len(list(model.parameters())) == count, name
+        F.cross_entropy(model(torch.randn(2, *item)), torch.tensor([0, 9])).backward()
+        assert all(p.grad is not None for p in model.parameters()), name
 
 
 def test_a_job_of_every_row_reports_each_against_ddp(tmp_path):
