@@ -4,8 +4,8 @@ A module's trainable parameters are split, in the order backward reaches them (t
 reverse of `module.parameters()`), into buckets of about `bucket_bytes` (the first one
 smaller, so communication starts early). Each bucket owns a flat buffer. A hook on each
 parameter's gradient accumulator (run after the parameter's own post-accumulate hooks, a
-user's among them) copies its gradient into its bucket; a full bucket starts its
-all-reduce at once, in bucket order, while backward goes on.
+user's among them) counts its gradient ready; a full bucket copies its gradients in and
+starts its all-reduce at once, in bucket order, while backward goes on.
 `finish_step` (AllReduceSGD's `sum_*_gradients`) starts what is left, waits, and points
 each `.grad` at its slice of the bucket: one copy per step (in), like DDP's
 `gradient_as_bucket_view`, with the division by the node count riding on that copy.
@@ -97,8 +97,8 @@ class _Bucket:
     """
 
     __slots__ = (
-        "alias", "cur", "datas", "extra", "filling", "flats", "handle", "index", "numel",
-        "params", "pending", "ready", "scale", "share", "views",
+        "alias", "cur", "datas", "extra", "factor", "filling", "flats", "handle", "index",
+        "numel", "params", "pending", "ready", "scale", "share", "views",
     )  # fmt: skip
 
     def __init__(self, params: list[nn.Parameter], wire: torch.dtype, extra: int) -> None:
@@ -113,9 +113,14 @@ class _Bucket:
         self._add_buffer(wire)
         self.cur = 0  # the buffer of this step (or of the last one, until `target`)
         # This step's gradients went in as each one's share of the mean over `share`
-        # nodes (1: as they are), multiplied by `scale` = 1 / share.
+        # nodes (1: as they are), multiplied by `scale` = 1 / share; `factor` is the
+        # same number as a 0-dim float64 tensor on the host, which the copies in take:
+        # a Python number costs each of them a conversion into a tensor of its own
+        # (5.5 us of 15.4 for 256 KiB on this repo's 2-core machine, 0.6 of 3.4 for
+        # 1 KiB). On the host, a CUDA kernel reads it as a scalar: no copy, no sync.
         self.share = 1
         self.scale = 1.0
+        self.factor = torch.tensor(1.0, dtype=torch.float64)
         self.handle: Any = None
         self.reset()
 
@@ -141,7 +146,9 @@ class _Bucket:
         """The views to fill this step: a buffer no `.grad` points into. The first call
         of a step also sets over how many nodes the gradients go in as their share."""
         if not self.filling:
-            self.share, self.scale = share, 1.0 / share
+            if share != self.share:
+                self.share, self.scale = share, 1.0 / share
+                self.factor = torch.tensor(self.scale, dtype=torch.float64)
             views = self.views[self.cur]
             if self.alias and any(p.grad is v for p, v in zip(self.params, views, strict=True)):
                 if len(self.flats) == 1:
@@ -158,7 +165,7 @@ class _Bucket:
         return self.share / (count or 1)
 
     def reset(self) -> None:
-        self.ready = [False] * len(self.params)  # gradient copied in this step
+        self.ready = [False] * len(self.params)  # the hook saw its gradient this step
         self.pending = len(self.params)  # members not ready yet
         self.handle = None  # the all-reduce in flight, once started this step
         self.filling = False
@@ -330,7 +337,8 @@ class GradientBuckets:
     # -- during backward --------------------------------------------------------------
 
     def _ready(self, p: torch.Tensor) -> None:
-        """The hook: `p.grad` holds this backward's gradient (accumulated)."""
+        """The hook: `p.grad` holds this backward's gradient (accumulated). It only
+        counts: the bucket's gradients are copied in together when it is full (_fill)."""
         slot = self._slot.get(id(p))
         if slot is None:
             return  # not trainable when the buckets were built: finish_step rebuilds
@@ -339,20 +347,25 @@ class GradientBuckets:
             # Its bucket already left: this node's sum is now out of date.
             self.late = True
             return
-        if not self.syncing or p.grad is None:
-            return  # no_sync(): the gradient accumulates in .grad, copied at the end
-        with torch.no_grad():
-            self._copy_in(bucket, i, bucket.views[bucket.cur] if bucket.filling else None)
-        if not bucket.ready[i]:
-            bucket.ready[i] = True
-            bucket.pending -= 1
-            if bucket.pending == 0:
+        if not self.syncing or p.grad is None or bucket.ready[i]:
+            # no_sync(): the gradient accumulates in .grad, copied at the end; or a
+            # second backward added to a .grad whose bucket has yet to be copied
+            return
+        bucket.ready[i] = True
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            if torch.is_grad_enabled():  # backward(create_graph=True): `out=` refuses autograd
+                with torch.no_grad():
+                    self._launch_ready()
+            else:
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Start every full bucket whose predecessors have started (not the last one)."""
         while self.launched < len(self.buckets) - 1 and self.buckets[self.launched].pending == 0:
-            self._launch(self.buckets[self.launched], contribute=True)
+            bucket = self.buckets[self.launched]
+            self._fill(bucket, self._target(bucket))
+            self._launch(bucket, contribute=True)
             self.stats["started_in_backward"] += 1
 
     def _launch(self, bucket: _Bucket, contribute: bool, wait: bool = False) -> None:
@@ -381,37 +394,42 @@ class GradientBuckets:
         scale = compressed_scale(bucket.params[0].dtype, bucket.flat.dtype, nodes)
         return bucket.target(nodes if self.expect_normalize or scale != 1.0 else 1)
 
-    def _copy_in(self, bucket: _Bucket, i: int, views: list | None = None) -> None:
+    def _copy_in(self, bucket: _Bucket, i: int, views: list[torch.Tensor]) -> None:
         """One gradient into its bucket (under no_grad: `out=` refuses autograd)."""
-        grad, view = bucket.params[i].grad, (views or self._target(bucket))[i]
-        if grad is not None:
-            check_dense(grad, bucket.params[i])
+        grad, view = bucket.params[i].grad, views[i]
         if grad is None:
             view.zero_()
             self._missing.append(bucket.index[i])
-        elif bucket.scale != 1.0:
-            torch.mul(grad, bucket.scale, out=view)
+            return
+        check_dense(grad, bucket.params[i])
+        if bucket.scale != 1.0:
+            torch.mul(grad, bucket.factor, out=view)
         else:
             view.copy_(grad)
 
-    def _copy_rest(self, bucket: _Bucket, views: list[torch.Tensor]) -> None:
-        """Copy in what the hooks did not (no hooks, no_sync(), unused parameters)."""
+    def _fill(self, bucket: _Bucket, views: list[torch.Tensor]) -> None:
+        """Copy the bucket's gradients in, all at once, right before it leaves.
+
+        Not one at a time from the hooks: a torch call made from a hook, right after
+        backward's own kernels, took 8-11 us on this repo's 2-core machine, against
+        1-2 us in a loop of them; copied from the hooks, 300 tensors of 1 KiB cost
+        AllReduceSGD twice what they cost it now (bench/RESULTS-step-time.md). The
+        bucket leaves no later: either way its copies run on backward's thread before.
+        """
         grads = [p.grad for p in bucket.params]
         if (
             bucket.alias
             and bucket.numel * bucket.flat.element_size() <= _BULK_BYTES
-            and not any(bucket.ready)
             and all(g is not None and g.layout == torch.strided for g in grads)
         ):
             # A small bucket in two calls, not two per parameter: here Python costs more
             # than a second pass over the bytes (the MNIST model: 35 us against 13 us).
             torch._foreach_copy_(views, grads)
             if bucket.scale != 1.0:
-                bucket.data.mul_(bucket.scale)
+                bucket.data.mul_(bucket.factor)
             return
-        for i, ready in enumerate(bucket.ready):
-            if not ready:
-                self._copy_in(bucket, i, views)
+        for i in range(len(bucket.params)):
+            self._copy_in(bucket, i, views)
 
     def _land(self, count: int | None) -> None:
         """Results into `.grad`: the sum, or the mean over `count` nodes; None where no
@@ -449,7 +467,7 @@ class GradientBuckets:
             views = self._target(bucket)  # (a finished node's buffer is overwritten too)
             if contribute:
                 try:
-                    self._copy_rest(bucket, views)
+                    self._fill(bucket, views)
                 except RuntimeError:
                     # A gradient no longer fits its slot (a parameter changed shape):
                     # the bucket goes anyway, every node sends every bucket, and the

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlearn import AllReduceEA, AllReduceSGD, broadcast_state_dict, synchronize_optimizer
 from distlearn.backends import TorchDistributed
@@ -344,6 +345,63 @@ def test_buckets_start_during_backward(comm):
     assert sgd.stats["modules"][0]["resent"] == 0
 
 
+class _Copies(TorchDispatchMode):
+    """Counts the operators that copy or scale tensors, backward's own among them (a
+    dispatch mode sees what runs during backward; a function mode does not)."""
+
+    NAMES = {"copy_", "mul", "mul_", "zero_", "_foreach_copy_", "_foreach_mul_"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.NAMES:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_hooks_copy_a_bucket_at_once_not_a_gradient_at_a_time(comm):
+    """A torch call made from a hook, right after backward's own kernels, costs several
+    times one made in a loop: the hooks only count, and a full bucket is copied in with
+    one call (small buckets) when it leaves, not one call a parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(24)])  # 48 tensors of 80 bytes a layer
+    sgd = AllReduceSGD(comm, bucket_bytes=1024, first_bucket_bytes=256)
+    sgd.synchronize_parameters(model)
+    buckets = sgd._buckets[model]
+    assert len(buckets.buckets) == 3
+    x = torch.ones(2, 4)
+    for _ in range(2):
+        model.zero_grad()
+        with _Copies() as mode:
+            model(x).sum().backward()
+        assert buckets.launched == 2
+        assert mode.calls == ["_foreach_copy_"] * 2  # (48 copies, one a hook, before)
+        grads = [p.grad.clone() for p in model.parameters()]
+        assert sgd.sum_and_normalize_gradients(model) == 1
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_buckets_leave_from_a_backward_that_builds_a_graph(comm):
+    """backward(create_graph=True) runs the hooks with grad enabled, where the copies
+    into a bucket must not be recorded (nor can they be: `out=` refuses autograd)."""
+    model = _deep()
+    sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    buckets = sgd._buckets[model]
+    loss = model(torch.ones(3, 4)).pow(2).sum()
+    loss.backward(create_graph=True)
+    assert buckets.launched == len(buckets.buckets) - 1
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    assert all(p.grad.requires_grad for p in model.parameters())  # backward's own graph
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g) and not p.grad.requires_grad
+
+
 class _HostReads(TorchFunctionMode):
     """Counts the calls that read a tensor's values back to the host, and the numbers
     assigned into a tensor (`t[i] = 1`, which on CUDA travels from host memory): on
@@ -477,8 +535,10 @@ def test_grads_are_views_of_the_buckets_never_of_the_one_in_flight(comm):
     for p in model.parameters():
         p.grad.zero_()
     model(x).sum().backward()
-    assert all(len(b.flats) == 2 and b.cur == 1 for b in buckets.buckets)
+    # (the buckets that left during backward; the last one leaves in the sum)
+    assert all(len(b.flats) == 2 and b.cur == 1 for b in buckets.buckets[:-1])
     sgd.sum_and_normalize_gradients(model)
+    assert all(len(b.flats) == 2 and b.cur == 1 for b in buckets.buckets)
     assert storages() == flats(1)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want, strict=True))
     # set_to_none=True: a single buffer suffices, whichever it is.
