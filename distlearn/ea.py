@@ -76,16 +76,17 @@ class AllReduceEA:
         self._land()
         return self._center
 
-    def _land(self) -> bool:
+    def _land(self, ask_active: bool = False) -> bool:
         """Wait for the average in flight, if any, and move the center by its sum;
-        returns whether any node was still active in it."""
+        with `ask_active`, returns whether any node was still active in it (a read
+        back to the host: on CUDA a sync, which only the end of an epoch needs)."""
         if self._pending is None:
             return False
         handle, self._pending = self._pending, None
         handle.wait()
         with torch.no_grad():
             torch._foreach_add_(self._center, self._delta)
-        return bool(self._active.real.item() > 0)
+        return ask_active and bool(self._active.real.item() > 0)
 
     def center_model(self, model: nn.Module) -> nn.Module:
         """A copy of `model` whose parameters are the center: the model to evaluate or
@@ -159,7 +160,7 @@ class AllReduceEA:
         # The flag rides with the deltas: a node that finished its epoch still sends
         # its real delta (it keeps averaging) but does not count as active.
         self._pending = start_all_reduce(self.comm, [*delta, self._active])
-        return True if not wait else self._land()
+        return True if not wait else self._land(ask_active=True)
 
     def average_parameters(self, x: Any) -> None:
         """Call once per training step; every `tau`-th call averages with the center."""
@@ -167,7 +168,9 @@ class AllReduceEA:
         self._init(params, x)
         self.steps += 1
         if self.steps % self.tau == 0:
-            self._average(params, active=True, wait=not self.overlap)
+            self._average(params, active=True, wait=False)
+            if not self.overlap:
+                self._land()
 
     def _handle_uneven_steps(self, params: list[torch.Tensor]) -> None:
         # Nodes that took fewer averaging steps keep averaging (as "finished") until

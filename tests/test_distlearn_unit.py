@@ -646,6 +646,21 @@ def test_plain_path_sends_compressed_gradients(comm):
         torch.testing.assert_close(p.grad, g, atol=0, rtol=2**-8)
 
 
+def test_an_elastic_average_reads_back_to_the_host_once(comm):
+    """An average's one read is the communicator's count (on CUDA each read is a sync);
+    whether any node is still in its epoch is read only where the epoch ends."""
+    model = nn.Linear(3, 2)
+    for overlap in (False, True):
+        ea = AllReduceEA(comm, tau=1, alpha=0.5, overlap=overlap)
+        ea.synchronize_parameters(model)
+        for step in range(3):
+            with _HostReads() as mode:
+                ea.average_parameters(model)
+            # (with overlap the read is the previous average's, as it lands)
+            assert mode.reads == ([] if overlap and step == 0 else ["item"]), overlap
+        ea.synchronize_center(model)
+
+
 # -- AllReduceEA's center --------------------------------------------------------------
 
 
