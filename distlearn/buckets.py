@@ -412,8 +412,8 @@ class GradientBuckets:
 
         Not one at a time from the hooks: a torch call made from a hook, right after
         backward's own kernels, took 8-11 us on this repo's 2-core machine, against
-        1-2 us in a loop of them; copied from the hooks, 300 tensors of 1 KiB cost
-        AllReduceSGD twice what they cost it now (bench/RESULTS-step-time.md). The
+        1-2 us in a loop of them; copied from the hooks, 300 tensors of 4 KiB or less
+        cost AllReduceSGD twice what they cost it now (bench/RESULTS-step-time.md). The
         bucket leaves no later: either way its copies run on backward's thread before.
         """
         grads = [p.grad for p in bucket.params]
