@@ -2,10 +2,11 @@
 
 A module's trainable parameters are split, in the order backward reaches them (the
 reverse of `module.parameters()`), into buckets of about `bucket_bytes` (the first one
-smaller, so communication starts early). Each bucket owns a flat buffer. A hook on each
-parameter's gradient accumulator (run after the parameter's own post-accumulate hooks, a
-user's among them) counts its gradient ready; a full bucket copies its gradients in and
-starts its all-reduce at once, in bucket order, while backward goes on.
+smaller, so communication starts early). Each bucket owns a flat buffer. A
+post-accumulate hook on each parameter counts its gradient ready; a full bucket copies
+its gradients in and starts its all-reduce, in bucket order, while backward goes on:
+at once, or at the next hook where a user's hook on the same parameter has yet to run
+(so a user's hook that changes `.grad` has run, as under DDP).
 `finish_step` (AllReduceSGD's `sum_*_gradients`) starts what is left, waits, and points
 each `.grad` at its slice of the bucket: one copy per step (in), like DDP's
 `gradient_as_bucket_view`, with the division by the node count riding on that copy.
@@ -212,23 +213,22 @@ def _zero_at(buf: torch.Tensor, places: list[int]) -> None:
 def _hook(p: nn.Parameter, reducer: weakref.ref) -> tuple:
     """Call `reducer()._ready(p)` each time backward has accumulated `p.grad`.
 
-    The hook sits on `p`'s gradient accumulator (as DDP's do), not on `p` itself
-    (`register_post_accumulate_grad_hook`): the accumulator's hooks run after every
-    hook on the tensor, so a user's hook that changes `.grad` in place (registered
-    before or after ours) has run when the gradient is copied into its bucket. The
-    accumulator lives only as long as someone holds it: the caller keeps the node.
-    Weak references: a parameter or reducer that is gone is not kept alive by it.
+    A post-accumulate hook on the parameter itself. Not on its gradient accumulator
+    (DDP's way): that node lives only while someone holds it, and a node held from one
+    step to the next keeps the shape it was made for, so backward refuses a parameter
+    whose `.data` was replaced by one of another shape ("invalid gradient ... expected
+    shape compatible with"), which plain torch takes. A user's hook registered after
+    ours runs after it: `_ready` leaves a bucket that such a parameter completes to the
+    next hook (see `_last_hook`). The hook holds the reducer weakly, and the parameter
+    not at all (it is given the parameter): the hook lives in the parameter.
     """
-    with torch.enable_grad():
-        node = p.view_as(p).grad_fn.next_functions[0][0]
-    param = weakref.ref(p)
 
-    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-        me, q = reducer(), param()
-        if me is not None and q is not None:
+    def hook(q: torch.Tensor) -> None:
+        me = reducer()
+        if me is not None:
             me._ready(q)
 
-    return param, node, node.register_hook(hook)
+    return weakref.ref(p), p.register_post_accumulate_grad_hook(hook)
 
 
 class GradientBuckets:
@@ -263,7 +263,9 @@ class GradientBuckets:
         self.late = False
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._signature: list[tuple] = []
-        self._hooks: dict[int, tuple] = {}  # id(parameter) -> _hook's (ref, node, handle)
+        self._hooks: dict[int, tuple] = {}  # id(parameter) -> _hook's (ref, handle)
+        self._due = False  # a full bucket waits for the next hook (see _ready)
+        self._hold = False  # a gradient did not fit its slot: the step's end sends
         # steps ended; buckets started by hooks (overlapped with backward); steps sent
         # twice (a node was late, or the trainable parameters changed)
         self.stats = {"steps": 0, "started_in_backward": 0, "resent": 0}
@@ -324,13 +326,13 @@ class GradientBuckets:
             self.remove_hooks()
             return
         reducer = weakref.ref(self)
-        for p in params:  # the trainable ones (a frozen tensor has no accumulator)
+        for p in params:  # the trainable ones (torch refuses a hook on a frozen tensor)
             hooked = self._hooks.get(id(p))
             if hooked is None or hooked[0]() is not p:  # (an id can be a dead one's)
                 self._hooks[id(p)] = _hook(p, reducer)
 
     def remove_hooks(self) -> None:
-        for _, _, handle in self._hooks.values():
+        for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
 
@@ -338,7 +340,10 @@ class GradientBuckets:
 
     def _ready(self, p: torch.Tensor) -> None:
         """The hook: `p.grad` holds this backward's gradient (accumulated). It only
-        counts: the bucket's gradients are copied in together when it is full (_fill)."""
+        counts: the bucket's gradients are copied in together as it leaves (_fill)."""
+        if self._due:  # a bucket full since an earlier hook: all of its hooks have run
+            self._due = False
+            self._start_full()
         slot = self._slot.get(id(p))
         if slot is None:
             return  # not trainable when the buckets were built: finish_step rebuilds
@@ -354,17 +359,40 @@ class GradientBuckets:
         bucket.ready[i] = True
         bucket.pending -= 1
         if bucket.pending == 0:
-            if torch.is_grad_enabled():  # backward(create_graph=True): `out=` refuses autograd
-                with torch.no_grad():
-                    self._launch_ready()
-            else:
+            if self._last_hook(p):
+                self._start_full()
+            else:  # a user's hook on p, registered after ours, has yet to run
+                self._due = True
+
+    def _last_hook(self, p: torch.Tensor) -> bool:
+        """Whether ours is the last post-accumulate hook on `p` (torch keeps them in an
+        ordered dict on the tensor, by handle id; if that ever changes, False: the
+        bucket then leaves at the next hook, a gradient's compute later)."""
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        return bool(hooks) and next(reversed(hooks)) == self._hooks[id(p)][1].id
+
+    def _start_full(self) -> None:
+        if torch.is_grad_enabled():  # backward(create_graph=True): `out=` refuses autograd
+            with torch.no_grad():
                 self._launch_ready()
+        else:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Start every full bucket whose predecessors have started (not the last one)."""
-        while self.launched < len(self.buckets) - 1 and self.buckets[self.launched].pending == 0:
+        while (
+            not self._hold
+            and self.launched < len(self.buckets) - 1
+            and self.buckets[self.launched].pending == 0
+        ):
             bucket = self.buckets[self.launched]
-            self._fill(bucket, self._target(bucket))
+            try:
+                self._fill(bucket, self._target(bucket))
+            except RuntimeError:
+                # A gradient no longer fits its slot (its parameter changed shape):
+                # the step's end sends the buckets and resends once they are rebuilt.
+                self._hold = True
+                return
             self._launch(bucket, contribute=True)
             self.stats["started_in_backward"] += 1
 
@@ -535,6 +563,7 @@ class GradientBuckets:
             marks[had + 1].fill_(1)
 
     def _reset(self) -> None:
+        self._due = self._hold = False
         for bucket in self.buckets:
             bucket.reset()
         self._missing = []

@@ -588,6 +588,38 @@ def test_sgd_follows_a_parameter_that_changes_shape(comm):
     assert sgd._buckets[model].buckets[0].numel == 5
 
 
+class _ThreeScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Parameter(torch.ones(3)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((x[: w.numel()] * w * k).sum() for k, w in enumerate((self.a, self.b, self.c)))
+
+
+@pytest.mark.parametrize("grows", ["a", "c"])
+def test_sgd_follows_a_parameter_that_changes_shape_under_hooks(comm, grows):
+    """A bucket a parameter (hooks on every one): backward takes a parameter whose
+    `.data` became another shape, as in plain torch, whether its bucket leaves during
+    backward ("c", the first to get its gradient) or at the sum ("a"). A hook that held
+    the parameter's gradient accumulator from one step to the next made backward refuse
+    it ("invalid gradient ... expected shape compatible with [3]")."""
+    model = _ThreeScaled()
+    sgd = AllReduceSGD(comm, bucket_bytes=8, first_bucket_bytes=8)
+    sgd.synchronize_parameters(model)
+    assert len(sgd._buckets[model].buckets) == 3
+    model(torch.ones(5)).backward()
+    sgd.sum_and_normalize_gradients(model)
+    model.zero_grad()
+    getattr(model, grows).data = torch.ones(5)
+    model(torch.arange(5.0)).backward()
+    assert sgd.sum_and_normalize_gradients(model) == 1
+    for k, name in enumerate("abc"):
+        want = k * torch.arange(5.0 if name == grows else 3.0)
+        assert torch.equal(getattr(model, name).grad, want), name
+    assert sgd.stats["modules"][0]["resent"] == 1
+
+
 def test_buckets_walk_the_module_tree_like_parameters(comm):
     shared = nn.Linear(2, 2)
     model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(2, 1))
