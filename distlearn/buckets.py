@@ -231,6 +231,12 @@ def _hook(p: nn.Parameter, reducer: weakref.ref) -> tuple:
     return weakref.ref(p), p.register_post_accumulate_grad_hook(hook)
 
 
+def _remove_hooks(hooks: dict[int, tuple]) -> None:
+    for _, handle in hooks.values():
+        handle.remove()
+    hooks.clear()
+
+
 class GradientBuckets:
     """The buckets of one module's gradients for one AllReduceSGD (see the module doc)."""
 
@@ -264,6 +270,8 @@ class GradientBuckets:
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._signature: list[tuple] = []
         self._hooks: dict[int, tuple] = {}  # id(parameter) -> _hook's (ref, handle)
+        # The hooks live in the parameters: they go when these buckets do (not at exit).
+        weakref.finalize(self, _remove_hooks, self._hooks).atexit = False
         self._due = False  # a full bucket waits for the next hook (see _ready)
         self._hold = False  # a gradient did not fit its slot: the step's end sends
         # steps ended; buckets started by hooks (overlapped with backward); steps sent
@@ -332,9 +340,7 @@ class GradientBuckets:
                 self._hooks[id(p)] = _hook(p, reducer)
 
     def remove_hooks(self) -> None:
-        for _, handle in self._hooks.values():
-            handle.remove()
-        self._hooks.clear()
+        _remove_hooks(self._hooks)
 
     # -- during backward --------------------------------------------------------------
 

@@ -22,9 +22,18 @@ _WIRE_DTYPES = {
     "fp16": torch.float16,
 }
 
-# The AllReduceSGD whose hooks are live on a module: the most recent to see it, so an
-# AllReduceSGD made again for the same model does not start every bucket twice.
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, GradientBuckets] = weakref.WeakKeyDictionary()
+# The buckets whose hooks are live on a module: the most recent AllReduceSGD's to see
+# it, so an AllReduceSGD made again for the same model does not start every bucket
+# twice. Weakly: buckets (and their hooks) go with their AllReduceSGD, or a model
+# trained on alone would keep starting all-reduces that no other node joins.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradientBuckets]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _owner(module: nn.Module) -> GradientBuckets | None:
+    ref = _OWNERS.get(module)
+    return ref() if ref is not None else None
 
 
 def _check_grad_dtype(grad_dtype: Any) -> torch.dtype | None:
@@ -172,15 +181,16 @@ class AllReduceSGD:
         if buckets is None:
             if not any(p.requires_grad for p in x.parameters()):
                 return None
-            previous = _OWNERS.get(x)
+            previous = _owner(x)
             if previous is not None:
                 previous.remove_hooks()
             buckets = GradientBuckets(
                 x, self.comm, self.bucket_bytes, self.first_bucket_bytes, self.grad_dtype
             )
             buckets.syncing = self._no_sync == 0
-            self._buckets[x] = _OWNERS[x] = buckets
-        elif _OWNERS.get(x) is not buckets:
+            self._buckets[x] = buckets
+            _OWNERS[x] = weakref.ref(buckets)
+        elif _owner(x) is not buckets:
             raise RuntimeError(
                 "a newer AllReduceSGD has taken over this module's gradient hooks; "
                 "use one AllReduceSGD per model"

@@ -319,6 +319,41 @@ def _deep(seed=0):
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
+class _Counting(TorchDistributed):
+    """The world group, counting the collectives it starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = 0
+
+    def _start_all_reduce_flat(self, buf, op):
+        self.started += 1
+        return super()._start_all_reduce_flat(buf, op)
+
+
+def test_a_model_trained_on_alone_starts_no_all_reduce(comm):
+    """Once its AllReduceSGD is gone, a model's backward is plain torch's again: no
+    hooks left in its parameters, no bucket started. A node that trains on alone (or
+    takes gradients to explain a prediction) would otherwise start all-reduces that
+    no other node joins."""
+    import gc
+
+    model = _deep()
+    counting = _Counting()
+    sgd = AllReduceSGD(counting, bucket_bytes=64, first_bucket_bytes=16)
+    sgd.synchronize_parameters(model)
+    model(torch.ones(3, 4)).sum().backward()
+    sgd.sum_and_normalize_gradients(model)
+    assert counting.started > 0
+    del sgd
+    gc.collect()
+    before = counting.started
+    model.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()
+    assert counting.started == before
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
 def test_buckets_start_during_backward(comm):
     model = _deep()
     sgd = AllReduceSGD(comm, bucket_bytes=64, first_bucket_bytes=16)
