@@ -99,7 +99,7 @@ class _Bucket:
 
     __slots__ = (
         "alias", "cur", "datas", "extra", "factor", "filling", "flats", "handle", "index",
-        "numel", "params", "pending", "ready", "scale", "share", "views",
+        "numel", "params", "pending", "ready", "share", "views",
     )  # fmt: skip
 
     def __init__(self, params: list[nn.Parameter], wire: torch.dtype, extra: int) -> None:
@@ -114,13 +114,12 @@ class _Bucket:
         self._add_buffer(wire)
         self.cur = 0  # the buffer of this step (or of the last one, until `target`)
         # This step's gradients went in as each one's share of the mean over `share`
-        # nodes (1: as they are), multiplied by `scale` = 1 / share; `factor` is the
-        # same number as a 0-dim float64 tensor on the host, which the copies in take:
+        # nodes (1: as they are), multiplied by `scale` = 1 / share; `factor` is that
+        # number as a 0-dim float64 tensor on the host, which the copies in take:
         # a Python number costs each of them a conversion into a tensor of its own
         # (5.5 us of 15.4 for 256 KiB on this repo's 2-core machine, 0.6 of 3.4 for
         # 1 KiB). On the host, a CUDA kernel reads it as a scalar: no copy, no sync.
         self.share = 1
-        self.scale = 1.0
         self.factor = torch.tensor(1.0, dtype=torch.float64)
         self.handle: Any = None
         self.reset()
@@ -143,12 +142,16 @@ class _Bucket:
     def data(self) -> torch.Tensor:
         return self.datas[self.cur]
 
+    @property
+    def scale(self) -> float:
+        return 1.0 / self.share
+
     def target(self, share: int) -> list[torch.Tensor]:
         """The views to fill this step: a buffer no `.grad` points into. The first call
         of a step also sets over how many nodes the gradients go in as their share."""
         if not self.filling:
             if share != self.share:
-                self.share, self.scale = share, 1.0 / share
+                self.share = share
                 self.factor = torch.tensor(self.scale, dtype=torch.float64)
             views = self.views[self.cur]
             if self.alias and any(p.grad is v for p, v in zip(self.params, views, strict=True)):
@@ -436,7 +439,7 @@ class GradientBuckets:
             self._missing.append(bucket.index[i])
             return
         check_dense(grad, bucket.params[i])
-        if bucket.scale != 1.0:
+        if bucket.share != 1:
             torch.mul(grad, bucket.factor, out=view)
         else:
             view.copy_(grad)
@@ -459,7 +462,7 @@ class GradientBuckets:
             # A small bucket in two calls, not two per parameter: here Python costs more
             # than a second pass over the bytes (the MNIST model: 35 us against 13 us).
             torch._foreach_copy_(views, grads)
-            if bucket.scale != 1.0:
+            if bucket.share != 1:
                 bucket.data.mul_(bucket.factor)
             return
         for i in range(len(bucket.params)):
