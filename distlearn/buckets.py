@@ -352,7 +352,7 @@ class GradientBuckets:
         counts: the bucket's gradients are copied in together as it leaves (_fill)."""
         if self._due:  # a bucket full since an earlier hook: all of its hooks have run
             self._due = False
-            self._start_full()
+            self._launch_ready()
         slot = self._slot.get(id(p))
         if slot is None:
             return  # not trainable when the buckets were built: finish_step rebuilds
@@ -369,7 +369,7 @@ class GradientBuckets:
         bucket.pending -= 1
         if bucket.pending == 0:
             if self._last_hook(p):
-                self._start_full()
+                self._launch_ready()
             else:  # a user's hook on p, registered after ours, has yet to run
                 self._due = True
 
@@ -380,13 +380,7 @@ class GradientBuckets:
         hooks = getattr(p, "_post_accumulate_grad_hooks", None)
         return bool(hooks) and next(reversed(hooks)) == self._hooks[id(p)][1].id
 
-    def _start_full(self) -> None:
-        if torch.is_grad_enabled():  # backward(create_graph=True): `out=` refuses autograd
-            with torch.no_grad():
-                self._launch_ready()
-        else:
-            self._launch_ready()
-
+    @torch.no_grad()  # (backward(create_graph=True) runs hooks with grad; `out=` refuses it)
     def _launch_ready(self) -> None:
         """Start every full bucket whose predecessors have started (not the last one)."""
         while (
