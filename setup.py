@@ -63,9 +63,11 @@ extras = {
 }
 extras["all"] = sorted({req for reqs in extras.values() for req in reqs})
 
-# Plain CSV/TSV indexes read in one pass of C (dataset/csvlines.py). Optional: where
+# Plain CSV/TSV indexes read in one pass of C (dataset/index/csv/lines.py). Optional: where
 # it cannot be built (no C compiler), the other readers read every index.
-extensions = [Extension("distlearn.dataset._lines", ["dataset/_lines.c"], optional=True)]
+extensions = [
+    Extension("distlearn.dataset.index.csv._lines", ["dataset/index/csv/_lines.c"], optional=True)
+]
 
 setup(
     name="distlearn",

@@ -169,7 +169,9 @@ def child(kind: str, path: str, cache_dir: str, rows: int) -> dict:
         import pandas
         import pyarrow.csv
     else:
-        from distlearn.dataset import Dataset, batcher, csvlines, kinds  # noqa: F401 (not timed)
+        from distlearn.dataset import Dataset, batcher  # noqa: F401 (not timed)
+        from distlearn.dataset.index import kinds  # noqa: F401 (not timed)
+        from distlearn.dataset.index.csv import lines as csvlines
         from distlearn.dataset.processors import Raw
 
         if kind == "dataset-arrow":  # the reader the C one stands in front of
@@ -218,7 +220,7 @@ def child(kind: str, path: str, cache_dir: str, rows: int) -> dict:
 def samplers_child(path: str, cache_dir: str) -> dict:
     """Each sampler's epoch over the whole index (numpy end to end), and a state_dict."""
     from distlearn.dataset import Dataset
-    from distlearn.dataset.sampler import epoch_rng, get_sampler
+    from distlearn.dataset.sampling.samplers import epoch_rng, get_sampler
 
     ds = Dataset(path, cache_index=True, cache_dir=cache_dir)
     out = {}

@@ -270,7 +270,8 @@ def dataset_shards(ctx: Ctx, workers: str | None = None, pool_size: int | None =
 
     The part cache is off, so every repetition reads over HTTP like WebDataset does.
     """
-    from distlearn.dataset import Dataset, parts, processors
+    from distlearn.dataset import Dataset, processors
+    from distlearn.dataset.index import parts
 
     ds = Dataset(shard_pattern(ctx), cache_parts=False)
     processor = parts.SampleMember(processors.Image(mode="L"))

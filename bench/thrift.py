@@ -111,7 +111,7 @@ def rows(protocol: str) -> dict[str, Callable[[list[bytes]], int]]:
     from thrift.transport.TTransport import TMemoryBuffer
     from thrift.TSerialization import deserialize
 
-    from distlearn.dataset.thrift import FeatureRecord, decode
+    from distlearn.dataset.formats.thrift import FeatureRecord, decode
 
     if protocol == "binary":
         accel, fast = TBinaryProtocol.TBinaryProtocolAccelerated, fastbinary.decode_binary
@@ -178,7 +178,7 @@ def rows(protocol: str) -> dict[str, Callable[[list[bytes]], int]]:
 
 def check_agreement(protocol: str, recs: list, datas: list[bytes]) -> None:
     """Our decode gives what the generated class holds, for the first records."""
-    from distlearn.dataset.thrift import decode
+    from distlearn.dataset.formats.thrift import decode
 
     for rec, d in list(zip(recs, datas, strict=True))[:20]:
         got = decode(d, protocol)

@@ -66,11 +66,11 @@ _LAZY = {
     "Batch": "items",
     "Record": "items",
     "SampledBatcher": "batcher",
-    "Fetcher": "fetch",
-    "Index": "index",
-    "open_index": "kinds",
-    "register_index_kind": "kinds",
-    "register_sampler": "sampler",
+    "Fetcher": "fetch.fetcher",
+    "Index": "index.table",
+    "open_index": "index.kinds",
+    "register_index_kind": "index.kinds",
+    "register_sampler": "sampling.samplers",
     "item_rng": "seeding",
     "item_seed": "seeding",
 }
@@ -99,11 +99,11 @@ if TYPE_CHECKING:
         PartError,
         WorkerDied,
     )
-    from .fetch import Fetcher
-    from .index import Index
+    from .fetch.fetcher import Fetcher
+    from .index.kinds import open_index, register_index_kind
+    from .index.table import Index
     from .items import Batch, Record
-    from .kinds import open_index, register_index_kind
-    from .sampler import register_sampler
+    from .sampling.samplers import register_sampler
     from .seeding import item_rng, item_seed
 
 
@@ -192,8 +192,8 @@ class Dataset:
         **opts: Any,
     ):
         from .errors import BadIndex
-        from .kinds import open_index
-        from .parts import PartIndex
+        from .index.kinds import open_index
+        from .index.parts import PartIndex
 
         for name in ("pool_size", "prefetch"):  # the batcher's own arguments
             if name in opts:

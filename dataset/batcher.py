@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
-from .engine import SlotEngine
 from .errors import AllFailed
-from .fetch import Stats
+from .fetch.cache import item_cache
+from .fetch.fetcher import Stats
 from .items import Batch, Record
 from .options import DEFAULT_WORKER_TIMEOUT, Options
-from .sampler import for_index
-from .stream import ItemStream
+from .sampling.samplers import for_index
+from .sampling.stream import ItemStream
+from .workers.ring import SlotEngine
 
 __all__ = ["DEFAULT_WORKER_TIMEOUT", "AllFailed", "Batch", "Record", "SampledBatcher"]
 
@@ -82,7 +83,7 @@ class SampledBatcher:
             in_memory=getattr(index, "in_memory", False),
             workers=o.workers,
             fetch=o.fetch,
-            cache=o.cache.item_cache(),
+            cache=item_cache(o.cache),
         )
         self.batch_size, self.input_dims = batch_size, self.engine.input_dims
         self.seed, self.partition = self.stream.seed, self.stream.partition

@@ -137,18 +137,6 @@ class CacheOptions(Group):
     def __post_init__(self) -> None:
         _positive("max_cache_bytes", self.max_cache_bytes, allow_none=True)
 
-    def disk(self):
-        """A :class:`dataset.cache.Cache` at ``cache_dir``."""
-        from .cache import Cache
-
-        return Cache(self.cache_dir, self.max_cache_bytes)
-
-    def item_cache(self):
-        """The cache for fetched items: ``cache``, or a disk cache with ``cache_items``."""
-        if self.cache is not None:
-            return self.cache
-        return self.disk() if self.cache_items else None
-
 
 @dataclass(frozen=True)
 class PartOptions(Group):

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from distlearn.dataset import bytesort
+from distlearn.dataset.index import bytesort
 
 ALPHABET = [b"a", b"b", b"/", b"0", b"\x00", b"\x7f", b"\x80", b"\xc3\xa9", b"\xff"]
 

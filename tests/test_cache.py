@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-import distlearn.dataset.cache
-from distlearn.dataset import DatasetError, hostlock
-from distlearn.dataset.cache import Cache
+import distlearn.dataset.fetch.cache
+from distlearn.dataset import DatasetError
+from distlearn.dataset.fetch import hostlock
+from distlearn.dataset.fetch.cache import Cache
 from tests.conftest import repo_env, wait_for_file
 
-CACHE_PY = distlearn.dataset.cache.__file__
+CACHE_PY = distlearn.dataset.fetch.cache.__file__
 TRAILER = 16  # length + CRC-32 after each entry
 
 
@@ -94,13 +95,13 @@ def test_failed_producer_leaves_nothing(tmp_path):
 
 CHILD = r"""
 import os, sys, time, random, hashlib, importlib, types
-# Load dataset/cache.py (and the errors module it imports) without the package:
+# Load dataset/fetch/cache.py (and the modules it imports) without the package:
 # importing the package would import torch, which takes seconds per child on a
 # busy machine and is not what is tested.
 pkg = types.ModuleType("dlcache")
-pkg.__path__ = [os.path.dirname(os.environ["CACHE_PY"])]
+pkg.__path__ = [os.path.dirname(os.path.dirname(os.environ["CACHE_PY"]))]
 sys.modules["dlcache"] = pkg
-Cache = importlib.import_module("dlcache.cache").Cache
+Cache = importlib.import_module("dlcache.fetch.cache").Cache
 
 def body(url, size):
     seed = hashlib.sha256(url.encode()).digest()
@@ -232,7 +233,7 @@ def test_a_stopped_lock_holder_is_gone_on_without(tmp_path, caplog, mode):
     try:
         cache = Cache(tmp_path / "cache", max_cache_bytes=1000)
         t0 = time.monotonic()
-        with caplog.at_level("WARNING", logger="distlearn.dataset.cache"):
+        with caplog.at_level("WARNING", logger="distlearn.dataset.fetch.cache"):
             assert cache.fill("http://host/stuck", lambda: b"whole") == b"whole"
             assert cache.put("other", bytes(100))  # a flush of the ledger: 1% of the limit
         assert time.monotonic() - t0 < hostlock.STOPPED_GRACE + 10

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from distlearn.dataset import cores
+from distlearn.dataset.index import cores
 
 
 def test_on_two_threads_splits_the_parts_between_two_threads():

@@ -21,7 +21,11 @@ import numpy as np
 import pytest
 from test_csvscan import summary, write_rows
 
-from distlearn.dataset import BadIndex, csvarrow, csvindex, csvlines, index, open_index
+from distlearn.dataset import BadIndex, open_index
+from distlearn.dataset.index import table as index
+from distlearn.dataset.index.csv import arrow as csvarrow
+from distlearn.dataset.index.csv import lines as csvlines
+from distlearn.dataset.index.csv import reader as csvindex
 
 pytestmark = pytest.mark.skipif(csvarrow.pa is None, reason="pyarrow is not installed")
 
@@ -503,7 +507,8 @@ def test_an_open_imports_no_pandas(tmp_path):
     path = tmp_path / "i.csv"
     path.write_bytes(write_rows(_rows(rng, 500, plain=True, width=2), csv.QUOTE_MINIMAL, "\n"))
     code = (
-        "import sys; from distlearn.dataset import Dataset, csvarrow; "
+        "import sys; from distlearn.dataset import Dataset; "
+        "from distlearn.dataset.index.csv import arrow as csvarrow; "
         "csvarrow.BLOCK = 1 << 12; ix = Dataset(sys.argv[1]).index; "
         "assert len(ix) and 'pandas' not in sys.modules, sorted(sys.modules)"
     )

@@ -21,7 +21,9 @@ import pytest
 from test_csvarrow import compared_on_mutated, opened_refusing, same
 from test_csvscan import write_rows
 
-from distlearn.dataset import csvindex, csvlines, index
+from distlearn.dataset.index import table as index
+from distlearn.dataset.index.csv import lines as csvlines
+from distlearn.dataset.index.csv import reader as csvindex
 
 pytestmark = pytest.mark.skipif(csvlines._lines is None, reason="dataset._lines is not built")
 

@@ -15,7 +15,9 @@ import random
 import numpy as np
 import pytest
 
-from distlearn.dataset import BadIndex, csvindex, csvscan, open_index
+from distlearn.dataset import BadIndex, open_index
+from distlearn.dataset.index.csv import reader as csvindex
+from distlearn.dataset.index.csv import scan as csvscan
 
 ALPHABET = ["a", "b", "z", "0", "9", ",", '"', "\n", "\r\n", " ", "\t", "é", "\u00a0", "\u3000",
             "/", ".", ";", "'", "x y"]  # fmt: skip

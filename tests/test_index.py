@@ -130,7 +130,7 @@ def test_http_index_resolves_against_its_url_and_meta_prefix(tmp_path, serve_dir
 def test_http_resolution_matches_urljoin(name):
     import urllib.parse
 
-    from distlearn.dataset import sources
+    from distlearn.dataset.fetch import sources
 
     base = "http://cdn.test/data/set/"
     assert sources.resolve(base, name) == urllib.parse.urljoin(base, name)
@@ -193,7 +193,7 @@ def test_directory_index_follows_links_but_not_round_a_loop(tmp_path, caplog):
     os.symlink(tmp_path / "data", tmp_path / "data" / "b" / "loop")  # a loop
     os.symlink(tmp_path / "data" / "b", tmp_path / "data" / "b" / "again")  # to itself
     os.symlink(tmp_path / "data" / "shared", tmp_path / "data" / "c")  # a class that is a link
-    with caplog.at_level("WARNING", logger="distlearn.dataset.index"):
+    with caplog.at_level("WARNING", logger="distlearn.dataset.index.table"):
         ix = open_index(str(tmp_path / "data"))
     names = [os.path.relpath(s, tmp_path / "data") for s in ix.sources]
     assert names == ["a/1.png", "b/2.png", "c/3.png", "shared/3.png"]
@@ -418,7 +418,7 @@ def test_partition_by_label_runs_matches_torch_dataset_rule(tmp_path, multi_hot,
     the same examples as the k-th-of-each-label rule on the targets, mapped or not."""
     import numpy as np
 
-    from distlearn.dataset.index import partition_positions
+    from distlearn.dataset.index.table import partition_positions
 
     rng = np.random.default_rng(7)
     lines = []
@@ -457,7 +457,7 @@ def test_picks_are_torch_dataset_s_k_mod_partitions_in_every_run():
     """``_picks`` against a plain reading of the rule: within each label's run, the k-th
     example (from 1) goes to partition k % partitions; runs empty, of one example
     each (picks far more than the positions / partitions), or long."""
-    from distlearn.dataset.index import _picks
+    from distlearn.dataset.index.table import _picks
 
     rng = random.Random(0)
     cases = [[rng.randrange(0, 20) for _ in range(rng.randrange(0, 12))] for _ in range(2000)]

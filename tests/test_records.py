@@ -12,8 +12,8 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from distlearn.dataset import records
-from distlearn.dataset.records import ReadStats, masked_crc32c, read_part, write_tfrecord
+from distlearn.dataset.formats import records
+from distlearn.dataset.formats.records import ReadStats, masked_crc32c, read_part, write_tfrecord
 
 
 def write_shard(path, n, start=0, long_keys=False):
@@ -98,7 +98,7 @@ def test_tar_cut_off_keeps_complete_samples(tmp_path, cut, caplog):
     cut_at = full[13][0] - cut  # `cut` bytes before sample 13's first header
     part = tmp_path / "cut-part.tar"
     part.write_bytes(path.read_bytes()[:cut_at])
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
         got, stats = ours(part)
     complete = [s["__key__"] for _, s in full if ends[s["__key__"]] <= cut_at]
     # every delivered sample is whole; at most the last complete one is held back,
@@ -122,7 +122,7 @@ def test_tar_bad_header_checksum_drops_the_sample_and_resyncs(tmp_path, caplog):
     data[victim + 10] ^= 0xFF
     bad = tmp_path / "bad2.tar"
     bad.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
         got, stats = ours(bad)
     assert [s for _, s in got] == [s for i, (_, s) in enumerate(full) if i != 4]
     assert stats.corrupt == 1 and f"byte {victim}" in caplog.text
@@ -188,7 +188,7 @@ def test_tfrecord_bad_data_crc_dropped(tmp_path, caplog):
     assert len(recs[3]) > 0
     path = tmp_path / "b.tfrecord"
     path.write_bytes(b"".join(frames))
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
         got, stats = ours(path)
     assert [r for _, r in got] == recs[:3] + recs[4:]
     assert stats.corrupt == 1 and stats.reasons == {"bad data CRC": 1}
@@ -239,7 +239,7 @@ def test_lines_gz_multi_member_and_truncated(tmp_path, caplog):
     cut = tmp_path / "part-00001.gz"
     whole = gzip.compress(body)
     cut.write_bytes(whole[: len(whole) * 2 // 3])
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
         got, stats = ours(cut)
     assert 0 < len(got) < 2000 and [r for _, r in got] == lines[: len(got)]
     assert stats.truncated_files == 1 and stats.corrupt == 1
@@ -251,7 +251,7 @@ def test_logging_is_rate_limited(tmp_path, caplog):
     frames = [f[:-1] + bytes([f[-1] ^ 1]) for f in frames]  # every data CRC bad
     path = tmp_path / "e.tfrecord"
     path.write_bytes(b"".join(frames))
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
         got, stats = ours(path)
     assert got == [] and stats.corrupt == 50
     assert len(caplog.records) == records._LOG_PER_PART + 1

@@ -10,7 +10,7 @@ import torch
 
 from distlearn import dataset
 from distlearn.dataset import Dataset, Record, open_index
-from distlearn.dataset.sampler import epoch_rng, get_sampler
+from distlearn.dataset.sampling.samplers import epoch_rng, get_sampler
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below
 CHI2_999 = {2: 13.82, 3: 16.27, 4: 18.47}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from distlearn.dataset import Record, open_index
-from distlearn.dataset.sources import Joined
-from distlearn.dataset.stream import ItemStream
+from distlearn.dataset.fetch.sources import Joined
+from distlearn.dataset.sampling.stream import ItemStream
 
 
 def tensor_index(n: int, labels: int = 3):

@@ -17,7 +17,7 @@ from PIL import Image
 from thrift.protocol import TBinaryProtocol, TCompactProtocol
 from thrift.TSerialization import deserialize, serialize
 
-from distlearn.dataset.thrift import MEDIA_SCHEMA, MediaRecord, ThriftError, decode, encode
+from distlearn.dataset.formats.thrift import MEDIA_SCHEMA, MediaRecord, ThriftError, decode, encode
 
 IDL = Path(__file__).parent / "thrift_idl"
 FACTORIES = {

@@ -18,7 +18,7 @@ from test_thrift import IDL, load_generated
 from test_thrift_features import FACTORIES, make_record
 from thrift.TSerialization import serialize
 
-from distlearn.dataset.thrift import ThriftError, decode
+from distlearn.dataset.formats.thrift import ThriftError, decode
 
 PROTOCOLS = ["binary", "compact"]
 OFFSET = re.compile(r"offset \d+")

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from distlearn.dataset import Dataset, IndexNotFound, open_index
-from distlearn.dataset.parts import SAMPLERS, PartIndex
-from distlearn.dataset.records import read_part
-from distlearn.dataset.sampler import epoch_rng, get_sampler
+from distlearn.dataset.formats.records import read_part
+from distlearn.dataset.index.parts import PartIndex
+from distlearn.dataset.sampling.samplers import PART_SAMPLERS as SAMPLERS
+from distlearn.dataset.sampling.samplers import epoch_rng, get_sampler
 
 FIX = Path(__file__).parent / "torch_dataset"
 PARTS = FIX / "hdfs" / "files"

@@ -30,11 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import sources as src
-from .csvindex import from_csv, local_identity, read_meta
-from .errors import BadIndex, IndexNotFound
-from .fetch import Fetcher, read_bytes
-from .index import (
+from ..errors import BadIndex, IndexNotFound
+from ..fetch import sources as src
+from ..fetch.cache import disk_cache
+from ..fetch.fetcher import Fetcher, read_bytes
+from ..options import Options, split
+from .csv.reader import from_csv, local_identity, read_meta
+from .parts import PartIndex, is_part_source, open_parts
+from .table import (
     BY_ROW,
     Index,
     NameRows,
@@ -44,8 +47,6 @@ from .index import (
     join,
     labelled,
 )
-from .options import Options, split
-from .parts import PartIndex, is_part_source, open_parts
 
 log = logging.getLogger("distlearn.dataset.index")
 
@@ -116,7 +117,7 @@ def open_index(index: Any, *, options: Options | None = None, **flat: Any) -> An
         options = split("open_index()", flat, ("index", "fetch", "cache", "parts"))
     elif flat:
         options = options.update("open_index()", flat, ("index", "fetch", "cache", "parts"))
-    cache = options.cache.disk() if options.index.cache_index else None
+    cache = disk_cache(options.cache) if options.index.cache_index else None
     with Fetcher(pool_size=4, **options.fetch.fetcher_kwargs()) as fetcher:
         return Opening(options, fetcher, cache).open(index)
 

@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cores import in_order, on_two_threads
-from .csvscan import QUOTE, edges_clean, quotes_ok, strip
-from .index import small_int
+from ..cores import in_order, on_two_threads
+from ..table import small_int
+from .scan import QUOTE, edges_clean, quotes_ok, strip
 
 try:
     import pyarrow as pa

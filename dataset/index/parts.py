@@ -54,16 +54,15 @@ from typing import Any
 
 import numpy as np
 
-from . import sources as src
-from .cache import Cache
-from .errors import FetchError, PartError
-from .fetch import Fetcher, with_retries
-from .items import Record
-from .options import CacheOptions, FetchOptions, Options, PartOptions
-from .records import ReadStats, TooLarge, read_part
-from .sampler import PART_SAMPLERS as SAMPLERS
+from ..errors import FetchError, PartError
+from ..fetch import sources as src
+from ..fetch.cache import Cache, disk_cache
+from ..fetch.fetcher import Fetcher, with_retries
+from ..formats.records import ReadStats, TooLarge, read_part
+from ..items import Record
+from ..options import CacheOptions, FetchOptions, Options, PartOptions
 
-__all__ = ["SAMPLERS", "PartIndex", "SampleMember", "is_part_source", "list_parts", "open_parts"]
+__all__ = ["PartIndex", "SampleMember", "is_part_source", "list_parts", "open_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -553,7 +552,7 @@ def open_parts(
         url,
         options=o.parts,
         fetch=o.fetch,
-        cache=o.cache.disk() if o.parts.cache_parts else None,
+        cache=disk_cache(o.cache) if o.parts.cache_parts else None,
         sizes=[size for _, size in listed],
     )
 

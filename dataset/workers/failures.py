@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import AllFailed, DatasetError, RemoteTraceback
-from .fetch import RateLimitedLog
+from ..errors import AllFailed, DatasetError, RemoteTraceback
+from ..fetch.fetcher import RateLimitedLog
 
 log = logging.getLogger("distlearn.dataset.batcher")
 

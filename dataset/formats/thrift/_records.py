@@ -34,7 +34,7 @@ class MediaRecord:
     """
 
     def __init__(self, protocol: str = "binary", **image_opts: Any):
-        from .. import processors
+        from ... import processors
         from . import _check_protocol
 
         _check_protocol(protocol)

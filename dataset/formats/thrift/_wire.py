@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DatasetError
+from ...errors import DatasetError
 
 Schema = Any  # str | tuple | Mapping[int, Schema]
 

@@ -37,9 +37,9 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from ..errors import FetchError, IndexNotFound
+from ..options import DEFAULT_MAX_ITEM_BYTES, REDIRECT_POLICIES
 from . import sources as src
-from .errors import FetchError, IndexNotFound
-from .options import DEFAULT_MAX_ITEM_BYTES, REDIRECT_POLICIES
 
 __all__ = ["FetchError", "Fetcher", "RateLimitedLog", "Stats", "read_bytes", "with_retries"]
 

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 
-log = logging.getLogger("distlearn.dataset.cache")
+log = logging.getLogger("distlearn.dataset.fetch.cache")
 
 # A holder seen stopped for this long is gone on without.
 STOPPED_GRACE = 2.0

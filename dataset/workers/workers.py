@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import FetchError, WorkerDied
+from ..errors import FetchError, WorkerDied
+from ..fetch.fetcher import Fetcher, Stats
+from ..seeding import call_with_item, seed_worker
 from .failures import FETCH, PROCESS, ItemFailure
-from .fetch import Fetcher, Stats
-from .seeding import call_with_item, seed_worker
 
 log = logging.getLogger(__name__)
 

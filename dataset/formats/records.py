@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .options import DEFAULT_MAX_PART_BYTES  # a part decompresses to at most this (held whole)
+from ..options import DEFAULT_MAX_PART_BYTES  # a part decompresses to at most this (held whole)
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from ..fetch.fetcher import Stats
+from ..items import Batch
+from ..options import FetchOptions, WorkerOptions
+from ..processors import default_processor
+from ..sampling.stream import Work
 from .failures import FailurePolicy
-from .fetch import Stats
-from .items import Batch
-from .options import FetchOptions, WorkerOptions
-from .processors import default_processor
-from .stream import Work
 from .workers import ProcessWorkers, ThreadWorkers
 
 __all__ = ["SlotEngine", "choose_workers"]

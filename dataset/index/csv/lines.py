@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cores import fresh, on_two_threads
-from .index import small_int, sort_labels
+from ..cores import fresh, on_two_threads
+from ..table import small_int, sort_labels
 
 try:
     from . import _lines

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cores import in_order, on_two_threads
+from ..cores import in_order, on_two_threads
 
 QUOTE, NL, CR = 34, 10, 13
 # Bytes str.strip() removes that are ASCII (the other whitespace is not ASCII).

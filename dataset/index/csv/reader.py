@@ -20,14 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from . import bytesort, csvarrow, csvlines
-from . import sources as src
-from .cores import on_two_threads
-from .csvarrow import pa, pc
-from .csvscan import Fields, iter_rows, scan, scan_rows
-from .errors import BadIndex, FetchError, IndexNotFound
-from .fetch import Fetcher, read_bytes
-from .index import Index, NameRows, Resolver, fixed_width, labelled, small_int, sort_labels
+from ...errors import BadIndex, FetchError, IndexNotFound
+from ...fetch import sources as src
+from ...fetch.fetcher import Fetcher, read_bytes
+from .. import bytesort
+from ..cores import on_two_threads
+from ..table import Index, NameRows, Resolver, fixed_width, labelled, small_int, sort_labels
+from . import arrow as csvarrow
+from . import lines as csvlines
+from .arrow import pa, pc
+from .scan import Fields, iter_rows, scan, scan_rows
 
 log = logging.getLogger("distlearn.dataset.index")
 

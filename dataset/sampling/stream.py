@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BadIndex
-from .index import JoinedIndex
-from .items import Record
-from .sampler import check_options, endless, epoch_rng, get_sampler
-from .sources import Joined
+from ..errors import BadIndex
+from ..fetch.sources import Joined
+from ..index.table import JoinedIndex
+from ..items import Record
+from .samplers import check_options, endless, epoch_rng, get_sampler
 
 __all__ = ["ItemStream", "Work"]
 

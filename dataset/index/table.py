@@ -48,11 +48,11 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import BadIndex
+from ..fetch import sources as src
+from ..fetch.sources import Joined
 from . import bytesort
-from . import sources as src
 from .cores import arange, take
-from .errors import BadIndex
-from .sources import Joined
 
 __all__ = ["BadIndex", "Index", "JoinedIndex", "NameRows", "RowLabels", "labelled"]
 

@@ -39,9 +39,13 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .errors import DatasetError
+from ..errors import DatasetError
 from .hostlock import HostLock
+
+if TYPE_CHECKING:
+    from ..options import CacheOptions
 
 log = logging.getLogger(__name__)
 
@@ -380,3 +384,16 @@ class Cache:
     def clear(self) -> None:
         """Remove every entry."""
         self.evict(0)
+
+
+def disk_cache(options: CacheOptions) -> Cache:
+    """A :class:`Cache` at ``options.cache_dir`` of at most ``options.max_cache_bytes``."""
+    return Cache(options.cache_dir, options.max_cache_bytes)
+
+
+def item_cache(options: CacheOptions) -> Any:
+    """The cache for fetched items: ``options.cache`` (any object with the Cache's
+    get/put/fill), or a disk cache with ``cache_items``, else None."""
+    if options.cache is not None:
+        return options.cache
+    return disk_cache(options) if options.cache_items else None

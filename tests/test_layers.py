@@ -1,0 +1,136 @@
+"""The layers of each package, as folders: no module imports from a layer above its own.
+
+Each package lists its layers lowest first; a module belongs to the first layer one of whose
+prefixes names it (``index`` covers ``index.kinds`` and ``index.csv.lines``). An import
+counts wherever it stands (module level, inside a function, under ``TYPE_CHECKING``): a
+lazy import still runs upward. Modules of one layer may import each other, but the
+module-level imports of a whole package hold no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Lowest first. The package's own __init__ (the public surface) is above every layer.
+LAYERS = {
+    "dataset": [
+        # shared types and the public leaves that import nothing of the package
+        {"errors", "options", "items", "seeding", "processors", "serve"},
+        {"formats"},  # bytes of one part or record -> records
+        {"fetch"},  # sources, the Fetcher, the disk cache
+        {"index"},  # kinds of index, CSV readers, part files -> Index
+        {"sampling"},  # samplers and the item stream: which items each batch holds
+        {"workers"},  # fetch + decode into the batch ring: threads or processes
+        {"batcher"},  # the user's iterator
+    ],
+}
+PACKAGE_NAMES = {"dataset": "distlearn.dataset", "ipc": "distlearn.ipc"}
+
+
+def _modules(package: str) -> dict[str, Path]:
+    """Dotted name (relative to the package; "" for its __init__) -> file."""
+    top = ROOT / package
+    found = {}
+    for path in sorted(top.rglob("*.py")):
+        parts = list(path.relative_to(top).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(package: str, name: str, path: Path, known: set[str], top_only: bool):
+    """The package's modules that `name` imports (resolved to known module names)."""
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if name else []
+    base = here if is_pkg else here[:-1]
+    absolute = PACKAGE_NAMES[package] + "."
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if not isinstance(node, ast.ImportFrom | ast.Import):
+            continue
+        targets = []
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(absolute):
+                    targets.append((alias.name[len(absolute) :], []))
+        elif node.level:
+            up = base[: len(base) - (node.level - 1)]
+            target = ".".join([*up, *([node.module] if node.module else [])])
+            targets.append((target, [a.name for a in node.names]))
+        elif node.module and node.module.startswith(absolute):
+            targets.append((node.module[len(absolute) :], [a.name for a in node.names]))
+        for target, names in targets:
+            subs = [f"{target}.{n}" if target else n for n in names]
+            modules = [s for s in subs if s in known]
+            found.update(modules or ([target] if target in known else []))
+    found.discard(name)
+    return found
+
+
+def _layer(package: str, module: str) -> int:
+    if module == "":
+        return len(LAYERS[package])
+    for i, prefixes in enumerate(LAYERS[package]):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{package}.{module} is in no layer of LAYERS[{package!r}]")
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_no_import_runs_upward(package):
+    modules = _modules(package)
+    upward = []
+    for name, path in modules.items():
+        mine = _layer(package, name)
+        for target in _imports(package, name, path, set(modules), top_only=False):
+            if _layer(package, target) > mine:
+                upward.append(f"{package}.{name or '__init__'} imports {package}.{target}")
+    assert not upward, "imports that run upward:\n" + "\n".join(sorted(upward))
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_no_import_cycle_at_module_level(package):
+    modules = _modules(package)
+    graph = {
+        name: _imports(package, name, path, set(modules), top_only=True)
+        for name, path in modules.items()
+    }
+    state: dict[str, int] = {}
+
+    def visit(m: str, trail: list[str]) -> None:
+        if state.get(m) == 1:
+            raise AssertionError(f"import cycle: {' -> '.join([*trail, m])}")
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for n in sorted(graph[m]):
+            visit(n, [*trail, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_the_packages_do_not_import_each_other():
+    for package, other in (("dataset", "distlearn.ipc"), ("ipc", "distlearn.dataset")):
+        for name, path in _modules(package).items():
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                bad = [n for n in names if n == other or n.startswith(other + ".")]
+                assert not bad, f"{package}.{name or '__init__'} imports {bad[0]}"
+
+
+def test_every_module_is_in_a_layer():
+    for package in LAYERS:
+        for name in _modules(package):
+            _layer(package, name)
