@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from distlearn.dataset import Dataset, Fetcher, FetchError
+from distlearn.dataset import Dataset, Fetcher, FetchError, WorkerDied
 from distlearn.dataset.processors import Image, Raw
-from distlearn.dataset.workers.workers import WorkerDied
 from tests.conftest import repo_env, shm_files
 from tests.faulty_server import item_ids, make_pngs
 
@@ -257,7 +256,7 @@ def test_decode_threads_take_what_was_fetched_in_runs_and_keep_each_items_outcom
     import threading
     import traceback
 
-    from distlearn.dataset.workers.workers import Handoff
+    from distlearn.dataset.workers.fill import Handoff
 
     release = threading.Event()
     threads = set()

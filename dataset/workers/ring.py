@@ -32,7 +32,8 @@ from ..options import FetchOptions, WorkerOptions
 from ..processors import default_processor
 from ..sampling.stream import Work
 from .failures import FailurePolicy
-from .workers import ProcessWorkers, ThreadWorkers
+from .processes import ProcessWorkers
+from .threads import ThreadWorkers
 
 __all__ = ["SlotEngine", "choose_workers"]
 

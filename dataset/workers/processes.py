@@ -1,26 +1,16 @@
-"""Workers: fetch and decode one batch of sources into a slot of the batch ring.
+"""Process workers: `num_workers` processes decoding straight into a shared batch ring.
 
-Two kinds with one interface (``submit(slot, sources) -> job``, ``result(job)``,
-``close()``), both running the same coroutine, :func:`fill`:
-
-- :class:`ThreadWorkers`: one Fetcher loop thread in this process; processors
-  run on a pool of `num_workers` threads, handed over in runs (:class:`Handoff`),
-  or inline on the loop thread (0). Cheap to start, but the GIL caps decoding at
-  about one core.
-- :class:`ProcessWorkers`: `num_workers` processes, each with its own event
-  loop and HTTP session, decoding straight into the ring, which lives in shared
-  memory allocated once (:class:`RingMemory`, a file without a name). The main
-  process sends one small message per batch (slot and sources) and gets back
-  which rows succeeded; it never touches the bytes. Works with the fork,
-  forkserver and spawn start methods.
+Each process has its own event loop and HTTP session and writes into the ring, which
+lives in shared memory allocated once (:class:`RingMemory`, a file without a name). The
+main process sends one small message per batch (slot and sources) and gets back which
+rows succeeded; it never touches the bytes. Works with the fork, forkserver and spawn
+start methods.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import logging
 import math
 import mmap
 import multiprocessing as mp
@@ -29,231 +19,17 @@ import pickle
 import signal
 import tempfile
 import time
-import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from multiprocessing import reduction
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..errors import FetchError, WorkerDied
-from ..fetch.fetcher import Fetcher, Stats
-from ..seeding import call_with_item, seed_worker
-from .failures import FETCH, PROCESS, ItemFailure
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class BatchResult:
-    """What happened to each row of a batch: small, so it pickles fast."""
-
-    ok: list[bool]
-    extras: dict[int, Any] = field(default_factory=dict)
-    errors: list[ItemFailure] = field(default_factory=list)
-    stats: dict = field(default_factory=Stats)
-
-
-# What a batch is decoded under: (seed, partition, epoch, position of its first item)
-Context = tuple[int, int, int, int]
-
-
-def _verdict(ret: Any) -> tuple[bool, Any]:
-    """(keep the item?, its extra) from what a processor returned: `ret` or `(ret, extra)`.
-
-    False drops the item, and so does numpy's False or a one-element torch bool that is
-    False (`return out.sum() > 0`); anything else keeps it (None, True, the `out` tensor
-    that `out.copy_(...)` returns; 0 too, as in torch-dataset's Lua, where 0 is true).
-    """
-    extra = None
-    if isinstance(ret, tuple):
-        if len(ret) != 2:
-            raise TypeError(
-                f"the processor returned a tuple of {len(ret)}; want (keep, extra) or a bool"
-            )
-        ret, extra = ret
-    if ret is False or isinstance(ret, np.bool_):
-        return bool(ret), extra
-    if isinstance(ret, torch.Tensor) and ret.dtype == torch.bool and ret.numel() == 1:
-        return bool(ret), extra
-    return True, extra
-
-
-async def fill(
-    fetcher: Fetcher,
-    sources: list[Any],
-    out: torch.Tensor,
-    processor: Any,
-    opt: Any,
-    handoff: Handoff | None = None,
-    ctx: Context | None = None,
-) -> BatchResult:
-    """Fetch every source and let `processor` decode item i into ``out[i]``, concurrently.
-
-    With `ctx`, item i is decoded as item ``ctx[3] + i`` of its epoch (what
-    :func:`dataset.seeding.item_rng` derives its generator from).
-    """
-    res = BatchResult(ok=[False] * len(sources))
-    stats = res.stats
-    seed, partition, epoch, first = ctx if ctx is not None else (0, 0, 0, 0)
-
-    async def one(i: int, source: Any) -> None:
-        try:
-            data = await fetcher.fetch(source, stats)
-        except FetchError as err:
-            stats["failed"] += 1
-            res.errors.append(ItemFailure(i, FETCH, err.cause, type(err).__name__, err))
-            return
-        except Exception as err:  # a bug or an odd backend error: still only this item
-            stats["failed"] += 1
-            kind = type(err).__name__
-            res.errors.append(
-                ItemFailure(i, FETCH, f"{kind}: {err}", kind, err, traceback.format_exc())
-            )
-            return
-        key = (seed, partition, epoch, first + i)
-        try:
-            if handoff is None:
-                ret = call_with_item(key, processor, data, opt, out[i])
-            else:
-                ret = await handoff.submit(key, data, out[i])
-            kept, extra = _verdict(ret)
-        except (Exception, SystemExit) as err:  # (SystemExit: it would end the loop's thread)
-            stats["dropped"] += 1
-            kind = type(err).__name__
-            cause = f"processor raised {kind}: {err}"
-            res.errors.append(ItemFailure(i, PROCESS, cause, kind, err, traceback.format_exc()))
-            return
-        if not kept:
-            stats["dropped"] += 1
-            res.errors.append(ItemFailure(i, PROCESS, "processor returned False"))
-            return
-        res.ok[i] = True
-        if extra is not None:
-            res.extras[i] = extra
-
-    await asyncio.gather(*(one(i, s) for i, s in enumerate(sources)))
-    return res
-
-
-class Handoff:
-    """Fetched items to `threads` decode threads, in runs: a run takes every item
-    fetched since the last run started (of any batch in flight), so the two thread
-    switches of a hand-off (tens of microseconds, more than a small PNG takes to
-    decode) are paid per run, not per item. At most one run per thread is in flight;
-    the rest wait in `pending`. Used from the fetcher's loop thread only.
-    """
-
-    def __init__(self, threads: int, processor: Any, opt: Any):
-        self.executor = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="dataset-decode"
-        )
-        self.threads, self.processor, self.opt = threads, processor, opt
-        self.running = 0
-        self.pending: list[tuple[Any, Any, torch.Tensor, asyncio.Future]] = []
-
-    def submit(self, key: Any, data: Any, row: torch.Tensor) -> asyncio.Future:
-        """`processor(data, opt, row)` as item `key`; a future of what it returned."""
-        done = asyncio.get_running_loop().create_future()
-        self.pending.append((key, data, row, done))
-        if self.running < self.threads:
-            self._start()
-        return done
-
-    def _start(self) -> None:
-        run = [item for item in self.pending if not item[3].cancelled()]
-        self.pending = []
-        if not run:
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            job = self.executor.submit(self._decode, run)
-        except RuntimeError as err:  # the pool was shut down: every item of the run fails
-            for *_, done in run:
-                done.set_exception(err)
-            return
-        self.running += 1
-        job.add_done_callback(lambda job: self._back(loop, run, job))
-
-    def _decode(self, run: list) -> list[tuple[Any, BaseException | None]]:
-        """On a decode thread: each item's return value or exception."""
-        results = []
-        for key, data, row, _ in run:
-            try:
-                results.append((call_with_item(key, self.processor, data, self.opt, row), None))
-            except Exception as err:
-                results.append((None, err))
-        return results
-
-    def _back(self, loop: asyncio.AbstractEventLoop, run: list, job) -> None:
-        """On the decode thread, as a run ends: its results to the loop."""
-        with contextlib.suppress(RuntimeError):  # a closed loop (shutting down): nobody waits
-            loop.call_soon_threadsafe(self._done, run, job)
-
-    def _done(self, run: list, job: concurrent.futures.Future) -> None:
-        """On the loop: settle each item's future, then start the next run."""
-        self.running -= 1
-        if job.cancelled():  # the pool shut down before the run began
-            results = None
-        elif job.exception() is not None:
-            results = [(None, job.exception())] * len(run)
-        else:
-            results = job.result()
-        for i, (*_, done) in enumerate(run):
-            if done.done():
-                continue
-            if results is None:
-                done.cancel()
-            elif results[i][1] is None:
-                done.set_result(results[i][0])
-            else:
-                done.set_exception(results[i][1])
-        if self.pending and self.running < self.threads:
-            self._start()
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _stuck(what: str, timeout: float) -> WorkerDied:
-    return WorkerDied(
-        f"{what} finished no batch in worker_timeout={timeout}s: it is stuck (a processor or "
-        "read that hangs, a stopped process); raise worker_timeout if a batch takes longer"
-    )
-
-
-class ThreadWorkers:
-    """Fetch on one event loop thread, decode on `num_workers` threads, all in this process."""
-
-    kind = "thread"
-
-    def __init__(self, slots: torch.Tensor, processor: Any, opt: Any, fetch_kw: dict,
-                 num_workers: int = 1, timeout: float | None = None):  # fmt: skip
-        self.slots = slots
-        self.processor, self.opt, self.timeout = processor, opt, timeout
-        self.fetcher = Fetcher(**fetch_kw)
-        self.handoff = Handoff(num_workers, processor, opt) if num_workers > 0 else None
-
-    def submit(
-        self, slot: int, sources: list[Any], ctx: Context | None = None
-    ) -> concurrent.futures.Future:
-        out = self.slots[slot]
-        return self.fetcher.submit(
-            fill(self.fetcher, sources, out, self.processor, self.opt, self.handoff, ctx)
-        )
-
-    def result(self, job: concurrent.futures.Future) -> BatchResult:
-        try:
-            return job.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise _stuck("the thread workers", self.timeout) from None
-
-    def close(self) -> None:
-        self.fetcher.close()
-        if self.handoff is not None:
-            self.handoff.close()
+from ..errors import WorkerDied
+from ..fetch.fetcher import Fetcher
+from ..seeding import seed_worker
+from .failures import ItemFailure
+from .fill import BatchResult, Context, fill, stuck
 
 
 class RingMemory:
@@ -383,7 +159,7 @@ class ProcessWorkers:
                 if not proc.is_alive():
                     raise self._died(w, None)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise _stuck(f"dataset worker process {w} (pid {proc.pid})", self.timeout)
+                    raise stuck(f"dataset worker process {w} (pid {proc.pid})", self.timeout)
             try:
                 got, res = conn.recv()
             except (EOFError, ConnectionResetError, OSError) as err:

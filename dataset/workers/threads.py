@@ -1,0 +1,48 @@
+"""Thread workers: one Fetcher loop thread in this process, processors on a thread pool.
+
+Processors run on a pool of `num_workers` threads, handed over in runs
+(:class:`dataset.workers.fill.Handoff`), or inline on the loop thread (0). Cheap to start,
+but the GIL caps decoding at about one core.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import torch
+
+from ..fetch.fetcher import Fetcher
+from .fill import BatchResult, Context, Handoff, fill, stuck
+
+
+class ThreadWorkers:
+    """Fetch on one event loop thread, decode on `num_workers` threads, all in this process."""
+
+    kind = "thread"
+
+    def __init__(self, slots: torch.Tensor, processor: Any, opt: Any, fetch_kw: dict,
+                 num_workers: int = 1, timeout: float | None = None):  # fmt: skip
+        self.slots = slots
+        self.processor, self.opt, self.timeout = processor, opt, timeout
+        self.fetcher = Fetcher(**fetch_kw)
+        self.handoff = Handoff(num_workers, processor, opt) if num_workers > 0 else None
+
+    def submit(
+        self, slot: int, sources: list[Any], ctx: Context | None = None
+    ) -> concurrent.futures.Future:
+        out = self.slots[slot]
+        return self.fetcher.submit(
+            fill(self.fetcher, sources, out, self.processor, self.opt, self.handoff, ctx)
+        )
+
+    def result(self, job: concurrent.futures.Future) -> BatchResult:
+        try:
+            return job.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise stuck("the thread workers", self.timeout) from None
+
+    def close(self) -> None:
+        self.fetcher.close()
+        if self.handoff is not None:
+            self.handoff.close()
