@@ -18,7 +18,7 @@ import webdataset as wds
 
 from distlearn.dataset import Dataset
 from distlearn.dataset.fetch.cache import Cache
-from distlearn.dataset.formats.records import write_tfrecord
+from distlearn.dataset.formats import write_tfrecord
 from distlearn.dataset.index.parts import (
     PartError,
     PartIndex,

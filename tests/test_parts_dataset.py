@@ -188,7 +188,7 @@ def test_part_options_only_for_parts():
 
 
 def test_thrift_media_records_in_tfrecord_parts(tmp_path):
-    from distlearn.dataset.formats.records import write_tfrecord
+    from distlearn.dataset.formats import write_tfrecord
     from distlearn.dataset.formats.thrift import MEDIA_SCHEMA, MediaRecord, encode
 
     (tmp_path / "media").mkdir()

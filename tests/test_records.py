@@ -12,8 +12,17 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from distlearn.dataset.formats import records
-from distlearn.dataset.formats.records import ReadStats, masked_crc32c, read_part, write_tfrecord
+from distlearn.dataset.formats import (
+    ReadStats,
+    TooLarge,
+    damage,
+    masked_crc32c,
+    part_format,
+    read_part,
+    tfrecord,
+    write_tfrecord,
+)
+from distlearn.dataset.formats import tar as tar_format
 
 
 def write_shard(path, n, start=0, long_keys=False):
@@ -98,7 +107,7 @@ def test_tar_cut_off_keeps_complete_samples(tmp_path, cut, caplog):
     cut_at = full[13][0] - cut  # `cut` bytes before sample 13's first header
     part = tmp_path / "cut-part.tar"
     part.write_bytes(path.read_bytes()[:cut_at])
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats"):
         got, stats = ours(part)
     complete = [s["__key__"] for _, s in full if ends[s["__key__"]] <= cut_at]
     # every delivered sample is whole; at most the last complete one is held back,
@@ -122,7 +131,7 @@ def test_tar_bad_header_checksum_drops_the_sample_and_resyncs(tmp_path, caplog):
     data[victim + 10] ^= 0xFF
     bad = tmp_path / "bad2.tar"
     bad.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats"):
         got, stats = ours(bad)
     assert [s for _, s in got] == [s for i, (_, s) in enumerate(full) if i != 4]
     assert stats.corrupt == 1 and f"byte {victim}" in caplog.text
@@ -144,12 +153,12 @@ def test_tar_gz_transparent_and_cut_off(tmp_path):
 
 
 def test_record_format_override_and_names():
-    assert records.part_format("a/part-00001") == ("lines", False)
-    assert records.part_format("x.tfrecord.gz") == ("tfrecord", True)
-    assert records.part_format("x.tar?sig=1") == ("tar", False)
-    assert records.part_format("part-1.gz", "tar") == ("tar", True)
+    assert part_format("a/part-00001") == ("lines", False)
+    assert part_format("x.tfrecord.gz") == ("tfrecord", True)
+    assert part_format("x.tar?sig=1") == ("tar", False)
+    assert part_format("part-1.gz", "tar") == ("tar", True)
     with pytest.raises(ValueError, match="record_format"):
-        records.part_format("x", "parquet")
+        part_format("x", "parquet")
 
 
 # ---------------------------------------------------------------- TFRecord
@@ -157,10 +166,10 @@ def test_record_format_override_and_names():
 
 def test_crc32c_known_vectors():
     # RFC 3720 / iSCSI check value; both implementations agree
-    assert records.crc32c(b"123456789") == 0xE3069283
-    assert records._crc32c_py(b"123456789") == 0xE3069283
+    assert tfrecord.crc32c(b"123456789") == 0xE3069283
+    assert tfrecord._crc32c_py(b"123456789") == 0xE3069283
     data = random.Random(1).randbytes(1000)
-    assert records._crc32c_py(data) == records.crc32c(data)
+    assert tfrecord._crc32c_py(data) == tfrecord.crc32c(data)
     # TensorFlow's masked CRC of an 8-byte zero length (a known constant in tf's tests)
     assert masked_crc32c(struct.pack("<Q", 0)) == masked_crc32c(bytes(8))
 
@@ -188,7 +197,7 @@ def test_tfrecord_bad_data_crc_dropped(tmp_path, caplog):
     assert len(recs[3]) > 0
     path = tmp_path / "b.tfrecord"
     path.write_bytes(b"".join(frames))
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats"):
         got, stats = ours(path)
     assert [r for _, r in got] == recs[:3] + recs[4:]
     assert stats.corrupt == 1 and stats.reasons == {"bad data CRC": 1}
@@ -239,7 +248,7 @@ def test_lines_gz_multi_member_and_truncated(tmp_path, caplog):
     cut = tmp_path / "part-00001.gz"
     whole = gzip.compress(body)
     cut.write_bytes(whole[: len(whole) * 2 // 3])
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats"):
         got, stats = ours(cut)
     assert 0 < len(got) < 2000 and [r for _, r in got] == lines[: len(got)]
     assert stats.truncated_files == 1 and stats.corrupt == 1
@@ -251,10 +260,10 @@ def test_logging_is_rate_limited(tmp_path, caplog):
     frames = [f[:-1] + bytes([f[-1] ^ 1]) for f in frames]  # every data CRC bad
     path = tmp_path / "e.tfrecord"
     path.write_bytes(b"".join(frames))
-    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats.records"):
+    with caplog.at_level(logging.WARNING, logger="distlearn.dataset.formats"):
         got, stats = ours(path)
     assert got == [] and stats.corrupt == 50
-    assert len(caplog.records) == records._LOG_PER_PART + 1
+    assert len(caplog.records) == damage._LOG_PER_PART + 1
     assert "45 more corrupt records" in caplog.text
 
 
@@ -301,9 +310,9 @@ def test_member_names_split_in_linear_time_as_webdataset_does(tmp_path):
     for _ in range(20_000):
         name = "".join(rng.choice("ab./") for _ in range(rng.randrange(0, 9)))
         m = theirs.match(name)
-        assert records.key_ext(name) == (m.groups() if m else None), name
+        assert tar_format.key_ext(name) == (m.groups() if m else None), name
     # the regex backtracks quadratically here (minutes); the split takes microseconds
-    assert records.key_ext("a/" * 500_000 + "x.png") == ("a/" * 500_000 + "x", "png")
+    assert tar_format.key_ext("a/" * 500_000 + "x.png") == ("a/" * 500_000 + "x", "png")
     # in a tar, a 100,000-character pax name is damage, not a sample
     path = tmp_path / "long.tar"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -319,7 +328,7 @@ def test_gzip_bomb_is_refused(tmp_path):
     bomb = tmp_path / "part-00000.gz"
     bomb.write_bytes(gzip.compress(bytes(64 << 20)))  # 64 MiB of zeros in ~64 KiB
     assert bomb.stat().st_size < 200_000
-    with pytest.raises(records.TooLarge, match=r"more than 1048576 bytes"):
+    with pytest.raises(TooLarge, match=r"more than 1048576 bytes"):
         ours(bomb, max_bytes=1 << 20)
 
 

@@ -379,7 +379,7 @@ def test_processor_options_are_checked(feature):
 @pytest.mark.parametrize("workers", ["thread", "process"])
 def test_processor_in_a_batcher(feature, tmp_path, workers):
     from distlearn.dataset import Dataset
-    from distlearn.dataset.formats.records import write_tfrecord
+    from distlearn.dataset.formats import write_tfrecord
 
     (tmp_path / "parts").mkdir()
     want = []

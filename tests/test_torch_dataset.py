@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from distlearn.dataset import Dataset, IndexNotFound, open_index
-from distlearn.dataset.formats.records import read_part
+from distlearn.dataset.formats import read_part
 from distlearn.dataset.index.parts import PartIndex
 from distlearn.dataset.sampling.samplers import PART_SAMPLERS as SAMPLERS
 from distlearn.dataset.sampling.samplers import epoch_rng, get_sampler

@@ -58,7 +58,7 @@ from ..errors import FetchError, PartError
 from ..fetch import sources as src
 from ..fetch.cache import Cache, disk_cache
 from ..fetch.fetcher import Fetcher, with_retries
-from ..formats.records import ReadStats, TooLarge, read_part
+from ..formats import ReadStats, TooLarge, read_part
 from ..items import Record
 from ..options import CacheOptions, FetchOptions, Options, PartOptions
 

@@ -1,0 +1,223 @@
+"""WebDataset tar parts: members grouped into samples by their key (the name up to the
+first dot of its last path part).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+from .damage import Damage
+
+_MAX_NAME = 4096  # PATH_MAX: a longer member name is damage, not a sample
+_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset skips __meta__ members
+_BLOCK = 512
+_ADLER_MOD = 65521
+
+
+def _tar_number(field: bytes) -> int | None:
+    """A size field: octal text, or GNU base-256 (first byte 0x80) for sizes >= 8 GiB.
+
+    None for anything else (not octal; base-256 with the sign bit set, 0xff, is
+    negative): the header is damaged or crafted, and its member cannot be read.
+    """
+    if field[:1] == b"\x80":
+        return int.from_bytes(field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if not text:
+        return 0
+    if text.strip(b"01234567"):
+        return None
+    return int(text, 8)
+
+
+def _header_ok(data: bytes, off: int) -> bool:
+    """The header at ``off`` matches its checksum field (the field itself counted as spaces).
+
+    The byte sum comes from adler32 (its low half is 1 + sum mod 65521), which
+    runs in C: the check holds modulo 65521, so only a damage that shifts the
+    sum by exactly 65521 could pass, and a header costs ~1 us instead of ~10.
+    """
+    field = data[off + 148 : off + 156]
+    try:
+        want = int(field.split(b"\0", 1)[0].strip(b" ") or b"-1", 8)
+    except ValueError:
+        return False
+    low = (zlib.adler32(data[off : off + _BLOCK]) & 0xFFFF) - 1
+    return (want + sum(field) - 256 - low) % _ADLER_MOD == 0
+
+
+def _zero_block(data: bytes, off: int) -> bool:
+    return data.count(0, off, off + _BLOCK) == _BLOCK
+
+
+def _cstr(data: bytes, start: int, stop: int) -> str:
+    """A NUL-terminated name field as text."""
+    field = data[start:stop]
+    nul = field.find(b"\0")
+    return (field if nul < 0 else field[:nul]).decode("utf-8", "replace")
+
+
+def _tar_members(data: bytes, damage: Damage) -> Iterator[tuple[int, str | None, bytes | None]]:
+    """(header offset, name, content) of regular members.
+
+    content None: the member is cut off by the end of the file (name "" when
+    its header is); name None too: a damaged header, already counted.
+    """
+    end = len(data)
+    off = 0
+    long_name: str | None = None
+    pax_path: str | None = None
+    first = 0  # where this member's headers start (pax / GNU long-name headers first)
+    while off + _BLOCK <= end:
+        if not _header_ok(data, off):
+            if _zero_block(data, off):
+                return  # the end-of-archive marker
+            damage.record(off, "bad tar header checksum")
+            yield off, None, None  # tells read_tar that a member was lost here
+            off = first = _resync_tar(data, off + _BLOCK)
+            long_name = pax_path = None
+            continue
+        size = _tar_number(data[off + 124 : off + 136])
+        kind = data[off + 156 : off + 157]
+        start = off + _BLOCK
+        stop = start + (size or 0)
+        if size is None or stop > end:
+            later = _resync_tar(data, off + _BLOCK)
+            if size is not None and later >= end:  # a member cut off by the end of the file
+                yield first, long_name or pax_path or _cstr(data, off, off + 100), None
+                return
+            # a size that is not a size, or that runs past a header further on: drop
+            # this member and go on from the next header
+            damage.record(off, "bad tar size field" if size is None else "tar size past a header")
+            yield off, None, None
+            off = first = later
+            long_name = pax_path = None
+            continue
+        if kind == b"0" or kind == b"\0" or kind == b"7":
+            name = long_name or pax_path
+            if name is None:
+                name = _cstr(data, off, off + 100)
+                if data[off + 257 : off + 262] == b"ustar" and data[off + 345] != 0:
+                    name = _cstr(data, off + 345, off + 500) + "/" + name
+            yield first, name, data[start:stop]
+            long_name = pax_path = None
+        elif kind == b"L":  # GNU long name for the next member
+            long_name = _cstr(data, start, stop)
+        elif kind == b"x":  # pax extended header: only `path` matters here
+            pax = data[start:stop]
+            if b" path=" in pax:
+                pax_path = _pax_path(pax) or pax_path
+        else:  # directories, links, global pax headers: nothing to read
+            long_name = pax_path = None
+        off = start + (size + _BLOCK - 1) // _BLOCK * _BLOCK
+        if kind != b"L" and kind != b"x":
+            first = off
+    if off < end and data[off:].strip(b"\0"):
+        yield first, "", None  # a header cut off: whose member it was is unknown
+
+
+def key_ext(name: str) -> tuple[str, str] | None:
+    """webdataset's ``base_plus_ext``: (path up to the first dot of the file name, the rest).
+
+    The same answer as the regex ``^((?:.*/|)[^.]+)[.]([^/]*)$`` (None where it
+    does not match), in linear time on any name: the regex backtracks
+    quadratically on a long name with many slashes.
+    """
+    last = name.rfind("/")
+    dot = name.find(".", last + 1)
+    if dot < 0:
+        return None
+    if dot > last + 1:
+        return name[:dot], name[dot + 1 :]
+    # The file name starts with a dot: the regex's key reaches back over the last
+    # slash, through the previous folder name if that has no dot.
+    if last < 0 or "." in name[name.rfind("/", 0, last) + 1 : last]:
+        return None
+    return name[:dot], name[dot + 1 :]
+
+
+def _pax_path(block: bytes) -> str | None:
+    pos = 0
+    path = None
+    while pos < len(block):
+        sp = block.find(b" ", pos)
+        if sp < 0:
+            break
+        try:
+            n = int(block[pos:sp])
+        except ValueError:
+            break
+        if n <= 0:
+            break
+        key, _, value = block[sp + 1 : pos + n - 1].partition(b"=")
+        if key == b"path":
+            path = value.decode("utf-8", "replace")
+        pos += n
+    return path
+
+
+def _resync_tar(data: bytes, off: int) -> int:
+    """The offset of the next 512-byte block that is a valid tar header (or the end)."""
+    end = len(data)
+    while off + _BLOCK <= end:
+        if _header_ok(data, off) and not _zero_block(data, off):
+            return off
+        off += _BLOCK
+    return end
+
+
+def read_tar(data: bytes | memoryview, damage: Damage) -> Iterator[tuple[int, dict[str, Any]]]:
+    """WebDataset samples: consecutive members sharing a key form one dict ext -> bytes.
+
+    Grouping matches webdataset (key = path up to the first dot of the file
+    name, lower-cased extensions, ``__meta__`` members skipped). A sample with
+    a cut-off or duplicated member is dropped whole.
+    """
+    data = bytes(data)
+    sample: dict[str, Any] | None = None
+    sample_off = 0
+    bad = False
+    lost_key = None  # the sample a damaged header hit: its other members are dropped too
+    for off, name, content in _tar_members(data, damage):
+        if name is None:
+            if sample is not None:
+                lost_key, sample = sample["__key__"], None
+            continue
+        if content is None:
+            # The sample this member belongs to is incomplete: drop it (one count).
+            damage.record(off, f"tar member {name[:200] or '(header)'!r} cut off by the end")
+            ke = key_ext(name)
+            if sample is not None and (ke is None or ke[0] == sample["__key__"]):
+                sample = None  # it may have lost members: never deliver it half
+            break
+        if len(name) > _MAX_NAME:
+            damage.record(off, f"tar member name of {len(name)} characters")
+            continue
+        if "__" in name and (
+            ("/" not in name and name.startswith("__") and name.endswith("__"))
+            or _SKIP_META.match(name)
+        ):
+            continue
+        ke = key_ext(name)
+        if ke is None:
+            continue
+        key, ext = ke[0], ke[1].lower()
+        if key == lost_key:
+            continue
+        if sample is None or key != sample["__key__"]:
+            if sample is not None and not bad:
+                yield sample_off, sample
+            sample = {"__key__": key}
+            sample_off = off
+            bad = False
+        if ext in sample:
+            if not bad:
+                damage.record(off, f"duplicate member {name!r} in sample {key!r}")
+            bad = True
+            continue
+        sample[ext] = content
+    if sample is not None and not bad:
+        yield sample_off, sample
