@@ -22,7 +22,7 @@ import pytest
 from test_csvscan import summary, write_rows
 
 from distlearn.dataset import BadIndex, open_index
-from distlearn.dataset.index import table as index
+from distlearn.dataset.index import rows as index_rows
 from distlearn.dataset.index.csv import arrow as csvarrow
 from distlearn.dataset.index.csv import lines as csvlines
 from distlearn.dataset.index.csv import reader as csvindex
@@ -413,7 +413,7 @@ def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
     path = tmp_path / "i.csv"
     path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
     with monkeypatch.context() as m:
-        m.setattr(index.NameRows, "order", None)  # no sort
+        m.setattr(index_rows.NameRows, "order", None)  # no sort
         got = open_index(str(path))
     assert got.table._parts is not None and len(got.table._parts) > 5
     same([got, *three_ways(path, monkeypatch)])
@@ -442,14 +442,14 @@ def test_unsorted_rows_across_blocks_are_joined_for_their_sort(tmp_path, monkeyp
     path = tmp_path / "i.csv"
     path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
     joined = []
-    real = index.NameRows.__init__
+    real = index_rows.NameRows.__init__
 
     def spy(self, buf, *a, **kw):
         joined.append(isinstance(buf, list) and len(buf) == 1)
         real(self, buf, *a, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(index.NameRows, "__init__", spy)
+        m.setattr(index_rows.NameRows, "__init__", spy)
         got = open_index(str(path))
     assert joined == [True]
     _, columns = csvarrow.split(str(path), ",")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from distlearn.dataset import BadIndex, Dataset, Record, open_index
-from distlearn.dataset.index.table import JoinedIndex
+from distlearn.dataset.index.joined import JoinedIndex
 from distlearn.dataset.sampling.samplers import epoch_rng
 
 CHI2_999_2DOF = 13.82  # chi-square critical value at p = 0.001, 2 degrees of freedom

@@ -36,17 +36,10 @@ from ..fetch.cache import disk_cache
 from ..fetch.fetcher import Fetcher, read_bytes
 from ..options import Options, split
 from .csv.reader import from_csv, local_identity, read_meta
+from .joined import join
 from .parts import PartIndex, is_part_source, open_parts
-from .table import (
-    BY_ROW,
-    Index,
-    NameRows,
-    Resolver,
-    RowLabels,
-    TensorRows,
-    join,
-    labelled,
-)
+from .rows import NameRows, Resolver, RowLabels, TensorRows
+from .table import BY_ROW, Index, labelled
 
 log = logging.getLogger("distlearn.dataset.index")
 

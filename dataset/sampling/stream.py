@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import BadIndex
 from ..fetch.sources import Joined
-from ..index.table import JoinedIndex
+from ..index.joined import JoinedIndex
 from ..items import Record
 from .samplers import check_options, endless, epoch_rng, get_sampler
 

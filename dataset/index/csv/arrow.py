@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..cores import in_order, on_two_threads
-from ..table import small_int
+from ..rows import small_int
 from .scan import QUOTE, edges_clean, quotes_ok, strip
 
 try:

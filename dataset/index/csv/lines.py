@@ -32,7 +32,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..cores import fresh, on_two_threads
-from ..table import small_int, sort_labels
+from ..rows import small_int
+from ..table import sort_labels
 
 try:
     from . import _lines

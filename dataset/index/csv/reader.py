@@ -25,7 +25,8 @@ from ...fetch import sources as src
 from ...fetch.fetcher import Fetcher, read_bytes
 from .. import bytesort
 from ..cores import on_two_threads
-from ..table import Index, NameRows, Resolver, fixed_width, labelled, small_int, sort_labels
+from ..rows import NameRows, Resolver, fixed_width, small_int
+from ..table import Index, labelled, sort_labels
 from . import arrow as csvarrow
 from . import lines as csvlines
 from .arrow import pa, pc
