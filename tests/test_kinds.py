@@ -12,7 +12,7 @@ import torch
 
 from distlearn.dataset import Dataset, open_index, register_index_kind
 from distlearn.dataset.index import kinds
-from distlearn.dataset.index.kinds import from_tensors
+from distlearn.dataset.index.tensors import from_tensors
 from distlearn.dataset.options import FetchOptions, Options, split
 
 DATASET = Path(__file__).resolve().parent.parent / "dataset"

@@ -19,9 +19,7 @@ source*, whose own contract is written in :mod:`dataset.parts`.
 
 from __future__ import annotations
 
-import io
 import json
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,18 +28,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import BadIndex, IndexNotFound
+from ..errors import BadIndex
 from ..fetch import sources as src
 from ..fetch.cache import disk_cache
 from ..fetch.fetcher import Fetcher, read_bytes
 from ..options import Options, split
 from .csv.reader import from_csv, local_identity, read_meta
+from .directory import from_directory
 from .joined import join
 from .parts import PartIndex, is_part_source, open_parts
-from .rows import NameRows, Resolver, RowLabels, TensorRows
-from .table import BY_ROW, Index, labelled
-
-log = logging.getLogger("distlearn.dataset.index")
+from .rows import NameRows, Resolver, RowLabels
+from .table import Index
+from .tensors import from_pt, from_tensors
 
 __all__ = ["IndexKind", "Opening", "kinds", "open_index", "register_index_kind"]
 
@@ -119,149 +117,10 @@ def _is_path(index: Any) -> bool:
     return isinstance(index, str)
 
 
-# ----------------------------------------------------------------------------- tensors
-
-
-def from_tensors(data: torch.Tensor | dict, origin: str) -> Index:
-    """Items are rows of a tensor, or of ``x`` in ``dict(x=..., y=...)`` (y: one label per row).
-
-    As torch-dataset's IndexTensor: examples in row order, row j in partition
-    ``j % partitions``.
-    """
-    if isinstance(data, torch.Tensor):
-        x, y = data, None
-    else:
-        if "x" not in data:
-            raise BadIndex(f"{origin}: a tensor index dict needs an 'x' entry, has {list(data)}")
-        x, y = data["x"], data.get("y")
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) == 0:
-        raise BadIndex(f"{origin}: 'x' must be a non-empty tensor with one item per row")
-    n = len(x)
-    rows = np.arange(n, dtype=np.int64)
-    if y is None:
-        no = RowLabels(np.zeros(n + 1, dtype=np.int64), np.empty(0, dtype=np.int64))
-        targets = np.full(n, -1, dtype=np.int64)
-        return Index(TensorRows(x), no, [], origin, rows=rows, targets=targets, split=BY_ROW)
-    y = torch.as_tensor(y)
-    if y.dim() != 1 or len(y) != n:
-        raise BadIndex(
-            f"{origin}: 'y' must be 1-D with one label per row of 'x' ({n}), "
-            f"got shape {tuple(y.shape)}"
-        )
-    if y.is_floating_point():
-        raise BadIndex(f"{origin}: 'y' must hold integer labels, got {y.dtype}")
-    values, ids = np.unique(y.numpy(), return_inverse=True)
-    ids = ids.astype(np.int64)
-    return Index(TensorRows(x), RowLabels.single(ids), [str(v) for v in values.tolist()], origin,
-                 rows=rows, targets=ids, split=BY_ROW)  # fmt: skip
-
-
-# torch.load(weights_only=True) could run code before 2.6 (CVE-2025-32434)
-SAFE_TORCH_LOAD = (2, 6)
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+", 1)[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-def from_pt(location: str, cache: Any = None, fetcher: Fetcher | None = None) -> Index:
-    """A ``.pt`` file (local or remote) holding a tensor or ``dict(x=..., y=...)``.
-
-    Loaded with ``weights_only=True`` (tensors and plain containers only, no
-    code). A remote one needs a torch whose ``weights_only`` loading is safe
-    (2.6 or later); with an older torch it is refused.
-    """
-    if src.local_path(location) is None and _torch_version() < SAFE_TORCH_LOAD:
-        raise BadIndex(
-            f"{location}: a remote .pt index needs torch >= 2.6, whose weights_only loading "
-            f"cannot run code (this is torch {torch.__version__}); upgrade torch, or download "
-            "the file, check it and open the local copy"
-        )
-    try:
-        data = read_bytes(location, cache=cache, fetcher=fetcher)
-    except IndexNotFound as err:
-        raise IndexNotFound(f"index not found: {err}") from None
-    try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise BadIndex(f"{location}: not a loadable tensor file ({err})") from err
-    if not isinstance(obj, torch.Tensor | dict):
-        raise BadIndex(f"{location}: expected a tensor or dict(x=, y=), got {type(obj)}")
-    return from_tensors(obj, location)
-
-
-# ----------------------------------------------------------------------------- directory
-
-
-def from_directory(root: str, multi_hot: bool = False) -> Index:
-    """Files under sub-folders are labelled by the (top) sub-folder name; top files unlabeled.
-
-    Hidden files and folders (leading dot) are skipped; examples are in label,
-    then path order, so every machine sees the same order. Symbolic links are
-    followed, as torchvision's ImageFolder follows them (a class may be a link, two
-    may share a folder), except a link back to a folder above it: a loop, skipped
-    with a warning. Names that are not UTF-8 are kept as the file system gives them
-    (``os.fsdecode``: undecodable bytes as surrogates), so every file is found and
-    opened, as ``os.walk`` and ``open`` find them.
-    """
-    root = os.path.abspath(root)
-    found: list[tuple[str, str | None]] = []
-    # each folder walked: the (device, inode) of it and of the folders above it
-    above = {root: frozenset([_identity(root)])}
-
-    def unreadable(err: OSError) -> None:
-        # os.walk skips a folder it cannot list: a whole label (or part of one) would
-        # vanish from the index, and the label ids after it shift.
-        raise BadIndex(f"{err.filename}: cannot list this folder of the index ({err.strerror})")
-
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
-        keep = []
-        for d in dirnames:
-            if d.startswith("."):
-                continue
-            path = os.path.join(dirpath, d)
-            key = _identity(path)
-            if key is not None and key in above[dirpath]:  # (os.walk: round until ELOOP)
-                log.warning("%s: a link to a folder above it (a loop); not walked", path)
-                continue
-            above[path] = above[dirpath] | {key}
-            keep.append(d)
-        dirnames[:] = keep
-        rel_dir = os.path.relpath(dirpath, root)
-        label = None if rel_dir == "." else rel_dir.split(os.sep)[0]
-        for f in filenames:
-            if not f.startswith("."):
-                found.append((os.path.join(rel_dir, f) if label else f, label))
-    if not found:
-        raise BadIndex(f"{root}: empty directory index (no visible files)")
-    found.sort()
-    names = [os.fsencode(rel) for rel, _ in found]
-    size = np.asarray([len(n) for n in names], dtype=np.int64)
-    buf = np.frombuffer(b"".join(names), dtype=np.uint8)
-    table = NameRows(buf, np.cumsum(size) - size, size, Resolver(root + os.sep))
-    distinct = sorted({lab for _, lab in found if lab})
-    where = {lab: i for i, lab in enumerate(distinct)}
-    ids = np.asarray([where[lab] for _, lab in found if lab], dtype=np.int64)
-    ptr = np.zeros(len(found) + 1, dtype=np.int64)
-    np.cumsum([lab is not None for _, lab in found], out=ptr[1:])
-    return labelled(table, ptr, ids, distinct, root, multi_hot=multi_hot)
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    """A folder's (device, inode), its links followed; None where it cannot be read."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
-
-
-# ----------------------------------------------------------------------------- CSV
-
-
 # The parsed form of a CSV index in the cache: bumped when the layout changes.
 _FORMAT = b"DLIX0002"
+
+
 _ALIGN = 64
 
 
@@ -347,9 +206,6 @@ def _unpack(view: memoryview) -> Index:
                  label_order=meta.get("label_order", False))  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- the registry
-
-
 def _is_list(index: Any, opening: Opening) -> bool:
     return isinstance(index, list | tuple)
 
@@ -386,17 +242,29 @@ def _open_directory(index: str, opening: Opening) -> Index:
 
 
 register_index_kind("index", lambda i, o: isinstance(i, Index | PartIndex), lambda i, o: i)
+
+
 register_index_kind(
     "tensor",
     lambda i, o: isinstance(i, torch.Tensor | dict),
     lambda i, o: from_tensors(i, origin="<tensor>"),
 )
+
+
 register_index_kind("list", _is_list, _open_list)
+
+
 register_index_kind("parts", _is_parts, _open_parts)
+
+
 register_index_kind("directory", _is_directory, _open_directory)
+
+
 register_index_kind(
     "pt",
     lambda i, o: _is_path(i) and i.lower().endswith(".pt"),
     lambda i, o: from_pt(i, cache=o.cache, fetcher=o.fetcher),
 )
+
+
 register_index_kind("csv", lambda i, o: _is_path(i), _csv)
