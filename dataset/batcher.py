@@ -27,7 +27,7 @@ import torch
 
 from .errors import AllFailed
 from .fetch.cache import item_cache
-from .fetch.fetcher import Stats
+from .fetch.stats import Stats
 from .items import Batch, Record
 from .options import DEFAULT_WORKER_TIMEOUT, Options
 from .sampling.samplers import for_index

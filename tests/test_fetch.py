@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from distlearn.dataset import AllFailed, Dataset, Fetcher, FetchError
-from distlearn.dataset.fetch.fetcher import read_bytes
+from distlearn.dataset.fetch.files import read_bytes
 from distlearn.dataset.processors import Image
 from tests.faulty_server import item_ids, make_pngs, running
 

@@ -23,123 +23,43 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import email.utils
 import logging
 import os
-import random
-import re
-import stat
 import threading
-import time
 import urllib.parse
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 
-from ..errors import FetchError, IndexNotFound
+from ..errors import FetchError
 from ..options import DEFAULT_MAX_ITEM_BYTES, REDIRECT_POLICIES
 from . import sources as src
-
-__all__ = ["FetchError", "Fetcher", "RateLimitedLog", "Stats", "read_bytes", "with_retries"]
+from .local import open_fsspec, open_local, read_blocking
+from .responses import content_range, payload_size, read_capped, retry_after, too_big
+from .retry import after_tries, backoff_delay
 
 log = logging.getLogger(__name__)
 
+
+__all__ = ["Fetcher"]
+
+
 RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
 MISSING_STATUS = frozenset({404, 410})
+
+
 REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
+
+
 MAX_REDIRECTS = 10
+
+
 # The longest wait a server's Retry-After gets before a retry (a rate limit's "come back
 # in N seconds", honoured up to this; the backoff's own delays stay below max_backoff).
 MAX_RETRY_AFTER = 60.0
-
-T = TypeVar("T")
-
-
-def backoff_delay(attempt: int, backoff: float, max_backoff: float) -> float:
-    """Seconds to wait before retry `attempt` (1-based): exponential, capped, with jitter."""
-    return min(max_backoff, backoff * 2 ** (attempt - 1)) * (0.5 + random.random())
-
-
-def with_retries(
-    fn: Callable[[], T],
-    what: str,
-    *,
-    retries: int = 3,
-    backoff: float = 0.05,
-    max_backoff: float = 2.0,
-    final: tuple[type[BaseException], ...] = (FileNotFoundError,),
-) -> T:
-    """``fn()``, retried like a fetch for a synchronous read (an fsspec listing, a download).
-
-    Exceptions of the ``final`` types are not retried (a missing file stays
-    missing); any other is retried ``retries`` times, then raised as a
-    :class:`FetchError` naming `what` and the number of tries.
-    """
-    attempt = 0
-    while True:
-        try:
-            return fn()
-        except final:
-            raise
-        except FetchError as err:
-            if not err.retryable or attempt >= retries:
-                raise _after(err, attempt) from None
-            cause = err.cause
-        except Exception as err:
-            if attempt >= retries:
-                raise FetchError(what, _tries(f"{type(err).__name__}: {err}", attempt)) from err
-            cause = f"{type(err).__name__}: {err}"
-        attempt += 1
-        delay = backoff_delay(attempt, backoff, max_backoff)
-        log.debug("retry %d of %s in %.3fs: %s", attempt, what, delay, cause)
-        time.sleep(delay)
-
-
-def _tries(cause: str, attempt: int) -> str:
-    return f"{cause} (after {attempt + 1} tries)" if attempt else cause
-
-
-def _after(err: FetchError, attempt: int) -> FetchError:
-    """`err` with the number of tries in its message (when it was retried)."""
-    if not attempt:
-        return err
-    return FetchError(err.url, _tries(err.cause, attempt), err.retryable, err.missing, err.wait)
-
-
-class Stats(dict):
-    """Counters: fetched, retried, failed, bytes, dropped (by the processor)."""
-
-    KEYS = ("fetched", "retried", "failed", "bytes", "dropped")
-
-    def __init__(self, **kw: int):
-        super().__init__({k: 0 for k in self.KEYS})
-        self.update(kw)
-
-    def add(self, other: dict) -> None:
-        for k, v in other.items():
-            self[k] = self.get(k, 0) + v
-
-
-class RateLimitedLog:
-    """Log at most one line per `interval` seconds; says how many were suppressed."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 5.0):
-        self.logger, self.interval = logger, interval
-        self._last = -float("inf")
-        self._suppressed = 0
-        self._lock = threading.Lock()
-
-    def warning(self, msg: str, *args: Any) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < self.interval:
-                self._suppressed += 1
-                return
-            n, self._suppressed, self._last = self._suppressed, 0, now
-        if n:
-            msg += f" (and {n} similar since the last message)"
-        self.logger.warning(msg, *args)
 
 
 def _origin(url: str) -> tuple[str, str | None, int | None]:
@@ -319,7 +239,7 @@ class Fetcher:
         ):
             if stats is not None:  # already in memory: a tensor row or a record's payload
                 stats["fetched"] += 1
-                stats["bytes"] += _payload_size(source)
+                stats["bytes"] += payload_size(source)
             return source
         if isinstance(source, src.Joined):
             return [await self.fetch(s, stats) for s in source]
@@ -351,7 +271,7 @@ class Fetcher:
                 return await self._fetch_once(url, offset, length)
             except FetchError as err:
                 if not err.retryable or attempt >= self.retries:
-                    raise _after(err, attempt) from None
+                    raise after_tries(err, attempt) from None
                 cause, wait = err.cause, err.wait
             attempt += 1
             if stats is not None:
@@ -366,12 +286,12 @@ class Fetcher:
         path = src.local_path(url)
         cap = self.max_item_bytes
         if path is not None:
-            data = _read(path, offset, length, _open_local, remote=False, cap=cap)
+            data = read_blocking(path, offset, length, open_local, remote=False, cap=cap)
         elif src.is_http(url):
             return await self._fetch_http(url, offset, length)
         else:
             data = await asyncio.get_running_loop().run_in_executor(
-                None, _read, url, offset, length, _open_fsspec, True, cap
+                None, read_blocking, url, offset, length, open_fsspec, True, cap
             )
         if len(data) > self.max_item_bytes:
             # (read up to one byte past the bound: the file may be far larger)
@@ -403,7 +323,7 @@ class Fetcher:
                         continue
                     if resp.status >= 400:
                         retry = resp.status in RETRY_STATUS
-                        wait = _retry_after(resp.headers.get("Retry-After")) if retry else None
+                        wait = retry_after(resp.headers.get("Retry-After")) if retry else None
                         raise FetchError(
                             url,
                             f"HTTP {resp.status} {resp.reason}",
@@ -456,17 +376,17 @@ class Fetcher:
             # the bytes asked for, or fewer (then "short" below): a cache that answers
             # with a range that starts elsewhere would hand back another record's bytes
             value = resp.headers.get("Content-Range")
-            got = _content_range(value)
+            got = content_range(value)
             if got is None or got[0] != offset or got[1] > offset + length - 1:
                 raise FetchError(url, f"Content-Range {value!r} for bytes {offset}-"
                                       f"{offset + length - 1}", True)  # fmt: skip
         if offset is None or resp.status == 206:
             cap = self.max_item_bytes if offset is None else length
             if expected is not None and expected > cap:
-                raise FetchError(url, _too_big(expected, cap, offset is None))
-            body = await (resp.read() if expected is not None else _read_capped(resp, cap))
+                raise FetchError(url, too_big(expected, cap, offset is None))
+            body = await (resp.read() if expected is not None else read_capped(resp, cap))
             if len(body) > cap:
-                raise FetchError(url, _too_big(len(body), cap, offset is None))
+                raise FetchError(url, too_big(len(body), cap, offset is None))
             if expected is not None and len(body) != expected:
                 raise FetchError(url, f"truncated body: {len(body)} of {expected} bytes", True)
         else:
@@ -480,7 +400,7 @@ class Fetcher:
                     f"beyond max_item_bytes={self.max_item_bytes}",
                 )
             self._warn_no_range(url)
-            head = await _read_capped(resp, end, exact=True)
+            head = await read_capped(resp, end, exact=True)
             resp.close()
             body = head[offset:end]
         if offset is not None and len(body) != length:
@@ -496,174 +416,3 @@ class Fetcher:
                 "record's end (serve the files with Range support, or as separate items)",
                 host,
             )
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds a Retry-After header asks for (a number of seconds, or an HTTP date)."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isascii() and value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-def _content_range(value: str | None) -> tuple[int, int] | None:
-    """``(first, last)`` byte of a Content-Range ``bytes FIRST-LAST/SIZE`` (SIZE or *)."""
-    m = re.fullmatch(r"bytes ([0-9]{1,18})-([0-9]{1,18})/(?:[0-9]{1,18}|\*)", value or "")
-    if m is None or int(m[2]) < int(m[1]):
-        return None
-    return int(m[1]), int(m[2])
-
-
-def _too_big(size: int, cap: int, whole: bool) -> str:
-    if whole:
-        return f"body of {size} bytes exceeds max_item_bytes={cap}"
-    return f"range answer of {size} bytes for a {cap}-byte record"
-
-
-async def _read_capped(resp: aiohttp.ClientResponse, cap: int, exact: bool = False) -> bytes:
-    """At most ``cap + 1`` bytes of the body (``cap`` with ``exact``), in chunks."""
-    limit = cap if exact else cap + 1
-    buf = bytearray()
-    while len(buf) < limit:
-        chunk = await resp.content.read(min(1 << 20, limit - len(buf)))
-        if not chunk:
-            break
-        buf += chunk
-    return bytes(buf)
-
-
-def _payload_size(payload: Any) -> int:
-    if isinstance(payload, bytes | bytearray | memoryview):
-        return len(payload)
-    if isinstance(payload, dict):  # a tar sample: member extension -> bytes
-        return sum(len(v) for v in payload.values() if isinstance(v, bytes | bytearray))
-    nbytes = getattr(payload, "nbytes", None)  # a tensor row
-    return int(nbytes) if isinstance(nbytes, int) else 0
-
-
-def _read(
-    name: str, offset: int | None, length: int | None, opener: Any, remote: bool, cap: int
-) -> bytes:
-    """All of `name`, or `length` bytes at `offset`, read through ``opener(name)``; at
-    most `cap` + 1 bytes are read (the caller refuses more than `cap`), so a huge file or
-    an endless one is never held whole.
-
-    A remote store's errors and short reads are retried (they may be transient,
-    and fsspec backends raise their own error types); a local file's are not.
-    """
-    if length is not None and length > cap:
-        raise FetchError(name, f"a record of {length} bytes exceeds max_item_bytes={cap}")
-    try:
-        with opener(name) as f:
-            if offset is None:
-                return f.read(cap + 1)
-            f.seek(offset)
-            data = f.read(length)
-    except FileNotFoundError:
-        raise FetchError(name, "no such file", missing=True) from None
-    except IsADirectoryError:
-        raise FetchError(name, "is a directory") from None
-    except _NotRegular:
-        raise FetchError(name, "not a regular file (a FIFO or a device)") from None
-    except Exception as err:
-        if not (remote or isinstance(err, OSError)):
-            raise  # a local read fails with OSError; anything else is a bug to see
-        raise FetchError(name, f"{type(err).__name__}: {err}", remote) from None
-    if len(data) != length:
-        raise FetchError(
-            name, f"short read: {len(data)} of {length} bytes at offset {offset}", remote
-        )
-    return data
-
-
-def _open_local(path: str) -> Any:
-    """A local item, if it is a regular file: a FIFO would block the fetch loop (opened
-    without blocking, to be looked at), a device such as /dev/zero never ends."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IsADirectoryError if stat.S_ISDIR(os.fstat(fd).st_mode) else _NotRegular
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-class _NotRegular(OSError):
-    """A local item that is not a regular file (a FIFO, a device, a socket)."""
-
-
-def _open_fsspec(url: str) -> Any:
-    import fsspec
-
-    return fsspec.open(url, "rb")
-
-
-# ----------------------------------------------------------------------------- whole files
-
-
-def _read_local(location: str, path: str) -> bytes:
-    """A local regular file's bytes. Anything else is refused before a byte is read: a
-    FIFO would block (it is opened without blocking, to be looked at), a character
-    device such as ``/dev/zero`` would be read until memory runs out."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise FetchError(location, "no such file", missing=True) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # (a folder opens too, read-only)
-        os.close(fd)
-        raise FetchError(location, "not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
-
-
-def read_bytes(
-    location: str,
-    missing_ok: bool = False,
-    cache: Any = None,
-    fetcher: Fetcher | None = None,
-    **policy: Any,
-) -> bytes | None:
-    """Read a whole file (an index, a meta file, a .pt) with the fetch policy.
-
-    Plain paths and ``file://`` are opened directly; anything else goes
-    through a :class:`Fetcher` (`fetcher`, or one made from `policy` for this
-    read), so it is retried like an item. A missing file raises
-    :class:`IndexNotFound` (a ``FileNotFoundError``) naming it, or gives None
-    with ``missing_ok``; any other failure is a :class:`FetchError` naming the
-    URL. With a :class:`dataset.cache.Cache`, a remote file is read from it
-    when present and kept in it once read (local files are never copied).
-    """
-    path = src.local_path(location)
-    if cache is not None and path is None:
-        data = cache.get(location)
-        if data is None:
-            # An optional file (a meta file) that was absent is remembered as absent,
-            # so a cached index opens with the store out of reach.
-            absent = (location, "absent")
-            if missing_ok and cache.get(absent) is not None:
-                return None
-            data = read_bytes(location, missing_ok, None, fetcher, **policy)
-            cache.put(absent if data is None else location, b"" if data is None else data)
-        return data
-    try:
-        if path is not None:
-            return _read_local(location, path)
-        if fetcher is not None:
-            return fetcher.read(location)
-        with Fetcher(pool_size=1, **policy) as own:
-            return own.read(location)
-    except FetchError as err:
-        if not err.missing:
-            raise
-        if missing_ok:
-            return None
-        raise IndexNotFound(str(err)) from None

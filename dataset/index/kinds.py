@@ -31,7 +31,8 @@ import torch
 from ..errors import BadIndex
 from ..fetch import sources as src
 from ..fetch.cache import disk_cache
-from ..fetch.fetcher import Fetcher, read_bytes
+from ..fetch.fetcher import Fetcher
+from ..fetch.files import read_bytes
 from ..options import Options, split
 from .csv.reader import from_csv, local_identity, read_meta
 from .directory import from_directory

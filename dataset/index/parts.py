@@ -57,7 +57,8 @@ import numpy as np
 from ..errors import FetchError, PartError
 from ..fetch import sources as src
 from ..fetch.cache import Cache, disk_cache
-from ..fetch.fetcher import Fetcher, with_retries
+from ..fetch.fetcher import Fetcher
+from ..fetch.retry import with_retries
 from ..formats import ReadStats, TooLarge, read_part
 from ..items import Record
 from ..options import CacheOptions, FetchOptions, Options, PartOptions

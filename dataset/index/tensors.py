@@ -15,7 +15,8 @@ import torch
 
 from ..errors import BadIndex, IndexNotFound
 from ..fetch import sources as src
-from ..fetch.fetcher import Fetcher, read_bytes
+from ..fetch.fetcher import Fetcher
+from ..fetch.files import read_bytes
 from .rows import RowLabels, TensorRows
 from .table import BY_ROW, Index
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AllFailed, DatasetError, RemoteTraceback
-from ..fetch.fetcher import RateLimitedLog
+from ..fetch.stats import RateLimitedLog
 
 log = logging.getLogger("distlearn.dataset.batcher")
 

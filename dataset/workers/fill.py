@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from ..errors import FetchError, WorkerDied
-from ..fetch.fetcher import Fetcher, Stats
+from ..fetch.fetcher import Fetcher
+from ..fetch.stats import Stats
 from ..seeding import call_with_item
 from .failures import FETCH, PROCESS, ItemFailure
 

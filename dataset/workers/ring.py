@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..fetch.fetcher import Stats
+from ..fetch.stats import Stats
 from ..items import Batch
 from ..options import FetchOptions, WorkerOptions
 from ..processors import default_processor

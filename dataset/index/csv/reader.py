@@ -22,7 +22,8 @@ import numpy as np
 
 from ...errors import BadIndex, FetchError, IndexNotFound
 from ...fetch import sources as src
-from ...fetch.fetcher import Fetcher, read_bytes
+from ...fetch.fetcher import Fetcher
+from ...fetch.files import read_bytes
 from .. import bytesort
 from ..cores import on_two_threads
 from ..rows import NameRows, Resolver, fixed_width, small_int

@@ -1,0 +1,44 @@
+"""What the fetch stage counts (:class:`Stats`), and a log that cannot flood
+(:class:`RateLimitedLog`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+
+class Stats(dict):
+    """Counters: fetched, retried, failed, bytes, dropped (by the processor)."""
+
+    KEYS = ("fetched", "retried", "failed", "bytes", "dropped")
+
+    def __init__(self, **kw: int):
+        super().__init__({k: 0 for k in self.KEYS})
+        self.update(kw)
+
+    def add(self, other: dict) -> None:
+        for k, v in other.items():
+            self[k] = self.get(k, 0) + v
+
+
+class RateLimitedLog:
+    """Log at most one line per `interval` seconds; says how many were suppressed."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0):
+        self.logger, self.interval = logger, interval
+        self._last = -float("inf")
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval:
+                self._suppressed += 1
+                return
+            n, self._suppressed, self._last = self._suppressed, 0, now
+        if n:
+            msg += f" (and {n} similar since the last message)"
+        self.logger.warning(msg, *args)
