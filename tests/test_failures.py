@@ -14,9 +14,8 @@ import traceback
 import pytest
 
 import distlearn.dataset as dataset
-from distlearn.dataset import AllFailed, Dataset, DatasetError, FetchError, WorkerDied
+from distlearn.dataset import AllFailed, Dataset, DatasetError, FetchError, PartError, WorkerDied
 from distlearn.dataset.errors import RemoteTraceback
-from distlearn.dataset.index.parts import PartError
 from distlearn.dataset.processors import Image
 from tests.faulty_server import item_ids, make_pngs, running
 

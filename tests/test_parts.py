@@ -16,18 +16,16 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from distlearn.dataset import Dataset
+from distlearn.dataset import Dataset, PartError
 from distlearn.dataset.fetch.cache import Cache
 from distlearn.dataset.formats import write_tfrecord
-from distlearn.dataset.index.parts import (
-    PartError,
-    PartIndex,
+from distlearn.dataset.index.part_files import (
     brace_count,
     expand_braces,
     is_part_source,
     list_parts,
-    open_parts,
 )
+from distlearn.dataset.index.parts import PartIndex, open_parts
 from distlearn.dataset.sampling.samplers import PART_SAMPLERS as SAMPLERS
 from tests.moto_server import moto_s3
 

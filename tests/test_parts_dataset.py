@@ -17,8 +17,8 @@ import torch
 import webdataset as wds
 from PIL import Image as PILImage
 
-from distlearn.dataset import Dataset
-from distlearn.dataset.index.parts import PartError, PartIndex, SampleMember
+from distlearn.dataset import Dataset, PartError
+from distlearn.dataset.index.parts import PartIndex, SampleMember
 from distlearn.dataset.processors import Image
 from tests.conftest import repo_env, wait_for_file
 from tests.moto_server import moto_s3

@@ -14,9 +14,9 @@ import pytest
 import torch
 import webdataset as wds
 
-from distlearn.dataset import BadIndex, Dataset, FetchError, IndexNotFound
+from distlearn.dataset import BadIndex, Dataset, FetchError, IndexNotFound, PartError
 from distlearn.dataset.fetch.fetcher import Fetcher
-from distlearn.dataset.index.parts import PartError, SampleMember
+from distlearn.dataset.index.parts import SampleMember
 from distlearn.dataset.processors import Raw
 from tests.faulty_server import running
 

@@ -37,7 +37,8 @@ from ..options import Options, split
 from .csv.reader import from_csv, local_identity, read_meta
 from .directory import from_directory
 from .joined import join
-from .parts import PartIndex, is_part_source, open_parts
+from .part_files import is_part_source
+from .parts import PartIndex, open_parts
 from .rows import NameRows, Resolver, RowLabels
 from .table import Index
 from .tensors import from_pt, from_tensors
