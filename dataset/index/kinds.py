@@ -34,7 +34,8 @@ from ..fetch.cache import disk_cache
 from ..fetch.fetcher import Fetcher
 from ..fetch.files import read_bytes
 from ..options import Options, split
-from .csv.reader import from_csv, local_identity, read_meta
+from .csv.meta import read_meta
+from .csv.reader import from_csv, local_identity
 from .directory import from_directory
 from .joined import join
 from .part_files import is_part_source
