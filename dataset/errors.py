@@ -7,6 +7,17 @@ standard base a caller would also expect (``BadIndex`` is a ``ValueError``,
 
 from __future__ import annotations
 
+__all__ = [
+    "AllFailed",
+    "BadIndex",
+    "DatasetError",
+    "FetchError",
+    "IndexNotFound",
+    "PartError",
+    "RemoteTraceback",
+    "WorkerDied",
+]
+
 
 class DatasetError(Exception):
     """Base of every error raised by ``distlearn.dataset``."""

@@ -25,6 +25,32 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+__all__ = [
+    "BATCHER_ARGS",
+    "CACHE",
+    "DEFAULT_MAX_ITEM_BYTES",
+    "DEFAULT_MAX_PART_BYTES",
+    "DEFAULT_PART_TIMEOUT",
+    "DEFAULT_WORKER_TIMEOUT",
+    "ERROR_POLICIES",
+    "FETCH",
+    "GROUPS",
+    "INDEX",
+    "PARTS",
+    "REDIRECT_POLICIES",
+    "CacheOptions",
+    "FetchOptions",
+    "Group",
+    "IndexOptions",
+    "Options",
+    "PartOptions",
+    "SamplingOptions",
+    "WorkerOptions",
+    "check",
+    "check_batcher_args",
+    "split",
+]
+
 DEFAULT_MAX_ITEM_BYTES = 1 << 30
 DEFAULT_MAX_PART_BYTES = 4 << 30
 DEFAULT_WORKER_TIMEOUT = 600.0

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["call_with_item", "item_rng", "item_seed", "seed_worker"]
+
 # Separates item generators from the epoch's sampler generators (same entropy words).
 _ITEM_STREAM = 0x17E4
 _WORKER_STREAM = 0x3A0B

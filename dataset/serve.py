@@ -52,6 +52,27 @@ from email.utils import formatdate
 from typing import NoReturn
 from urllib.parse import unquote_to_bytes
 
+__all__ = [
+    "CACHE_BYTES",
+    "HEAD_TIMEOUT_S",
+    "IDLE_TIMEOUT_S",
+    "MAX_CONNECTIONS",
+    "MAX_HEAD",
+    "REASONS",
+    "SMALL_FILE",
+    "BadRequest",
+    "Files",
+    "HttpConnection",
+    "Server",
+    "bind",
+    "bind_group",
+    "main",
+    "parse_head",
+    "parse_range",
+    "serve_in_processes",
+    "write_port_file",
+]
+
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 16 * 1024  # request line and headers together

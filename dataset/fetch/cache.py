@@ -47,6 +47,16 @@ from .hostlock import HostLock
 if TYPE_CHECKING:
     from ..options import CacheOptions
 
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "Cache",
+    "default_cache_dir",
+    "disk_cache",
+    "intact",
+    "item_cache",
+    "seal",
+]
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 << 30

@@ -12,6 +12,8 @@ from ..errors import FetchError, IndexNotFound
 from . import sources as src
 from .fetcher import Fetcher
 
+__all__ = ["read_bytes"]
+
 
 def _read_local(location: str, path: str) -> bytes:
     """A local regular file's bytes. Anything else is refused before a byte is read: a

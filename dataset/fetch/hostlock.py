@@ -23,6 +23,8 @@ import logging
 import os
 import time
 
+__all__ = ["REPORT_EVERY", "STOPPED_GRACE", "HostLock"]
+
 log = logging.getLogger("distlearn.dataset.fetch.cache")
 
 # A holder seen stopped for this long is gone on without.

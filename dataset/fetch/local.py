@@ -10,6 +10,8 @@ from typing import Any
 
 from ..errors import FetchError
 
+__all__ = ["NotRegular", "open_fsspec", "open_local", "read_blocking"]
+
 
 def read_blocking(
     name: str, offset: int | None, length: int | None, opener: Any, remote: bool, cap: int

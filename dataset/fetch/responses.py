@@ -11,6 +11,8 @@ from typing import Any
 
 import aiohttp
 
+__all__ = ["content_range", "payload_size", "read_capped", "retry_after", "too_big"]
+
 
 def retry_after(value: str | None) -> float | None:
     """Seconds a Retry-After header asks for (a number of seconds, or an HTTP date)."""

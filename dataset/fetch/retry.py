@@ -14,6 +14,8 @@ from typing import TypeVar
 
 from ..errors import FetchError
 
+__all__ = ["after_tries", "backoff_delay", "with_retries"]
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")

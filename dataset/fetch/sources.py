@@ -14,6 +14,21 @@ from __future__ import annotations
 import os
 import urllib.parse
 
+__all__ = [
+    "Joined",
+    "Source",
+    "add_params",
+    "check_scheme",
+    "is_http",
+    "is_url",
+    "join_prefix",
+    "local_path",
+    "parent_of",
+    "query_string",
+    "resolve",
+    "scheme",
+]
+
 Source = "str | tuple[str, int, int] | bytes | torch.Tensor"
 
 

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Any
 
+__all__ = ["RateLimitedLog", "Stats"]
+
 
 class Stats(dict):
     """Counters: fetched, retried, failed, bytes, dropped (by the processor)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+__all__ = ["Damage", "ReadStats"]
+
 log = logging.getLogger(__name__)
 
 

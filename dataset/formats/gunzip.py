@@ -8,6 +8,8 @@ import zlib
 from ..options import DEFAULT_MAX_PART_BYTES  # a part decompresses to at most this (held whole)
 from .damage import ReadStats
 
+__all__ = ["TooLarge", "gunzip"]
+
 log = logging.getLogger(__name__)
 
 

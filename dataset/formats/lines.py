@@ -6,6 +6,8 @@ from collections.abc import Iterator
 
 from .damage import Damage
 
+__all__ = ["read_lines"]
+
 
 def read_lines(
     data: bytes | memoryview, damage: Damage, truncated: bool = False

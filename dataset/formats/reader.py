@@ -28,6 +28,8 @@ from .lines import read_lines
 from .tar import read_tar
 from .tfrecord import read_tfrecord
 
+__all__ = ["FORMATS", "part_format", "read_part"]
+
 FORMATS = ("tar", "tfrecord", "lines")
 
 

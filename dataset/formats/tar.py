@@ -11,6 +11,8 @@ from typing import Any
 
 from .damage import Damage
 
+__all__ = ["key_ext", "read_tar"]
+
 _MAX_NAME = 4096  # PATH_MAX: a longer member name is damage, not a sample
 _SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset skips __meta__ members
 _BLOCK = 512

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 from .damage import Damage
 
+__all__ = ["masked_crc32c", "read_tfrecord", "write_tfrecord"]
+
 _MASK_DELTA = 0xA282EAD8
 
 

@@ -25,6 +25,8 @@ import numpy as np
 
 from .cores import on_two_threads
 
+__all__ = ["order", "unique", "words"]
+
 # _KEEP[k]: the k most significant bytes of a 64-bit word
 _KEEP = np.array([0] + [((1 << 64) - 1) ^ ((1 << (64 - 8 * k)) - 1) for k in range(1, 9)],
                  dtype=np.uint64)  # fmt: skip

@@ -15,6 +15,8 @@ from typing import TypeVar
 
 import numpy as np
 
+__all__ = ["FRESH", "arange", "fresh", "in_order", "on_two_threads", "take"]
+
 T = TypeVar("T")
 
 # Arrays from this size on are made in small pages of their own (see fresh()).

@@ -30,6 +30,28 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "PART_SAMPLERS",
+    "SamplerFn",
+    "check_options",
+    "endless",
+    "epoch_rng",
+    "for_index",
+    "get_sampler",
+    "label_cycles",
+    "label_distribution",
+    "label_permutation",
+    "label_uniform",
+    "linear",
+    "part_linear",
+    "part_linear_permutation",
+    "part_permutation_permutation",
+    "permutation",
+    "register_sampler",
+    "sampler_names",
+    "uniform",
+]
+
 SamplerFn = Callable[..., Iterable[Any]]
 _SAMPLERS: dict[str, SamplerFn] = {}
 

@@ -33,6 +33,8 @@ from typing import Any
 from ..errors import AllFailed, DatasetError, RemoteTraceback
 from ..fetch.stats import RateLimitedLog
 
+__all__ = ["BUG_TYPES", "POLICIES", "FailurePolicy", "ItemFailure", "check_policy"]
+
 log = logging.getLogger("distlearn.dataset.batcher")
 
 FETCH, PROCESS = "fetch", "process"

@@ -25,6 +25,8 @@ from ..fetch.stats import Stats
 from ..seeding import call_with_item
 from .failures import FETCH, PROCESS, ItemFailure
 
+__all__ = ["BatchResult", "Context", "Handoff", "fill", "stuck"]
+
 
 @dataclass
 class BatchResult:

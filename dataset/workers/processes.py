@@ -31,6 +31,8 @@ from ..seeding import seed_worker
 from .failures import ItemFailure
 from .fill import BatchResult, Context, fill, stuck
 
+__all__ = ["ProcessWorkers", "RingMemory"]
+
 
 class RingMemory:
     """Shared memory for the batch ring: a file that never has a name.

@@ -15,6 +15,8 @@ import torch
 from ..fetch.fetcher import Fetcher
 from .fill import BatchResult, Context, Handoff, fill, stuck
 
+__all__ = ["ThreadWorkers"]
+
 
 class ThreadWorkers:
     """Fetch on one event loop thread, decode on `num_workers` threads, all in this process."""

@@ -47,6 +47,8 @@ from ._wire import (
     truncated,
 )
 
+__all__ = ["MIN_SIZE", "WIDTH", "decode"]
+
 WIDTH = {BOOL: 1, BYTE: 1, I16: 2, I32: 4, I64: 8, DOUBLE: 8}
 # The fewest bytes one element of each type takes: what a count is checked against.
 MIN_SIZE = {**WIDTH, STRING: 4, STRUCT: 1, MAP: 6, SET: 5, LIST: 5, UUID: 16}

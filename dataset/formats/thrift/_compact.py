@@ -53,6 +53,8 @@ from ._wire import (
     truncated,
 )
 
+__all__ = ["MIN_SIZE", "VARINT_LIMIT", "VECTOR_MIN", "decode"]
+
 # compact type nibble -> type id (1 and 2 are a bool field's value, or a bool element type)
 _TYPE: tuple = (None, BOOL, BOOL, BYTE, I16, I32, I64, DOUBLE, STRING, LIST, SET, MAP, STRUCT, UUID)
 _TYPE += (None,) * (16 - len(_TYPE))

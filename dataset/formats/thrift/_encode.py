@@ -35,6 +35,8 @@ from ._wire import (
     wire_type,
 )
 
+__all__ = ["encode"]
+
 _BE = {BYTE: ">i1", I16: ">i2", I32: ">i4", I64: ">i8", DOUBLE: ">f8"}
 _COMPACT_TYPE = {BOOL: 1, BYTE: 3, I16: 4, I32: 5, I64: 6, DOUBLE: 7, STRING: 8, LIST: 9,
                  SET: 10, MAP: 11, STRUCT: 12, UUID: 13}  # fmt: skip

@@ -16,6 +16,8 @@ from ._wire import Schema, ThriftError
 if TYPE_CHECKING:  # decoding records needs no torch; a processor's `out` is a tensor
     import torch
 
+__all__ = ["FEATURE_FIELDS", "MEDIA_SCHEMA", "FeatureRecord", "MediaRecord"]
+
 MEDIA_SCHEMA: dict[int, Schema] = {1: "binary", 2: "string", 3: ("list", "i32")}
 """A media record: 1: binary image, 2: optional string caption, 3: optional list<i32> resolution."""
 

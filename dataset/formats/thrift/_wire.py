@@ -14,6 +14,24 @@ import numpy as np
 
 from ...errors import DatasetError
 
+__all__ = [
+    "INTEGERS",
+    "MAX_DEPTH",
+    "NAME_OF",
+    "NUMPY_DTYPE",
+    "TYPE_NAMES",
+    "Schema",
+    "ThriftError",
+    "as_string",
+    "element_schema",
+    "field_schema",
+    "finish_list",
+    "make_map",
+    "too_deep",
+    "truncated",
+    "wire_type",
+]
+
 Schema = Any  # str | tuple | Mapping[int, Schema]
 
 STOP, BOOL, BYTE, DOUBLE, I16, I32, I64, STRING, STRUCT, MAP, SET, LIST, UUID = (

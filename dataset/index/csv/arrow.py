@@ -34,6 +34,20 @@ from ..cores import in_order, on_two_threads
 from ..rows import small_int
 from .scan import QUOTE, edges_clean, quotes_ok, strip
 
+__all__ = [
+    "BLOCK",
+    "LINE",
+    "PEEK",
+    "Buffer",
+    "Column",
+    "Names",
+    "flags",
+    "header_names",
+    "int32s",
+    "pool",
+    "split",
+]
+
 try:
     import pyarrow as pa
     import pyarrow.compute as pc

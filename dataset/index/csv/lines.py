@@ -35,6 +35,19 @@ from ..cores import fresh, on_two_threads
 from ..rows import small_int
 from ..table import sort_labels
 
+__all__ = [
+    "BLOCK",
+    "HALVES",
+    "MANY_LABELS",
+    "MOST_DESCENTS",
+    "NO_ROLE",
+    "WIDE_CODES",
+    "Split",
+    "built",
+    "roles",
+    "split",
+]
+
 try:
     from . import _lines
 except ImportError:  # pragma: no cover - built by setup.py where a C compiler is at hand

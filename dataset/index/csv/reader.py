@@ -34,6 +34,8 @@ from .arrow import pa, pc
 from .meta import read_meta
 from .scan import Fields, iter_rows, scan, scan_rows
 
+__all__ = ["PACK_BELOW", "Columns", "from_csv", "local_identity"]
+
 log = logging.getLogger("distlearn.dataset.index")
 
 

@@ -27,6 +27,18 @@ import numpy as np
 
 from ..cores import in_order, on_two_threads
 
+__all__ = [
+    "Fields",
+    "check_quotes",
+    "edges_clean",
+    "find",
+    "iter_rows",
+    "quotes_ok",
+    "scan",
+    "scan_rows",
+    "strip",
+]
+
 QUOTE, NL, CR = 34, 10, 13
 # Bytes str.strip() removes that are ASCII (the other whitespace is not ASCII).
 _SPACE = np.zeros(256, dtype=bool)
