@@ -168,7 +168,7 @@ class Dataset:
     ``index``: a .csv/.tsv path or URL (local, http(s)://, any fsspec URL), a
     directory (labels = sub-folder names), a tensor, ``dict(x=, y=)``, a .pt file,
     a folder/URL of part files, or a list of these joined item by item (see
-    :mod:`dataset.kinds`). ``partition`` is 0-based like a torch rank;
+    :mod:`dataset.index.kinds`). ``partition`` is 0-based like a torch rank;
     ``"auto"`` reads RANK/WORLD_SIZE, and so does a Dataset given neither
     under torchrun (``WORLD_SIZE`` > 1).
 

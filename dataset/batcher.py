@@ -2,11 +2,11 @@
 
 It composes two stages:
 
-- an :class:`dataset.stream.ItemStream`, which decides what each batch holds
+- an :class:`dataset.sampling.stream.ItemStream`, which decides what each batch holds
   (the sampler, joined and drawn indexes, the epoch and the place in it), in
   the main process only, so no item is duplicated or skipped whatever the
   number or kind of workers;
-- a :class:`dataset.engine.SlotEngine`, which has the workers fetch and decode
+- a :class:`dataset.workers.ring.SlotEngine`, which has the workers fetch and decode
   each batch into a slot of a preallocated ring and gives batches back in
   order, with the failure policy applied.
 

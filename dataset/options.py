@@ -118,7 +118,7 @@ class FetchOptions(Group):
             raise TypeError(f"headers must be a dict, got {self.headers!r}")
 
     def fetcher_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`dataset.fetch.Fetcher`."""
+        """Keyword arguments for :class:`dataset.fetch.fetcher.Fetcher`."""
         return {
             "timeout": self.timeout,
             "retries": self.retries,
@@ -166,7 +166,7 @@ class CacheOptions(Group):
 
 @dataclass(frozen=True)
 class PartOptions(Group):
-    """Folders of part files (see :mod:`dataset.parts`)."""
+    """Folders of part files (see :mod:`dataset.index.parts`)."""
 
     record_format: str | None = None
     resident_parts: int = 3

@@ -44,7 +44,7 @@ def read_bytes(
     read), so it is retried like an item. A missing file raises
     :class:`IndexNotFound` (a ``FileNotFoundError``) naming it, or gives None
     with ``missing_ok``; any other failure is a :class:`FetchError` naming the
-    URL. With a :class:`dataset.cache.Cache`, a remote file is read from it
+    URL. With a :class:`dataset.fetch.cache.Cache`, a remote file is read from it
     when present and kept in it once read (local files are never copied).
     """
     path = src.local_path(location)

@@ -112,7 +112,7 @@ def _window_difference(buf, start, run, member, pos, window, chunk) -> int | Non
     member, or None: every string holds those bytes, so its words need no mask past its
     end, nor a byte swap (the first byte of a little-endian word is its lowest), and one
     look at a chunk's rows serves every word (the names of a label share ~20 bytes).
-    The chunks are shared with a second thread (:func:`dataset.cores.on_two_threads`):
+    The chunks are shared with a second thread (:func:`dataset.index.cores.on_two_threads`):
     this pass is most of an unsorted file's sort (1M rows: 14 -> 8 ms)."""
     last = len(buf) - 8 - pos
     every = [np.ndarray((last + 1 - 8 * j,), dtype="<u8", buffer=buf, offset=pos + 8 * j,

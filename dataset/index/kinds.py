@@ -7,14 +7,14 @@ opens with the first that matches. The kinds, in that order:
     index       an Index (or part source) already opened: as it is
     tensor      a tensor, or dict(x=, y=)                  -> Index (rows in memory)
     list        a list of indexes, joined item by item     -> JoinedIndex
-    parts       a folder/URL/brace pattern of part files   -> dataset.parts.PartIndex
+    parts       a folder/URL/brace pattern of part files   -> dataset.index.parts.PartIndex
     directory   a local folder (labels: sub-folder names)  -> Index
     pt          a .pt file, local or remote                -> Index
     csv         anything else: a CSV/TSV path or URL       -> Index
 
 :func:`register_index_kind` adds one (before another, or before ``csv``, the
-catch-all). An opener returns an :class:`dataset.index.Index` or a *part
-source*, whose own contract is written in :mod:`dataset.parts`.
+catch-all). An opener returns an :class:`dataset.index.table.Index` or a *part
+source*, whose own contract is written in :mod:`dataset.index.parts`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Opening:
 
     options: Options
     fetcher: Fetcher
-    cache: Any = None  # a dataset.cache.Cache for index files (cache_index=True), or None
+    cache: Any = None  # a dataset.fetch.cache.Cache for index files (cache_index=True), or None
 
     def open(self, index: Any) -> Any:
         """Open `index` with the first kind that matches it."""

@@ -109,7 +109,7 @@ _INDEX_FILE = re.compile(r"\.(csv|tsv|pt)$", re.IGNORECASE)
 
 
 def retry_policy(fetch: FetchOptions | None) -> dict:
-    """The retry options of a fetch policy, for :func:`dataset.fetch.with_retries`."""
+    """The retry options of a fetch policy, for :func:`dataset.fetch.retry.with_retries`."""
     fetch = fetch or FetchOptions()
     return {"retries": fetch.retries, "backoff": fetch.backoff, "max_backoff": fetch.max_backoff}
 

@@ -24,10 +24,10 @@ Every read is retried with the fetch policy (``timeout``, ``retries``,
 ``max_part_bytes``, is logged, counted in ``failed_parts`` and read as empty.
 A part loader that finishes nothing within ``part_timeout`` raises PartError.
 
-A :class:`PartIndex` is a *part source*, not an :class:`dataset.index.Index`:
+A :class:`PartIndex` is a *part source*, not an :class:`dataset.index.table.Index`:
 its records have no positions, so nothing addresses them one by one. Its
 contract, all the batcher and the ``part-*`` samplers of
-:mod:`dataset.sampler` use:
+:mod:`dataset.sampling.samplers` use:
 
 - ``origin``, ``labels`` (grow as ``label_key`` values are read, unless given),
   ``multi_hot`` (False);
@@ -94,7 +94,7 @@ class PartIndex:
     member whose text is the label, e.g. "cls"), ``labels`` (label names;
     without them ``label_key`` values must be integer class ids),
     ``check_crc``, ``storage_options`` (for fsspec), ``part_retries`` (per
-    part download). ``cache``: a :class:`dataset.cache.Cache` for downloaded
+    part download). ``cache``: a :class:`dataset.fetch.cache.Cache` for downloaded
     parts, or None; ``fetch``: the read policy.
     """
 

@@ -1,9 +1,9 @@
 """Indexes: the ordered list of examples a Dataset draws from, and their labels.
 
 Every kind of index (CSV/TSV, directory, tensors, ``.pt`` file, part files, a
-list of indexes) is opened by :func:`dataset.kinds.open_index`, the one
+list of indexes) is opened by :func:`dataset.index.kinds.open_index`, the one
 dispatch on the kind of index, into an :class:`Index`: per row of the file
-a *source* (see :mod:`dataset.sources`) and its label ids into
+a *source* (see :mod:`dataset.fetch.sources`) and its label ids into
 ``index.labels``, and the *examples* drawn from the rows.
 
 An index of tens of millions of rows holds no Python object per row: rows are

@@ -340,7 +340,7 @@ def part_permutation_permutation(index: Any, epoch: int, rng: np.random.Generato
     return _stream_of(index, "part-permutation-permutation")(rng, "permutation", "permutation")
 
 
-# The samplers of part sources (dataset.parts): records read as a stream, by the
+# The samplers of part sources (dataset.index.parts): records read as a stream, by the
 # part source's ``stream(rng, parts, items)``.
 PART_SAMPLERS = {
     "part-linear": part_linear,

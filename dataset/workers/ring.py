@@ -1,6 +1,6 @@
 """The slot engine: a ring of preallocated batch slots, the workers that fill them.
 
-:class:`SlotEngine` takes :class:`dataset.stream.Work` (one batch of items)
+:class:`SlotEngine` takes :class:`dataset.sampling.stream.Work` (one batch of items)
 into a free slot of the ring, where the workers fetch and decode every item
 straight into the slot's tensor, and gives batches back in the order they
 went in. It knows nothing of samplers or epochs:

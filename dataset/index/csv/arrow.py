@@ -1,21 +1,21 @@
 """CSV/TSV text split by pyarrow's CSV reader, where it gives ``csv.reader(strict=True)``'s rows.
 
 pyarrow's reader (C++, both cores) splits a file several times faster than the
-numpy passes of :mod:`dataset.csvscan`, and hands each column over as one
+numpy passes of :mod:`dataset.index.csv.scan`, and hands each column over as one
 buffer of values and an array of offsets into it, a chunk per block: the
-layout of :class:`dataset.index.NameRows`, which keeps the chunks
+layout of :class:`dataset.index.rows.NameRows`, which keeps the chunks
 (:class:`Names`). It is used only where its rows are provably the csv module's.
 A file without quotes is split with quotes off (a local one read by pyarrow a
 block at a time): NUL, lone ``\\r`` line ends and blank lines are then read as
 the csv module reads them. A file with quotes is split as
-quoted only when its quotes are RFC 4180's (:func:`dataset.csvscan.quotes_ok`)
+quoted only when its quotes are RFC 4180's (:func:`dataset.index.csv.scan.quotes_ok`)
 and it holds no NUL; a ``\\r`` is then read as the csv module reads it.
 Otherwise, and for rows with fewer or more fields than the header (ragged
 rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
-None and the caller falls back to :func:`dataset.csvscan.scan`.
+None and the caller falls back to :func:`dataset.index.csv.scan.scan`.
 
 Values come unquoted, their ``""`` escapes undone, NOT stripped: the caller
-strips them (:func:`dataset.csvscan.strip`; :class:`Names` does for a column of
+strips them (:func:`dataset.index.csv.scan.strip`; :class:`Names` does for a column of
 names). No pyarrow: :func:`split` is always None.
 """
 
@@ -82,8 +82,8 @@ class Column:
 
 
 class Names:
-    """The values of a column, stripped (:func:`dataset.csvscan.strip`), as
-    :class:`dataset.index.NameRows` holds them.
+    """The values of a column, stripped (:func:`dataset.index.csv.scan.strip`), as
+    :class:`dataset.index.rows.NameRows` holds them.
 
     Value r is ``start[r]:start[r] + length[r]`` of the bytes of ``parts`` one after
     the other: each chunk's values as pyarrow holds them (no copy), or, where the
@@ -110,7 +110,7 @@ class Names:
 
     def _split(self, chunks: list, both: bool) -> None:
         # each chunk on its own (its small temporaries are reused: no fresh pages), on
-        # two threads (`both`, dataset.cores) where the other core is free
+        # two threads (`both`, dataset.index.cores) where the other core is free
         least = 4 if both else len(chunks) + 1
         pieces = in_order(on_two_threads(lambda part: [_piece(c) for c in part], chunks, least))
         self.empty = any(p is None for p in pieces)
@@ -209,7 +209,7 @@ def _descents(chunks: list, most: int) -> np.ndarray | None:
 
 def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | None:
     """``(header, columns)``: the header's values and each column of the rows after it
-    (blank lines left out), or None where :func:`dataset.csvscan.scan` must decide.
+    (blank lines left out), or None where :func:`dataset.index.csv.scan.scan` must decide.
 
     `source`: a local file's path (pyarrow reads it a block at a time: no copy of
     the whole file) or the file's bytes (``bytes``, or an ``mmap`` of the file:
@@ -253,7 +253,7 @@ def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | No
 
 
 def _quotes_ok(source: Buffer, sep: str) -> bool:
-    """Whether the quotes of `source` are RFC 4180's (:func:`dataset.csvscan.quotes_ok`)."""
+    """Whether the quotes of `source` are RFC 4180's (:func:`dataset.index.csv.scan.quotes_ok`)."""
     body = 3 if source[:3] == b"\xef\xbb\xbf" else 0
     return quotes_ok(np.frombuffer(source, dtype=np.uint8), body, ord(sep))
 
@@ -388,7 +388,7 @@ def _values_ok(table, refuse_quotes: bool) -> bool:
     `refuse_quotes`): a look at each chunk's bytes, and pyarrow's full UTF-8 check
     only of a chunk whose bytes are not all ASCII (several times faster than
     pyarrow's check of every value, a fifth of a 10M-row parse), the chunks shared
-    by two threads (:func:`dataset.cores.on_two_threads`)."""
+    by two threads (:func:`dataset.index.cores.on_two_threads`)."""
     chunks = []
     for column in table.columns:
         for chunk in column.chunks:

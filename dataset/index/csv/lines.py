@@ -1,13 +1,13 @@
 """Plain CSV/TSV text (no quotes, UTF-8) read in one pass of C, on two threads.
 
 Most index files are this plain: ``filename,label`` lines of paths and label
-names. :mod:`dataset._lines` (C) reads such a file's bytes (a local file's
+names. :mod:`dataset.index.csv._lines` (C) reads such a file's bytes (a local file's
 mapped pages, or the bytes fetched) once, a half on each core: it finds each
 line's fields, strips them, copies each name into one buffer of names, and
 writes each label's code in the order of its first appearance (a small hash
 table per half), and where a name is smaller than the one before it. A general
 CSV parser does more: pyarrow's copies every value into fresh buffers, which
-then cost their own passes (:mod:`dataset.csvarrow`: names stripped, labels
+then cost their own passes (:mod:`dataset.index.csv.arrow`: names stripped, labels
 looked up, ragged rows split again).
 
 The rows are the csv module's (``csv.reader(strict=True)``): a file that holds no
@@ -17,7 +17,7 @@ fields are stripped as ``str.strip`` strips them. :func:`split` returns None for
 anything else (a quote, bytes that are not UTF-8, a space that is not ASCII at a
 field's edge, a name missing or empty, a row with more fields than the header, a
 header with ``offset``/``length``),
-and the other readers (:mod:`dataset.csvarrow`, :mod:`dataset.csvscan`) read the
+and the other readers (:mod:`dataset.index.csv.arrow`, :mod:`dataset.index.csv.scan`) read the
 file or name its fault. Without the compiled module (a build without a C
 compiler), :func:`split` is always None.
 """
@@ -86,7 +86,7 @@ class Split(NamedTuple):
 
 
 def roles(header: list[str]) -> bytes | None:
-    """Each column's role for :mod:`dataset._lines`: 0 the name, k + 1 the k-th label
+    """Each column's role for :mod:`dataset.index.csv._lines`: 0 the name, k + 1 the k-th label
     column, :data:`NO_ROLE` ignored; None where the header is not one it reads (no
     ``filename``, two of them, ``offset``/``length`` columns: the others decide)."""
     if header.count("filename") != 1 or "offset" in header or "length" in header:
@@ -124,7 +124,7 @@ def split(data: bytes | mmap.mmap, header: list[str], body: int, sep: str) -> Sp
 def _split(data, role: bytes, body: int, sep: str, share: float, code_type) -> Split | None:
     """:func:`split` with label codes of `code_type` (OverflowError: too narrow), the
     names' `share` of the bytes faulted in ahead: the lines counted, the arrays made,
-    each half read by :mod:`dataset._lines` on a thread of its own, the halves joined."""
+    each half read by :mod:`dataset.index.csv._lines` on a thread of its own, the halves joined."""
     k = max((r for r in role if r != NO_ROLE), default=0)  # label columns
     cut = data.find(b"\n", body + (len(data) - body) // 2) + 1 if len(data) > HALVES else 0
     parts = [(body, cut), (cut, len(data))] if cut > body else [(body, len(data))]
@@ -191,7 +191,7 @@ def _sample(data, body: int, sep: str, role: bytes, sample: int = 1 << 16) -> tu
 
 
 def _sorted_labels(found: list[list[str]]) -> tuple[list[str], list[np.ndarray]]:
-    """The labels of every half, sorted as :func:`dataset.index.sort_labels` sorts
+    """The labels of every half, sorted as :func:`dataset.index.table.sort_labels` sorts
     them, and a table a half from its codes to their ids, whose last entry (-1, no
     label) code -1 takes. Many labels (a face or product index has 10^5-10^6) are
     sorted by numpy, where they are not all integers (as bytes where all are ASCII:

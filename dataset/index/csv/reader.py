@@ -1,10 +1,10 @@
 """CSV/TSV indexes: columns ``filename``, ``label*``, optional ``offset``/``length``.
 
 The file is split into fields by the first reader that vouches for its rows:
-:mod:`dataset.csvlines` (C, plain files), :mod:`dataset.csvarrow` (pyarrow),
-:func:`dataset.csvscan.scan` (numpy), else the csv module; and read into an
+:mod:`dataset.index.csv.lines` (C, plain files), :mod:`dataset.index.csv.arrow` (pyarrow),
+:func:`dataset.index.csv.scan.scan` (numpy), else the csv module; and read into an
 :class:`Index` whose rows are offsets into one buffer of names
-(:class:`dataset.index.NameRows`): no Python object per row. Relative
+(:class:`dataset.index.rows.NameRows`): no Python object per row. Relative
 filenames join the URL prefix of the meta file beside the index
 (:func:`read_meta`) when there is one, else resolve against the index's own
 folder, when an item is fetched.
@@ -86,7 +86,7 @@ def from_csv(
     Rows may stop after their last label (ragged rows). Relative filenames join
     the URL prefix of the meta file beside the index (see :func:`read_meta`)
     when there is one, else resolve against the index's own folder. Absolute
-    URLs and paths are used as they are, within :func:`dataset.sources.check_scheme`.
+    URLs and paths are used as they are, within :func:`dataset.fetch.sources.check_scheme`.
     """
     path = src.local_path(index)
     local = path is not None and os.path.isfile(path)  # read by pyarrow, a block at a time
@@ -155,7 +155,7 @@ def _from_mapped(path: str, index: str, sep: str, resolver: Resolver):
 
 def _plain_bytes(path: str) -> mmap.mmap | None:
     """A local file's pages, mapped (and read in at once), where its first lines are
-    plain (see :mod:`dataset.csvlines`), else None: read by the other readers (no copy
+    plain (see :mod:`dataset.index.csv.lines`), else None: read by the other readers (no copy
     kept of it; a file cut short while its rows are read is a SIGBUS, as for any
     mapped file)."""
     try:
@@ -176,7 +176,7 @@ def _plain_bytes(path: str) -> mmap.mmap | None:
 def _from_lines(
     data: csvarrow.Buffer | None, index: str, sep: str, resolver: Resolver, where: str | None
 ):
-    """:func:`_from_arrow`'s result for a plain file, read by :mod:`dataset.csvlines`
+    """:func:`_from_arrow`'s result for a plain file, read by :mod:`dataset.index.csv.lines`
     (its names copied into one buffer); None where it is not plain. `where`: the
     file, for the line of a row, where `data` does not outlive the call."""
     if data is None or (end := data.find(b"\n")) < 0:
@@ -200,7 +200,7 @@ def _from_arrow(
     where: str | None = None,
 ):
     """The rows as :func:`_from_fields` reads them, split by pyarrow (see
-    :mod:`dataset.csvarrow`), and whether each name is <= the next; None where the
+    :mod:`dataset.index.csv.arrow`), and whether each name is <= the next; None where the
     scanner must read the file (what pyarrow refuses, offset/length columns, an
     empty filename: the scanner's errors name the line). `where`: the file, for the
     line of a row, where `source` does not outlive the call."""
@@ -226,7 +226,7 @@ def _from_arrow(
 
 
 def _arrow_labels(columns: list[list], n: int):
-    """``(ptr, ids, names)`` for :func:`dataset.index.labelled`, from the chunks of pyarrow's
+    """``(ptr, ids, names)`` for :func:`dataset.index.table.labelled`, from the chunks of pyarrow's
     label columns: the distinct values of every chunk's dictionary stripped in Python
     (a few, where the chunks' dictionaries hold thousands of strings) and looked up
     in the sorted label names; each chunk's indices mapped through that small table
@@ -276,7 +276,7 @@ def _arrow_labels(columns: list[list], n: int):
 
 
 def _packed(ids: np.ndarray, names: list[str], missing: bool | None = None):
-    """``(ptr, ids, names)`` for :func:`dataset.index.labelled` from each row's label ids,
+    """``(ptr, ids, names)`` for :func:`dataset.index.table.labelled` from each row's label ids,
     ``(rows,)`` for one label column or ``(rows, columns)`` (none: no label column),
     -1 for no label there (`missing`: whether one label column has one; None: look);
     a label repeated in a row is kept once."""
@@ -299,7 +299,7 @@ def _packed(ids: np.ndarray, names: list[str], missing: bool | None = None):
 
 def _drop_repeats(ids: np.ndarray) -> None:
     """A label repeated in a row (of the (rows, columns) `ids`) made no label (-1), the
-    first occurrence kept: what :func:`dataset.index.labelled` would drop, done a column
+    first occurrence kept: what :func:`dataset.index.table.labelled` would drop, done a column
     at a time here, before the labels are packed, for a few columns (else left to it)."""
     if ids.shape[1] > 8:
         return

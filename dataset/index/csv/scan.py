@@ -120,7 +120,7 @@ def find(a: np.ndarray, *values: int, chunk: int = 1 << 22) -> list[np.ndarray]:
 
     One mask the size of a chunk, reused, stays in the CPU's cache: three times
     faster than comparing the whole buffer at once (a mask as large as the file).
-    The chunks are shared with a second thread (:func:`dataset.cores.on_two_threads`).
+    The chunks are shared with a second thread (:func:`dataset.index.cores.on_two_threads`).
     """
 
     def positions(lows) -> list[list[np.ndarray]]:
