@@ -1,4 +1,4 @@
-"""ipc.launch: how node 0 tells its launch's processes from another launch's."""
+"""ipc.rendezvous.launches: how node 0 tells its launch's processes from another launch's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from distlearn.ipc import launch
+from distlearn.ipc.rendezvous import launches as launch
 
 
 def _joiner_digests(monkeypatch, index: int, **changes: str | None) -> dict:
@@ -124,7 +124,8 @@ def test_running_tells_a_stopped_or_dead_process_from_a_live_one():
 def test_a_twin_launch_is_counted_among_the_parents_processes():
     """Processes with one command line (numbers aside) under one parent, a shell as in a
     launch script: three are more than a launch of 2 has, not more than one of 3; other
-    command lines do not count. (The probes load ipc/launch.py alone: no torch to import.)"""
+    command lines do not count. (The probes load ipc/rendezvous/launches.py alone: no torch
+    to import.)"""
     probe = (
         "import importlib.util as u, sys, time; "
         'spec = u.spec_from_file_location("launch", sys.argv[2]); '

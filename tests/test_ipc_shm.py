@@ -13,7 +13,7 @@ import mmap
 import multiprocessing as mp
 import os
 
-from distlearn.ipc import shm
+from distlearn.ipc.collectives import shm
 
 BARRIERS = 100_000
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import IPCError
+from ..errors import IPCError
 
 log = logging.getLogger(__name__)
 

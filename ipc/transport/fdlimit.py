@@ -1,8 +1,8 @@
 """A server's budget of open files.
 
 Each same-host client costs a server three open files: its ZeroMQ connection, its
-direct socket (ipc.direct) and the mapping of its shared-memory arena (ipc.bulk). A
-process out of files is not merely refused a file: libzmq 4.3's Unix-socket
+direct socket (ipc.services.direct) and the mapping of its shared-memory arena
+(ipc.services.bulk). A process out of files is not merely refused a file: libzmq 4.3's Unix-socket
 listener aborts the whole process when accept() fails with EMFILE (an assertion in
 src/ipc_listener.cpp; its TCP listener does not). So a server
 

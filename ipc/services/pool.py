@@ -6,7 +6,7 @@ torch-ipc's `ipc.map`, with 0-based indexes. The workers are forked by
 default (a closure works; `context="spawn"` needs a picklable fn and args).
 Each worker dials the parent over an authenticated link (a Unix socket in
 the private runtime directory, a fresh random secret the child inherits) and
-sends one message: its result as an :mod:`ipc.wire` value (tensors, nested
+sends one message: its result as an :mod:`ipc.transport.wire` value (tensors, nested
 containers, scalars, bytes), or the exception it raised (type, message and
 traceback as text). Nothing a worker sends is unpickled.
 
@@ -49,11 +49,10 @@ from collections.abc import Callable
 
 import torch
 
-from . import queues, wire
-from .auth import Secret, random_secret
-from .errors import IPCError, IPCTimeoutError, PeerError
-from .keywords import checked
-from .link import Endpoint, Link
+from ..errors import IPCError, IPCTimeoutError, PeerError
+from ..keywords import checked
+from ..transport import Endpoint, Link, Secret, random_secret, wire
+from . import broker
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +128,7 @@ def _worker(
                 {"i": i, "ok": False, "type": type(exc).__name__, "message": str(exc)[:4096],
                  "traceback": tb}
             )  # fmt: skip
-        queues.close_remotes()  # its writes to channels and work queues arrive first
+        broker.close_remotes()  # its writes to channels and work queues arrive first
         link.send_frames(frames, copy=True)
     finally:
         ep.close()  # returns once the parent has read the result (or is gone)

@@ -5,7 +5,7 @@
     for conn in server.clients(2): conn.send(obj)     # Connection objects, in arrival order
     obj, conn = server.recv_any()                     # the next message from any client
 
-Values are those of :mod:`ipc.wire`: tensors (any allowed dtype; CUDA ones are
+Values are those of :mod:`ipc.transport.wire`: tensors (any allowed dtype; CUDA ones are
 staged through the host), nested lists/tuples/dicts, str, int, float, bool,
 None and bytes. A message is a JSON header and raw tensor bytes; nothing
 received is unpickled. `recv(into=...)` writes received tensors into yours.
@@ -17,10 +17,10 @@ the same host finds it: nothing is derived from public values. Strangers are
 refused by ZeroMQ's handshake before they can queue a byte, and every frame is
 capped (`Limits.max_frame`) before it is read; large tensors travel in frames
 of at most 1 MiB, or, between processes of one host, through shared memory
-(:mod:`ipc.bulk`: a header on the link, the bytes in the sender's arena).
+(:mod:`ipc.services.bulk`: a header on the link, the bytes in the sender's arena).
 
 A client of the same user on the same host sends and receives on a direct Unix
-stream socket bound to its authenticated link by a one-time nonce (:mod:`ipc.direct`):
+stream socket bound to its authenticated link by a one-time nonce (:mod:`ipc.services.direct`):
 a round trip is two plain socket writes, without ZeroMQ's I/O threads. Everything
 runs in the caller's thread; ZeroMQ's own I/O thread answers heartbeats meanwhile,
 so a dead or frozen peer is noticed while you compute. A dead client is named by
@@ -42,13 +42,24 @@ from collections import deque
 
 import zmq
 
-from . import bulk, direct, fdlimit, runtime, wire
-from .auth import Secret, given_secret, missing_secret_error, random_secret
-from .errors import IPCError, IPCTimeoutError, PeerError
-from .keywords import checked
-from .launch import start_ticks
-from .link import Endpoint, Limits, Link, Liveness
-from .wire import Kind
+from ..errors import IPCError, IPCTimeoutError, PeerError
+from ..keywords import checked
+from ..rendezvous.launches import start_ticks
+from ..transport import (
+    Endpoint,
+    Kind,
+    Limits,
+    Link,
+    Liveness,
+    Secret,
+    fdlimit,
+    given_secret,
+    missing_secret_error,
+    random_secret,
+    runtime,
+    wire,
+)
+from . import bulk, direct
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +133,7 @@ def _deadline(timeout: float | None) -> float | None:
 
 
 def recv_value(shared: bulk.Bulk, link: Link, frames: list | tuple, into: object) -> object:
-    """The value of a received message: frames of ipc.wire, or a direct TENSOR."""
+    """The value of a received message: frames of ipc.transport.wire, or a direct TENSOR."""
     try:
         if isinstance(frames, tuple):
             return direct.tensor_of(frames, into)
@@ -205,7 +216,7 @@ class Server:
             secret = random_secret()
         self.host = host
         local = _is_loopback(host)
-        fdlimit.raise_limit()  # each client takes files; see ipc.fdlimit
+        fdlimit.raise_limit()  # each client takes files; see ipc.transport.fdlimit
         self._bulk = bulk.Bulk()  # large tensors to clients on this host: shared memory
         self._endpoint = Endpoint(
             secret,
@@ -225,7 +236,7 @@ class Server:
         self.port = int(self.address.rpartition(":")[2])
         self._max_frame = max_frame
         self._local_file: str | None = None
-        # Same-host clients get a direct socket (ipc.direct), watched through one epoll.
+        # Same-host clients get a direct socket (ipc.services.direct), watched through one epoll.
         self._listener: direct.Listener | None = None
         self._epoll: select.epoll | None = None
         self._by_fd: dict[int, Connection] = {}
@@ -678,7 +689,7 @@ class Client:
         self.name = name
         deadline = time.monotonic() + timeout
         # A server of ours on this host: first show a fresh nonce on its direct socket,
-        # then name the nonce in the (authenticated) handshake; see ipc.direct.
+        # then name the nonce in the (authenticated) handshake; see ipc.services.direct.
         raw = None
         if "direct" in record and direct.enabled() and not encrypt:
             raw = direct.connect(record["direct"], timeout)

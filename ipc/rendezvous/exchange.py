@@ -17,7 +17,7 @@ A handler knows where node 0 can be found and what the job's secret is:
 Each handler's `rendezvous(listen, options, timeout)` asks `listen(secret,
 specs)` to bind the node's own endpoint once it knows the secret (it returns
 the addresses peers will dial), exchanges addresses over authenticated links
-(see :mod:`ipc.link`), and returns the Roster. Node 0 checks that every node
+(see :mod:`ipc.transport.link`), and returns the Roster. Node 0 checks that every node
 passes the same tree options. It knows nothing about trees or collectives.
 """
 
@@ -36,10 +36,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import fdlimit, runtime, wire
-from .auth import Secret, given_secret, insecure_secret, missing_secret_error, random_secret
-from .errors import AuthError, IPCError, IPCTimeoutError, PeerError
-from .launch import (
+from ..errors import AuthError, IPCError, IPCTimeoutError, PeerError
+from ..transport import (
+    Endpoint,
+    Kind,
+    Limits,
+    Link,
+    Secret,
+    WireError,
+    fdlimit,
+    given_secret,
+    insecure_secret,
+    missing_secret_error,
+    random_secret,
+    runtime,
+    wire,
+)
+from .launches import (
     LAUNCH_WINDOW_S,
     environment_differs,
     environment_digests,
@@ -49,8 +62,6 @@ from .launch import (
     start_ticks,
     twin_launch,
 )
-from .link import Endpoint, Limits, Link
-from .wire import Kind, WireError
 
 log = logging.getLogger(__name__)
 
@@ -502,7 +513,7 @@ class Localhost:
     Where the parent runs more processes with such a command line than the launch
     has nodes (two launches of one script at once, a sweep told apart by
     environment variables), node 0 also asks for its environment and working
-    directory: equal but for the variables that name the node (see ipc.launch).
+    directory: equal but for the variables that name the node (see ipc.rendezvous.launches).
     $IPC_KEY or `key=` names a launch explicitly (no such checks). `port` also lets
     node 0 accept joins on 127.0.0.1:port from nodes that know the token."""
 

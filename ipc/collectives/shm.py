@@ -7,7 +7,7 @@ Small buffers (up to SMALL) are reduced by every node on its own, which
 needs no second barrier. Large ones are reduced in parallel: node i reduces
 the i-th slice, publishes it in its slot, and after a second barrier
 everyone gathers the slices. Where the host lets processes read each other's
-memory (:mod:`ipc.cma`), a large reduction skips the copy into the slots:
+memory (:mod:`ipc.collectives.cma`), a large reduction skips the copy into the slots:
 node i reads its slice straight out of the peers' tensors. Slots alternate
 between two halves, so a collective never overwrites data a slower node
 may still be reading from the previous one.
@@ -56,9 +56,9 @@ from pathlib import Path
 
 import torch
 
+from ..envvars import env_float
+from ..errors import IPCTimeoutError, MismatchError, PeerError
 from . import cma
-from .envvars import env_float
-from .errors import IPCTimeoutError, MismatchError, PeerError
 from .hostops import copy
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ PROBE_VALUE = 4
 CAN_READ = 5  # and whether it can read every peer's memory (0/1)
 GROW_GEN = 6  # the last slot generation it tried to allocate,
 GROW_OK = 7  # and whether it could
-# Per node and parity: where its groups lie, for peers to read them (see ipc.cma).
+# Per node and parity: where its groups lie, for peers to read them (see ipc.collectives.cma).
 MAX_GROUPS = 8
 ADDRESSES = struct.Struct(f"<{MAX_GROUPS}Q")
 # Per node and parity: the signatures of the jobs it offers to run fused.
@@ -599,7 +599,7 @@ class SharedMemoryGroup:
         # Node i reduces slice i of every group in its own tensor, publishes it in
         # its slot, and after a barrier everyone gathers the other slices. The
         # peers' slices come from their slots or, `direct`, straight out of their
-        # tensors (ipc.cma: they skipped the copy into their slots), piece by piece
+        # tensors (ipc.collectives.cma: they skipped the copy into their slots), piece by piece
         # into a scratch buffer that stays in cache.
         me = self.node
         if direct:

@@ -13,7 +13,7 @@ index, no chunk twice, a payload of exactly the chunk's size, and no more
 contributors than the sender's subtree holds.
 
 Failures are named: a neighbour whose link dies (a dead or frozen process,
-see :mod:`ipc.link`) or that leaves early raises `PeerError` naming it; a
+see :mod:`ipc.transport.link`) or that leaves early raises `PeerError` naming it; a
 node that leaves a collective through any exception (a custom op that
 raises, Ctrl-C) sends ERROR to its neighbours, who pass it on, so every node
 raises at once naming it. A slow node is waited for, up to `timeout`; once a
@@ -34,12 +34,10 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from . import wire
-from .errors import IPCError, IPCTimeoutError, MismatchError, PeerError
+from ..errors import IPCError, IPCTimeoutError, MismatchError, PeerError
+from ..transport import Endpoint, Kind, Link, WireError, wire
 from .hostops import copy
-from .link import Endpoint, Link
 from .pack import Packed
-from .wire import Kind, WireError
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +122,9 @@ class Engine:
                 raise self._left_error(j, done)
 
     def fused(self, extra: int) -> None:
-        """`extra` more collectives ran inside the one entered last (see ipc.shm.run_fused,
-        where every node took part in all of them): count them as entered."""
+        """`extra` more collectives ran inside the one entered last (see
+        ipc.collectives.shm.run_fused, where every node took part in all of them): count
+        them as entered."""
         self.seq += extra
 
     def end(self) -> None:

@@ -40,11 +40,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from . import runtime, wire
-from .errors import PeerError
-from .launch import pid_alive
-from .link import Link
-from .wire import WireError
+from ..errors import PeerError
+from ..rendezvous.launches import pid_alive
+from ..transport import Link, WireError, runtime, wire
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 A tree is built in three steps, one module each: a rendezvous handler
 (:mod:`ipc.rendezvous`) gives the roster; every node links to its parent and
-children over authenticated links (:mod:`ipc.link`); the collectives run on
-those links (:mod:`ipc.engine`) or, when every node is on one host, through
-shared memory (:mod:`ipc.shm`).
+children over authenticated links (:mod:`ipc.transport.link`); the collectives run on
+those links (:mod:`ipc.collectives.engine`) or, when every node is on one host, through
+shared memory (:mod:`ipc.collectives.shm`).
 
 Threads: one communication thread per tree runs asynchronous collectives
 (`async_op=True`) in the order they were started and, between collectives,
@@ -17,7 +17,7 @@ while the communication thread runs them: on a host with more processes than
 cores, each hand-off between the two threads (and of the interpreter's lock)
 cost more than a collective of several MiB. On shared memory, large
 all-reduces queued one behind another run fused, as one collective (see
-`Tree._fusable` and ipc.shm.run_fused), each with its own call's results.
+`Tree._fusable` and ipc.collectives.shm.run_fused), each with its own call's results.
 Collectives are issued by one thread at a time, in the same order on every
 node (as with torch.distributed).
 
@@ -41,18 +41,25 @@ from collections.abc import Callable
 
 import torch
 
-from . import fdlimit, hostops
+from ..envvars import env_float
+from ..errors import IPCError
+from ..keywords import check, checked, keyword_names
+from ..rendezvous import Localhost, Roster, Static, check_index, is_loopback
+from ..rendezvous import from_env as env_handler
+from ..transport import (
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    Endpoint,
+    Limits,
+    Link,
+    Liveness,
+    fdlimit,
+    runtime_dir,
+)
+from . import hostops
 from . import shm as shm_mod
-from .auth import TOKEN_ENV, TOKEN_FILE_ENV
 from .engine import Engine
-from .envvars import env_float
-from .errors import IPCError
-from .keywords import check, checked, keyword_names
-from .link import Endpoint, Limits, Link, Liveness
 from .pack import Nested, Packed, flatten
-from .rendezvous import Localhost, Roster, Static, check_index, is_loopback
-from .rendezvous import from_env as env_handler
-from .runtime import runtime_dir
 from .shm import SHM_DIR, SharedMemoryGroup
 from .topology import build_tree
 
@@ -66,7 +73,7 @@ SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the li
 # ever less often (each wake-up takes the interpreter's lock from the caller), up to this.
 SERVICE_NAP_MAX_S = 0.4
 # At most this many queued all-reduces, of this many bytes together, run as one
-# collective (ipc.shm.run_fused; Horovod's fusion buffer is 64 MiB too): the slots in
+# collective (ipc.collectives.shm.run_fused; Horovod's fusion buffer is 64 MiB too): the slots in
 # /dev/shm grow to hold them, twice over.
 FUSE_MAX = shm_mod.MAX_GROUPS
 FUSE_BYTES = 64 << 20
@@ -315,7 +322,7 @@ class Tree:
     Options: `base` (fan-out), `timeout` (seconds any collective may wait for a slow
     node; default 300 or $IPC_TIMEOUT), `chunk_bytes` (socket transport's chunk),
     `shm` (shared memory when every node is on one host), `encrypt` (CURVE on every
-    link), `heartbeat` (ipc.link.Liveness: how soon a dead or frozen peer is named;
+    link), `heartbeat` (ipc.Liveness: how soon a dead or frozen peer is named;
     default from $IPC_HEARTBEAT_INTERVAL/$IPC_HEARTBEAT_TIMEOUT, 1 s and 6 s),
     `stall_warning` (seconds before a waiting collective logs who it waits for).
     Every node must pass the same base, chunk_bytes, shm and encrypt."""
@@ -367,7 +374,7 @@ class Tree:
             "encrypt": self.encrypt,
         }
         # Node 0 holds a connection from every node during the rendezvous, and libzmq
-        # aborts a process whose Unix-socket accept finds no file left (ipc.fdlimit).
+        # aborts a process whose Unix-socket accept finds no file left (ipc.transport.fdlimit).
         fdlimit.raise_limit()
         limits = Limits(max_frame=chunk_bytes + 1024)
         me = self.node_index
@@ -657,7 +664,7 @@ class Tree:
         """What this node offers to run fused with `packed` (the first of `jobs`, two or
         more): the queued all-reduces right behind it with the same op and `finished`,
         each a single contiguous CPU tensor (reduced in place, nothing to pack), large
-        enough that shared memory reads it out of the peers' memory (ipc.shm.fusable),
+        enough that shared memory reads it out of the peers' memory (ipc.collectives.shm.fusable),
         none overlapping another. Every node offers what it has queued; they run the
         longest run that all of them offered."""
         shm = self._shm

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils import z85
 
-from .errors import IPCError
+from ..errors import IPCError
 from .runtime import read_secret_file
 
 log = logging.getLogger(__name__)

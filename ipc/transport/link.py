@@ -4,7 +4,7 @@ An `Endpoint` is one process's side: a ROUTER socket that listens (when given
 addresses to bind) and one DEALER per link it dials. A `Link` is one
 authenticated connection to one peer, usable both ways: the dialer sends on
 its DEALER, the listener answers through its ROUTER. Messages are lists of
-frames whose first frame is a header (see :mod:`ipc.wire`).
+frames whose first frame is a header (see :mod:`ipc.transport.wire`).
 
 Who gets in, in three layers:
 1. ZeroMQ's handshake, checked by a ZAP handler before a single message is
@@ -59,10 +59,10 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
+from ..envvars import env_float
+from ..errors import AuthError, IPCError, IPCTimeoutError, PeerError
 from . import fdlimit, runtime, wire
 from .auth import Secret, nonce
-from .envvars import env_float
-from .errors import AuthError, IPCError, IPCTimeoutError, PeerError
 from .wire import Kind, WireError
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class Link:
         self.send(wire.control(kind, body))
 
     def send_frames(self, frames: list, *, copy: bool = False) -> None:
-        """Send one message of several frames (a header first, see :mod:`ipc.wire`), e.g.
+        """Send one message of several frames (a header first, see :mod:`ipc.transport.wire`), e.g.
         `link.send_frames(wire.pack_value(obj))`; with `copy=False` (the default) large
         buffers go from their own memory, which must not change until sent."""
         if self.dead is not None or self.bye is not None:

@@ -18,8 +18,8 @@ services take a plain socket instead, bound to the authenticated link:
 Framing (every length checked against its cap before anything is read past it):
     prefix  <B kind, B dtype code, H ndim, I nbytes or frame count>
     TENSOR  prefix, ndim x int64 shape, the tensor's bytes (one contiguous CPU tensor)
-    FRAMES  prefix, count x uint32 lengths, then the frames of an ipc.wire message
-            (its JSON header first; large payloads may lie in shared memory, ipc.bulk)
+    FRAMES  prefix, count x uint32 lengths, then the frames of an ipc.transport.wire message
+            (its JSON header first; large payloads may lie in shared memory, ipc.services.bulk)
     BYE     prefix only: the sender is leaving; end of stream follows.
 The socket is non-blocking; waits go through poll() in slices of SLICE seconds, so a
 caller can look after the ZeroMQ link (heartbeats, a frozen peer) meanwhile. A send
@@ -45,10 +45,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import fdlimit, runtime, wire
-from .auth import Secret
-from .envvars import env_float
-from .wire import WireError
+from ..envvars import env_float
+from ..transport import Secret, WireError, fdlimit, runtime, wire
 
 NONCE = 32
 ACK = b"distlearn-ipc direct ack"  # the server answers secret.mac(ACK, nonce)
@@ -179,7 +177,7 @@ class Listener:
             if free is None:
                 free = fdlimit.room() + 1  # (the one just accepted is counted)
             if free <= 0:
-                # Into the files kept free for libzmq (ipc.fdlimit): let it go at once
+                # Into the files kept free for libzmq (ipc.transport.fdlimit): let it go at once
                 # (left queued, it would wake us up again and again); the client's link
                 # is refused with the reason.
                 s.close()
@@ -359,7 +357,7 @@ def tensor_message(t: object) -> list | None:
 
 
 def frames_message(frames: list) -> list:
-    """The buffers of a FRAMES message for an ipc.wire message (its header frame first):
+    """The buffers of a FRAMES message for an ipc.transport.wire message (its header frame first):
     one if it is small, else a header and the frames themselves (not copied)."""
     lens = [len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames]
     head = PREFIX.pack(FRAMES, 0, 0, len(frames)) + struct.pack(f"<{len(lens)}I", *lens)
@@ -476,7 +474,7 @@ class Direct:
         return True
 
     def send_frames(self, frames: list, service: Callable[[], None]) -> None:
-        """Send an ipc.wire message (its header frame first)."""
+        """Send an ipc.transport.wire message (its header frame first)."""
         self._send(frames_message(frames), service)
 
     def _send(self, bufs: list, service: Callable[[], None]) -> None:
@@ -681,7 +679,7 @@ def copy_of(msg: tuple | list) -> tuple | list:
 
 def tensor_of(msg: tuple, into: object) -> torch.Tensor:
     """The tensor a TENSOR message carries: written into `into` if it is a tensor (same
-    dtype and shape required, as ipc.wire's), else a new one."""
+    dtype and shape required, as ipc.transport.wire's), else a new one."""
     dtype, shape, src, n = msg
     if isinstance(into, torch.Tensor):
         if into.dtype != dtype or into.shape != shape:

@@ -13,10 +13,10 @@ address and secret in a private file named after the queue; a Channel carries
 them when it is pickled (to a spawned process) or forked. The owning process
 itself reads and writes the queues directly, under a lock.
 
-Each item is one link message (an :mod:`ipc.wire` value: tensors, nested
+Each item is one link message (an :mod:`ipc.transport.wire` value: tensors, nested
 containers, scalars, bytes): the broker keeps the frames it received and
 forwards them as they are, so it never decodes an item or copies its tensors.
-Large tensors lie in shared memory (:mod:`ipc.bulk`): an item the owner writes
+Large tensors lie in shared memory (:mod:`ipc.services.bulk`): an item the owner writes
 in the owner's arena, one a worker writes in the worker's; a reader that does
 not map that arena gets the bytes copied onto the link instead.
 A read from another process asks the broker for one item and waits for it,
@@ -56,13 +56,11 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import bulk, fdlimit, runtime, wire
-from .auth import Secret, random_secret
-from .errors import IPCError, IPCTimeoutError, PeerError
-from .keywords import checked
-from .launch import pid_alive, start_ticks
-from .link import Endpoint, Link
-from .wire import Kind
+from ..errors import IPCError, IPCTimeoutError, PeerError
+from ..keywords import checked
+from ..rendezvous.launches import pid_alive, start_ticks
+from ..transport import Endpoint, Kind, Link, Secret, fdlimit, random_secret, runtime, wire
+from . import bulk
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +120,8 @@ class _Broker:
         self.kept = kept
         self.lock = threading.Condition()
         self.label = label
-        self.bulk = bulk.Bulk()  # large items through shared memory, see ipc.bulk
-        fdlimit.raise_limit()  # each other process takes files; see ipc.fdlimit
+        self.bulk = bulk.Bulk()  # large items through shared memory, see ipc.services.bulk
+        fdlimit.raise_limit()  # each other process takes files; see ipc.transport.fdlimit
         self.endpoint = Endpoint(
             self.secret,
             label,

@@ -1,0 +1,11 @@
+"""The collectives layer: the process tree and its all_reduce, scatter and barrier.
+
+`Tree` (made by `LocalhostTree`, `StaticTree` or `Tree.from_env`) takes a roster
+from a rendezvous handler, links every node to its parent and children, and runs
+the collectives over those links (`engine`) or, when every node is on one host,
+through shared memory (`shm`); asynchronous calls return a `Handle`.
+"""
+
+from .tree import Handle, LocalhostTree, StaticTree, Tree, from_env
+
+__all__ = ["Handle", "LocalhostTree", "StaticTree", "Tree", "from_env"]
