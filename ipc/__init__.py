@@ -5,7 +5,7 @@ tree = ipc.LocalhostTree(node_index, num_nodes)
 n = tree.all_reduce(tensors, op="sum")   # in place; n = nodes that contributed
 
 Layers, lowest first; each imports only from those below it:
-- base: `errors` (IPCError and its kinds), `envvars`, `keywords`;
+- base: `errors` (IPCError and its kinds), `envvars`, `keywords`, `procs`;
 - `ipc.transport`: authenticated links (`Endpoint`, `Link`) and what travels on
   them (`ipc.wire`);
 - `ipc.rendezvous`: how the nodes find each other (handlers that end in a Roster);

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AuthError, IPCError, IPCTimeoutError, PeerError
+from ..procs import pid_alive, running, start_ticks
 from ..transport import (
     Endpoint,
     Kind,
@@ -56,10 +57,7 @@ from .launches import (
     LAUNCH_WINDOW_S,
     environment_differs,
     environment_digests,
-    pid_alive,
-    running,
     same_command_line,
-    start_ticks,
     twin_launch,
 )
 

@@ -12,9 +12,8 @@ launcher or the devices set per process (`environment_digests`, `environment_dif
 Two launches that differ in nothing else are not told apart, nor is a twin launch whose
 processes start only after this one's rendezvous has taken one of them.
 
-Also the process facts that the runtime directory's records are checked against:
-`start_ticks`, `pid_alive`, `running`. Linux's /proc; elsewhere they know less (a start
-time of None, no siblings found), which only turns the checks off.
+Linux's /proc (see ipc.procs); elsewhere no siblings are found, which only turns the
+twin-launch check off.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ import hashlib
 import os
 import re
 from collections.abc import Iterable
+
+from ..procs import _cmdline, _stat
 
 # Processes of one launch by a shell or a Python parent start within this many seconds
 # of each other; a node 0 that started further away belongs to another launch.
@@ -41,58 +42,6 @@ _DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES
 # what tells two launches apart (JOB=0 for node 0 of one, JOB=1 for node 1 of the other).
 _NODE_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK"})
 _NAMED_MAX = 800  # variables named one by one in a JOIN (6 hex each); past that, a count
-
-
-# ---- process facts ------------------------------------------------------------------
-
-
-def _stat(pid: int | str) -> tuple[bytes, int, int] | None:
-    """(state, parent pid, start time in clock ticks since boot) of a process, or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        return fields[0], int(fields[1]), int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def start_ticks(pid: int | str = "self") -> int | None:
-    """A process's start time in clock ticks since boot (None if unknown): with its pid,
-    what names a process across pid reuse."""
-    stat = _stat(pid)
-    return None if stat is None else stat[2]
-
-
-def pid_alive(pid: object) -> bool:
-    """Whether a process `pid` exists (another user's counts; a zombie too)."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def running(pid: object, start: object) -> bool:
-    """Whether process `pid`, started at `start` (ticks), is there and neither stopped
-    (SIGSTOP, a debugger) nor dead (a zombie its parent has not reaped)."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    stat = _stat(pid)
-    return stat is not None and stat[0] in (b"R", b"S", b"D", b"I") and stat[2] == start
-
-
-def _cmdline(pid: int | str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return raw.decode(errors="replace").split("\0")[:-1] if raw else None
 
 
 # ---- command lines ------------------------------------------------------------------

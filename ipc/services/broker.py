@@ -58,7 +58,7 @@ import zmq
 
 from ..errors import IPCError, IPCTimeoutError, PeerError
 from ..keywords import checked
-from ..rendezvous.launches import pid_alive, start_ticks
+from ..procs import pid_alive, start_ticks
 from ..transport import Endpoint, Kind, Link, Secret, fdlimit, random_secret, runtime, wire
 from . import bulk
 

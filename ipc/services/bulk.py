@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import zmq
 
 from ..errors import PeerError
-from ..rendezvous.launches import pid_alive
+from ..procs import pid_alive
 from ..transport import Link, WireError, runtime, wire
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ import zmq
 
 from ..errors import IPCError, IPCTimeoutError, PeerError
 from ..keywords import checked
-from ..rendezvous.launches import start_ticks
+from ..procs import start_ticks
 from ..transport import (
     Endpoint,
     Kind,
