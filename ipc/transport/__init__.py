@@ -18,7 +18,8 @@ from .auth import (
     missing_secret_error,
     random_secret,
 )
-from .link import Endpoint, Limits, Link, Liveness
+from .link import Endpoint, Limits, Link
+from .liveness import Liveness
 from .runtime import runtime_dir
 from .wire import Kind, WireError
 
