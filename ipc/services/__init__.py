@@ -7,8 +7,9 @@ client's messages over a direct Unix socket (`direct`).
 """
 
 from .broker import Channel, WorkQueue
+from .client import Client
 from .pool import Map, RemoteTraceback, WorkerError, map
-from .server import Client, Connection, Server
+from .server import Connection, Server
 
 __all__ = [
     "Channel",

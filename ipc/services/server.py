@@ -26,32 +26,30 @@ runs in the caller's thread; ZeroMQ's own I/O thread answers heartbeats meanwhil
 so a dead or frozen peer is noticed while you compute. A dead client is named by
 `PeerError` once its last message has been read; `broadcast` skips it.
 Not thread-safe: use a Server or a Client from one thread at a time.
+
+Here: `Server` and its `Connection`s; `Client` is in client.py, what both share in
+common.py, and the server's direct sockets in server_direct.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import json
 import logging
 import os
 import select
-import socket
 import time
 from collections import deque
 
 import zmq
 
-from ..errors import IPCError, IPCTimeoutError, PeerError
+from ..errors import IPCError, PeerError
 from ..keywords import checked
 from ..procs import start_ticks
 from ..transport import (
     Endpoint,
-    Kind,
     Limits,
     Link,
     Liveness,
-    Secret,
     fdlimit,
     given_secret,
     missing_secret_error,
@@ -60,86 +58,18 @@ from ..transport import (
     wire,
 )
 from . import bulk, direct
+from .common import (
+    _TRAFFIC,
+    _check_timeout,
+    _deadline,
+    _is_loopback,
+    _local_name,
+    _traffic,
+    recv_value,
+)
+from .server_direct import DirectSocketsMixin
 
 log = logging.getLogger(__name__)
-
-
-def _local_name(host: str, port: int) -> str:
-    """The private file where a loopback server on `host`:`port` leaves its Unix socket
-    address (and its random token, when it made one) for clients of the same user. Keyed
-    by the address too: 127.0.0.1:P and 127.0.0.2:P are two servers (by port alone, a
-    client of one reached the other, and the second server's start removed the first's
-    record)."""
-    try:
-        where = "127.0.0.1" if host == "localhost" else str(ipaddress.ip_address(host))
-    except ValueError:
-        where = host
-    return f"server-{where.replace(':', '_')}-{port}.json"
-
-
-def _local_record(host: str, port: int) -> dict:
-    """What a loopback server of ours on `host`:`port` left for our clients: {} where there is
-    nothing, nothing well-formed, or its server is gone (a killed server cannot remove
-    its file). Its token and Unix socket then mean nothing: a client without a token is
-    told so, and one with a token reaches whoever listens on the port now over TCP."""
-    raw = runtime.read_private(runtime.runtime_dir(), _local_name(host, port))
-    try:
-        record = json.loads(raw) if raw is not None else {}
-    except ValueError:
-        return {}
-    if not isinstance(record, dict):
-        return {}
-    keep = ("unix", "token", "direct")
-    kept = {k: v for k, v in record.items() if k in keep and isinstance(v, str)}
-    if kept and not _still_serving(record):
-        log.info("ipc: the server that left %s (pid %s) is gone; using TCP",
-                 _local_name(host, port), record.get("pid"))  # fmt: skip
-        return {}
-    return kept
-
-
-def _still_serving(record: dict) -> bool:
-    """Whether the server that wrote `record` runs: its pid, with the start time it wrote
-    (pids are reused). A pid not seen from here (another pid namespace sharing this
-    directory) counts while something listens on its Unix socket."""
-    pid, start = record.get("pid"), record.get("start")
-    if isinstance(pid, int) and isinstance(start, int) and start_ticks(pid) == start:
-        return True
-    unix = record.get("unix")
-    return (
-        isinstance(unix, str)
-        and unix.startswith("ipc://")
-        and runtime.listened_on(unix.removeprefix("ipc://"))
-    )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _check_timeout(timeout: float | None, what: str) -> float | None:
-    if timeout is not None and not timeout >= 0:
-        raise ValueError(f"{what}: timeout must be None or >= 0, not {timeout!r}")
-    return timeout
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def recv_value(shared: bulk.Bulk, link: Link, frames: list | tuple, into: object) -> object:
-    """The value of a received message: frames of ipc.transport.wire, or a direct TENSOR."""
-    try:
-        if isinstance(frames, tuple):
-            return direct.tensor_of(frames, into)
-        return shared.unpack(frames, shared.memory_of(link), into=into)
-    except wire.WireError as err:
-        raise IPCError(f"ipc: a malformed message from {link.name}: {err}") from None
 
 
 class Connection:
@@ -190,7 +120,7 @@ class Connection:
         self._server._drop(self)
 
 
-class Server:
+class Server(DirectSocketsMixin):
     """Listens on `host:port` (port 0: a free port, in `.port`) for clients that know the
     secret. See the module docstring."""
 
@@ -366,157 +296,6 @@ class Server:
             self._by_link.pop(id(link), None)
             self._reported.discard(conn.index)
 
-    # ---- the direct sockets ------------------------------------------------------------
-
-    def _watch_waiting(self, sock: socket.socket, add: bool) -> None:
-        if add:
-            self._epoll.register(sock.fileno(), select.EPOLLIN)
-        else:
-            with contextlib.suppress(OSError, ValueError):
-                self._epoll.unregister(sock.fileno())
-
-    def _bind_direct(self, conn: Connection) -> None:
-        """Give an accepted client the direct socket that showed its handshake's nonce."""
-        nonce = conn.link.info.get("direct")
-        if nonce is None or self._listener is None:
-            return
-        sock = self._listener.claim(nonce)
-        if sock is None:
-            # Its socket went (the oldest of too large a burst, or gone before the
-            # handshake): the authenticated link serves it alone, and the client, whose
-            # socket ends unanswered, does the same.
-            log.info("ipc server: %s showed no direct socket for its nonce", conn.name)
-            return
-        conn.direct = direct.Direct(sock, self._max_frame)
-        self._by_fd[sock.fileno()] = conn
-        self._epoll.register(sock.fileno(), select.EPOLLIN)
-
-    def _end_direct(self, conn: Connection, why: Exception) -> None:
-        """The direct socket ended (`why`: direct.Closed) or broke (DirectError)."""
-        d = conn.direct
-        if d is None or d.sock.fileno() < 0:
-            return
-        self._by_fd.pop(d.fileno(), None)
-        with contextlib.suppress(OSError, ValueError):
-            self._epoll.unregister(d.fileno())
-        if isinstance(why, direct.Closed) and why.bye:
-            conn.said_bye = True
-            d.close(bye=False)
-            return
-        d.close(bye=False)
-        if isinstance(why, direct.Closed):
-            self._endpoint.mark_dead(conn.link, "its connection closed")
-        else:
-            log.warning("ipc server: dropped %s: %s", conn.name, why)
-            self._endpoint.mark_dead(conn.link, f"it broke the framing ({why})")
-
-    def _drain_direct(self, conn: Connection) -> None:
-        """Queue every whole message its socket holds now."""
-        d = conn.direct
-        try:
-            while (msg := d.read(block=False)) is not None:
-                self._pending.append((conn, direct.copy_of(msg)))
-        except (direct.Closed, direct.DirectError) as why:
-            self._end_direct(conn, why)
-
-    def _direct_service(self, conn: Connection) -> None:
-        """Between slices of a wait on `conn`'s socket: the link layer and the others."""
-        self._service(0)
-        if conn.link.dead is not None:
-            raise self._endpoint.dead_error(conn.link)
-
-    def _send_direct(self, conn: Connection, obj: object) -> None:
-        d = conn.direct
-        if conn.link.dead is not None:
-            raise self._endpoint.dead_error(conn.link)
-        try:
-            if d.send_tensor(obj, lambda: self._direct_service(conn)):
-                return
-            if self._bulk.arena is not None and conn.link not in self._bulk.readers:
-                self._service(0)  # its BULK_OK may be waiting on the link
-            frames = self._bulk.pack(obj, conn.link)
-            try:
-                d.send_frames(frames, lambda: self._direct_service(conn))
-            except BaseException:
-                self._bulk.drop(frames, self._bulk.arena)
-                raise
-        except direct.Closed as why:
-            self._end_direct(conn, why)
-            raise self._gone(conn) from None
-
-    def _close_direct(self) -> None:
-        for conn in self._conns:
-            if conn.direct is not None:
-                conn.direct.close(bye=True)
-        if self._listener is not None:
-            self._listener.close()
-
-    def _wait(self, deadline: float | None, what: str) -> None:
-        remaining = 3600.0 if deadline is None else deadline - time.monotonic()
-        if remaining <= 0:
-            raise IPCTimeoutError(f"ipc server: timed out waiting for {what}")
-        self._service(min(remaining, 1.0))
-
-    def _gone(self, conn: Connection) -> PeerError:
-        link = conn.link
-        if link.bye is not None or conn.said_bye:
-            return PeerError(f"ipc server: {conn.name} has closed its connection", conn.index)
-        return self._endpoint.dead_error(link)
-
-    def _next_from(self, conn: Connection, deadline: float | None) -> list | tuple:
-        """The next message from `conn` (valid until the next read from it)."""
-        self._check_open()
-        d = conn.direct
-        if d is None or time.monotonic() - self._serviced > direct.SLICE:
-            # Handshakes, other clients, liveness: at least every SLICE, even while a
-            # direct client keeps us busy
-            self._service(0)
-        while True:
-            for k, (c, frames) in enumerate(self._pending):
-                if c is conn:
-                    del self._pending[k]
-                    return frames
-            if d is not None and d.sock.fileno() >= 0:
-                # Straight from its socket, in this thread; the rest is looked after
-                # between slices of the wait.
-                self._reading = conn
-                try:
-                    msg = d.read(True, lambda: self._direct_service(conn), deadline)
-                except (direct.Closed, direct.DirectError) as why:
-                    self._end_direct(conn, why)
-                    continue
-                finally:
-                    self._reading = None
-                if msg is not None:
-                    return msg
-                raise IPCTimeoutError(
-                    f"ipc server: timed out waiting for a message from {conn.name}"
-                )
-            if not conn.alive:
-                # Reported here: recv_any does not raise it again.
-                self._reported.add(conn.index)
-                self._unreported.pop(conn.index, None)
-                raise self._gone(conn)
-            self._wait(deadline, f"a message from {conn.name}")
-
-    def _drop(self, conn: Connection) -> None:
-        if conn.direct is not None and conn.direct.sock.fileno() >= 0:
-            self._by_fd.pop(conn.direct.fileno(), None)
-            with contextlib.suppress(OSError, ValueError):
-                self._epoll.unregister(conn.direct.fileno())
-            conn.direct.close(bye=True)
-        if conn.link.dead is None and conn.link.bye is None:
-            with contextlib.suppress(PeerError, zmq.ZMQError):
-                conn.link.send_control(Kind.BYE, {})  # its recv raises PeerError
-            conn.link.bye_sent = True
-            self._endpoint.mark_dead(conn.link, "the server dropped it")
-        self._reported.add(conn.index)  # dropped on purpose: not an error to report
-        memory = self._bulk.memory_of(conn.link)
-        for c, frames in self._pending:
-            if c is conn:
-                self._bulk.drop(frames, memory)  # never read: the client may reuse the memory
-        self._pending = deque((c, f) for c, f in self._pending if c is not conn)
-
     # ---- the public API --------------------------------------------------------------
 
     def connections(self) -> list[Connection]:
@@ -627,245 +406,3 @@ class Server:
                 self._epoll.close()  # only now: the endpoint's poll watched it
             if self._local_file is not None:
                 runtime.remove(runtime.runtime_dir(), self._local_file)
-
-
-_TRAFFIC = (
-    "bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv", "shm_bytes_sent", "shm_msgs_sent",
-)  # fmt: skip
-
-
-def _traffic(link: Link, d: direct.Direct | None, shared: bulk.Bulk) -> dict:
-    """A link's traffic counts plus its direct socket's, and what went through shared
-    memory (`_TRAFFIC`'s last two, and whether the peer reads it)."""
-    stats = dict(vars(link.stats))
-    if d is not None:
-        for key in ("bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv"):
-            stats[key] += getattr(d, key)
-    return {**stats, **shared.stats(link)}
-
-
-class Client:
-    """One authenticated connection to a Server at `host:port`."""
-
-    @checked
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        token: str | None = None,
-        *,
-        token_file: str | None = None,
-        encrypt: bool = False,
-        liveness: Liveness | None = None,
-        max_frame: int = (1 << 20) + 1024,
-        timeout: float = 30.0,
-        name: str | None = None,
-    ):
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"Client: port must be an int in (0, 65536), not {port!r}")
-        secret = given_secret(token, token_file)
-        record = _local_record(host, port) if _is_loopback(host) else {}
-        if secret is None:
-            if not record and _is_loopback(host):
-                # No server of ours there (a live one leaves a record even when it was
-                # given its token): most likely nobody listens; say that, not "set a token".
-                raise PeerError(
-                    f"Client({host!r}, {port}): no server of this user listens on port "
-                    f"{port} of this host (not started, or closed); for another user's "
-                    "server, pass its token (token=, $IPC_TOKEN or $IPC_TOKEN_FILE)"
-                )
-            if "token" not in record:
-                raise missing_secret_error(
-                    f"Client({host!r}, {port}) has no token (and no server of ours on this "
-                    "host left one)"
-                )
-            secret = Secret(record["token"], f"the token file of the server on port {port}")
-        # A server of ours on this host listens on a Unix socket too; the link's challenge
-        # still proves that whoever answers there knows the secret.
-        address = record.get("unix", f"tcp://{host}:{port}")
-        if not address.startswith("ipc://"):
-            address = f"tcp://{host}:{port}"
-        name = name or f"client {socket.gethostname()}/{os.getpid()}"
-        self.name = name
-        deadline = time.monotonic() + timeout
-        # A server of ours on this host: first show a fresh nonce on its direct socket,
-        # then name the nonce in the (authenticated) handshake; see ipc.services.direct.
-        raw = None
-        if "direct" in record and direct.enabled() and not encrypt:
-            raw = direct.connect(record["direct"], timeout)
-        self._direct: direct.Direct | None = None
-        self._direct_end: PeerError | None = None  # why the direct socket ended
-        self._serviced = 0.0  # when the link layer was last looked after
-        self._bulk = bulk.Bulk()
-        info = {"pid": os.getpid(), **self._bulk.info()}
-        if raw is not None:
-            info["direct"] = raw[1].hex()
-        try:
-            self._endpoint = Endpoint(
-                secret,
-                name,
-                encrypt=encrypt,
-                limits=Limits(max_frame=max_frame),
-                liveness=liveness,
-                info=info,
-            )
-        except BaseException:
-            if raw is not None:
-                raw[0].close()
-            raise
-        self._pid = os.getpid()
-        self._closed = False
-        try:
-            self._link = self._endpoint.dial(address, reconnect=False)
-            self._endpoint.wait_up([self._link], deadline, f"the server at {host}:{port}")
-            self._bulk.up(self._link)
-            if raw is not None:
-                answer = direct.await_ack(*raw, secret, deadline, self._service_refused)
-                if answer is None:
-                    raise IPCError(
-                        f"{name}: the server at {host}:{port} did not take our direct socket"
-                    )
-                if answer == direct.ACKED:
-                    self._direct = direct.Direct(raw[0], max_frame)
-                else:
-                    raw[0].close()  # ended unanswered: the link alone carries the messages
-                raw = None
-        except BaseException:
-            self._closed = True
-            if raw is not None:
-                raw[0].close()
-            self._endpoint.close(linger=0)
-            raise
-
-    def __repr__(self) -> str:
-        return f"Client({self._link.address})"
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _check(self) -> None:
-        if self._closed:
-            raise IPCError("ipc client: closed")
-        if os.getpid() != self._pid:
-            raise IPCError("ipc client: a forked child cannot use its parent's client")
-
-    def _service_link(self) -> None:
-        """The link layer's work (heartbeats, BYE, BULK_OK) while the direct socket carries
-        the messages; raises once the link is dead."""
-        ep = self._endpoint
-        self._serviced = time.monotonic()
-        ep.poll(0)
-        ep.events.clear()
-        while ep.inbox:
-            link, frames = ep.inbox.popleft()
-            if not self._bulk.control(link, frames):
-                log.warning("%s: dropped a message on the link beside the direct socket", self.name)
-        if self._link.dead is not None:
-            raise ep.dead_error(self._link)
-
-    def _service_refused(self) -> None:
-        self._service_link()
-        if self._link.bye is not None:
-            raise PeerError(f"{self.name}: the server dropped the connection")
-
-    def _direct_gone(self, why: Exception) -> PeerError:
-        """What the end (direct.Closed) or breakage (DirectError) of the socket means."""
-        d, link, ep = self._direct, self._link, self._endpoint
-        d.close(bye=False)
-        if isinstance(why, direct.Closed) and why.bye:
-            # Its BYE on the link follows: acknowledge it (its close() waits for that).
-            until = time.monotonic() + 1.0
-            while link.bye is None and link.dead is None and time.monotonic() < until:
-                ep.poll(0.02)
-                ep.inbox.clear()
-            self._direct_end = PeerError(f"{self.name}: the server has closed the connection")
-        else:
-            ep.mark_dead(
-                link,
-                "its connection closed"
-                if isinstance(why, direct.Closed)
-                else f"it broke the framing ({why})",
-            )
-            self._direct_end = ep.dead_error(link)
-        return self._direct_end
-
-    def send(self, obj: object) -> None:
-        """Send `obj` to the server; PeerError if it is gone."""
-        self._check()
-        if self._link.bye is not None:
-            raise PeerError(f"{self.name}: the server has closed the connection")
-        d = self._direct
-        if d is None:
-            self._bulk.send(self._link, obj)
-            return
-        if self._direct_end is not None:
-            raise self._direct_end
-        try:
-            if d.send_tensor(obj, self._service_link):
-                return
-            if self._bulk.arena is not None and self._link not in self._bulk.readers:
-                self._service_link()  # the server's BULK_OK may be waiting on the link
-            frames = self._bulk.pack(obj, self._link)
-            try:
-                d.send_frames(frames, self._service_link)
-            except BaseException:
-                self._bulk.drop(frames, self._bulk.arena)
-                raise
-        except direct.Closed as why:
-            raise self._direct_gone(why) from None
-
-    def recv(self, into: object = None, timeout: float | None = None) -> object:
-        """The next message from the server (tensors written into `into`'s where it has
-        them); PeerError once the server is gone and its messages read."""
-        _check_timeout(timeout, "Client.recv")
-        self._check()
-        ep = self._endpoint
-        deadline = _deadline(timeout)
-        d = self._direct
-        if d is not None:
-            if self._direct_end is not None:
-                raise self._direct_end
-            try:
-                if time.monotonic() - self._serviced > direct.SLICE:
-                    self._service_link()  # BYE, BULK_OK, liveness, even while busy
-                msg = d.read(True, self._service_link, deadline)
-            except (direct.Closed, direct.DirectError) as why:
-                raise self._direct_gone(why) from None
-            if msg is None:
-                raise IPCTimeoutError(f"{self.name}: timed out waiting for the server")
-            return recv_value(self._bulk, self._link, msg, into)
-        while True:
-            item = ep.recv(None)  # polls once
-            ep.events.clear()  # the link's own state says what happened to it
-            if item is not None:
-                if self._bulk.control(*item):
-                    continue
-                return recv_value(self._bulk, self._link, item[1], into)
-            if self._link.bye is not None:
-                raise PeerError(f"{self.name}: the server has closed the connection")
-            if self._link.dead is not None:
-                raise ep.dead_error(self._link)
-            remaining = 3600.0 if deadline is None else deadline - time.monotonic()
-            if remaining <= 0:
-                raise IPCTimeoutError(f"{self.name}: timed out waiting for the server")
-            ep.poll(min(remaining, 1.0))
-
-    def net_stats(self) -> dict:
-        return {
-            "server": self._link.address,
-            **_traffic(self._link, self._direct, self._bulk),
-        }
-
-    def close(self) -> None:
-        """Say goodbye; returns once the server has read everything we sent (or is gone)."""
-        if self._closed:
-            return
-        self._closed = True
-        if os.getpid() != self._pid:
-            return
-        if self._direct is not None:
-            self._direct.close(bye=True)  # everything we sent is in the server's socket
-        self._endpoint.close()
