@@ -29,8 +29,9 @@ from conftest import repo_env, shm_files
 
 from distlearn import ipc
 from distlearn.ipc.services import direct
-from distlearn.ipc.services.broker import _ctl, _Remote
+from distlearn.ipc.services.broker import _ctl
 from distlearn.ipc.services.common import _local_name
+from distlearn.ipc.services.remote import _Remote
 from distlearn.ipc.transport import fdlimit, runtime, wire
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,10 +6,11 @@ processes). On one host, large tensors travel through shared memory (`bulk`) and
 client's messages over a direct Unix socket (`direct`).
 """
 
-from .broker import Channel, WorkQueue
+from .channel import Channel
 from .client import Client
 from .pool import Map, RemoteTraceback, WorkerError, map
 from .server import Connection, Server
+from .workqueue import WorkQueue
 
 __all__ = [
     "Channel",

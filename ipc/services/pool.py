@@ -52,7 +52,7 @@ import torch
 from ..errors import IPCError, IPCTimeoutError, PeerError
 from ..keywords import checked
 from ..transport import Endpoint, Link, Secret, random_secret, wire
-from . import broker
+from . import remote
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _worker(
                 {"i": i, "ok": False, "type": type(exc).__name__, "message": str(exc)[:4096],
                  "traceback": tb}
             )  # fmt: skip
-        broker.close_remotes()  # its writes to channels and work queues arrive first
+        remote.close_remotes()  # its writes to channels and work queues arrive first
         link.send_frames(frames, copy=True)
     finally:
         ep.close()  # returns once the parent has read the result (or is gone)
