@@ -6,6 +6,8 @@ the collectives over those links (`engine`) or, when every node is on one host,
 through shared memory (`shm`); asynchronous calls return a `Handle`.
 """
 
-from .tree import Handle, LocalhostTree, StaticTree, Tree, from_env
+from .factories import LocalhostTree, StaticTree, from_env
+from .handles import Handle
+from .tree import Tree
 
 __all__ = ["Handle", "LocalhostTree", "StaticTree", "Tree", "from_env"]

@@ -1,4 +1,4 @@
-"""The process tree: `Tree(rendezvous, ...)`, its collectives, and asynchronous handles.
+"""The process tree: `Tree(rendezvous, ...)`, its set-up and its collectives' public API.
 
 A tree is built in three steps, one module each: a rendezvous handler
 (:mod:`ipc.rendezvous`) gives the roster; every node links to its parent and
@@ -17,302 +17,58 @@ while the communication thread runs them: on a host with more processes than
 cores, each hand-off between the two threads (and of the interpreter's lock)
 cost more than a collective of several MiB. On shared memory, large
 all-reduces queued one behind another run fused, as one collective (see
-`Tree._fusable` and ipc.collectives.shm.run_fused), each with its own call's results.
+`Tree._fusable` and ipc.collectives.shm.run_fused), each with its own call's
+results.
 Collectives are issued by one thread at a time, in the same order on every
 node (as with torch.distributed).
 
 Forks: a forked child cannot use its parent's tree (every call raises), and
 the tree's sockets are closed in the child, so a child that outlives its
 parent does not keep the parent's links open.
+
+Here: `Tree`, its set-up and public API; how it runs a collective is running.py,
+the handles and the communication thread handles.py, the factories users call
+(`LocalhostTree`, `StaticTree`, `from_env`) factories.py.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import os
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable
 
 import torch
 
 from ..envvars import env_float
 from ..errors import IPCError
-from ..keywords import check, checked, keyword_names
-from ..rendezvous import Localhost, Roster, Static, check_index, is_loopback
+from ..keywords import checked
+from ..rendezvous import Localhost, Roster, Static
 from ..rendezvous import from_env as env_handler
-from ..transport import (
-    TOKEN_ENV,
-    TOKEN_FILE_ENV,
-    Endpoint,
-    Limits,
-    Link,
-    Liveness,
-    fdlimit,
-    runtime_dir,
-)
-from . import hostops
+from ..transport import Endpoint, Limits, Link, Liveness, fdlimit, runtime_dir
 from . import shm as shm_mod
 from .engine import Engine
-from .pack import Nested, Packed, flatten
+from .handles import Handle, _CommThread
+from .pack import Nested, flatten
+from .running import Op, RunningMixin, _op
 from .shm import SHM_DIR, SharedMemoryGroup
 from .topology import build_tree
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Tree"]
+
 DEFAULT_TIMEOUT = env_float("IPC_TIMEOUT", 300.0)
 DEFAULT_CHUNK = 1 << 20
 DEFAULT_STALL_WARNING = env_float("IPC_STALL_WARNING", 30.0)
-SERVICE_EVERY_S = 0.05  # how often the idle communication thread answers the links
-# While collectives run back to back the communication thread has nothing to do; it looks
-# ever less often (each wake-up takes the interpreter's lock from the caller), up to this.
-SERVICE_NAP_MAX_S = 0.4
-# At most this many queued all-reduces, of this many bytes together, run as one
-# collective (ipc.collectives.shm.run_fused; Horovod's fusion buffer is 64 MiB too): the slots in
-# /dev/shm grow to hold them, twice over.
-FUSE_MAX = shm_mod.MAX_GROUPS
-FUSE_BYTES = 64 << 20
 
-Op = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 _TREES: weakref.WeakSet = weakref.WeakSet()
 
 
-# The named ops: their collective's kind and in-place reducer, made once (a small
-# all-reduce costs tens of microseconds, so its per-call Python counts).
-_NAMED_OPS: dict[str, tuple[str, Callable[[torch.Tensor, torch.Tensor], None]]] = {
-    "sum": ("all_reduce:sum", hostops.add),
-    "max": ("all_reduce:max", hostops.maximum),
-    "min": ("all_reduce:min", hostops.minimum),
-}
-# The ops whose queued all-reduces may run fused (each job's own reduce is the same).
-_FUSABLE = frozenset(kind for kind, _ in _NAMED_OPS.values())
-
-
-def _op(op: Op) -> tuple[str, Callable[[torch.Tensor, torch.Tensor], None]]:
-    """The all-reduce's kind and its in-place `acc = op(acc, src)` on two 1-D chunks
-    (torch ops release the GIL)."""
-    if isinstance(op, str):
-        if op in _NAMED_OPS:
-            return _NAMED_OPS[op]
-    elif callable(op):
-
-        def apply(acc: torch.Tensor, src: torch.Tensor) -> None:
-            out = op(acc, src)
-            if out is not None and out is not acc:
-                acc.copy_(out)
-
-        return "all_reduce:callable", apply
-    raise ValueError(f"all_reduce op must be 'sum', 'max', 'min' or a callable, got {op!r}")
-
-
-class Handle:
-    """A collective in flight. `wait()` returns what the synchronous call returns (the
-    number of contributing nodes for all_reduce) or raises what it would raise.
-
-    A thread that waits without a `timeout` runs the queued collectives, up to and
-    including this one, in its own thread (in order, as the communication thread would)
-    instead of sleeping while the communication thread does: handing each collective
-    from thread to thread, and the interpreter's lock back and forth, cost more than the
-    collective on a busy host."""
-
-    __slots__ = ("_done", "_error", "_queue", "_result")
-
-    def __init__(self, queue: _CommThread | None = None):
-        self._done = threading.Event()
-        self._result: int | None = None
-        self._error: BaseException | None = None
-        self._queue = queue
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Block until the collective is done (its own timeout bounds this); `timeout`
-        only bounds this wait, raising TimeoutError with the collective still running."""
-        if timeout is None and self._queue is not None and not self._done.is_set():
-            self._queue.help(self)
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the collective is still running after {timeout}s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def _finish(self, result: int | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        self._queue = None
-        self._done.set()
-
-
-class _Job:
-    __slots__ = ("args", "handle")
-
-    def __init__(self, args: tuple, handle: Handle):
-        self.args = args
-        self.handle = handle
-
-
-class _CommThread(threading.Thread):
-    """Runs queued collectives in order; answers the links while there are none.
-
-    The queue's head is the collective running or next to run; whoever runs it (this
-    thread, or a thread waiting on a handle: see `help`) is its `runner` and leaves it
-    at the head until it is done, so collectives run one at a time, in submission order.
-    Two conditions on one lock: this thread is woken only when the queue is its to run
-    (or the tree closes), waiters only when a collective finishes; a wake-up that finds
-    nothing to do costs a hand-off of the interpreter's lock all the same.
-    The links are answered once nothing has run for SERVICE_EVERY_S: a collective
-    answers them itself, and a service between two back-to-back collectives would only
-    hold the caller up. While collectives keep coming, this thread looks at doubling
-    intervals (up to SERVICE_NAP_MAX_S), so a busy loop wakes it a few times a second."""
-
-    def __init__(self, tree: Tree):
-        super().__init__(name=f"ipc-tree-{tree.node_index}", daemon=True)
-        self.tree = weakref.proxy(tree)
-        self.lock = tree._lock
-        mutex = threading.Lock()
-        self.mutex = mutex
-        self.to_comm = threading.Condition(mutex)  # the queue is ours to run; closing
-        self.to_waiters = threading.Condition(mutex)  # a collective finished
-        self.queue: deque[_Job] = deque()
-        self.runner: int | None = None  # the thread running the queue's head
-        self.helpers = 0  # threads in help(): they run the queue, not this thread
-        self.stopping = False
-        self.active = time.monotonic()  # when a collective (or a service) last ended
-        self.nap = SERVICE_EVERY_S
-
-    def submit(self, args: tuple) -> Handle:
-        handle = Handle(self)
-        with self.mutex:
-            if self.stopping:
-                raise IPCError("the tree is closing", node=None)
-            self.queue.append(_Job(args, handle))
-            if self.runner is None and not self.helpers:
-                self.to_comm.notify()
-        return handle
-
-    def drain(self, timeout: float) -> None:
-        """Wait until every queued collective has run."""
-        deadline = time.monotonic() + timeout
-        with self.mutex:
-            while (self.queue or self.runner is not None) and time.monotonic() < deadline:
-                self.to_waiters.wait(0.1)
-
-    def stop(self) -> None:
-        with self.mutex:
-            self.stopping = True
-            self.to_comm.notify()
-
-    def _run_head(self, reraise: bool) -> None:
-        """Run the collective at the head of the queue (the caller is its `runner`) and
-        take it off, with those queued behind it that ran fused with it (see
-        Tree._collective). Its error goes to its handle (the ones behind it stay queued
-        and raise what their own calls would); a KeyboardInterrupt in a helping main
-        thread (`reraise`) goes on to that thread too, as from a synchronous call."""
-        done, jobs = 1, [self.queue[0]]
-        try:
-            with self.lock:
-                with self.mutex:  # what is queued once we hold the engine (appends go on)
-                    jobs = list(itertools.islice(self.queue, FUSE_MAX))
-                result, done = self.tree._collective_fused([job.args for job in jobs])
-        except BaseException as exc:
-            jobs[0].handle._finish(None, exc)
-            if reraise and not isinstance(exc, Exception):
-                raise
-        else:
-            for job in jobs[:done]:
-                job.handle._finish(result, None)
-        finally:
-            self.active = time.monotonic()
-            with self.mutex:
-                for _ in range(done):
-                    self.queue.popleft()
-                self.runner = None
-                self.to_waiters.notify_all()
-
-    def _let_submitters_finish(self) -> None:
-        """Woken by a submission: give the interpreter's lock back while the submitting
-        thread is still queueing (a step's buckets come in a burst), so the run starts
-        with all of them queued and they can run fused. Costs one yield when nothing
-        more comes (a bucket hook that returns to backward)."""
-        queued = -1
-        while queued != len(self.queue) < FUSE_MAX and not self.helpers:
-            queued = len(self.queue)
-            time.sleep(0)
-
-    def help(self, handle: Handle) -> None:
-        """Run queued collectives in this thread, in order, until `handle`'s is done. While
-        a thread helps, the communication thread leaves the queue to it (it only finishes
-        the collective it is running): two runners racing for each next collective would
-        bring the hand-offs back."""
-        if os.getpid() != self.tree._pid:
-            self.tree._check()  # a forked child: raises, naming the parent
-        me = threading.get_ident()
-        counted = False
-        try:
-            with self.mutex:
-                self.helpers += 1
-                counted = True
-            while not handle.is_completed():
-                with self.mutex:
-                    if self.runner is not None:
-                        self.to_waiters.wait(SERVICE_EVERY_S)
-                        continue
-                    if handle.is_completed():
-                        break
-                    self.runner = me  # the queue holds our job: it is not empty
-                self._run_head(reraise=True)
-        finally:
-            with self.mutex:
-                self.helpers -= counted
-                if self.runner == me:  # interrupted before the head ran: it stays queued
-                    self.runner = None
-                    self.to_waiters.notify_all()
-                # What is still queued is this thread's again; it looks within
-                # SERVICE_EVERY_S. No wake-up here: the waiter usually comes right back
-                # for the next handle, and waking this thread for nothing costs a hand-off.
-
-    def run(self) -> None:
-        try:
-            while True:
-                service = False
-                with self.mutex:
-                    if self.stopping and not self.queue and self.runner is None:
-                        return
-                    if self.queue and self.runner is None and not self.helpers:
-                        self.runner = self.ident
-                    else:
-                        # A helper runs the queue, or answer the links once quiet.
-                        busy = self.runner is not None or bool(self.queue)
-                        quiet = time.monotonic() - self.active
-                        if busy:  # within SERVICE_EVERY_S of a helper leaving work here
-                            self.to_comm.wait(SERVICE_EVERY_S)
-                            continue
-                        if quiet < SERVICE_EVERY_S:
-                            self.to_comm.wait(self.nap)
-                            self.nap = min(2 * self.nap, SERVICE_NAP_MAX_S)
-                            continue
-                        self.nap = SERVICE_EVERY_S
-                        service = True
-                if service:
-                    if self.lock.acquire(blocking=False):
-                        try:
-                            self.tree._service()
-                        finally:
-                            self.lock.release()
-                    self.active = time.monotonic()
-                    continue
-                self._let_submitters_finish()
-                self._run_head(reraise=False)
-        except ReferenceError:
-            return  # the tree was collected
-
-
-class Tree:
+class Tree(RunningMixin):
     """One node of a tree of processes.
 
         tree = ipc.Tree(ipc.rendezvous.Localhost(node_index, num_nodes))
@@ -612,144 +368,6 @@ class Tree:
             f"parent={self.parent}, children={self.children})"
         )
 
-    # ---- running collectives ------------------------------------------------------
-
-    def _check(self) -> None:
-        if self._closed:
-            # A forked child's trees are closed at the fork (os.register_at_fork): the
-            # pid, a system call, is read only to say why.
-            if os.getpid() != self._pid:
-                raise IPCError(
-                    f"node {self.node_index}: this tree belongs to process {self._pid}; a "
-                    "forked child cannot use it (make a tree in the child, or fork before "
-                    "making it)",
-                    node=self.node_index,
-                )
-            raise IPCError(f"node {self.node_index}: tree is closed", node=self.node_index)
-
-    def _submit(self, args: tuple, async_op: bool) -> Handle | int | None:
-        """Start a collective in submission order: queued behind what is in flight, or,
-        synchronous with nothing in flight, run right here (no thread hand-off)."""
-        comm = self._comm
-        with self._order:  # another thread (an autograd hook) cannot slip in between
-            if async_op:
-                return comm.submit(args)
-            # Idle: nothing queued and nobody running. Read without comm's mutex: under
-            # _order no job can be queued meanwhile, and a runner finishing takes its job
-            # off the queue and clears `runner` in one step under that mutex, so at worst
-            # we see it still running and queue behind it.
-            if not comm.queue and comm.runner is None:
-                try:
-                    with self._lock:
-                        return self._collective(*args)
-                finally:
-                    comm.active = time.monotonic()
-            handle = comm.submit(args)
-        return handle.wait()
-
-    def _run_inline(self, *args) -> int | None:
-        """A collective during set-up (before the communication thread exists)."""
-        return self._collective(*args)
-
-    def _service(self) -> None:
-        if self._engine is not None and not self._closed:
-            self._engine.service()
-
-    def _collective(
-        self, leaves: list[torch.Tensor], kind: str, reduce, up: bool, contribute: bool
-    ) -> int | None:
-        return self._collective_fused([(leaves, kind, reduce, up, contribute)])[0]
-
-    def _fusable(self, packed: Packed, jobs: list[tuple]) -> list[tuple[list, bytes]]:
-        """What this node offers to run fused with `packed` (the first of `jobs`, two or
-        more): the queued all-reduces right behind it with the same op and `finished`,
-        each a single contiguous CPU tensor (reduced in place, nothing to pack), large
-        enough that shared memory reads it out of the peers' memory (ipc.collectives.shm.fusable),
-        none overlapping another. Every node offers what it has queued; they run the
-        longest run that all of them offered."""
-        shm = self._shm
-        _, kind, _, up, contribute = jobs[0]
-        if not up or kind not in _FUSABLE or len(packed.groups) != 1:
-            return []
-        head = packed.groups[0]
-        if not head.aliased or not shm.fusable([head.flat]):
-            return []
-        size = shm_mod.aligned_bytes
-        offers, nbytes = [([head.flat], b"")], size([head.flat])
-        spans = [_span(head.flat)]
-        for leaves, k, _, _, c in jobs[1:]:
-            if k != kind or c != contribute or len(leaves) != 1:
-                break
-            t = leaves[0]
-            flat = [t.view(-1)] if t.device.type == "cpu" and t.is_contiguous() else []
-            if not flat or len(offers) >= FUSE_MAX or not shm.fusable(flat):
-                break
-            # A tensor reduced twice in a row must see the first result: not fused with it.
-            lo, hi = span = _span(flat[0])
-            if any(lo < b and a < hi for a, b in spans):
-                break
-            nbytes += size(flat)
-            if nbytes > min(shm.limit, FUSE_BYTES):
-                break
-            spans.append(span)
-            offers.append((flat, Packed([t]).signature(kind)))
-        return offers if len(offers) > 1 else []
-
-    def _collective_fused(self, jobs: list[tuple]) -> tuple[int | None, int]:
-        """Run the first of `jobs` (args as for `_collective`) and, on shared memory, those
-        behind it that every node has queued too, as one collective: returns its result
-        and how many jobs it ran (each one's result is the same count of contributors)."""
-        leaves, kind, reduce, up, contribute = jobs[0]
-        engine = self._engine
-        start = time.perf_counter()
-        done = 1
-        try:
-            # begin() inside: a Ctrl-C that lands as it returns is still told to the peers
-            engine.begin(kind)
-            packed = Packed(leaves)
-            sig = packed.signature(kind)
-            total = None
-            if self.num_nodes == 1:
-                total = 1 if contribute else 0
-                if total == 0 and up:
-                    for g in packed.groups:
-                        g.flat.zero_()
-            elif self._shm is not None:
-                offers = self._fusable(packed, jobs) if len(jobs) > 1 else None
-                if offers:
-                    offers[0] = (offers[0][0], sig)
-                    total, done = self._shm.run_fused(offers, reduce, contribute)
-                    engine.fused(done - 1)
-                else:
-                    total = self._shm.run(
-                        [g.flat for g in packed.groups], sig, reduce, contribute, scatter=not up
-                    )
-            if total is None:
-                total = engine.run(packed, sig, reduce, up, contribute, self.chunk_bytes)
-            packed.unpack()
-        except BaseException as exc:
-            # Whatever made us leave (a peer's failure, a custom op that raised, Ctrl-C),
-            # our neighbours hear of it now instead of waiting for us (once).
-            if exc is not engine.broken:
-                engine.fail(exc)
-            raise
-        finally:
-            engine.end()
-        self._collectives += done
-        self._collective_time += time.perf_counter() - start
-        return (None if kind == "scatter" or kind == "barrier" else total), done
-
-    def _forked(self) -> None:
-        """In a forked child (os.register_at_fork): let go of the parent's sockets."""
-        self._closed = True
-        if self._endpoint is not None:
-            self._endpoint.close_inherited_fds()
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes a contiguous tensor covers in memory."""
-    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-
 
 def _depth(placements, i: int) -> int:
     d = 0
@@ -776,78 +394,3 @@ def _close_all_at_exit() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_close_all_at_exit)
-
-
-# ---- the factories users call ------------------------------------------------------
-
-
-def LocalhostTree(
-    node_index: int,
-    num_nodes: int,
-    *,
-    key: str | int | None = None,
-    port: int | None = None,
-    token: str | None = None,
-    token_file: str | None = None,
-    **options,
-) -> Tree:
-    """A tree of processes on this host: Unix sockets in the private runtime directory,
-    nothing on TCP, and a random secret that node 0 shares through that directory.
-
-    Processes started side by side by one shell script or one Python parent find each
-    other (the parent pid keys the rendezvous, checked against start time and command
-    line); pass `key=` (or set $IPC_KEY) to group processes with different parents.
-    `token=` / `token_file=` (or $IPC_TOKEN / $IPC_TOKEN_FILE) set the secret yourself;
-    with `port=` node 0 also accepts joins on 127.0.0.1:port from nodes that have it.
-    `options` as for Tree (shm=False keeps every collective on the sockets)."""
-    check("LocalhostTree()", options, keyword_names(Tree.__init__), keyword_names(LocalhostTree))
-    handler = Localhost(
-        node_index, num_nodes, key=key, port=port, token=token, token_file=token_file
-    )
-    return Tree(handler, **options)
-
-
-def StaticTree(
-    node_index: int,
-    num_nodes: int,
-    root_host: str,
-    root_port: int,
-    *,
-    host: str | None = None,
-    token: str | None = None,
-    token_file: str | None = None,
-    insecure: bool = False,
-    **options,
-) -> Tree:
-    """A tree across machines: node 0 listens on `root_host:root_port`, the others dial it.
-
-    The secret is `token`, `token_file`, $IPC_TOKEN or $IPC_TOKEN_FILE; without one an
-    IPCError says how to set it (`insecure=True` derives it from the root address, for a
-    trusted cluster, loudly logged). A loopback `root_host` without a secret means every
-    node is on this host: they meet as LocalhostTree does, keyed by the port. `host` is
-    the address this node binds and advertises. `options` as for Tree."""
-    check("StaticTree()", options, keyword_names(Tree.__init__), keyword_names(StaticTree))
-    check_index(node_index, num_nodes)
-    if is_loopback(root_host) and not (token or token_file or insecure or _env_secret()):
-        handler = Localhost(node_index, num_nodes, key=f"static:{root_host}:{root_port}")
-        return Tree(handler, **options)
-    handler = Static(
-        node_index,
-        num_nodes,
-        root_host,
-        root_port,
-        host=host,
-        token=token,
-        token_file=token_file,
-        insecure=insecure,
-    )
-    return Tree(handler, **options)
-
-
-def _env_secret() -> bool:
-    return bool(os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV))
-
-
-def from_env(**kwargs) -> Tree:
-    """`Tree.from_env`: a tree configured by torchrun or Slurm."""
-    return Tree.from_env(**kwargs)
