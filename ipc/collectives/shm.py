@@ -22,13 +22,9 @@ while the slices just published are still in the shared cache); each
 bucket's result, bit for bit, and its count of contributors are those of
 its own call.
 
-The barrier is a counter per node in the shared control page: a node posts
-its arrival there, then spins briefly on the others' counters (yielding the
-core between looks), which is what makes a small all-reduce cost tens of
-microseconds instead of one process wake-up per peer. A node still waiting
-after the spin goes to sleep on its FIFO and the last node to arrive wakes
-the sleepers with one byte each; the sleep also polls the ZeroMQ links, so
-a dead peer or a failure elsewhere still raises.
+The barrier (counters to spin on in the shared control page, FIFOs to sleep on)
+is shm_barrier.py, the reductions shm_reduce.py and the control page's layout
+shm_layout.py; the group's set-up, slots and collectives are here.
 
 Files are unlinked as soon as every node has opened them, so nothing is
 left behind in /dev/shm once a collective runs; a file whose creator was
@@ -48,7 +44,6 @@ import errno
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -56,64 +51,31 @@ from pathlib import Path
 
 import torch
 
-from ..envvars import env_float
-from ..errors import IPCTimeoutError, MismatchError, PeerError
+from ..errors import MismatchError
 from . import cma
-from .hostops import copy
+from .shm_barrier import SPIN_S, BarrierMixin
+from .shm_layout import (
+    ADDRESSES,
+    CAN_READ,
+    CONTROL,
+    CONTROL_SLOT,
+    GROW_GEN,
+    GROW_OK,
+    LINES,
+    MAX_GROUPS,
+    PID,
+    PROBE_ADDRESS,
+    PROBE_VALUE,
+    SIGNATURES,
+)
+from .shm_reduce import ReduceMixin
 
 log = logging.getLogger(__name__)
 
-# Per node and parity: sequence, contributes (0/1), signature, payload bytes, and how
-# many queued jobs it offers to run fused (see run_fused; 1: only this one). Written
-# before a barrier and read after it, never while peers read it (parity).
-CONTROL = struct.Struct("<QQ8sQQ")
-# Each node's arrival line (line 2) is eight 64-bit words that peers read while the
-# owner may be rewriting them, so they are stored one aligned word at a time (see
-# SharedMemoryGroup._words), never with struct.pack_into: it zero-fills its whole
-# span before writing, and a peer reading in between once saw node 0's pid as 0.
-ARRIVED = 0  # the last barrier it arrived at
-ASLEEP = 1  # the barrier it sleeps in (0: awake)
-PID = 2  # written once at setup: pid, address and value of its cross-memory probe
-PROBE_ADDRESS = 3
-PROBE_VALUE = 4
-CAN_READ = 5  # and whether it can read every peer's memory (0/1)
-GROW_GEN = 6  # the last slot generation it tried to allocate,
-GROW_OK = 7  # and whether it could
-# Per node and parity: where its groups lie, for peers to read them (see ipc.collectives.cma).
-MAX_GROUPS = 8
-ADDRESSES = struct.Struct(f"<{MAX_GROUPS}Q")
-# Per node and parity: the signatures of the jobs it offers to run fused.
-SIGNATURES = struct.Struct(f"<{MAX_GROUPS * 8}s")
-# Each node's lines: control for parity 0 and 1, its arrival line, its addresses
-# for parity 0 and 1, then its offered signatures for parity 0 and 1; 64 bytes
-# apart so nodes never share a cache line.
-CONTROL_SLOT = 64
-LINES = 7
-# How long a node may spin on the counters before it sleeps on its FIFO: enough to
-# cover the skew of back-to-back small collectives. The budget adapts (see
-# barrier): it halves, down to SPIN_MIN_S, each time a spin ends in sleep anyway
-# (a training step's skew is milliseconds of compute: spinning would only take
-# the core from data-loading workers, 4% of MNIST throughput measured) and
-# doubles back each time a spin succeeds.
-SPIN_S = env_float("IPC_SHM_SPIN_US", 1000.0) * 1e-6
-SPIN_MIN_S = min(SPIN_S, 20e-6)
-# A sleeper re-reads the counters this often even without a wake-up byte: the
-# backstop for a wake-up lost between its "sleeping" mark and the last arrival.
-NAP_S = 0.002
 ALIGN = 64
 # Up to this many bytes every node reduces the whole buffer itself (one barrier);
 # above it, nodes reduce one slice each in parallel and then gather (two barriers).
 SMALL = 1 << 20
-# The sliced reduction works through its slice in pieces of this size, so the
-# accumulator stays in the core's L2 cache from the first add to the publish
-# (measured: 9.6 ms instead of 15 ms for a 16 MiB slice and 3 peers).
-REDUCE_CHUNK = 256 << 10
-# A sliced reduction of several groups (a fused run of queued buckets) gathers after
-# every this many bytes of groups, behind a barrier of their own, instead of once at
-# the end: the slices the peers just published are then still in the shared cache
-# (8 fused buckets of 4 MiB, 2 nodes: gathering once at the end made them slower
-# than 8 calls in a row).
-GATHER_BYTES = 4 << 20
 SHM_DIR = Path("/dev/shm")
 
 
@@ -181,7 +143,7 @@ def create_control(prefix: str, pid: int, n: int) -> mmap.mmap:
     return _map(_segment(prefix, "ctl", pid), n * LINES * CONTROL_SLOT, create=True)
 
 
-class SharedMemoryGroup:
+class SharedMemoryGroup(BarrierMixin, ReduceMixin):
     """Slots and a barrier (counters to spin on, FIFOs to sleep on) for the nodes of one host."""
 
     def __init__(
@@ -269,89 +231,10 @@ class SharedMemoryGroup:
                 with contextlib.suppress(OSError):
                     os.unlink(ctl_path)
 
-    # ---- barrier -----------------------------------------------------------
-
     def _line(self, j: int, k: int) -> int:
         """Offset of node j's line k: 0, 1 control, 3, 4 addresses and 5, 6 offered
         signatures for that parity, 2 arrival."""
         return (j * LINES + k) * CONTROL_SLOT
-
-    def _all_arrived(self, b: int) -> bool:
-        words = self._words
-        return all(words[at] >= b for at in self._arrivals)
-
-    def _drain(self) -> None:
-        """Read stale wake-up bytes. The pipe lock it takes is also a full memory
-        barrier on x86, which orders our counter store before the loads after it."""
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._rfd, 4096):
-                pass
-
-    def barrier(self) -> None:
-        """Return once every node has called `barrier` as often as this one.
-
-        Arrive (post our counter), spin on the counters for up to the current
-        spin budget, then sleep on our FIFO until the last node to arrive writes
-        a wake-up byte.
-        """
-        self._barriers += 1
-        b = self._barriers
-        mine = self._arrivals[self.node]
-        words = self._words
-        words[mine + ARRIVED] = b
-        # Our counter store must be visible before we read the others' (and their
-        # sleep marks in _wake): a lock's atomic instruction is a full memory barrier
-        # on x86, at a tenth of the cost of draining the FIFO here (a read that fails
-        # with EAGAIN). Stale wake-up bytes are drained by the sleep below, the only
-        # place where they matter.
-        with self._fence:
-            pass
-        if self._all_arrived(b):
-            self._wake(b)  # we are the last: wake whoever went to sleep
-            return
-        spin = self._spin
-        spin_end = time.perf_counter() + spin
-        while time.perf_counter() < spin_end:
-            os.sched_yield()  # a waiting node lets a working one have the core
-            if self._all_arrived(b):
-                self._spin = min(SPIN_S, 2 * spin)
-                return
-        self._spin = max(SPIN_MIN_S, spin / 2)
-        words[mine + ASLEEP] = b
-        start = time.monotonic()
-        deadline = start + self.timeout
-        stall = start + self.stall_warning
-        try:
-            while True:
-                self._drain()
-                if self._all_arrived(b):
-                    return
-                now = time.monotonic()
-                remaining = deadline - now
-                if now >= stall and self._on_stall is not None:
-                    stall = now + max(60.0, self.stall_warning)
-                    self._on_stall(now - start, self._late(b))
-                if remaining <= 0:
-                    late = self._late(b)
-                    raise IPCTimeoutError(
-                        f"node {self.node}: nodes {late} did not reach shared-memory "
-                        f"barrier {b} within {self.timeout}s",
-                        node=late[0] if late else self.node,
-                    )
-                self._wait_readable(self._rfd, min(NAP_S, remaining))
-        finally:
-            words[mine + ASLEEP] = 0
-
-    def _late(self, b: int) -> list[int]:
-        """Nodes that have not arrived at barrier b."""
-        words = self._words
-        return [j for j, at in enumerate(self._arrivals) if words[at + ARRIVED] < b]
-
-    def _wake(self, b: int) -> None:
-        for j, fd in self._wfd.items():
-            if self._words[self._arrivals[j] + ASLEEP] == b:
-                with contextlib.suppress(BlockingIOError):  # full pipe: it is awake anyway
-                    os.write(fd, b"\x01")
 
     # ---- slots -------------------------------------------------------------
 
@@ -554,114 +437,3 @@ class SharedMemoryGroup:
         else:
             self._reduce_all(groups, offsets, parity, contributors, reduce)
         return total, fused
-
-    def _views(self, parity: int, off: int, g: torch.Tensor) -> list[torch.Tensor]:
-        """Every node's copy of group `g` (at `off` in the `parity` half of its slot)."""
-        key = (parity, off, g.numel(), g.dtype)
-        views = self._views_cache.get(key)
-        if views is None:
-            # The same layout comes back every step: slicing and viewing a tensor
-            # costs microseconds, which is most of a small all-reduce.
-            if len(self._views_cache) > 4096:
-                self._views_cache.clear()
-            start = parity * self.capacity + off
-            stop = start + g.numel() * g.element_size()
-            views = self._views_cache[key] = [
-                slot[start:stop].view(g.dtype) for slot in self._slots
-            ]
-        return views
-
-    def _bounds(self, numel: int, i: int) -> tuple[int, int]:
-        """Node i's slice of a group in the sliced reduction."""
-        step = -(-numel // self.n)
-        return min(numel, i * step), min(numel, (i + 1) * step)
-
-    def _copy_in(self, groups, offsets, parity: int, sliced: bool) -> None:
-        for g, off in zip(groups, offsets, strict=True):
-            dst = self._views(parity, off, g)[self.node]
-            if not sliced:
-                copy(dst, g)
-                continue
-            # Only the slices other nodes reduce: ours never needs to leave our tensor.
-            lo, hi = self._bounds(g.numel(), self.node)
-            copy(dst[:lo], g[:lo])
-            copy(dst[hi:], g[hi:])
-
-    def _reduce_all(self, groups, offsets, parity, contributors, reduce) -> None:
-        # Every node folds all slots in the same order: identical bits everywhere.
-        for g, off in zip(groups, offsets, strict=True):
-            views = self._views(parity, off, g)
-            copy(g, views[contributors[0]])
-            for j in contributors[1:]:
-                reduce(g, views[j])
-
-    def _reduce_sliced(self, groups, offsets, parity, contributors, reduce, direct) -> None:
-        # Node i reduces slice i of every group in its own tensor, publishes it in
-        # its slot, and after a barrier everyone gathers the other slices. The
-        # peers' slices come from their slots or, `direct`, straight out of their
-        # tensors (ipc.collectives.cma: they skipped the copy into their slots), piece by piece
-        # into a scratch buffer that stays in cache.
-        me = self.node
-        if direct:
-            line = self._line
-            addrs = [ADDRESSES.unpack_from(self._ctl, line(j, 3 + parity)) for j in range(self.n)]
-        peers = [j for j in contributors if j != me]
-        reduced, reduced_bytes = [], 0  # groups reduced but not yet gathered
-        for gi, (g, off) in enumerate(zip(groups, offsets, strict=True)):
-            lo, hi = self._bounds(g.numel(), me)
-            slots = self._views(parity, off, g)
-            mine = slots[me]
-            es = g.element_size()
-            if direct:
-                tmp = self._scratch(g.dtype)
-            else:
-                views = [slots[j] for j in peers]
-            step = max(1, REDUCE_CHUNK // es)
-            for s in range(lo, hi, step):
-                e = min(hi, s + step)
-                acc = g[s:e]
-                for k, j in enumerate(peers):
-                    if direct:
-                        src = tmp[: e - s]
-                        self._read(j, addrs[j][gi] + s * es, src.data_ptr(), (e - s) * es)
-                    else:
-                        src = views[k][s:e]
-                    if k == 0 and me not in contributors:  # we add nothing: start from j's
-                        copy(acc, src)
-                    else:
-                        reduce(acc, src)
-                copy(mine[s:e], acc)  # still in cache: publishing it is nearly free
-            reduced.append((g, off))
-            reduced_bytes += g.numel() * es
-            # Every node has the same groups: all take this barrier at the same group.
-            if reduced_bytes >= GATHER_BYTES or gi == len(groups) - 1:
-                self.barrier()
-                self._gather(reduced, parity)
-                reduced, reduced_bytes = [], 0
-
-    def _gather(self, groups: list[tuple[torch.Tensor, int]], parity: int) -> None:
-        """Copy the slices the other nodes reduced and published into our groups."""
-        for g, off in groups:
-            slots = self._views(parity, off, g)
-            for j in range(self.n):
-                lo, hi = self._bounds(g.numel(), j)
-                if j != self.node and lo < hi:
-                    copy(g[lo:hi], slots[j][lo:hi])
-
-    def _scratch(self, dtype: torch.dtype) -> torch.Tensor:
-        """A REDUCE_CHUNK-byte buffer of `dtype` for one piece of a peer's slice."""
-        tmp = self._scratches.get(dtype)
-        if tmp is None:
-            raw = torch.empty(REDUCE_CHUNK, dtype=torch.uint8)
-            tmp = self._scratches[dtype] = raw.view(dtype)
-        return tmp
-
-    def _read(self, j: int, remote: int, local: int, nbytes: int) -> None:
-        try:
-            cma.read(self._pids[j], remote, local, nbytes)
-        except OSError as err:
-            raise PeerError(
-                f"node {self.node}: cannot read node {j}'s tensor (pid {self._pids[j]}): "
-                f"{err.strerror or err}; did it die?",
-                node=j,
-            ) from None
