@@ -21,12 +21,14 @@ collective has waited `stall_warning` seconds the engine logs which nodes
 have not reached it (Horovod's stall inspector), from the progress every
 node reports once a second up the tree, and the root's view that comes back
 down.
+
+Here: the collectives and their failures; what the engine receives is
+engine_receive.py, the stall inspector engine_stall.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,18 +37,14 @@ import torch
 import zmq
 
 from ..errors import IPCError, IPCTimeoutError, MismatchError, PeerError
-from ..transport import Endpoint, Kind, Link, WireError, wire
+from ..transport import Endpoint, Kind, Link, wire
+from .engine_receive import ReceivingMixin
+from .engine_stall import StallInspectorMixin
 from .hostops import copy
 from .pack import Packed
 
-log = logging.getLogger(__name__)
-
 # Below this size zmq copies anyway; tracking a zero-copy send would cost more than it saves.
 ZERO_COPY_MIN = 1 << 16
-# Messages read ahead of their collective (between collectives) are kept up to this
-# many bytes; beyond it the links' receive queues hold the rest (backpressure).
-STASH_BYTES = 256 << 20
-MAX_LAGGARDS = 16  # node indices carried in a progress report
 _EMPTY_SIG = b"\0" * 8
 
 Reduce = Callable[[torch.Tensor, torch.Tensor], None]
@@ -56,7 +54,7 @@ def _payload(t: torch.Tensor):
     return t.view(torch.uint8).numpy() if t.numel() else b""
 
 
-class Engine:
+class Engine(ReceivingMixin, StallInspectorMixin):
     """One node's side of the tree's collectives over its links."""
 
     def __init__(
@@ -276,125 +274,6 @@ class Engine:
             with contextlib.suppress(zmq.NotDone):
                 tracker.wait(0.05)
 
-    # ---- receiving ---------------------------------------------------------------
-
-    def _next(self, waiting_on: list) -> tuple:
-        """The next data message, in arrival order. Data already received comes first; then
-        a failure that arrived is raised; otherwise wait, up to the collective's timeout."""
-        stash = self.stash
-        deadline = self.entered_at + self.timeout
-        while True:
-            if stash:
-                msg = stash.popleft()
-                self._stash_bytes -= msg[-2]
-                return msg[:-2] + msg[-1:]
-            if self._failure is not None:
-                raise self._failure
-            now = time.monotonic()
-            if now >= self._next_progress:
-                self._report_progress(now)
-            if now >= self._next_stall:
-                self._log_stall(now, waiting_on)
-            if now >= deadline:
-                raise self._timeout_error(waiting_on)
-            wake = min(deadline, self._next_progress, self._next_stall)
-            self.ep.poll(min(wake - now, 3600))
-            self._absorb()
-
-    def _pump(self, timeout: float) -> None:
-        self.ep.poll(timeout)
-        self._absorb()
-        if self._failure is not None:
-            raise self._failure
-
-    def _absorb(self) -> None:
-        """Take in what the endpoint collected: data into the stash, progress reports, and
-        failures into `_failure` (raised once the data received before them is used).
-
-        An ERROR from a neighbour already in a later collective waits for the next one:
-        what it sent for this one has arrived."""
-        ep = self.ep
-        while ep.inbox:
-            link, frames = ep.inbox.popleft()
-            j = link.tag
-            if j not in self.links:
-                continue
-            header = frames[0].bytes
-            kind = header[0]
-            try:
-                if kind in (Kind.UP, Kind.DOWN):
-                    _, seq, chunk, count, sig = wire.parse_data(header)
-                    if len(frames) > 2:
-                        raise WireError(f"{len(frames)} frames in a data message")
-                    payload = frames[1] if len(frames) == 2 else None
-                    size = len(payload.buffer) if payload is not None else 0
-                    self.stash.append((j, kind, seq, chunk, count, sig, size, payload))
-                    self._stash_bytes += size
-                elif kind == Kind.ERROR:
-                    body = wire.parse_control(header, {"seq": wire.small_int()})
-                    origin = body.get("node")
-                    if not (isinstance(origin, int) and 0 <= origin < self.num_nodes):
-                        origin = j
-                    exc = PeerError(
-                        f"node {self.node}: {str(body.get('message'))[:2000]} "
-                        f"(reported via node {j})",
-                        node=origin,
-                    )
-                    exc.via = j  # no need to tell it back
-                    if body["seq"] > self.seq or (body["seq"] == self.seq and not self.busy):
-                        self._later = self._later or exc
-                    else:
-                        self._failure = self._failure or exc
-                elif kind == Kind.PROGRESS:
-                    self._progress(j, wire.parse_control(header))
-            except WireError as err:
-                self._failure = self._failure or self._malformed(j, f"a malformed message: {err}")
-        while ep.events:
-            what, link = ep.events.popleft()
-            j = link.tag
-            if j not in self.links or self.links[j] is not link:
-                continue
-            if what == "dead" and j not in self.left:
-                exc = ep.dead_error(link)
-                exc.node = j
-                exc.via = j  # it cannot hear about it any more
-                self._failure = self._failure or exc
-            elif what == "bye":
-                done = link.bye.get("seq") if isinstance(link.bye, dict) else None
-                self.left[j] = done if isinstance(done, int) else -1
-                if self.busy and self.left[j] < self.seq:
-                    self._failure = self._failure or self._left_error(j, self.left[j])
-
-    def wait_fd(self, fd: int, seconds: float) -> None:
-        """Wait until `fd` is readable or `seconds` pass (shared memory's barrier), keeping
-        the links answered; raises if a neighbour fails or dies."""
-        self.ep.watch(fd)
-        now = time.monotonic()
-        if now >= self._next_progress:
-            self._report_progress(now)
-        self.ep.poll(seconds)
-        self._absorb()
-        if self._failure is not None:
-            raise self._failure
-
-    def service(self) -> None:
-        """Between collectives: answer the links, keep early data, pass failures on. A
-        failure found here breaks the tree; the next collective raises it."""
-        if self.broken is not None:
-            return
-        try:
-            now = time.monotonic()
-            if now >= self._next_progress:
-                self._report_progress(now)
-            if self._stash_bytes < STASH_BYTES:
-                self.ep.poll(0)
-            self._absorb()
-            failure = self._failure or self._later
-            if failure is not None:
-                raise failure
-        except IPCError as exc:
-            self.fail(exc)
-
     # ---- failures -------------------------------------------------------------------
 
     def _left_error(self, j: int, done: int) -> PeerError:
@@ -446,89 +325,6 @@ class Engine:
             f"node {self.node}: {self.kind} #{self.seq} did not complete within "
             f"{self.timeout:g}s: {who}",
             node=node,
-        )
-
-    # ---- progress and the stall inspector ---------------------------------------------
-
-    def _subtree_min(self) -> tuple[int, list[int]]:
-        best, nodes = self.seq, [self.node]
-        for c in self.children:
-            m, who = self._sub.get(c, (0, [c]))
-            if m < best:
-                best, nodes = m, list(who)
-            elif m == best:
-                nodes.extend(who)
-        return best, sorted(nodes)[:MAX_LAGGARDS]
-
-    def _report_progress(self, now: float) -> None:
-        """Once a second: our subtree's progress to the parent, the root's view down."""
-        self._next_progress = now + self._progress_every
-        sub = self._subtree_min()
-        if self.parent is None:
-            self._root_view = sub
-        else:
-            self._tell(self.parent, wire.control(Kind.PROGRESS, {"sub": list(sub)}))
-        if self._root_view is not None and self.children:
-            down = wire.control(Kind.PROGRESS, {"root": list(self._root_view)})
-            for c in self.children:
-                self._tell(c, down)
-
-    def _tell(self, j: int, header: bytes) -> None:
-        link = self.links.get(j)
-        if link is not None and link.up and j not in self.left:
-            with contextlib.suppress(IPCError, zmq.ZMQError):
-                link.send(header)
-
-    def _progress(self, j: int, body: dict) -> None:
-        for name in ("sub", "root"):
-            v = body.get(name)
-            if (
-                isinstance(v, list)
-                and len(v) == 2
-                and isinstance(v[0], int)
-                and isinstance(v[1], list)
-                and all(isinstance(x, int) for x in v[1][:MAX_LAGGARDS])
-            ):
-                value = (v[0], [x for x in v[1][:MAX_LAGGARDS] if 0 <= x < self.num_nodes])
-                if name == "sub" and j in self.children:
-                    self._sub[j] = value
-                elif name == "root" and j == self.parent:
-                    self._root_view = value
-
-    def _laggards(self) -> tuple[int, list[int]] | None:
-        """(collective, nodes) of the nodes furthest behind, if any is behind us."""
-        # The root's view as reported down the tree (a second or so old per level), and
-        # our own subtree's, fresh; the root has only the latter.
-        views = [self._subtree_min()]
-        if self.parent is not None and self._root_view is not None:
-            views.insert(0, self._root_view)
-        for m, nodes in views:
-            if m < self.seq and nodes:
-                return m, nodes
-        return None
-
-    def _log_stall(self, now: float, waiting_on: list) -> None:
-        waited = now - self.entered_at
-        self._next_stall = now + max(self.stall_warning, 60.0)
-        late = self._laggards()
-        self.log_stall(waited, late[1] if late else None, waiting_on, late[0] if late else None)
-
-    def log_stall(
-        self, waited: float, late: list[int] | None, waiting_on: list = (), at: int | None = None
-    ) -> None:
-        if late:
-            detail = f"nodes {late} have not reached it" + (f" (they are at #{at})" if at else "")
-        else:
-            detail = f"waiting on node(s) {list(waiting_on)}"
-        log.warning(
-            "ipc node %d: %s #%d has waited %.0f s; %s. They are alive (their links answer "
-            "heartbeats); the collective times out after %g s",
-            self.node,
-            self.kind,
-            self.seq,
-            waited,
-            detail,
-            self.timeout,
         )
 
     # ---- statistics --------------------------------------------------------------------
