@@ -28,7 +28,7 @@ import zmq
 from conftest import repo_env, shm_files
 
 from distlearn import ipc
-from distlearn.ipc.services import direct
+from distlearn.ipc.services import direct, direct_setup
 from distlearn.ipc.services.broker import _ctl
 from distlearn.ipc.services.common import _local_name
 from distlearn.ipc.services.remote import _Remote
@@ -699,7 +699,7 @@ def _got_nothing(s: socket.socket) -> bool:
 
 
 def test_strangers_on_the_direct_socket_get_nothing_and_inject_nothing(monkeypatch):
-    monkeypatch.setattr(direct, "HELLO_TIMEOUT", 0.5)
+    monkeypatch.setattr(direct_setup, "HELLO_TIMEOUT", 0.5)
     server = ipc.Server(token=TOKEN)
     where = _direct_path(server)
     assert os.path.dirname(where) == str(runtime.runtime_dir())  # 0700: this user only
@@ -707,7 +707,7 @@ def test_strangers_on_the_direct_socket_get_nothing_and_inject_nothing(monkeypat
     huge = direct.PREFIX.pack(direct.FRAMES, 0, 0, 2) + struct.pack("<2I", 10, 0xFFFFFFF0)
     strangers = [
         _stranger(where, b""),  # says nothing
-        _stranger(where, os.urandom(direct.NONCE) + tensor * 3),  # a guessed nonce, then data
+        _stranger(where, os.urandom(direct_setup.NONCE) + tensor * 3),  # a guessed nonce, then data
         _stranger(where, os.urandom(4096)),  # junk
         _stranger(where, huge * 4 + huge),  # an oversized length prefix first
     ]
@@ -744,7 +744,7 @@ def test_a_burst_of_clients_larger_than_the_direct_queue_all_connect(monkeypatch
     the kernel turns away (EAGAIN, a full backlog) wait for room, the ones whose socket
     the server lets go are served over ZeroMQ alone, and none fails (one used to raise
     "did not take our direct socket", and the rest went without a direct socket)."""
-    monkeypatch.setattr(direct, "_max_shown", lambda: 8)
+    monkeypatch.setattr(direct_setup, "_max_shown", lambda: 8)
     server = ipc.Server(token=TOKEN)
     clients, errors = [], []
 
@@ -1100,8 +1100,8 @@ def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
         s, _ = impostor.accept()
         with s:
             s.settimeout(15)
-            heard.append(s.recv(direct.NONCE))
-            s.sendall(bytes(direct.ACK_BYTES))
+            heard.append(s.recv(direct_setup.NONCE))
+            s.sendall(bytes(direct_setup.ACK_BYTES))
             with contextlib.suppress(OSError):
                 while chunk := s.recv(4096):
                     heard.append(chunk)
@@ -1124,7 +1124,7 @@ def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
             assert a.poll(60)
             assert a.recv().startswith(("IPCError", "PeerError"))
         t.join(20)
-        assert len(heard[0]) == direct.NONCE and heard[1:] == []  # nothing more reached it
+        assert len(heard[0]) == direct_setup.NONCE and heard[1:] == []  # nothing more reached it
         deadline = time.monotonic() + 30
         while server.connections() and time.monotonic() < deadline:
             with contextlib.suppress(ipc.IPCError):

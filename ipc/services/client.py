@@ -15,7 +15,7 @@ import time
 from ..errors import IPCError, IPCTimeoutError, PeerError
 from ..keywords import checked
 from ..transport import Endpoint, Limits, Liveness, Secret, given_secret, missing_secret_error
-from . import bulk, direct
+from . import bulk, direct, direct_setup
 from .common import _check_timeout, _deadline, _is_loopback, _local_record, _traffic, recv_value
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Client:
         # then name the nonce in the (authenticated) handshake; see ipc.services.direct.
         raw = None
         if "direct" in record and direct.enabled() and not encrypt:
-            raw = direct.connect(record["direct"], timeout)
+            raw = direct_setup.connect(record["direct"], timeout)
         self._direct: direct.Direct | None = None
         self._direct_end: PeerError | None = None  # why the direct socket ended
         self._serviced = 0.0  # when the link layer was last looked after
@@ -99,12 +99,12 @@ class Client:
             self._endpoint.wait_up([self._link], deadline, f"the server at {host}:{port}")
             self._bulk.up(self._link)
             if raw is not None:
-                answer = direct.await_ack(*raw, secret, deadline, self._service_refused)
+                answer = direct_setup.await_ack(*raw, secret, deadline, self._service_refused)
                 if answer is None:
                     raise IPCError(
                         f"{name}: the server at {host}:{port} did not take our direct socket"
                     )
-                if answer == direct.ACKED:
+                if answer == direct_setup.ACKED:
                     self._direct = direct.Direct(raw[0], max_frame)
                 else:
                     raw[0].close()  # ended unanswered: the link alone carries the messages

@@ -57,7 +57,7 @@ from ..transport import (
     runtime,
     wire,
 )
-from . import bulk, direct
+from . import bulk, direct, direct_setup
 from .common import (
     _TRAFFIC,
     _check_timeout,
@@ -167,14 +167,14 @@ class Server(DirectSocketsMixin):
         self._max_frame = max_frame
         self._local_file: str | None = None
         # Same-host clients get a direct socket (ipc.services.direct), watched through one epoll.
-        self._listener: direct.Listener | None = None
+        self._listener: direct_setup.Listener | None = None
         self._epoll: select.epoll | None = None
         self._by_fd: dict[int, Connection] = {}
         self._reading: Connection | None = None  # its socket is read by the caller
         self._serviced = 0.0  # when the endpoint was last looked after
         if local and direct.enabled() and not encrypt:
             try:
-                self._listener = direct.Listener(secret)
+                self._listener = direct_setup.Listener(secret)
                 self._epoll = select.epoll()
                 self._epoll.register(self._listener.fileno(), select.EPOLLIN)
                 self._listener.on_change = self._watch_waiting
