@@ -1863,9 +1863,9 @@ BIG = 1_000_000  # float32: 4 MB
 
 def bulk_echo_client(port: int, rounds: int, elsewhere: bool, out) -> None:
     if elsewhere:  # as a client on another host: its boot id is not ours
-        from distlearn.ipc.services import bulk
+        from distlearn.ipc.services import arena as arena_mod
 
-        bulk._boot_id = lambda: "another-host"
+        arena_mod._boot_id = lambda: "another-host"
     c = ipc.Client("127.0.0.1", port, token=TOKEN)
     buf = torch.empty(BIG)
     for _ in range(rounds):
@@ -1958,14 +1958,14 @@ def test_sigkill_on_either_side_of_a_shared_memory_exchange_leaves_nothing_in_de
 
 
 def test_the_arena_is_private_and_refuses_what_was_not_offered():
-    from distlearn.ipc.services import bulk
+    from distlearn.ipc.services import arena as arena_mod
 
-    arena = bulk.local_arena()
+    arena = arena_mod.local_arena()
     st = os.fstat(arena.fd)
     assert st.st_mode & 0o777 == 0o600 and st.st_nlink == 0  # no name anywhere
     assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:distlearn-bulk")
     offer = dict(arena.offer)
-    assert bulk.attach(offer) is not None
+    assert arena_mod.attach(offer) is not None
     for bad in (
         {"size": offer["size"] * 2},  # not its size: refused before mapping
         {"nonce": "00" * 16},  # someone else's arena (a reused pid or fd number)
@@ -1974,8 +1974,8 @@ def test_the_arena_is_private_and_refuses_what_was_not_offered():
         {"pid": "1; rm -rf /"},
         {"nonce": "zz"},
     ):
-        bulk._attached.clear()
-        assert bulk.attach({**offer, **bad}) is None, bad
+        arena_mod._attached.clear()
+        assert arena_mod.attach({**offer, **bad}) is None, bad
 
 
 def queue_echo_worker(name, i):
@@ -2034,9 +2034,9 @@ def test_a_process_that_only_writes_sends_large_items_through_shared_memory():
 
 
 def test_blocks_lent_to_a_reader_that_died_are_taken_back_when_the_arena_is_full():
-    from distlearn.ipc.services import bulk
+    from distlearn.ipc.services import arena as arena_mod
 
-    arena = bulk.Arena(bulk.DATA + (4 << 20))
+    arena = arena_mod.Arena(arena_mod.DATA + (4 << 20))
     dead = CTX.Process(target=os._exit, args=(0,))
     dead.start()
     dead.join()
@@ -2207,9 +2207,9 @@ def open_as_nobody(path: str, out) -> None:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
 def test_another_user_cannot_open_the_arena():
-    from distlearn.ipc.services import bulk
+    from distlearn.ipc.services import arena as arena_mod
 
-    arena = bulk.local_arena()
+    arena = arena_mod.local_arena()
     out = CTX.Queue()
     with children(forked(open_as_nobody, f"/proc/{os.getpid()}/fd/{arena.fd}", out)):
         assert out.get(timeout=60) in (errno.EACCES, errno.EPERM)
