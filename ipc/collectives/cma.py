@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+__all__ = ["Probe", "read", "usable"]
+
 
 class _IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]

@@ -43,6 +43,8 @@ from .engine_stall import StallInspectorMixin
 from .hostops import copy
 from .pack import Packed
 
+__all__ = ["Engine", "Reduce"]
+
 # Below this size zmq copies anyway; tracking a zero-copy send would cost more than it saves.
 ZERO_COPY_MIN = 1 << 16
 _EMPTY_SIG = b"\0" * 8

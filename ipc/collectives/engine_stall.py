@@ -16,9 +16,10 @@ import zmq
 from ..errors import IPCError
 from ..transport import Kind, wire
 
+__all__ = ["StallInspectorMixin"]
+
 log = logging.getLogger(__name__)
 
-__all__ = ["StallInspectorMixin"]
 
 MAX_LAGGARDS = 16  # node indices carried in a progress report
 

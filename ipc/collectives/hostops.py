@@ -24,6 +24,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+__all__ = ["GRAIN", "Reduce", "add", "copy", "maximum", "minimum"]
+
 # at::internal::GRAIN_SIZE: torch runs an elementwise op on fewer elements inline.
 GRAIN = 32768
 # A copy moves bits: any dtype is viewed as the integer of its width.

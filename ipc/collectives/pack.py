@@ -14,6 +14,8 @@ import torch
 
 from .hostops import copy
 
+__all__ = ["Group", "Nested", "Packed", "flatten"]
+
 Nested = torch.Tensor | list | tuple | dict
 _SIGNATURES: dict[tuple, bytes] = {}
 

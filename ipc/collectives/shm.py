@@ -70,6 +70,16 @@ from .shm_layout import (
 )
 from .shm_reduce import ReduceMixin
 
+__all__ = [
+    "SHM_DIR",
+    "SMALL",
+    "SharedMemoryGroup",
+    "ShmFull",
+    "aligned_bytes",
+    "create_control",
+    "sweep_stale",
+]
+
 log = logging.getLogger(__name__)
 
 ALIGN = 64

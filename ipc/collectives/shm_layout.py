@@ -12,6 +12,23 @@ from __future__ import annotations
 import struct
 
 __all__ = [
+    "ADDRESSES",
+    "ARRIVED",
+    "ASLEEP",
+    "CAN_READ",
+    "CONTROL",
+    "CONTROL_SLOT",
+    "GROW_GEN",
+    "GROW_OK",
+    "LINES",
+    "MAX_GROUPS",
+    "PID",
+    "PROBE_ADDRESS",
+    "PROBE_VALUE",
+    "SIGNATURES",
+]
+
+__all__ = [
     "ADDRESSES", "ARRIVED", "ASLEEP", "CAN_READ", "CONTROL", "CONTROL_SLOT", "GROW_GEN",
     "GROW_OK", "LINES", "MAX_GROUPS", "PID", "PROBE_ADDRESS", "PROBE_VALUE", "SIGNATURES",
 ]  # fmt: skip

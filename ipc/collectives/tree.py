@@ -57,9 +57,10 @@ from .running import Op, RunningMixin, _op
 from .shm import SHM_DIR, SharedMemoryGroup
 from .topology import build_tree
 
+__all__ = ["Tree"]
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Tree"]
 
 DEFAULT_TIMEOUT = env_float("IPC_TIMEOUT", 300.0)
 DEFAULT_CHUNK = 1 << 20

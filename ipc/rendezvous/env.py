@@ -17,6 +17,8 @@ from .exchange import KEY_ENV
 from .localhost import Localhost
 from .static import Static, is_loopback
 
+__all__ = ["from_env"]
+
 log = logging.getLogger(__name__)
 
 

@@ -22,6 +22,24 @@ from dataclasses import dataclass
 from ..errors import IPCError, IPCTimeoutError, PeerError
 from ..transport import Endpoint, Kind, Limits, Link, Secret, WireError, fdlimit, wire
 
+__all__ = [
+    "JOIN_MARGIN",
+    "KEY_ENV",
+    "RENDEZVOUS_LIMITS",
+    "UNABLE_S",
+    "FileBudget",
+    "Listen",
+    "Roster",
+    "check_index",
+    "files_for_joins",
+    "gather",
+    "host_identity",
+    "join_root",
+    "joiner_limits",
+    "roster",
+    "serve",
+]
+
 log = logging.getLogger(__name__)
 
 KEY_ENV = "IPC_KEY"

@@ -26,6 +26,14 @@ from collections.abc import Iterable
 
 from ..procs import _cmdline, _stat
 
+__all__ = [
+    "LAUNCH_WINDOW_S",
+    "environment_differs",
+    "environment_digests",
+    "same_command_line",
+    "twin_launch",
+]
+
 # Processes of one launch by a shell or a Python parent start within this many seconds
 # of each other; a node 0 that started further away belongs to another launch.
 LAUNCH_WINDOW_S = 30.0

@@ -42,6 +42,8 @@ from .launches import (
 from .localhost_joiner import JoinerMixin
 from .records import _publish_record, sweep_dead_records
 
+__all__ = ["Localhost"]
+
 log = logging.getLogger(__name__)
 
 _swept = False  # once per process: a sweep reads the whole directory

@@ -22,12 +22,12 @@ from .exchange import KEY_ENV, Listen, Roster, _Note, join_root, joiner_limits, 
 from .launches import LAUNCH_WINDOW_S
 from .records import _unable_record
 
+__all__ = ["JoinerMixin"]
+
 log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
 SILENT_RETRY_S = 30.0  # ... and how long it then tries the other candidates before that one
-
-__all__ = ["JoinerMixin"]
 
 
 class JoinerMixin:

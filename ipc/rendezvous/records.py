@@ -19,6 +19,8 @@ from ..errors import IPCError
 from ..procs import pid_alive, running
 from ..transport import runtime
 
+__all__ = ["sweep_dead_records"]
+
 _RECORD_NAME = re.compile(r"rv-[0-9a-f]{16}-([0-9]+)\.json")
 
 

@@ -29,6 +29,8 @@ from .exchange import (
     serve,
 )
 
+__all__ = ["Static", "is_loopback"]
+
 log = logging.getLogger(__name__)
 
 

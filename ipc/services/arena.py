@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from ..procs import pid_alive
 from ..transport import WireError, runtime, wire
 
+__all__ = ["Arena", "Block", "PeerArena", "attach", "local_arena"]
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Arena", "Block", "PeerArena", "attach", "local_arena"]
 
 NONCE = 16
 SLOTS = 1024  # blocks in use at once, at most

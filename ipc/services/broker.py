@@ -51,9 +51,10 @@ from ..errors import IPCError, IPCTimeoutError, PeerError
 from ..transport import Endpoint, Kind, Link, fdlimit, random_secret, wire
 from . import bulk
 
+__all__ = ["CLOSED", "DRAINED", "EMPTY", "OPEN"]
+
 log = logging.getLogger(__name__)
 
-__all__ = ["CLOSED", "DRAINED", "EMPTY", "OPEN"]
 
 OPEN = "open"
 CLOSED = "closed"

@@ -18,9 +18,9 @@ from ..transport import Endpoint, Limits, Liveness, Secret, given_secret, missin
 from . import bulk, direct, direct_setup
 from .common import _check_timeout, _deadline, _is_loopback, _local_record, _traffic, recv_value
 
-log = logging.getLogger(__name__)
-
 __all__ = ["Client"]
+
+log = logging.getLogger(__name__)
 
 
 class Client:

@@ -19,9 +19,9 @@ from ..procs import start_ticks
 from ..transport import Link, runtime, wire
 from . import bulk, direct
 
-log = logging.getLogger(__name__)
-
 __all__ = ["recv_value"]
+
+log = logging.getLogger(__name__)
 
 
 def _local_name(host: str, port: int) -> str:

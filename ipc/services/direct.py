@@ -36,6 +36,23 @@ import torch
 from ..envvars import env_float
 from ..transport import WireError, wire
 
+__all__ = [
+    "BYE",
+    "FRAMES",
+    "PREFIX",
+    "SLICE",
+    "TENSOR",
+    "Closed",
+    "Direct",
+    "DirectError",
+    "copy_of",
+    "enabled",
+    "frames_message",
+    "send_all",
+    "tensor_message",
+    "tensor_of",
+]
+
 SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
 # A blocked reader polls without sleeping for this long first ($IPC_DIRECT_SPIN_US):
 # a reply that comes within a round trip is then read without a sleep and a wake-up,

@@ -54,6 +54,8 @@ from ..keywords import checked
 from ..transport import Endpoint, Link, Secret, random_secret, wire
 from . import remote
 
+__all__ = ["Map", "RemoteTraceback", "WorkerError", "map"]
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1

@@ -69,6 +69,8 @@ from .common import (
 )
 from .server_direct import DirectSocketsMixin
 
+__all__ = ["Connection", "Server"]
+
 log = logging.getLogger(__name__)
 
 

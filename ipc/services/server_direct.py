@@ -26,9 +26,9 @@ from . import direct
 if TYPE_CHECKING:  # (server.py imports this module)
     from .server import Connection
 
-log = logging.getLogger(__name__)
-
 __all__ = ["DirectSocketsMixin"]
+
+log = logging.getLogger(__name__)
 
 
 class DirectSocketsMixin:

@@ -26,6 +26,18 @@ from zmq.utils import z85
 from ..errors import IPCError
 from .runtime import read_secret_file
 
+__all__ = [
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "CurveKeys",
+    "Secret",
+    "given_secret",
+    "insecure_secret",
+    "missing_secret_error",
+    "nonce",
+    "random_secret",
+]
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "IPC_TOKEN"

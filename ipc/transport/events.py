@@ -20,9 +20,9 @@ from .wire import Kind, WireError
 if TYPE_CHECKING:  # (link.py imports this module)
     from .link import Link
 
-_ACK = wire.control(Kind.ACK, {})
-
 __all__ = ["EventLoopMixin"]
+
+_ACK = wire.control(Kind.ACK, {})
 
 
 class EventLoopMixin:

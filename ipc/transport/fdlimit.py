@@ -23,6 +23,17 @@ import logging
 import os
 import resource
 
+__all__ = [
+    "MAX_SOFT",
+    "backlog",
+    "full_reason",
+    "limit",
+    "open_files",
+    "raise_limit",
+    "reserve",
+    "room",
+]
+
 log = logging.getLogger(__name__)
 
 MAX_SOFT = 1 << 20  # what we raise the soft limit to at most

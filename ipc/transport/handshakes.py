@@ -40,12 +40,12 @@ from .wire import Kind, WireError
 if TYPE_CHECKING:  # (link.py imports this module)
     from .link import Link
 
+__all__ = ["CLOSING", "HandshakeMixin"]
+
 ZAP_DOMAIN = b"distlearn-ipc"
 PLAIN_USER = b"distlearn"
 CLOSING = "closing: it takes no more links"
 MAX_AGAIN = 100  # times a dialer starts its handshake over before it gives up
-
-__all__ = ["CLOSING", "HandshakeMixin"]
 
 
 def _again(header: bytes) -> bool:

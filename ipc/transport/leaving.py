@@ -23,10 +23,9 @@ from ..errors import PeerError
 from . import wire
 from .wire import Kind
 
-log = logging.getLogger(__name__)
-
-
 __all__ = ["LeavingMixin"]
+
+log = logging.getLogger(__name__)
 
 
 class LeavingMixin:

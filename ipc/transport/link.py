@@ -35,9 +35,10 @@ from .leaving import LeavingMixin
 from .liveness import Liveness, LivenessMixin
 from .wire import Kind
 
+__all__ = ["Endpoint", "Limits", "Link", "LinkStats"]
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Endpoint", "Limits", "Link", "LinkStats"]
 
 # What a dialer's monitor reports: the link's end, or a failed ZeroMQ handshake.
 _DIALER_EVENTS = (

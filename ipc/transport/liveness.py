@@ -25,10 +25,10 @@ from .wire import Kind
 if TYPE_CHECKING:  # (link.py imports this module)
     from .link import Link
 
+__all__ = ["Liveness", "LivenessMixin"]
+
 _PROBE = bytes([Kind.PROBE])
 _FORGOTTEN = 4096  # routing ids of forgotten links whose late messages are dropped quietly
-
-__all__ = ["Liveness", "LivenessMixin"]
 
 
 @dataclass(frozen=True)

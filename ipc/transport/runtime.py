@@ -28,6 +28,20 @@ from pathlib import Path
 
 from ..errors import IPCError
 
+__all__ = [
+    "create_private",
+    "listened_on",
+    "private_file",
+    "problem_with",
+    "read_private",
+    "read_secret_file",
+    "remove",
+    "replace_private",
+    "runtime_dir",
+    "socket_path",
+    "sweep_dead_sockets",
+]
+
 log = logging.getLogger(__name__)
 
 CANDIDATES = 8  # distlearn-ipc-<uid>, .1 ... .7

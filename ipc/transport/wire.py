@@ -21,6 +21,27 @@ from enum import IntEnum
 
 import torch
 
+__all__ = [
+    "DTYPES",
+    "MAX_CONTROL",
+    "MAX_FRAMES",
+    "VERSION",
+    "Kind",
+    "WireError",
+    "control",
+    "data_header",
+    "decode",
+    "dtype_from_name",
+    "encode",
+    "hex_of",
+    "kind_of",
+    "pack_value",
+    "parse_control",
+    "parse_data",
+    "small_int",
+    "unpack_value",
+]
+
 # The layout of what travels (kinds, headers, value descriptions): bumped when one
 # changes. Endpoints exchange it in their authenticated handshake info and refuse a
 # peer of another version, naming both (a host left on an older distlearn), rather
