@@ -6,7 +6,8 @@ Rows, each repetition in a fresh set of processes, peers alternating inside it:
 - client/server round trips between two processes: ipc.Server/Client against
   torch.distributed gloo send/recv in the SAME two processes (4 MB float32,
   and 8 bytes for latency; the client takes the server's direct Unix socket,
-  ipc.direct, and the 4 MB tensors go through shared memory, ipc.bulk);
+  ipc.services.direct, and the 4 MB tensors go through shared memory,
+  ipc.services.bulk);
 - work queue: N tensors from an owner through 2 workers and back, ipc.WorkQueue
   against torch.multiprocessing queues (4 KB x 10,000 and 4 MB x 200);
 - async all_reduce (from bench.allreduce, mode "async"): 8 buckets of 4 MiB in

@@ -4,12 +4,15 @@ from distlearn import ipc
 tree = ipc.LocalhostTree(node_index, num_nodes)
 n = tree.all_reduce(tensors, op="sum")   # in place; n = nodes that contributed
 
-Layers, each usable on its own: `ipc.rendezvous` (handlers that end in a
-Roster), `ipc.link` (authenticated links: Endpoint, Link), `ipc.wire` (what
-travels on them), `ipc.engine` and `ipc.shm` (the collectives), `ipc.tree`
-(the public Tree). On the same links: `ipc.service` (Server, Client), `ipc.pool`
-(`ipc.map`) and `ipc.queues` (WorkQueue, Channel), torch-ipc's other half,
-with `ipc.bulk` (their large tensors through shared memory on one host).
+Layers, lowest first; each imports only from those below it:
+- base: `errors` (IPCError and its kinds), `envvars`, `keywords`, `procs`;
+- `ipc.transport`: authenticated links (`Endpoint`, `Link`) and what travels on
+  them (`ipc.wire`);
+- `ipc.rendezvous`: how the nodes find each other (handlers that end in a Roster);
+- `ipc.collectives`: the public `Tree`, its collectives over the links or through
+  shared memory;
+- `ipc.services`: torch-ipc's other half on the same links: `Server`/`Client`,
+  `ipc.map`, `WorkQueue` and `Channel`.
 """
 
 if __name__ != "distlearn.ipc":
@@ -21,13 +24,21 @@ if __name__ != "distlearn.ipc":
         "(PyPI's `ipc` is another project)"
     )
 
-from . import link, rendezvous, wire
+from . import rendezvous
+from .collectives import Handle, LocalhostTree, StaticTree, Tree, from_env
 from .errors import AuthError, IPCError, IPCTimeoutError, MismatchError, PeerError
-from .link import Liveness
-from .pool import Map, RemoteTraceback, WorkerError, map
-from .queues import Channel, WorkQueue
-from .service import Client, Connection, Server
-from .tree import Handle, LocalhostTree, StaticTree, Tree, from_env
+from .services import (
+    Channel,
+    Client,
+    Connection,
+    Map,
+    RemoteTraceback,
+    Server,
+    WorkerError,
+    WorkQueue,
+    map,
+)
+from .transport import Liveness, link, wire
 
 __all__ = [
     "AuthError",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 
+__all__ = ["env_float"]
+
 
 def env_float(name: str, default: float) -> float:
     """$`name` as a finite float, or `default` when it is not set."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["AuthError", "IPCError", "IPCTimeoutError", "MismatchError", "PeerError"]
+
 
 class IPCError(RuntimeError):
     """Base class: the tree cannot complete a collective."""

@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+__all__ = ["check", "checked", "keyword_names"]
+
 F = TypeVar("F", bound=Callable)
 
 

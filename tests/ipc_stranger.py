@@ -65,9 +65,8 @@ def old_protocol_join(ctx: zmq.Context, addr: str, token: str, node: int, n: int
 
 
 try:  # this protocol, if the checkout has it (the old one does not)
-    from distlearn.ipc.auth import Secret
     from distlearn.ipc.errors import IPCError
-    from distlearn.ipc.link import Endpoint
+    from distlearn.ipc.transport import Endpoint, Secret
 except ImportError:
     Endpoint = None
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from distlearn import ipc
-from distlearn.ipc import shm as shm_mod
+from distlearn.ipc.collectives import shm as shm_mod
 
 DTYPES = [torch.float16, torch.float32, torch.float64, torch.int64]
 
@@ -338,7 +338,7 @@ def malformed(node: int, n: int, key: str) -> dict:
     tree = tree_from_args(node, n, key, shm=False)
     tree.all_reduce(torch.ones(100))
     if node == 1:
-        from distlearn.ipc.wire import Kind
+        from distlearn.ipc.transport import Kind
 
         link = tree._links[0]
         send = link.send
@@ -396,7 +396,7 @@ def async_many(node: int, n: int, key: str) -> dict:
 
 
 # Queued together by async_fused: (shape, dtype, op, finished on node 1, salt). Above
-# ipc.shm.SMALL each, so shared memory may run them fused; the ones that cannot join a
+# ipc.collectives.shm.SMALL each, so shared memory may run them fused; the ones that cannot join a
 # run (another op or dtype, a node that finished, a view that is not contiguous, a
 # small one) break it where they stand.
 FUSED_JOBS = [
@@ -677,9 +677,10 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         out["ok"] = bool((t[16:] == sum(range(1, n + 1))).all())
         tree.close()
     elif scenario == "sliced":
-        # Above ipc.shm.SMALL: the sliced reduction, through the peers' tensors
-        # (ipc.cma) or through the slots (IPC_SHM_CMA=0); two groups above
-        # ipc.shm.GATHER_BYTES each, so the first is gathered before the second's reduction.
+        # Above ipc.collectives.shm.SMALL: the sliced reduction, through the peers'
+        # tensors (ipc.collectives.cma) or through the slots (IPC_SHM_CMA=0); two groups
+        # above ipc.collectives.shm.GATHER_BYTES each, so the first is gathered before
+        # the second's reduction.
         tree = tree_from_args(node, n, key)
         big = {
             "a": node_tensor(node, (1_200_000,), torch.float32, 7),

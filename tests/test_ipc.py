@@ -29,8 +29,8 @@ from ipc_harness import (
 from ipc_workers import DTYPES, nested, node_tensor
 
 from distlearn import ipc
-from distlearn.ipc import runtime
-from distlearn.ipc.topology import build_tree, depth
+from distlearn.ipc.collectives.topology import build_tree, depth
+from distlearn.ipc.transport import runtime
 
 OPS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 

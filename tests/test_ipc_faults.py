@@ -167,7 +167,7 @@ def test_a_vanished_node_0_in_the_runtime_directory_does_not_stall_joiners(tmp_p
 
     from ipc_harness import start_worker, wait_all
 
-    from distlearn.ipc.launch import start_ticks
+    from distlearn.ipc.procs import start_ticks
 
     tmpdir = short_tmp
     rt = tmpdir / f"distlearn-ipc-{os.getuid()}"

@@ -1,4 +1,4 @@
-"""ipc.hostops: the tree's copies and reductions give torch's results, dtype by dtype,
+"""ipc.collectives.hostops: the tree's copies and reductions give torch's results, dtype by dtype,
 and never start torch's intra-op pool."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from ipc_harness import TRANSPORTS, run_tree
 
-from distlearn.ipc import hostops
+from distlearn.ipc.collectives import hostops
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,

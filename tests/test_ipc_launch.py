@@ -1,4 +1,5 @@
-"""ipc.launch: how node 0 tells its launch's processes from another launch's."""
+"""ipc.rendezvous.launches and ipc.procs: how node 0 tells its launch's processes from
+another launch's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 
 import pytest
 
-from distlearn.ipc import launch
+from distlearn.ipc import procs
+from distlearn.ipc.rendezvous import launches
 
 
 def _joiner_digests(monkeypatch, index: int, **changes: str | None) -> dict:
@@ -23,7 +25,7 @@ def _joiner_digests(monkeypatch, index: int, **changes: str | None) -> dict:
                 m.delenv(name, raising=False)
             else:
                 m.setenv(name, value)
-        return launch.environment_digests(index)
+        return launches.environment_digests(index)
 
 
 def test_environments_equal_up_to_the_node_index(monkeypatch):
@@ -34,23 +36,23 @@ def test_environments_equal_up_to_the_node_index(monkeypatch):
     theirs = _joiner_digests(
         monkeypatch, 2, RANK="2", LOCAL_RANK="2", CUDA_VISIBLE_DEVICES="4,5", SLURM_TASK_PID="7"
     )
-    assert launch.environment_differs(theirs) is None
+    assert launches.environment_differs(theirs) is None
 
 
 def test_environments_that_differ_are_named(monkeypatch):
     monkeypatch.setenv("JOB", "A")
     monkeypatch.setenv("SEED", "1000")
     theirs = _joiner_digests(monkeypatch, 1, JOB="B", SEED="1001")
-    assert launch.environment_differs(theirs) == (
+    assert launches.environment_differs(theirs) == (
         "its environment differs from node 0's in JOB, SEED"
     )
     theirs = _joiner_digests(monkeypatch, 1, EXTRA_FLAG="1")
-    assert launch.environment_differs(theirs).endswith("in 1 variable(s) node 0 has not")
+    assert launches.environment_differs(theirs).endswith("in 1 variable(s) node 0 has not")
     theirs = _joiner_digests(monkeypatch, 1, JOB=None)
-    assert launch.environment_differs(theirs).endswith("in JOB")
+    assert launches.environment_differs(theirs).endswith("in JOB")
     monkeypatch.setenv("RANK", "0")
     theirs = _joiner_digests(monkeypatch, 1, RANK="3")
-    assert "in RANK (beyond the node index)" in launch.environment_differs(theirs)
+    assert "in RANK (beyond the node index)" in launches.environment_differs(theirs)
 
 
 def test_a_number_that_tells_launches_apart_is_not_taken_for_the_node_index(monkeypatch):
@@ -60,7 +62,7 @@ def test_a_number_that_tells_launches_apart_is_not_taken_for_the_node_index(monk
     monkeypatch.setenv("JOB", "0")
     monkeypatch.setenv("OUT", "/runs/0/log")
     theirs = _joiner_digests(monkeypatch, 1, JOB="1", OUT="/runs/1/log")
-    assert launch.environment_differs(theirs).endswith("in JOB, OUT")
+    assert launches.environment_differs(theirs).endswith("in JOB, OUT")
 
 
 def test_a_large_environment_fits_a_join(monkeypatch):
@@ -68,14 +70,14 @@ def test_a_large_environment_fits_a_join(monkeypatch):
     the rendezvous failed even without a twin launch."""
     for i in range(3000):
         monkeypatch.setenv(f"MODULE_VAR_{i}", f"/opt/v1/lib/{i}" * 5)
-    digests = launch.environment_digests(1)
-    assert len(json.dumps(digests)) < 200 and launch.environment_differs(digests) is None
+    digests = launches.environment_digests(1)
+    assert len(json.dumps(digests)) < 200 and launches.environment_differs(digests) is None
     theirs = _joiner_digests(monkeypatch, 1, MODULE_VAR_7="other")
-    assert launch.environment_differs(theirs).endswith("variables) differs from node 0's")
+    assert launches.environment_differs(theirs).endswith("variables) differs from node 0's")
     for i in range(2500):
         monkeypatch.delenv(f"MODULE_VAR_{i}")
-    digests = launch.environment_digests(1)
-    assert len(json.dumps(digests)) < 6 * 600 and launch.environment_differs(digests) is None
+    digests = launches.environment_digests(1)
+    assert len(json.dumps(digests)) < 6 * 600 and launches.environment_differs(digests) is None
 
 
 def test_a_joiner_in_another_directory_differs(monkeypatch, tmp_path):
@@ -83,8 +85,8 @@ def test_a_joiner_in_another_directory_differs(monkeypatch, tmp_path):
     (tmp_path / "other").mkdir()
     with monkeypatch.context() as m:
         m.chdir(tmp_path / "other")
-        theirs = launch.environment_digests(1)
-    assert launch.environment_differs(theirs).endswith("in (cwd)")
+        theirs = launches.environment_digests(1)
+    assert launches.environment_differs(theirs).endswith("in (cwd)")
 
 
 @pytest.mark.parametrize(
@@ -95,54 +97,58 @@ def test_a_joiner_in_another_directory_differs(monkeypatch, tmp_path):
      {"same": "a", "node": "b", "named": "", "count": "1"}, {"same": "a", "node": "b"}],
 )  # fmt: skip
 def test_a_malformed_environment_is_refused(junk):
-    assert launch.environment_differs(junk) == "it sent no environment"
+    assert launches.environment_differs(junk) == "it sent no environment"
 
 
 def test_running_tells_a_stopped_or_dead_process_from_a_live_one():
-    me = launch.start_ticks()
-    assert launch.running(os.getpid(), me)
-    assert not launch.running(os.getpid(), me + 1)  # another process under a reused pid
-    assert not launch.running(True, me) and not launch.running(-1, me)
+    me = procs.start_ticks()
+    assert procs.running(os.getpid(), me)
+    assert not procs.running(os.getpid(), me + 1)  # another process under a reused pid
+    assert not procs.running(True, me) and not procs.running(-1, me)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        start = launch.start_ticks(child.pid)
-        assert launch.running(child.pid, start)
+        start = procs.start_ticks(child.pid)
+        assert procs.running(child.pid, start)
         child.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while launch.running(child.pid, start) and time.monotonic() < deadline:
+        while procs.running(child.pid, start) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not launch.running(child.pid, start)
+        assert not procs.running(child.pid, start)
         child.kill()
         time.sleep(0.5)  # a zombie until we reap it
-        assert launch.pid_alive(child.pid) and not launch.running(child.pid, start)
+        assert procs.pid_alive(child.pid) and not procs.running(child.pid, start)
     finally:
         child.kill()
         child.wait()
-    assert not launch.pid_alive(child.pid)
+    assert not procs.pid_alive(child.pid)
 
 
 def test_a_twin_launch_is_counted_among_the_parents_processes():
     """Processes with one command line (numbers aside) under one parent, a shell as in a
     launch script: three are more than a launch of 2 has, not more than one of 3; other
-    command lines do not count. (The probes load ipc/launch.py alone: no torch to import.)"""
+    command lines do not count. (The probes load ipc/rendezvous/launches.py and ipc/procs.py
+    alone, as a package of their own: no torch to import.)"""
     probe = (
-        "import importlib.util as u, sys, time; "
-        'spec = u.spec_from_file_location("launch", sys.argv[2]); '
-        "launch = u.module_from_spec(spec); spec.loader.exec_module(launch); "
-        "s = launch.start_ticks(); "
-        "print(launch.twin_launch(s, 100, 2), launch.twin_launch(s, 100, 3), flush=True); "
+        "import importlib, sys, time, types; "
+        'ipc = types.ModuleType("_ipc"); ipc.__path__ = [sys.argv[2]]; '
+        'rv = types.ModuleType("_ipc.rendezvous"); rv.__path__ = [sys.argv[2] + "/rendezvous"]; '
+        'sys.modules.update({"_ipc": ipc, "_ipc.rendezvous": rv}); '
+        'launches = importlib.import_module("_ipc.rendezvous.launches"); '
+        's = sys.modules["_ipc.procs"].start_ticks(); '
+        "print(launches.twin_launch(s, 100, 2), launches.twin_launch(s, 100, 3), flush=True); "
         "time.sleep(float(sys.argv[1]))"
     )
+    ipc_dir = os.path.dirname(procs.__file__)
 
     def run(script: str) -> list[str]:
         out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
         return out.stdout.split()
 
     def after(background: str) -> list[str]:
-        me = f"\"{sys.executable}\" -c '{probe}' 0 {launch.__file__}"
+        me = f"\"{sys.executable}\" -c '{probe}' 0 {ipc_dir}"
         return run(f"{background} & {background} & sleep 1; {me}; kill $(jobs -p)")
 
     others = f'"{sys.executable}" -c "import time; time.sleep(4)" 1'
     assert after(others) == ["False", "False"]
-    twins = f"\"{sys.executable}\" -c '{probe}' 4 {launch.__file__} > /dev/null"
+    twins = f"\"{sys.executable}\" -c '{probe}' 4 {ipc_dir} > /dev/null"
     assert after(twins) == ["True", "False"]

@@ -14,10 +14,16 @@ import pytest
 import torch
 
 from distlearn import ipc
-from distlearn.ipc import runtime, wire
-from distlearn.ipc.auth import Secret
-from distlearn.ipc.link import Endpoint, Limits, Liveness
-from distlearn.ipc.wire import Kind, WireError
+from distlearn.ipc.transport import (
+    Endpoint,
+    Kind,
+    Limits,
+    Liveness,
+    Secret,
+    WireError,
+    runtime,
+    wire,
+)
 
 SECRET = Secret("s" * 32, "test")
 
@@ -264,9 +270,7 @@ def test_a_peer_that_leaves_while_we_do_not_read_is_no_crash():
     (zeromq/libzmq#4364). The reader lives in a child so an abort is a failed exit code."""
     code = (
         "import os, sys, time\n"
-        "from distlearn.ipc import wire\n"
-        "from distlearn.ipc.auth import Secret\n"
-        "from distlearn.ipc.link import Endpoint, Liveness\n"
+        "from distlearn.ipc.transport import Endpoint, Liveness, Secret, wire\n"
         "secret = Secret('s' * 32, 't')\n"
         "beat = Liveness(0.1, 5.0)\n"
         "ours = Endpoint(secret, 'reader', bind=['tcp://127.0.0.1:*'], liveness=beat)\n"
@@ -302,8 +306,7 @@ def test_dead_and_frozen_peers_end_their_links():
     timeout on both sides (dialer's monitor, listener's probe)."""
     code = (
         "import sys, time\n"
-        "from distlearn.ipc.link import Endpoint, Liveness\n"
-        "from distlearn.ipc.auth import Secret\n"
+        "from distlearn.ipc.transport import Endpoint, Liveness, Secret\n"
         "ep = Endpoint(Secret('s'*32, 't'), 'child', bind=['tcp://127.0.0.1:*'],"
         " liveness=Liveness(0.2, 1.0))\n"
         "print(ep.addresses[0], flush=True)\n"
@@ -384,7 +387,7 @@ def test_dtype_names_go_through_an_allow_list():
 
 
 def _description(rng, depth: int = 0):
-    """A random value description as ipc.wire.encode writes them, often subtly wrong:
+    """A random value description as ipc.transport.wire.encode writes them, often subtly wrong:
     bad spans, dtypes, shapes (negative, huge, empty with a huge side), keys, floats."""
     atoms = [None, True, False, 0, -1, 1, 2**63, 1.5, "", "x", "float32", "nan", [], {}]
     if depth > 4 or rng.random() < 0.3:
@@ -474,8 +477,8 @@ def test_a_roster_of_many_nodes_is_not_capped_by_the_control_limit():
     whose 16 KiB capped a tree at some 250 nodes: each node failed with "too many
     values in one message". It is a frame of its own now, bounded by the node count.
     One link joins as nodes 2..n-1 here, then as node 1 (`join_root`)."""
-    from distlearn.ipc import rendezvous
-    from distlearn.ipc.auth import random_secret
+    from distlearn.ipc.rendezvous import exchange
+    from distlearn.ipc.transport import random_secret
 
     n = 400
     secret = random_secret()
@@ -485,12 +488,12 @@ def test_a_roster_of_many_nodes_is_not_capped_by_the_control_limit():
         return {"node": i, "num_nodes": n, "host": f"host-{i}", "addresses": addresses,
                 "options": {}}  # fmt: skip
 
-    root = Endpoint(secret, "node 0", bind=["ipc"], limits=rendezvous.RENDEZVOUS_LIMITS)
-    node = Endpoint(secret, "node 1", limits=rendezvous.joiner_limits(n))
+    root = Endpoint(secret, "node 0", bind=["ipc"], limits=exchange.RENDEZVOUS_LIMITS)
+    node = Endpoint(secret, "node 1", limits=exchange.joiner_limits(n))
     gathered = {}
 
     def serve():
-        hosts, addresses = rendezvous.gather(root, n, join(0), 60, "a test")
+        hosts, addresses = exchange.gather(root, n, join(0), 60, "a test")
         gathered.update(hosts=hosts, addresses=addresses)
 
     t = threading.Thread(target=serve)  # node 0 answers handshakes as it gathers
@@ -500,7 +503,7 @@ def test_a_roster_of_many_nodes_is_not_capped_by_the_control_limit():
         node.wait_up([link], time.monotonic() + 30, "node 0")
         for i in range(2, n):
             link.send_control(Kind.JOIN, join(i))
-        body = rendezvous.join_root(node, link, join(1), time.monotonic() + 60)
+        body = exchange.join_root(node, link, join(1), time.monotonic() + 60)
         t.join(60)
         hosts = [f"host-{i}" for i in range(n)]
         assert body["hosts"] == gathered["hosts"] == hosts
@@ -517,13 +520,14 @@ _LIMITED_ROOT = """
 import os, resource, sys, threading
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))
 from distlearn import ipc
-from distlearn.ipc import fdlimit, rendezvous
-rendezvous.UNABLE_S = 2.0  # (10 s: how long node 0 tells the waiting nodes why)
+from distlearn.ipc.rendezvous import exchange
+from distlearn.ipc.transport import fdlimit
+exchange.UNABLE_S = 2.0  # (10 s: how long node 0 tells the waiting nodes why)
 held = []
 
 def open_files_on_a_line():  # the user's own files, opened during the rendezvous:
     sys.stdin.readline()  # past node 0's budget, within its margin (JOIN_MARGIN // 4)
-    while fdlimit.open_files() < fdlimit.limit() - rendezvous.JOIN_MARGIN // 4 + 1:
+    while fdlimit.open_files() < fdlimit.limit() - exchange.JOIN_MARGIN // 4 + 1:
         held.append(open(os.devnull))
     print("full", flush=True)
 
@@ -546,7 +550,7 @@ def _limited_root(soft: int, hard: int, nodes: int, key: str) -> subprocess.Pope
 
 def test_a_tree_raises_its_soft_file_limit_to_the_hard_one():
     """Node 0 holds a connection from every node during the rendezvous: a tree starts
-    with the hard limit, as a server does (ipc.fdlimit)."""
+    with the hard limit, as a server does (ipc.transport.fdlimit)."""
     root = _limited_root(64, 4096, 1, f"raise-{os.getpid()}")
     out, err = root.communicate(timeout=120)
     assert root.returncode == 0, err[-2000:]
@@ -558,7 +562,7 @@ class _Joiners:
     rendezvous (their own addresses are never dialled)."""
 
     def __init__(self, n: int, key: str):
-        from distlearn.ipc.tree import DEFAULT_CHUNK
+        from distlearn.ipc.collectives.tree import DEFAULT_CHUNK
 
         self.n, self.key = n, key
         self.options = {"base": 2, "chunk_bytes": DEFAULT_CHUNK, "shm": True, "encrypt": False}

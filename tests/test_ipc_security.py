@@ -34,7 +34,7 @@ from ipc_harness import (
 from ipc_workers import node_tensor
 
 from distlearn import ipc
-from distlearn.ipc.auth import Secret
+from distlearn.ipc.transport import Secret
 
 HERE = Path(__file__).resolve().parent
 NOBODY = 65534
@@ -178,7 +178,7 @@ def test_secret_file_must_be_private(tmp_path, monkeypatch):
     with pytest.raises(ipc.IPCError, match="chmod 600"):
         ipc.StaticTree(0, 1, "10.1.2.3", 29600)
     path.chmod(0o600)
-    from distlearn.ipc.auth import given_secret
+    from distlearn.ipc.transport import given_secret
 
     assert given_secret().text == "a-long-enough-secret-token"
 

@@ -28,7 +28,11 @@ import zmq
 from conftest import repo_env, shm_files
 
 from distlearn import ipc
-from distlearn.ipc import direct, fdlimit, queues, runtime, service, wire
+from distlearn.ipc.services import direct, direct_setup
+from distlearn.ipc.services.broker import _ctl
+from distlearn.ipc.services.common import _local_name
+from distlearn.ipc.services.remote import _Remote
+from distlearn.ipc.transport import fdlimit, runtime, wire
 
 pytestmark = pytest.mark.timeout(120)
 CTX = multiprocessing.get_context("fork")
@@ -98,7 +102,7 @@ def assert_same(a, b):
 
 @pytest.fixture(params=["direct", "zeromq"])
 def path(request, monkeypatch):
-    """Client/server on one host: over the direct socket (ipc.direct, the default), and
+    """Client/server on one host: over the direct socket (ipc.services.direct, the default), and
     over the ZeroMQ link alone ($IPC_DIRECT=0, as for a client on another host)."""
     monkeypatch.setenv("IPC_DIRECT", "1" if request.param == "direct" else "0")
     return request.param
@@ -155,7 +159,7 @@ def test_several_clients_every_dtype_nested_values_into(path):
             # (per client: those not yet gone; the totals count every one)
             assert set(stats["per"]) <= {0, 1, 2}
             assert stats["msgs_recv"] >= 6 and stats["msgs_sent"] >= 6
-            # on the link, or through shared memory (ipc.bulk) once a client mapped ours
+            # on the link, or through shared memory (ipc.services.bulk) once a client mapped ours
             assert stats["bytes_sent"] + stats["shm_bytes_sent"] > 6 * 3_200_000
     finally:
         server.close()
@@ -385,7 +389,7 @@ def test_token_sources(monkeypatch):
     monkeypatch.delenv("IPC_TOKEN")
     # loopback without a token: a random secret in the private runtime directory
     server = ipc.Server()
-    name = service._local_name("127.0.0.1", server.port)
+    name = _local_name("127.0.0.1", server.port)
     try:
         path = runtime.runtime_dir() / name
         assert path.stat().st_mode & 0o777 == 0o600
@@ -477,7 +481,7 @@ def test_a_killed_servers_record_is_passed_over(short_tmp):
     port = int(first.stdout.readline())
     first.kill()
     first.communicate()
-    name = service._local_name("127.0.0.1", port)
+    name = _local_name("127.0.0.1", port)
     assert "token" in json.loads(runtime.read_private(runtime.runtime_dir(), name))
     second = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, str(port), TOKEN],
                               env=repo_env(TMPDIR=str(short_tmp)), stdout=subprocess.PIPE,
@@ -671,9 +675,7 @@ def test_a_frozen_server_is_named_by_its_clients_heartbeats(path):
 
 
 def _direct_path(server: ipc.Server) -> str:
-    record = runtime.read_private(
-        runtime.runtime_dir(), service._local_name("127.0.0.1", server.port)
-    )
+    record = runtime.read_private(runtime.runtime_dir(), _local_name("127.0.0.1", server.port))
     return json.loads(record)["direct"]
 
 
@@ -697,7 +699,7 @@ def _got_nothing(s: socket.socket) -> bool:
 
 
 def test_strangers_on_the_direct_socket_get_nothing_and_inject_nothing(monkeypatch):
-    monkeypatch.setattr(direct, "HELLO_TIMEOUT", 0.5)
+    monkeypatch.setattr(direct_setup, "HELLO_TIMEOUT", 0.5)
     server = ipc.Server(token=TOKEN)
     where = _direct_path(server)
     assert os.path.dirname(where) == str(runtime.runtime_dir())  # 0700: this user only
@@ -705,7 +707,7 @@ def test_strangers_on_the_direct_socket_get_nothing_and_inject_nothing(monkeypat
     huge = direct.PREFIX.pack(direct.FRAMES, 0, 0, 2) + struct.pack("<2I", 10, 0xFFFFFFF0)
     strangers = [
         _stranger(where, b""),  # says nothing
-        _stranger(where, os.urandom(direct.NONCE) + tensor * 3),  # a guessed nonce, then data
+        _stranger(where, os.urandom(direct_setup.NONCE) + tensor * 3),  # a guessed nonce, then data
         _stranger(where, os.urandom(4096)),  # junk
         _stranger(where, huge * 4 + huge),  # an oversized length prefix first
     ]
@@ -742,7 +744,7 @@ def test_a_burst_of_clients_larger_than_the_direct_queue_all_connect(monkeypatch
     the kernel turns away (EAGAIN, a full backlog) wait for room, the ones whose socket
     the server lets go are served over ZeroMQ alone, and none fails (one used to raise
     "did not take our direct socket", and the rest went without a direct socket)."""
-    monkeypatch.setattr(direct, "_max_shown", lambda: 8)
+    monkeypatch.setattr(direct_setup, "_max_shown", lambda: 8)
     server = ipc.Server(token=TOKEN)
     clients, errors = [], []
 
@@ -904,7 +906,7 @@ def test_a_work_queue_owner_short_of_files_refuses_workers_instead_of_aborting()
 
     def join(address, secret):
         try:
-            r = queues._Remote(address, secret, "work queue")
+            r = _Remote(address, secret, "work queue")
             with lock:
                 remotes.append(r)
         except ipc.IPCError as err:
@@ -1086,7 +1088,7 @@ def impostor_client(port: int, out) -> None:
 
 def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
     server = ipc.Server(token=TOKEN)
-    name = service._local_name("127.0.0.1", server.port)
+    name = _local_name("127.0.0.1", server.port)
     record = json.loads(runtime.read_private(runtime.runtime_dir(), name))
     fake = runtime.socket_path("fake")
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -1098,8 +1100,8 @@ def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
         s, _ = impostor.accept()
         with s:
             s.settimeout(15)
-            heard.append(s.recv(direct.NONCE))
-            s.sendall(bytes(direct.ACK_BYTES))
+            heard.append(s.recv(direct_setup.NONCE))
+            s.sendall(bytes(direct_setup.ACK_BYTES))
             with contextlib.suppress(OSError):
                 while chunk := s.recv(4096):
                     heard.append(chunk)
@@ -1122,7 +1124,7 @@ def test_a_client_refuses_a_direct_socket_that_does_not_prove_the_secret():
             assert a.poll(60)
             assert a.recv().startswith(("IPCError", "PeerError"))
         t.join(20)
-        assert len(heard[0]) == direct.NONCE and heard[1:] == []  # nothing more reached it
+        assert len(heard[0]) == direct_setup.NONCE and heard[1:] == []  # nothing more reached it
         deadline = time.monotonic() + 30
         while server.connections() and time.monotonic() < deadline:
             with contextlib.suppress(ipc.IPCError):
@@ -1631,7 +1633,7 @@ def _bad_shm_writer(ch):
     ch.read(block=False)  # opens the link
     link = ch._remote.link
     bad = wire.control(wire.Kind.MESSAGE, {"v": 1, "shm": 5})  # a reference, not an object
-    link.send_frames([queues._ctl({"op": "put", "q": "c"}), bad], copy=True)
+    link.send_frames([_ctl({"op": "put", "q": "c"}), bad], copy=True)
     ch.write(2)
     ch._remote.close()
 
@@ -1815,8 +1817,6 @@ def test_a_reader_killed_while_waiting_takes_no_item_with_it():
 
 
 def test_junk_requests_from_a_linked_peer_are_dropped_and_the_channel_goes_on():
-    from distlearn.ipc.queues import _ctl, _Remote
-
     ch = ipc.Channel()
     ch.write(1)
     peer = _Remote(ch._address, ch._secret, "attacker")  # it knows the secret: linked
@@ -1856,16 +1856,16 @@ def test_junk_requests_from_a_linked_peer_are_dropped_and_the_channel_goes_on():
     assert ch.read(block=False) == (ipc.Channel.EMPTY, None)
 
 
-# ---- large tensors through shared memory (ipc.bulk) ------------------------------------------
+# ---- large tensors through shared memory (ipc.services.bulk) ---------------------------------
 
 BIG = 1_000_000  # float32: 4 MB
 
 
 def bulk_echo_client(port: int, rounds: int, elsewhere: bool, out) -> None:
     if elsewhere:  # as a client on another host: its boot id is not ours
-        from distlearn.ipc import bulk
+        from distlearn.ipc.services import arena as arena_mod
 
-        bulk._boot_id = lambda: "another-host"
+        arena_mod._boot_id = lambda: "another-host"
     c = ipc.Client("127.0.0.1", port, token=TOKEN)
     buf = torch.empty(BIG)
     for _ in range(rounds):
@@ -1958,14 +1958,14 @@ def test_sigkill_on_either_side_of_a_shared_memory_exchange_leaves_nothing_in_de
 
 
 def test_the_arena_is_private_and_refuses_what_was_not_offered():
-    from distlearn.ipc import bulk
+    from distlearn.ipc.services import arena as arena_mod
 
-    arena = bulk.local_arena()
+    arena = arena_mod.local_arena()
     st = os.fstat(arena.fd)
     assert st.st_mode & 0o777 == 0o600 and st.st_nlink == 0  # no name anywhere
     assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:distlearn-bulk")
     offer = dict(arena.offer)
-    assert bulk.attach(offer) is not None
+    assert arena_mod.attach(offer) is not None
     for bad in (
         {"size": offer["size"] * 2},  # not its size: refused before mapping
         {"nonce": "00" * 16},  # someone else's arena (a reused pid or fd number)
@@ -1974,8 +1974,8 @@ def test_the_arena_is_private_and_refuses_what_was_not_offered():
         {"pid": "1; rm -rf /"},
         {"nonce": "zz"},
     ):
-        bulk._attached.clear()
-        assert bulk.attach({**offer, **bad}) is None, bad
+        arena_mod._attached.clear()
+        assert arena_mod.attach({**offer, **bad}) is None, bad
 
 
 def queue_echo_worker(name, i):
@@ -2034,9 +2034,9 @@ def test_a_process_that_only_writes_sends_large_items_through_shared_memory():
 
 
 def test_blocks_lent_to_a_reader_that_died_are_taken_back_when_the_arena_is_full():
-    from distlearn.ipc import bulk
+    from distlearn.ipc.services import arena as arena_mod
 
-    arena = bulk.Arena(bulk.DATA + (4 << 20))
+    arena = arena_mod.Arena(arena_mod.DATA + (4 << 20))
     dead = CTX.Process(target=os._exit, args=(0,))
     dead.start()
     dead.join()
@@ -2117,10 +2117,10 @@ def test_a_bounded_work_queue_holds_maxsize_items_with_writers_in_several_thread
 def overstep_and_die(address, secret, out):
     """A worker (it holds the secret) asking what only the owner may: it writes into
     the owner's queue, closes both, reads the results, then reads twice at once."""
-    r = queues._Remote(address, secret, "work queue")
+    r = _Remote(address, secret, "work queue")
 
     def ask(body, *payload):
-        r.link.send_frames([queues._ctl(body), *payload], copy=True)
+        r.link.send_frames([_ctl(body), *payload], copy=True)
 
     ask({"op": "put", "q": "down"}, *wire.pack_value(None))  # an "end" for the others
     ask({"op": "close", "q": "down"})
@@ -2207,9 +2207,9 @@ def open_as_nobody(path: str, out) -> None:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
 def test_another_user_cannot_open_the_arena():
-    from distlearn.ipc import bulk
+    from distlearn.ipc.services import arena as arena_mod
 
-    arena = bulk.local_arena()
+    arena = arena_mod.local_arena()
     out = CTX.Queue()
     with children(forked(open_as_nobody, f"/proc/{os.getpid()}/fd/{arena.fd}", out)):
         assert out.get(timeout=60) in (errno.EACCES, errno.EPERM)

@@ -13,7 +13,7 @@ import mmap
 import multiprocessing as mp
 import os
 
-from distlearn.ipc import shm
+from distlearn.ipc.collectives import shm, shm_layout
 
 BARRIERS = 100_000
 
@@ -27,7 +27,7 @@ def _watch(ctl: mmap.mmap, at: int, flag: mmap.mmap, ready, results) -> None:
     ready.set()
     while not flag[0]:
         for _ in range(1000):
-            arrived, pid = words[at + shm.ARRIVED], words[at + shm.PID]
+            arrived, pid = words[at + shm_layout.ARRIVED], words[at + shm_layout.PID]
             backwards += arrived < last
             last = max(last, arrived)
             bad_pid += pid not in (0, parent)
@@ -39,7 +39,8 @@ def test_peers_never_see_a_control_word_half_written(tmp_path):
     prefix = f"ipc-test{os.getpid():x}"
     control = shm.create_control(prefix, os.getpid(), 1)
     flag = mmap.mmap(-1, mmap.PAGESIZE)
-    at = (0 * shm.LINES + 2) * shm.CONTROL_SLOT // 8  # node 0's arrival line, in words
+    # node 0's arrival line, in words
+    at = (0 * shm_layout.LINES + 2) * shm_layout.CONTROL_SLOT // 8
     ctx = mp.get_context("fork")  # the child shares both mappings
     ready, results = ctx.Event(), ctx.Queue()
     watcher = ctx.Process(target=_watch, args=(control, at, flag, ready, results))

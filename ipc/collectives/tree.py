@@ -1,0 +1,397 @@
+"""The process tree: `Tree(rendezvous, ...)`, its set-up and its collectives' public API.
+
+A tree is built in three steps, one module each: a rendezvous handler
+(:mod:`ipc.rendezvous`) gives the roster; every node links to its parent and
+children over authenticated links (:mod:`ipc.transport.link`); the collectives run on
+those links (:mod:`ipc.collectives.engine`) or, when every node is on one host, through
+shared memory (:mod:`ipc.collectives.shm`).
+
+Threads: one communication thread per tree runs asynchronous collectives
+(`async_op=True`) in the order they were started and, between collectives,
+answers the links (goodbyes, errors, early data, progress reports). A
+synchronous call made while nothing is in flight runs in the caller's thread
+instead, under the same lock, so it costs no thread hand-off; one made while
+handles are in flight queues behind them. A thread that waits on a handle
+runs the queued collectives up to it itself, in order, rather than sleep
+while the communication thread runs them: on a host with more processes than
+cores, each hand-off between the two threads (and of the interpreter's lock)
+cost more than a collective of several MiB. On shared memory, large
+all-reduces queued one behind another run fused, as one collective (see
+`Tree._fusable` and ipc.collectives.shm.run_fused), each with its own call's
+results.
+Collectives are issued by one thread at a time, in the same order on every
+node (as with torch.distributed).
+
+Forks: a forked child cannot use its parent's tree (every call raises), and
+the tree's sockets are closed in the child, so a child that outlives its
+parent does not keep the parent's links open.
+
+Here: `Tree`, its set-up and public API; how it runs a collective is running.py,
+the handles and the communication thread handles.py, the factories users call
+(`LocalhostTree`, `StaticTree`, `from_env`) factories.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+
+import torch
+
+from ..envvars import env_float
+from ..errors import IPCError
+from ..keywords import checked
+from ..rendezvous import Localhost, Roster, Static
+from ..rendezvous import from_env as env_handler
+from ..transport import Endpoint, Limits, Link, Liveness, fdlimit, runtime_dir
+from . import shm as shm_mod
+from .engine import Engine
+from .handles import Handle, _CommThread
+from .pack import Nested, flatten
+from .running import Op, RunningMixin, _op
+from .shm import SHM_DIR, SharedMemoryGroup
+from .topology import build_tree
+
+__all__ = ["Tree"]
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_TIMEOUT = env_float("IPC_TIMEOUT", 300.0)
+DEFAULT_CHUNK = 1 << 20
+DEFAULT_STALL_WARNING = env_float("IPC_STALL_WARNING", 30.0)
+
+_TREES: weakref.WeakSet = weakref.WeakSet()
+
+
+class Tree(RunningMixin):
+    """One node of a tree of processes.
+
+        tree = ipc.Tree(ipc.rendezvous.Localhost(node_index, num_nodes))
+        tree = ipc.LocalhostTree(node_index, num_nodes)      # the same
+        tree = ipc.Tree.from_env()                            # torchrun or Slurm
+
+    Options: `base` (fan-out), `timeout` (seconds any collective may wait for a slow
+    node; default 300 or $IPC_TIMEOUT), `chunk_bytes` (socket transport's chunk),
+    `shm` (shared memory when every node is on one host), `encrypt` (CURVE on every
+    link), `heartbeat` (ipc.Liveness: how soon a dead or frozen peer is named;
+    default from $IPC_HEARTBEAT_INTERVAL/$IPC_HEARTBEAT_TIMEOUT, 1 s and 6 s),
+    `stall_warning` (seconds before a waiting collective logs who it waits for).
+    Every node must pass the same base, chunk_bytes, shm and encrypt."""
+
+    @checked
+    def __init__(
+        self,
+        rendezvous: Localhost | Static,
+        *,
+        base: int = 2,
+        timeout: float = DEFAULT_TIMEOUT,
+        chunk_bytes: int = DEFAULT_CHUNK,
+        shm: bool = True,
+        encrypt: bool = False,
+        heartbeat: Liveness | None = None,
+        stall_warning: float = DEFAULT_STALL_WARNING,
+    ):
+        if not isinstance(base, int) or isinstance(base, bool) or base < 1:
+            raise ValueError(f"base must be an int >= 1, got {base!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(chunk_bytes, int) or not 64 <= chunk_bytes <= 1 << 28:
+            raise ValueError(f"chunk_bytes must be an int in [64, 2**28], got {chunk_bytes!r}")
+        if not isinstance(stall_warning, (int, float)) or stall_warning <= 0:
+            raise ValueError(f"stall_warning must be a positive number, got {stall_warning!r}")
+        self.node_index = rendezvous.node_index
+        self.num_nodes = rendezvous.num_nodes
+        self.timeout = float(timeout)
+        self.chunk_bytes = chunk_bytes
+        self._pid = os.getpid()
+        self._closed = False
+        self._lock = threading.Lock()  # the engine: one collective (or service) at a time
+        self._order = threading.Lock()  # submissions: the order every node runs them in
+        self._shm: SharedMemoryGroup | None = None
+        self._endpoint: Endpoint | None = None
+        self._engine: Engine | None = None
+        self._comm: _CommThread | None = None
+        self._links: dict[int, Link] = {}
+        self.parent: int | None = None
+        self.children: list[int] = []
+        self._collectives = 0
+        self._collective_time = 0.0
+        self.encrypt = bool(encrypt)
+        liveness = heartbeat if heartbeat is not None else Liveness.from_env()
+        options = {
+            "base": base,
+            "chunk_bytes": chunk_bytes,
+            "shm": bool(shm),
+            "encrypt": self.encrypt,
+        }
+        # Node 0 holds a connection from every node during the rendezvous, and libzmq
+        # aborts a process whose Unix-socket accept finds no file left (ipc.transport.fdlimit).
+        fdlimit.raise_limit()
+        limits = Limits(max_frame=chunk_bytes + 1024)
+        me = self.node_index
+        info = {"name": f"node {me}", "node": me, "pid": os.getpid()}
+
+        def listen(secret, specs: list[str]) -> list[str]:
+            if self._endpoint is not None:
+                self._endpoint.close(linger=0)
+            self._endpoint = Endpoint(
+                secret,
+                f"node {me}",
+                bind=specs,
+                encrypt=self.encrypt,
+                limits=limits,
+                liveness=liveness,
+                info=info,
+                accept=self._accept,
+            )
+            return list(self._endpoint.addresses)
+
+        try:
+            roster = rendezvous.rendezvous(listen, options, self.timeout)
+            self.where = roster.where
+            self._connect(roster, base, stall_warning)
+            if shm and self.num_nodes > 1 and len(set(roster.hosts)) == 1 and SHM_DIR.is_dir():
+                self._shm = self._setup_shm(stall_warning)
+        except BaseException as exc:
+            if self._engine is not None and isinstance(exc, IPCError):
+                self._engine.fail(exc)
+            self._release(linger=0)
+            raise
+        self._comm = _CommThread(self)
+        self._comm.start()
+        _TREES.add(self)
+
+    # ---- set-up -----------------------------------------------------------------
+
+    def _accept(self, link: Link) -> str | None:
+        """Admit a link only from one of our children (the roster says which)."""
+        j = link.info.get("node")
+        if not isinstance(j, int) or j not in self.children:
+            return f"node {j} is not a child of node {self.node_index}"
+        if j in self._links and self._links[j].up:
+            return f"node {j} is linked already"
+        link.tag = j
+        link.name = f"node {j}"
+        return None
+
+    def _connect(self, roster: Roster, base: int, stall_warning: float) -> None:
+        me, ep = self.node_index, self._endpoint
+        placements = build_tree(list(roster.hosts), base)
+        self.parent = placements[me].parent
+        self.children = placements[me].children
+        subtree = [1] * self.num_nodes
+        for i in sorted(range(self.num_nodes), key=lambda i: -_depth(placements, i)):
+            if placements[i].parent is not None:
+                subtree[placements[i].parent] += subtree[i]
+        if self.parent is not None:
+            p = self.parent
+            same = roster.hosts[p] == roster.hosts[me]
+            addrs = roster.addresses[p]
+            addr = next((a for a in addrs if a.startswith("ipc://")), None) if same else None
+            addr = addr or next(a for a in addrs if a.startswith("tcp://"))
+            link = ep.dial(addr, tag=p, reconnect=False)
+            link.name = f"node {p}"
+            self._links[p] = link
+        deadline = time.monotonic() + self.timeout
+        while True:
+            # Take the children's links; leave other events (a fast neighbour may already
+            # have finished collectives and said goodbye) for the engine.
+            for event in [e for e in ep.events if e[0] == "accepted"]:
+                ep.events.remove(event)
+                self._links[event[1].tag] = event[1]
+            if self.parent is not None:
+                plink = self._links[self.parent]
+                if plink.failure is not None:  # refused: says why, before its link's end
+                    raise plink.failure
+            for what, link in ep.events:
+                if what == "dead" and link.tag in self._links and link.bye is None:
+                    raise ep.dead_error(link)
+            neighbours = [*self.children, *([self.parent] if self.parent is not None else [])]
+            if all(j in self._links and self._links[j].state == "up" for j in neighbours):
+                break
+            if time.monotonic() > deadline:
+                down = [
+                    j for j in neighbours if j not in self._links or self._links[j].state != "up"
+                ]
+                children = [j for j in down if j in self.children]
+                what = [f"nodes {children} did not link to us"] if children else []
+                if self.parent in down:
+                    what.append(f"our link to node {self.parent} (our parent) did not come up")
+                raise IPCError(
+                    f"node {me}: {' and '.join(what)} within {self.timeout:g}s", node=down[0]
+                )
+            ep.poll(0.05)
+        # Every neighbour is connected: the Unix socket names can go now, so even a
+        # killed process leaves nothing behind.
+        ep.unlink_socket_files()
+        self._engine = Engine(
+            me,
+            self.num_nodes,
+            ep,
+            self.parent,
+            self._links,
+            {c: subtree[c] for c in self.children},
+            timeout=self.timeout,
+            stall_warning=stall_warning,
+        )
+
+    def _setup_shm(self, stall_warning: float) -> SharedMemoryGroup | None:
+        """All nodes on one host: agree on a name and node 0's pid, then map slots and FIFOs."""
+        name = torch.zeros(2, dtype=torch.int64)
+        control = None
+        if self.node_index == 0:
+            ident = int.from_bytes(os.urandom(7), "little") | 1
+            try:
+                control = shm_mod.create_control(f"ipc-{ident:014x}", os.getpid(), self.num_nodes)
+                name[0], name[1] = ident, os.getpid()
+            except OSError as err:
+                log.warning("ipc: no shared memory (%s); collectives go through the sockets", err)
+        self._run_inline(name, "scatter", None, False, True)
+        if int(name[0]) == 0:
+            return None
+        engine = self._engine
+        return SharedMemoryGroup(
+            self.node_index,
+            self.num_nodes,
+            f"ipc-{int(name[0]):014x}",
+            int(name[1]),
+            runtime_dir(),
+            sync=lambda: self._run_inline([], "barrier", None, True, True),
+            wait_readable=engine.wait_fd,
+            timeout=self.timeout,
+            control=control,
+            on_stall=lambda waited, late: engine.log_stall(waited, late),
+            stall_warning=stall_warning,
+        )
+
+    @staticmethod
+    def from_env(
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        insecure: bool = False,
+        **options,
+    ) -> Tree:
+        """A tree from torchrun's RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+        or Slurm's variables (see ipc.rendezvous.from_env); `options` as for Tree. With
+        no launcher (plain `python`), a one-node tree: rank 0 of 1, collectives are
+        identities, logged at INFO."""
+        return Tree(env_handler(token=token, token_file=token_file, insecure=insecure), **options)
+
+    # ---- public API -------------------------------------------------------------
+
+    @checked
+    def all_reduce(
+        self, tensors: Nested, op: Op = "sum", finished: bool = False, async_op: bool = False
+    ) -> Handle | int:
+        """Reduce `tensors` across all nodes, in place; returns how many nodes contributed.
+
+        A node passing `finished=True` contributes nothing (so a sum sees zeros
+        from it) but still receives the result; this lets ranks with uneven
+        step counts finish an epoch without hanging. With `async_op=True` it
+        returns a Handle at once; `handle.wait()` returns the count. Do not touch
+        the tensors until then."""
+        self._check()
+        kind, reduce = _op(op)
+        return self._submit((flatten(tensors), kind, reduce, True, not finished), async_op)
+
+    @checked
+    def scatter(self, tensors: Nested, async_op: bool = False) -> Handle | None:
+        """Copy the root's `tensors` into every node's `tensors`, in place."""
+        self._check()
+        return self._submit((flatten(tensors), "scatter", None, False, True), async_op)
+
+    def barrier(self, async_op: bool = False) -> Handle | None:
+        """Return once every node has entered the barrier."""
+        self._check()
+        return self._submit(([], "barrier", None, True, True), async_op)
+
+    def net_stats(self) -> dict:
+        """Bytes and messages per link, time spent in collectives, and shared-memory traffic
+        (``shm``: collectives, bytes, ``direct``: those read out of peers' tensors, and
+        ``fused``: queued all-reduces that ran inside the collective before them)."""
+        return {
+            "node": self.node_index,
+            "parent": self.parent,
+            "children": list(self.children),
+            "links": self._engine.link_stats() if self._engine is not None else {},
+            "collectives": self._collectives,
+            "collective_seconds": self._collective_time,
+            "encrypt": self.encrypt,
+            # same-host collectives that went through shared memory instead of the links
+            "shm": None if self._shm is None else {**self._shm.stats, "cma": self._shm.cma},
+        }
+
+    def close(self) -> None:
+        """Finish what is in flight, say goodbye to the neighbours and wait until they have
+        read everything we sent (so the last collective is never lost), then release
+        sockets and files."""
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() != self._pid:
+            return  # a forked child: nothing here is ours
+        _TREES.discard(self)
+        if self._comm is not None:
+            self._comm.drain(self.timeout)
+            self._comm.stop()
+        broken = self._engine is not None and self._engine.broken is not None
+        with self._lock:
+            self._release(linger=min(self.timeout, 10.0 if broken else 60.0))
+
+    def _release(self, linger: float) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        if self._endpoint is not None:
+            seq = self._engine.seq if self._engine is not None else 0
+            self._endpoint.close(bye={"seq": seq}, linger=linger)
+
+    def __enter__(self) -> Tree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(node_index={self.node_index}, num_nodes={self.num_nodes}, "
+            f"parent={self.parent}, children={self.children})"
+        )
+
+
+def _depth(placements, i: int) -> int:
+    d = 0
+    while placements[i].parent is not None:
+        i = placements[i].parent
+        d += 1
+    return d
+
+
+def _after_fork_in_child() -> None:
+    for tree in list(_TREES):
+        with contextlib.suppress(Exception):
+            tree._forked()
+    _TREES.clear()
+
+
+def _close_all_at_exit() -> None:
+    # A process that ends without close() (an exception, sys.exit) still tells its
+    # neighbours, who then raise naming it instead of waiting for the timeout.
+    for tree in list(_TREES):
+        with contextlib.suppress(Exception):
+            tree.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all_at_exit)

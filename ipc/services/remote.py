@@ -1,0 +1,160 @@
+"""Another process's side of a broker: one link, one request at a time.
+
+A worker of a WorkQueue, or any process but a Channel's creator, reads and writes
+through a `_Remote`: a write is sent without waiting for an answer, a read asks the
+broker for one item and waits for it. Writes are flushed when the process closes its
+links, at the latest at its exit (`close_remotes`), a multiprocessing child's too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing.util
+import os
+import time
+import weakref
+
+from ..errors import IPCError, IPCTimeoutError, PeerError
+from ..transport import Endpoint, Secret, wire
+from . import bulk
+from .broker import CLOSED, DRAINED, OPEN, _ctl, _decode
+
+__all__ = ["close_remotes"]
+
+
+class _Remote:
+    """Another process's side of a broker: one link, one request at a time."""
+
+    def __init__(self, address: str, secret_text: str, label: str):
+        self.label = label
+        self.bulk = bulk.Bulk()
+        self.endpoint = Endpoint(
+            Secret(secret_text, label),
+            f"{label} user {os.getpid()}",
+            info={"pid": os.getpid(), **self.bulk.info()},
+        )
+        self.pid = os.getpid()
+        self.closed = False
+        self.asked: str | None = None  # the queue of a read still unanswered
+        self.held: tuple[list, bulk._Memory | None] | None = None  # the last item read
+        self.closed_seen: dict[str, str] = {}  # queue -> CLOSED/DRAINED, once a read said so
+        try:
+            self.link = self.endpoint.dial(address, reconnect=False)
+            self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
+            self.bulk.up(self.link)
+        except BaseException:
+            self.endpoint.close(linger=0)
+            raise
+        _REMOTES.add(self)
+        _flush_at_exit()
+
+    def put(self, name: str, obj: object) -> str:
+        """Send a write without waiting for it (OPEN: the broker's answer is not awaited),
+        or drop it and say so where this process has seen the queue closed already."""
+        if name in self.closed_seen:
+            return self.closed_seen[name]
+        if self.asked is None and self.link not in self.bulk.readers:
+            self._see_bulk_ok()
+        frames = self.bulk.pack(obj, self.link)
+        try:
+            # Copied: the caller may change its tensors once write returns.
+            self.link.send_frames([_ctl({"op": "put", "q": name}), *frames], copy=True)
+        except BaseException:
+            self.bulk.drop(frames, self.bulk.arena)
+            raise
+        return OPEN
+
+    def _see_bulk_ok(self) -> None:
+        """Take the broker's BULK_OK ("I mapped your arena") if it has come. It arrives as
+        a message, which only a read would otherwise take: a process that only writes
+        would send every large item over the link. With no read asked, nothing else is
+        on the way (the broker answers reads only)."""
+        ep = self.endpoint
+        ep.poll(0)
+        while ep.inbox and self.bulk.control(*ep.inbox[0]):
+            ep.inbox.popleft()
+
+    def close_queue(self, name: str) -> None:
+        self.link.send_frames([_ctl({"op": "close", "q": name})])
+
+    def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, object]:
+        ep, link = self.endpoint, self.link
+        if self.asked is None:
+            link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
+            self.asked = name
+            self._release_held()  # asked again: the broker no longer keeps the last one
+        elif self.asked != name:
+            raise IPCError(f"ipc {self.label}: a read of {self.asked!r} timed out; read it again")
+        # else: the answer to a read that timed out is still to come; it is this read's
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # In slices of a second: a dead owner is noticed within one, not at the deadline.
+            step = time.monotonic() + 1.0
+            item = ep.recv(step if deadline is None else min(step, deadline))
+            if item is not None and self.bulk.control(*item):
+                continue
+            if item is not None:
+                self.asked = None
+                _, frames = item
+                try:
+                    body = wire.parse_control(frames[0].bytes, {"op": str, "state": str})
+                except wire.WireError as err:
+                    raise IPCError(f"ipc {self.label}: a malformed reply: {err}") from None
+                if body["state"] in (CLOSED, DRAINED):
+                    self.closed_seen[name] = body["state"]
+                if body["op"] == "item":
+                    # Its shared memory stays taken until we ask again: if we die before
+                    # that, the broker gives the item to another reader, bytes intact.
+                    self.held = (frames[1:], self.bulk.memory_of(link))
+                    return body["state"], _decode(self.bulk, self.held, self.label, release=False)
+                return body["state"], None
+            if link.dead is not None or link.bye is not None:
+                # (Why, in the link layer's words: also when this process was the one
+                # frozen past the heartbeats.)
+                raise PeerError(
+                    f"ipc {self.label}: its owner (the process that made it) is gone: "
+                    f"{ep.dead_error(link)}"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                # The request stays queued at the broker; the next read takes its answer.
+                raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
+
+    def close(self) -> None:
+        """Say goodbye: returns once the broker has read every write (or is gone)."""
+        if self.closed or self.pid != os.getpid():
+            return
+        self.closed = True
+        _REMOTES.discard(self)
+        self._release_held()
+        # A read still unanswered: an item the broker sent for it is not ours, give it back.
+        self.endpoint.close({"unread": True} if self.asked else None, linger=5.0)
+
+    def _release_held(self) -> None:
+        if self.held is not None:
+            self.bulk.drop(*self.held)
+            self.held = None
+
+
+# Writes from another process are sent without waiting: closing its links flushes them, at
+# the latest when the process ends (multiprocessing's children skip atexit, so `ipc.map`
+# workers call close_remotes themselves).
+_REMOTES: weakref.WeakSet[_Remote] = weakref.WeakSet()
+
+
+def close_remotes() -> None:
+    """Close this process's links to brokers of other processes (flushing its writes)."""
+    for remote in list(_REMOTES):
+        remote.close()
+
+
+atexit.register(close_remotes)
+_flushing_in: list[int] = []  # the process that registered the hook below
+
+
+def _flush_at_exit() -> None:
+    """A multiprocessing child ends with os._exit, skipping atexit: its writes would be
+    lost. Its own exit hook (the finalizers it runs after the target returns) flushes
+    them instead; registered in the process that writes (a fork's copy is cleared)."""
+    if _flushing_in != [os.getpid()]:
+        _flushing_in[:] = [os.getpid()]
+        multiprocessing.util.Finalize(None, close_remotes, exitpriority=100)

@@ -1,0 +1,369 @@
+"""Authenticated links between processes: the layer the tree (and client/server) is built on.
+
+An `Endpoint` is one process's side: a ROUTER socket that listens (when given
+addresses to bind) and one DEALER per link it dials. A `Link` is one
+authenticated connection to one peer, usable both ways: the dialer sends on
+its DEALER, the listener answers through its ROUTER. Messages are lists of
+frames whose first frame is a header (see :mod:`ipc.transport.wire`).
+
+An Endpoint's jobs, one module each: its handshakes (who gets in, handshakes.py),
+its event loop (events.py), how it sees a peer go (liveness.py) and how it leaves
+(leaving.py), as mixins of the class here, which sets it up and dials.
+
+An Endpoint is not thread-safe: one thread at a time (the tree serialises
+them with a lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from ..errors import IPCError, IPCTimeoutError
+from . import fdlimit, runtime, wire
+from .auth import Secret, nonce
+from .events import EventLoopMixin
+from .handshakes import PLAIN_USER, ZAP_DOMAIN, HandshakeMixin, _Pending, _Zap
+from .leaving import LeavingMixin
+from .liveness import Liveness, LivenessMixin
+from .wire import Kind
+
+__all__ = ["Endpoint", "Limits", "Link", "LinkStats"]
+
+log = logging.getLogger(__name__)
+
+
+# What a dialer's monitor reports: the link's end, or a failed ZeroMQ handshake.
+_DIALER_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a peer may make us hold before we have read it."""
+
+    max_frame: int = (1 << 20) + 1024  # ZMQ_MAXMSGSIZE: the largest frame accepted
+    handshakes: int = 256  # connections in the middle of a handshake, at most
+    handshake_timeout: float = 30.0
+
+
+@dataclass
+class LinkStats:
+    """Traffic on one link, as seen from this end."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    msgs_sent: int = 0
+    msgs_recv: int = 0
+
+
+class Link:
+    """One authenticated connection to one peer.
+
+    `name` and `info` are what the peer said in its handshake (authenticated);
+    `tag` is the owner's label for the peer (a node index), used in errors.
+    States: handshake -> up -> (dead | closed). `dead` holds the reason."""
+
+    def __init__(self, endpoint: Endpoint, address: str, dialed: bool, rid: bytes):
+        self.endpoint = endpoint
+        self.address = address
+        self.dialed = dialed
+        self.rid = rid
+        self.sock: zmq.Socket | None = None  # the DEALER, for a dialed link
+        self.monitor: zmq.Socket | None = None
+        self.name = "?"
+        self.info: dict = {}
+        self.tag: object = None
+        self.state = "handshake"
+        self.dead: str | None = None
+        self.failure: Exception | None = None  # why a dial failed (refused, wrong secret)
+        self.bye: dict | None = None  # the peer's BYE, once it said it
+        self.bye_sent = False
+        self.acked = False  # our BYE was acknowledged
+        self.stats = LinkStats()
+        self._nonce = b""
+        self._hello: dict = {}
+        self.again = 0  # handshakes the listener lost and we started over
+
+    def __repr__(self) -> str:
+        return f"Link({self.name!r}, {self.address}, {self.state}{', dead' if self.dead else ''})"
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up" and self.dead is None
+
+    def send(self, header: bytes, payload=None, *, copy: bool = True, track: bool = False):
+        """Send one message: a header and optionally one payload frame (bytes, a buffer or a
+        zmq.Frame). With `copy=False` the payload is sent from its own memory; `track`
+        returns a MessageTracker that says when that memory may change again."""
+        if self.dead is not None or self.bye is not None:
+            raise self.endpoint.dead_error(self)
+        size = len(header)
+        # Never block: our send queues are unbounded (SNDHWM 0), so a send that would
+        # block means the connection is gone (a DEALER without a pipe blocks forever).
+        try:
+            if self.sock is not None:
+                sock = self.sock
+            else:
+                sock = self.endpoint.router
+                sock.send(self.rid, zmq.SNDMORE | zmq.NOBLOCK)
+            if payload is None:
+                sock.send(header, zmq.NOBLOCK)
+                tracker = None
+            else:
+                sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+                tracker = sock.send(payload, zmq.NOBLOCK, copy=copy, track=track)
+                size += len(payload.buffer) if isinstance(payload, zmq.Frame) else len(payload)
+        except zmq.ZMQError as err:
+            raise self._send_error(err) from None
+        self.stats.msgs_sent += 1
+        self.stats.bytes_sent += size
+        return tracker
+
+    def _send_error(self, err: zmq.ZMQError) -> Exception:
+        """What a failed send raises: an unroutable or full peer is gone (the link dies)."""
+        if err.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+            self.endpoint.mark_dead(self, "its connection is gone")
+            return self.endpoint.dead_error(self)
+        return err
+
+    def send_control(self, kind: Kind, body: dict) -> None:
+        self.send(wire.control(kind, body))
+
+    def send_frames(self, frames: list, *, copy: bool = False) -> None:
+        """Send one message of several frames (a header first, see :mod:`ipc.transport.wire`), e.g.
+        `link.send_frames(wire.pack_value(obj))`; with `copy=False` (the default) large
+        buffers go from their own memory, which must not change until sent."""
+        if self.dead is not None or self.bye is not None:
+            raise self.endpoint.dead_error(self)
+        sock = self.sock if self.sock is not None else self.endpoint.router
+        parts = frames if self.sock is not None else [self.rid, *frames]
+        try:
+            for i, f in enumerate(parts):
+                last = i == len(parts) - 1
+                sock.send(
+                    f, zmq.NOBLOCK | (0 if last else zmq.SNDMORE), copy=copy or len(f) < 65536
+                )
+        except zmq.ZMQError as err:
+            raise self._send_error(err) from None
+        self.stats.msgs_sent += 1
+        self.stats.bytes_sent += sum(len(f) for f in frames)
+
+
+class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
+    """One process's links: listens on `bind` (if any) and dials others, all authenticated
+    with `secret`. `info` is sent to every peer in the handshake. `accept(link)` decides on
+    each link a peer opens to us: None admits it, a string refuses it with that reason."""
+
+    def __init__(
+        self,
+        secret: Secret,
+        name: str,
+        *,
+        bind: Sequence[str] = (),
+        encrypt: bool = False,
+        limits: Limits = Limits(),
+        liveness: Liveness | None = None,
+        info: dict | None = None,
+        accept: Callable[[Link], str | None] | None = None,
+    ):
+        self.secret = secret
+        self.name = name
+        self.encrypt = encrypt
+        self.limits = limits
+        self.liveness = liveness if liveness is not None else Liveness.from_env()
+        self.info = {**(info or {}), "wire": wire.VERSION}
+        self.accept = accept
+        self._pid = os.getpid()
+        self._ctx = zmq.Context()  # ours alone: terminating it flushes exactly our sockets
+        self._curve = secret.curve_keys() if encrypt else None
+        self._password = secret.mac(b"plain").hex().encode()
+        self._poller = zmq.Poller()
+        self._watched: set[int] = set()
+        self.router: zmq.Socket | None = None
+        self._router_monitor: zmq.Socket | None = None
+        self.addresses: list[str] = []
+        self._bound: list[str] = []  # what we listen on, kept after the names are unlinked
+        self._socket_files: list[str] = []
+        self._zap: _Zap | None = None
+        self.links: dict[bytes, Link] = {}  # every link by routing id, dialed or accepted
+        self._forgotten: dict[bytes, None] = {}  # routing ids of the last links forgotten
+        self._by_sock: dict[zmq.Socket, Link] = {}
+        self._by_monitor: dict[zmq.Socket, Link] = {}
+        self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
+        self.inbox: deque[tuple[Link, list]] = deque()  # users' messages, in arrival order
+        self.events: deque[tuple[str, Link]] = deque()  # ("accepted" | "dead" | "bye", link)
+        self._probe_until = 0.0  # probe accepted links on every poll until then
+        self._next_probe = 0.0
+        self._dropped = 0
+        self._dropped_logged = -1e9
+        self._unlogged = 0
+        self._closed = False
+        try:
+            if bind:
+                self._listen(bind)
+        except BaseException:
+            self._terminate()
+            raise
+
+    # ---- set-up ------------------------------------------------------------
+
+    def _options(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 1000)  # flushes acknowledgements; close() waits for its own
+        sock.setsockopt(zmq.SNDHWM, 0)  # our own data: never dropped, never blocks a send
+        # No receive high-water mark: with one, a peer that leaves while our queue is
+        # full makes libzmq's next heartbeat abort this process (see the docstring).
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame)
+        if self.liveness.interval > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.liveness.interval * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.liveness.timeout * 1000))
+
+    def _listen(self, bind: Sequence[str]) -> None:
+        self._zap = _Zap(self._ctx, self._zap_check)
+        self._zap.start()
+        router = self.router = self._ctx.socket(zmq.ROUTER)
+        self._options(router)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises: it is gone
+        router.setsockopt(zmq.BACKLOG, fdlimit.backlog())  # a burst of clients waits
+        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        if self._curve is not None:
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.server_secret)
+        else:
+            router.setsockopt(zmq.PLAIN_SERVER, 1)
+        self._router_monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for spec in bind:
+            try:
+                self._bind_one(router, spec)
+            except zmq.ZMQError as err:
+                why = "in use" if err.errno == zmq.EADDRINUSE else str(err)
+                raise IPCError(f"{self.name}: cannot listen on {spec}: {why}") from None
+        self._bound = list(self.addresses)
+        self._poller.register(router, zmq.POLLIN)
+        self._poller.register(self._router_monitor, zmq.POLLIN)
+
+    def _bind_one(self, router: zmq.Socket, spec: str) -> None:
+        if spec == "ipc":
+            path = runtime.socket_path("l")
+            router.bind(f"ipc://{path}")
+            self._socket_files.append(path)
+            self.addresses.append(f"ipc://{path}")
+        elif spec.startswith("tcp://"):
+            host, _, port = spec[len("tcp://") :].rpartition(":")
+            if port in ("", "0", "*"):
+                port = str(router.bind_to_random_port(f"tcp://{host}"))
+            else:
+                router.bind(spec)
+            self.addresses.append(f"tcp://{host}:{port}")
+        elif spec.startswith("ipc://"):
+            router.bind(spec)
+            self._socket_files.append(spec[len("ipc://") :])
+            self.addresses.append(spec)
+        else:
+            raise ValueError(
+                f"cannot listen on {spec!r}: want 'ipc', ipc://PATH or tcp://HOST:PORT"
+            )
+
+    def unlink_socket_files(self) -> None:
+        """Remove our Unix socket names (connected peers keep their connections)."""
+        for path in self._socket_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._socket_files = []
+
+    # ---- dialing -------------------------------------------------------------
+
+    def _new_link(self, address: str, dialed: bool, rid: bytes) -> Link:
+        """A link of ours, in its handshake: one `dial` starts, or one a peer opens to us
+        (made here for the handshakes, whose module this one imports)."""
+        return Link(self, address, dialed=dialed, rid=rid)
+
+    def dial(self, address: str, *, tag: object = None, reconnect: bool = True) -> Link:
+        """Start an authenticated link to the endpoint at `address`; it is usable once
+        `wait_up` returns. `reconnect=False` when the peer is known to listen already: a
+        lost connection then stays lost, and the peer sees that."""
+        rid = b"D" + os.urandom(15)  # fresh per connection; never starts with a zero byte
+        sock = self._ctx.socket(zmq.DEALER)
+        self._options(sock)
+        sock.setsockopt(zmq.ROUTING_ID, rid)
+        if not reconnect:
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        if self._curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.client_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.client_secret)
+        else:
+            sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self._password)
+        link = self._new_link(address, dialed=True, rid=rid)
+        link.tag = tag
+        link.sock = sock
+        # Without reconnecting, a refused connection ends the attempt for good: ZeroMQ
+        # says CLOSED at once, and waiting out the deadline would only hide it.
+        link.monitor = sock.get_monitor_socket(
+            _DIALER_EVENTS if reconnect else _DIALER_EVENTS | zmq.EVENT_CLOSED
+        )
+        # Ours before anything can fail, so close() closes it (a context with a socket
+        # left open never terminates).
+        self.links[rid] = link
+        self._by_sock[sock] = link
+        self._by_monitor[link.monitor] = link
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(link.monitor, zmq.POLLIN)
+        sock.connect(address)
+        link._nonce = nonce()
+        hello = {"name": self.name, "nonce": link._nonce.hex(), "info": self.info}
+        # Again: the connection has already ended (on a busy host the listener can refuse
+        # our credentials before this line runs): the monitor says why, wait_up raises.
+        with contextlib.suppress(zmq.Again):
+            sock.send(wire.control(Kind.HELLO, hello), zmq.NOBLOCK)
+        return link
+
+    def wait_up(self, links: Iterable[Link], deadline: float, what: str = "") -> None:
+        """Service the endpoint until every link in `links` is up; raise AuthError if one
+        was refused, PeerError if one died, IPCTimeoutError at the deadline."""
+        links = list(links)
+        while True:
+            for link in links:
+                if link.failure is not None:
+                    raise link.failure
+                if link.dead is not None:
+                    raise self.dead_error(link)
+            if all(link.state == "up" for link in links):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                slow = [f"{link.address} ({link.state})" for link in links if link.state != "up"]
+                raise IPCTimeoutError(
+                    f"{self.name}: {what or 'links'} not established within the timeout: "
+                    f"{', '.join(slow)}"
+                )
+            self.poll(min(remaining, 0.1))
+
+    # ---- strangers -----------------------------------------------------------------
+
+    def _drop(self, what: str) -> None:
+        self._dropped += 1
+        self._note_rate_limited(f"dropped {what}")
+
+    def _note_rate_limited(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._dropped_logged > 10:  # a stranger, or a peer retrying, could flood us
+            more = f" (and {self._unlogged} more since the last report)" if self._unlogged else ""
+            self._dropped_logged = now
+            self._unlogged = 0
+            log.warning("ipc %s: %s%s", self.name, what, more)
+        else:
+            self._unlogged += 1
