@@ -28,6 +28,13 @@ LAYERS = {
         {"workers"},  # fetch + decode into the batch ring: threads or processes
         {"batcher"},  # the user's iterator
     ],
+    "ipc": [
+        {"errors", "envvars", "keywords", "procs"},  # shared: errors, settings, processes
+        {"transport"},  # the wire format, the secret, authenticated links
+        {"rendezvous"},  # finding the other nodes: a Roster
+        {"collectives"},  # all_reduce, scatter, barrier over a tree of links
+        {"services"},  # client/server, map, work queues and channels on the same links
+    ],
 }
 PACKAGE_NAMES = {"dataset": "distlearn.dataset", "ipc": "distlearn.ipc"}
 
