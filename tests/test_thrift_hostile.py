@@ -211,9 +211,10 @@ def test_bad_arguments():
 @pytest.mark.timeout(120)  # linear work takes seconds; work quadratic in the record, hours
 def test_many_small_containers_take_linear_time():
     m = 40_000
+    many = 4 * m * 16  # objects: more than the default budget allows
     maps = (uvarint(16) + b"\x68" + b"\x02\x01a" * 16) * m  # map<i64, binary>, 16 entries each
     data = b"\x19" + bytes([0xF0 | 11]) + uvarint(m) + maps + b"\x00"
-    got = decode(data, "compact")
+    got = decode(data, "compact", max_objects=many)
     assert len(got[1]) == m and got[1][0] == {1: b"a"}
     runs = (b"\xf6" + uvarint(16) + b"\x02" * 16) * m  # list<i64>, 16 elements each
     data = b"\x19" + bytes([0xF0 | 9]) + uvarint(m) + runs + b"\x00"
@@ -222,7 +223,7 @@ def test_many_small_containers_take_linear_time():
     fields = b"\x19\xf6" + uvarint(16) + b"\x02" * 16  # list<i64>
     fields += b"\x1b" + uvarint(16) + b"\x67" + (b"\x02" + bytes(8)) * 16  # map<i64, double>
     data = b"\x19" + bytes([0xF0 | 12]) + uvarint(m) + (fields + b"\x00") * m + b"\x00"
-    got = decode(data, "compact")[1]
+    got = decode(data, "compact", max_objects=many)[1]
     assert len(got) == m and got[-1] == {1: [1] * 16, 2: {1: 0.0}}
 
 

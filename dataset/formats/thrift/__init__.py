@@ -20,6 +20,12 @@ Pure Python and numpy, no generated code and no compiler: ``_binary`` and
 ``_compact`` hold the two decoders, ``_encode`` the encoder, ``_records`` the
 ready processors (:class:`MediaRecord`, :class:`FeatureRecord`).
 
+Every record is bounded by what it holds: counts and lengths are checked against
+the bytes that remain before anything is allocated, nesting stops at
+``max_depth``, and a record decodes into at most ``max_objects`` objects (see
+:data:`MAX_OBJECTS`), so into at most about ``150 * max_objects + 8 * len(data)``
+bytes, in time linear in the same; past it, a ThriftError naming the limit.
+
 A schema is a type: ``"bool" "byte" "i8" "i16" "i32" "i64" "double"
 "string" "binary" "uuid"``, ``("list", T)``, ``("set", T)``, ``("map", K, V)``
 or a struct ``{field_id: T}``.
@@ -32,11 +38,12 @@ from typing import Any
 
 from . import _binary, _compact, _encode
 from ._records import FEATURE_FIELDS, MEDIA_SCHEMA, FeatureRecord, MediaRecord
-from ._wire import MAX_DEPTH, Schema, ThriftError
+from ._wire import MAX_DEPTH, MAX_OBJECTS, Schema, ThriftError
 
 __all__ = [
     "FEATURE_FIELDS",
     "MAX_DEPTH",
+    "MAX_OBJECTS",
     "MEDIA_SCHEMA",
     "FeatureRecord",
     "MediaRecord",
@@ -60,13 +67,16 @@ def decode(
     *,
     numpy: bool = False,
     max_depth: int = MAX_DEPTH,
+    max_objects: int = MAX_OBJECTS,
 ) -> dict[int, Any]:
     """Decode one Thrift struct from ``data`` into a dict keyed by field id.
 
     ``schema`` is optional; it only turns ``"string"`` fields into ``str`` and
     ``("set", T)`` fields into ``set``. ``numpy=True`` returns numeric
     containers as arrays. The whole of ``data`` must be the struct. Raises
-    :class:`ThriftError`, naming the offset, on bad input.
+    :class:`ThriftError`, naming the offset, on bad input, and on a record
+    nested deeper than ``max_depth`` or decoding into more than ``max_objects``
+    objects (see :data:`MAX_OBJECTS`).
     """
     dec = _DECODERS.get(protocol)
     if dec is None:
@@ -75,13 +85,17 @@ def decode(
         raise ValueError(f"decode() takes a struct schema {{field_id: type}}, got {schema!r}")
     if not isinstance(max_depth, int) or max_depth < 1:
         raise ValueError(f"max_depth must be a positive int, got {max_depth!r}")
+    if not isinstance(max_objects, int) or max_objects < 1:
+        raise ValueError(f"max_objects must be a positive int, got {max_objects!r}")
     if type(data) is not bytes:
         data = bytes(data)
     try:
-        return dec(data, schema, bool(numpy), max_depth)
+        return dec(data, schema, bool(numpy), max_depth, max_objects)
     except ThriftError as err:
-        what = f"not a valid {protocol} Thrift struct ({len(data)} bytes)"
-        raise ThriftError(f"{what}: {err}") from None
+        why = str(err)
+    # raised here, not in the except clause: the error must not hold the decoder's frames
+    # (as its __context__), and with them what it had made before the fault
+    raise ThriftError(f"not a valid {protocol} Thrift struct ({len(data)} bytes): {why}")
 
 
 def encode(

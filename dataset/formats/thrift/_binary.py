@@ -7,7 +7,8 @@ Strings, structs and mixed containers go through tight loops over the bytes.
 
 Hostile input stays bounded: every count is checked against the bytes that
 remain before anything is allocated (an element takes at least
-``MIN_SIZE`` bytes), every string length likewise, nesting is limited, and every
+``MIN_SIZE`` bytes), every string length likewise, and against the record's
+budget of objects (``_wire.MAX_OBJECTS``), nesting is limited, and every
 failure is a ThriftError naming the offset.
 """
 
@@ -43,6 +44,7 @@ from ._wire import (
     field_schema,
     finish_list,
     make_map,
+    over_budget,
     too_deep,
     truncated,
 )
@@ -86,18 +88,23 @@ def _map_unpacker(kt: int, vt: int, n: int):
 
 
 class _Reader:
-    """One record being decoded: the bytes and the options every level needs."""
+    """One record being decoded: the bytes, the options every level needs, and the objects
+    its budget still allows."""
 
-    __slots__ = ("buf", "end", "numpy")
+    __slots__ = ("buf", "end", "left", "max_objects", "numpy")
 
-    def __init__(self, buf: bytes, numpy: bool):
+    def __init__(self, buf: bytes, numpy: bool, max_objects: int):
         self.buf = buf
         self.end = len(buf)
         self.numpy = numpy
+        self.max_objects = max_objects
+        self.left = max_objects - 1  # the record's own dict
 
 
-def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_depth: int) -> dict:
-    r = _Reader(buf, numpy)
+def decode(
+    buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_depth: int, max_objects: int
+) -> dict:
+    r = _Reader(buf, numpy, max_objects)
     value, pos = _struct(r, 0, max_depth, schema)
     if pos != r.end:
         raise ThriftError(f"{r.end - pos} bytes follow the end of the struct at offset {pos}")
@@ -105,6 +112,13 @@ def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_dep
 
 
 # ---------------------------------------------------------------- errors
+
+
+def _charge(r: _Reader, n: int, pos: int) -> None:
+    """n more objects, made at ``pos``: refused past the record's budget."""
+    if n > r.left:
+        raise over_budget(r.max_objects, pos)
+    r.left -= n
 
 
 def _bad_count(r: _Reader, pos: int, n: int, kind: str, types: tuple[int, ...]) -> ThriftError:
@@ -140,6 +154,9 @@ def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
             fn = read[t] if t <= UUID else None
             if fn is None:
                 raise ThriftError(f"unknown type id {t} of field {fid} at offset {pos}")
+            if r.left <= 0:
+                raise over_budget(r.max_objects, pos)
+            r.left -= 1
             sub = None if sch is None else field_schema(sch, fid, t)
             out[fid], pos = fn(r, pos + 3, depth - 1, sub)
     except (IndexError, struct.error):
@@ -207,8 +224,10 @@ def _list(r, pos, depth, sch):
         raise _bad_count(r, start, n, "list", (et,))
     w = WIDTH.get(et)
     if w is not None:
+        _charge(r, 1 if r.numpy else n, start)  # an array costs two objects
         items = _numbers(r, et, n, start)
-        return (items if sch is None else finish_list(items, sch)), start + n * w
+        return (items if sch is None else finish_list(items, sch, start)), start + n * w
+    _charge(r, n, start)
     esch = None if sch is None else element_schema(sch, et, 1)
     pos = start
     items: list = []
@@ -230,7 +249,7 @@ def _list(r, pos, depth, sch):
                 append(v)
     except (IndexError, struct.error):
         raise truncated(pos, f"a list<{NAME_OF[et]}> element") from None
-    return finish_list(items, sch), pos
+    return finish_list(items, sch, start), pos
 
 
 def _map(r, pos, depth, sch):
@@ -244,6 +263,7 @@ def _map(r, pos, depth, sch):
         end = start + n * (kw + vw)
         if n < 0 or end > r.end:
             raise _bad_count(r, start, n, "map", (kt, vt))
+        _charge(r, 3 if r.numpy else 2 * n, start)  # a pair of arrays costs four objects
         if r.numpy or n > _STRUCTS_MAX_N:
             return _fixed_map(r, kt, vt, n, start), end
         unpack = _structs.get((kt, vt, n)) or _map_unpacker(kt, vt, n)
@@ -252,6 +272,7 @@ def _map(r, pos, depth, sch):
     ks, vs = MIN_SIZE.get(kt), MIN_SIZE.get(vt)
     if ks is None or vs is None or n < 0 or n * (ks + vs) > r.end - start:
         raise _bad_count(r, start, n, "map", (kt, vt))
+    _charge(r, 2 * n, start)
     ksch = None if sch is None else element_schema(sch, kt, 1)
     vsch = None if sch is None else element_schema(sch, vt, 2)
     pos = start
@@ -279,7 +300,7 @@ def _map(r, pos, depth, sch):
             vals.append(v)
     except (IndexError, struct.error):
         raise truncated(pos, f"a map<{NAME_OF[kt]}, {NAME_OF[vt]}> entry") from None
-    return make_map(keys, vals), pos
+    return make_map(keys, vals, start), pos
 
 
 def _fixed_map(r: _Reader, kt: int, vt: int, n: int, pos: int):

@@ -14,8 +14,9 @@ bytes.
 
 Hostile input stays bounded: varints end within 10 bytes (5 for lengths, i16
 and i32) and must fit their type, counts are checked against the bytes that
-remain before anything is allocated, every search moves forward, nesting is
-limited, and every failure is a ThriftError naming the offset.
+remain before anything is allocated and against the record's budget of objects
+(``_wire.MAX_OBJECTS``), every search moves forward, nesting is limited, and
+every failure is a ThriftError naming the offset.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ._wire import (
     field_schema,
     finish_list,
     make_map,
+    over_budget,
     too_deep,
     truncated,
 )
@@ -79,12 +81,14 @@ class _Reader:
     """One record being decoded: the bytes, the options every level needs, and views of the
     bytes that the vectorised paths share, made on first use."""
 
-    __slots__ = ("_arr", "_marks", "_words", "buf", "end", "jobs", "numpy")
+    __slots__ = ("_arr", "_marks", "_words", "buf", "end", "jobs", "left", "max_objects", "numpy")
 
-    def __init__(self, buf: bytes, numpy: bool):
+    def __init__(self, buf: bytes, numpy: bool, max_objects: int):
         self.buf = buf
         self.end = len(buf)
         self.numpy = numpy
+        self.max_objects = max_objects
+        self.left = max_objects - 1  # the record's own dict
         self._arr = self._marks = self._words = None
         self.jobs: list[_Job] = []  # containers of varints still to decode
 
@@ -119,8 +123,10 @@ class _Reader:
         return self._words
 
 
-def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_depth: int) -> dict:
-    r = _Reader(buf, numpy)
+def decode(
+    buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_depth: int, max_objects: int
+) -> dict:
+    r = _Reader(buf, numpy, max_objects)
     value, pos = _struct(r, 0, max_depth, schema)
     if pos != r.end:
         raise ThriftError(f"{r.end - pos} bytes follow the end of the struct at offset {pos}")
@@ -130,6 +136,13 @@ def decode(buf: bytes, schema: Mapping[int, Schema] | None, numpy: bool, max_dep
 
 
 # ---------------------------------------------------------------- errors
+
+
+def _charge(r: _Reader, n: int, pos: int) -> None:
+    """n more objects, made at ``pos``: refused past the record's budget."""
+    if n > r.left:
+        raise over_budget(r.max_objects, pos)
+    r.left -= n
 
 
 def _check_count(r: _Reader, pos: int, n: int, size: int, what: str) -> None:
@@ -329,14 +342,15 @@ def _finish(r: _Reader) -> None:
 def _ints(r: _Reader, t: int, n: int, pos: int, sch, defer: bool) -> tuple[Any, int]:
     """A list or set of n zigzag varints of type t at pos: a list (an array with
     numpy=True; a set if the schema says so), and the end."""
+    start = pos
     if n >= VECTOR_MIN or r.numpy:
         if n == 0:
-            return finish_list(np.empty(0, NUMPY_DTYPE[t]) if r.numpy else [], sch), pos
+            return finish_list(np.empty(0, NUMPY_DTYPE[t]) if r.numpy else [], sch, pos), pos
         numpy = r.numpy
 
         def build(x):
             x = _narrow(x, t, pos)
-            return finish_list(x if numpy else x.tolist(), sch)
+            return finish_list(x if numpy else x.tolist(), sch, pos)
 
         before, ends = _run(r, pos, n, VARINT_LIMIT[t])
         return _job(r, _Job(before, ends, VARINT_LIMIT[t], build), int(ends[-1]) + 1, defer)
@@ -345,7 +359,7 @@ def _ints(r: _Reader, t: int, n: int, pos: int, sch, defer: bool) -> tuple[Any, 
     for _ in range(n):
         x, pos = read(r, pos, 0, None)
         out.append(x)
-    return finish_list(out, sch), pos
+    return finish_list(out, sch, start), pos
 
 
 # ---------------------------------------------------------------- values
@@ -373,12 +387,18 @@ def _struct(r: _Reader, pos: int, depth: int, sch) -> tuple[dict, int]:
                 raise ThriftError(f"field id {fid} at offset {pos} is not an i16")
             last = fid
             if nib == 1 or nib == 2:  # a bool field carries its value in the type nibble
+                if r.left <= 0:
+                    raise over_budget(r.max_objects, pos)
+                r.left -= 1
                 out[fid] = nib == 1
                 pos = p
                 continue
             t = _TYPE[nib]
             if t is None:
                 raise ThriftError(f"unknown compact type {nib} of field {fid} at offset {pos}")
+            if r.left <= 0:
+                raise over_budget(r.max_objects, pos)
+            r.left -= 1
             sub = None if sch is None else field_schema(sch, fid, t)
             v, pos = _READ[t](r, p, depth - 1, sub)
             out[fid] = v
@@ -428,6 +448,8 @@ def _list(r, pos, depth, sch, defer=False):
         n, p = _uvarint(buf, p, 5)
     et = _elem_type(h & 0x0F, pos)
     _check_count(r, p, n, MIN_SIZE[et], f"list<{NAME_OF[et]}>")
+    _charge(r, 1 if r.numpy and et in NUMPY_DTYPE else n, p)  # an array costs two objects
+    start = p
     try:
         if et in VARINT_LIMIT:
             return _ints(r, et, n, p, sch, defer)
@@ -440,7 +462,7 @@ def _list(r, pos, depth, sch, defer=False):
                 a = a == 1
             else:
                 a = a.astype(np.float64 if et == DOUBLE else np.int8)
-            return finish_list(a if r.numpy else a.tolist(), sch), end
+            return finish_list(a if r.numpy else a.tolist(), sch, start), end
         esch = None if sch is None else element_schema(sch, et, 1)
         items = []
         append = items.append
@@ -463,7 +485,7 @@ def _list(r, pos, depth, sch, defer=False):
                 append(v)
     except (IndexError, struct.error):
         raise truncated(p, f"a list<{NAME_OF[et]}> element") from None
-    return finish_list(items, sch), p
+    return finish_list(items, sch, start), p
 
 
 def _map(r, pos, depth, sch, defer=False):
@@ -478,6 +500,9 @@ def _map(r, pos, depth, sch, defer=False):
     p += 1
     what = f"map<{NAME_OF[kt]}, {NAME_OF[vt]}>"
     _check_count(r, p, n, MIN_SIZE[kt] + MIN_SIZE[vt], what)
+    # a pair of arrays costs four objects
+    _charge(r, 3 if r.numpy and kt in NUMPY_DTYPE and vt in NUMPY_DTYPE else 2 * n, p)
+    start = p
     ksch = None if sch is None else element_schema(sch, kt, 1)
     vsch = None if sch is None else element_schema(sch, vt, 2)
     try:
@@ -498,7 +523,7 @@ def _map(r, pos, depth, sch, defer=False):
         raise truncated(p, f"a {what} entry") from None
     if r.numpy and kt in NUMPY_DTYPE and vt in NUMPY_DTYPE:
         return (np.array(keys, NUMPY_DTYPE[kt]), np.array(vals, NUMPY_DTYPE[vt])), p
-    return make_map(keys, vals), p
+    return make_map(keys, vals, start), p
 
 
 def _int_int_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
@@ -511,8 +536,15 @@ def _int_int_map(r: _Reader, kt: int, vt: int, n: int, pos: int, defer: bool):
             return np.ascontiguousarray(keys), np.ascontiguousarray(vals)
         return dict(zip(keys.tolist(), vals.tolist()))  # noqa: B905 (strict= is slower)
 
-    limit = max(VARINT_LIMIT[kt], VARINT_LIMIT[vt])
+    kl, vl = VARINT_LIMIT[kt], VARINT_LIMIT[vt]
+    limit = max(kl, vl)
     before, ends = _run(r, pos, 2 * n, limit)
+    if kl != vl:  # an i16 or i32 beside i64s: its varints too end within 5 bytes
+        narrow = 0 if kl < vl else 1
+        long = (ends - before)[narrow::2] > 5
+        if long.any():
+            i = 2 * int(np.argmax(long)) + narrow
+            raise ThriftError(f"varint at offset {int(before[i]) + 1} is longer than 5 bytes")
     return _job(r, _Job(before, ends, limit, build), int(ends[-1]) + 1, defer)
 
 

@@ -7,6 +7,8 @@ its own ids onto them. A schema is a type: a name from ``TYPE_NAMES``,
 
 from __future__ import annotations
 
+import uuid
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,8 +19,10 @@ from ...errors import DatasetError
 __all__ = [
     "INTEGERS",
     "MAX_DEPTH",
+    "MAX_OBJECTS",
     "NAME_OF",
     "NUMPY_DTYPE",
+    "SHARED_HASH_LIMIT",
     "TYPE_NAMES",
     "Schema",
     "ThriftError",
@@ -27,6 +31,7 @@ __all__ = [
     "field_schema",
     "finish_list",
     "make_map",
+    "over_budget",
     "too_deep",
     "truncated",
     "wire_type",
@@ -71,6 +76,29 @@ MAX_DEPTH = 64
 could otherwise recurse until Python's stack gives out)."""
 
 
+MAX_OBJECTS = 1_000_000
+"""The most objects one record may decode into (``decode(max_objects=)``): the record's
+own dict, and each struct field, list or set element, map key and map value are one;
+a container that ``numpy=True`` returns as an array is two, as a (keys, values) pair
+of arrays four, however long. Each is charged before it is made, so a count that
+would exceed the budget is refused before anything is allocated.
+
+What that bounds: an object costs at most about 150 bytes (measured, in both
+decoders: 148 for the costliest shape, a list of structs of one field holding an
+empty struct; 72 for an empty struct in a list), and arrays at most 8 bytes per byte
+of the record (a one-byte varint as an int64), so a record of B bytes decodes into
+at most about ``150 * min(max_objects, B) + 8 * B`` bytes (the pure-Python compact
+decoder takes up to 48 bytes per byte of varints more while it decodes them), and
+in time linear in the same. Without the budget, a 16 MiB list of empty structs took
+72x its size (1.2 GB) and 9 s; it is now refused at its count."""
+
+SHARED_HASH_LIMIT = 16
+"""Most distinct uuids in one map's keys or one set that may share a hash: uuid.UUID hashes
+as its int does (mod 2**61 - 1), so a record could hold uuids crafted to share one,
+and building a dict of n of them would take n**2 / 2 comparisons in Python (8,000:
+5 s). Random uuids share a hash with a chance of about n**2 / 2**62."""
+
+
 class ThriftError(DatasetError, ValueError):
     """A record that is not valid Thrift, or a value that does not fit its schema."""
 
@@ -81,6 +109,10 @@ def truncated(pos: int, what: str) -> ThriftError:
 
 def too_deep(pos: int) -> ThriftError:
     return ThriftError(f"nesting too deep at offset {pos} (limit max_depth)")
+
+
+def over_budget(max_objects: int, pos: int) -> ThriftError:
+    return ThriftError(f"more than {max_objects} objects by offset {pos} (limit max_objects)")
 
 
 def wire_type(schema: Schema) -> int:
@@ -133,9 +165,24 @@ def as_string(raw: bytes, pos: int) -> str:
         raise ThriftError(f"a 'string' at offset {pos} is not UTF-8: {err}") from None
 
 
-def finish_list(items: Any, schema: Schema | None) -> Any:
-    """A decoded list or set: a ``set`` when the schema says ``("set", T)``."""
+def _refuse_hash_flood(items: list, pos: int) -> None:
+    """ThriftError if more than SHARED_HASH_LIMIT distinct uuids in ``items`` share a hash."""
+    if len(items) <= SHARED_HASH_LIMIT or not isinstance(items[0], uuid.UUID):
+        return
+    distinct = {u.bytes: u for u in items}  # bytes hash with a per-process key: no flood
+    shared = max(Counter(hash(u) for u in distinct.values()).values())
+    if shared > SHARED_HASH_LIMIT:
+        raise ThriftError(
+            f"{len(items)} uuids at offset {pos}, {shared} of them on one hash "
+            f"(limit {SHARED_HASH_LIMIT}): crafted to make building a dict take quadratic time"
+        )
+
+
+def finish_list(items: Any, schema: Schema | None, pos: int) -> Any:
+    """A decoded list (its elements start at ``pos``): a ``set`` when the schema says
+    ``("set", T)``."""
     if isinstance(schema, tuple) and schema[0] == "set" and not isinstance(items, np.ndarray):
+        _refuse_hash_flood(items, pos)
         try:
             return set(items)
         except TypeError:  # elements that cannot be hashed (structs, lists) stay a list
@@ -143,8 +190,10 @@ def finish_list(items: Any, schema: Schema | None) -> Any:
     return items
 
 
-def make_map(keys: list, values: list) -> dict | list:
-    """A decoded map: a dict, or a list of (key, value) pairs when keys cannot be hashed."""
+def make_map(keys: list, values: list, pos: int) -> dict | list:
+    """A decoded map (its entries start at ``pos``): a dict, or a list of (key, value) pairs
+    when keys cannot be hashed."""
+    _refuse_hash_flood(keys, pos)
     try:
         return dict(zip(keys, values, strict=False))
     except TypeError:  # struct, list or array keys
