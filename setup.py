@@ -63,10 +63,15 @@ extras = {
 }
 extras["all"] = sorted({req for reqs in extras.values() for req in reqs})
 
-# Plain CSV/TSV indexes read in one pass of C (dataset/index/csv/lines.py). Optional: where
-# it cannot be built (no C compiler), the other readers read every index.
+# Optional C: where it cannot be built (no C compiler), Python does the same work. Plain
+# CSV/TSV indexes read in one pass (dataset/index/csv/lines.py; the other readers read every
+# index), and Thrift records decoded (dataset/formats/thrift/_native.py; the pure-Python
+# decoders give the same results).
 extensions = [
-    Extension("distlearn.dataset.index.csv._lines", ["dataset/index/csv/_lines.c"], optional=True)
+    Extension("distlearn.dataset.index.csv._lines", ["dataset/index/csv/_lines.c"], optional=True),
+    Extension(
+        "distlearn.dataset.formats.thrift._fast", ["dataset/formats/thrift/_fast.c"], optional=True
+    ),
 ]
 
 setup(

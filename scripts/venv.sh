@@ -6,8 +6,9 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 stamp="$VENV/.distlearn-stamp"
-# (dataset/index/csv/_lines.c: the C the install compiles)
-want="$(cat setup.py scripts/venv.sh scripts/constraints.txt dataset/index/csv/_lines.c | sha256sum | cut -c1-16)"
+# (dataset/index/csv/_lines.c, dataset/formats/thrift/_fast.c: the C the install compiles)
+want="$(cat setup.py scripts/venv.sh scripts/constraints.txt dataset/index/csv/_lines.c \
+    dataset/formats/thrift/_fast.c | sha256sum | cut -c1-16)"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV" >&2

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from thrift.protocol import TBinaryProtocol, TCompactProtocol
 from thrift.TSerialization import deserialize, serialize
+from thrift_decoders import decoder  # noqa: F401 (an autouse fixture: C and Python)
 
 from distlearn.dataset.formats.thrift import MEDIA_SCHEMA, MediaRecord, ThriftError, decode, encode
 

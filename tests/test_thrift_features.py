@@ -12,6 +12,7 @@ from test_thrift import IDL, load_generated
 from thrift.protocol import TBinaryProtocol, TCompactProtocol, fastbinary
 from thrift.transport.TTransport import TMemoryBuffer
 from thrift.TSerialization import deserialize, serialize
+from thrift_decoders import decoder  # noqa: F401 (an autouse fixture: C and Python)
 
 from distlearn.dataset.formats.thrift import FeatureRecord, ThriftError, decode, encode
 

@@ -17,6 +17,7 @@ import pytest
 from test_thrift import IDL, load_generated
 from test_thrift_features import FACTORIES, make_record
 from thrift.TSerialization import serialize
+from thrift_decoders import decoder  # noqa: F401 (an autouse fixture: C and Python)
 
 from distlearn.dataset.formats.thrift import ThriftError, decode
 

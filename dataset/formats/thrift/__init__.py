@@ -16,9 +16,10 @@ int32, int64, float64 or bool) and a map from numbers to numbers is a
 ``(keys, values)`` pair of arrays (an empty map in the compact protocol carries
 no types, so it stays ``{}``); ``encode`` takes both forms back.
 
-Pure Python and numpy, no generated code and no compiler: ``_binary`` and
-``_compact`` hold the two decoders, ``_encode`` the encoder, ``_records`` the
-ready processors (:class:`MediaRecord`, :class:`FeatureRecord`).
+No generated code: ``_binary`` and ``_compact`` hold the two decoders in Python
+and numpy, ``_fast.c`` both in C (an optional part of the install, used where it
+was built: :func:`built`; same results, same errors), ``_encode`` the encoder,
+``_records`` the ready processors (:class:`MediaRecord`, :class:`FeatureRecord`).
 
 Every record is bounded by what it holds: counts and lengths are checked against
 the bytes that remain before anything is allocated, nesting stops at
@@ -36,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import _binary, _compact, _encode
+from . import _binary, _compact, _encode, _native
 from ._records import FEATURE_FIELDS, MEDIA_SCHEMA, FeatureRecord, MediaRecord
 from ._wire import MAX_DEPTH, MAX_OBJECTS, Schema, ThriftError
 
@@ -48,11 +49,17 @@ __all__ = [
     "FeatureRecord",
     "MediaRecord",
     "ThriftError",
+    "built",
     "decode",
     "encode",
 ]
 
 _DECODERS = {"binary": _binary.decode, "compact": _compact.decode}
+
+
+def built() -> bool:
+    """Whether the C decoder was built (else the pure-Python decoders decode, alike)."""
+    return _native.decode is not None
 
 
 def _check_protocol(protocol: str) -> None:
@@ -89,7 +96,10 @@ def decode(
         raise ValueError(f"max_objects must be a positive int, got {max_objects!r}")
     if type(data) is not bytes:
         data = bytes(data)
+    native = _native.decode
     try:
+        if native is not None:
+            return native(data, protocol == "compact", schema, bool(numpy), max_depth, max_objects)
         return dec(data, schema, bool(numpy), max_depth, max_objects)
     except ThriftError as err:
         why = str(err)
