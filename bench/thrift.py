@@ -14,10 +14,14 @@ set<i64> binaryFeatures, 138 entries in map<i64, double> continuousFeatures
 hash is a 9- or 10-byte varint).
 
 Rows, per protocol, every one in this process on the same bytes:
-- ``decode``: ``dataset.thrift.decode(data, protocol)``, no schema, Python objects;
+- ``decode``: ``dataset.thrift.decode(data, protocol)``, no schema, Python objects,
+  by the compiled decoder (dataset/formats/thrift/_fast.c) where it was built;
 - ``decode numpy``: the same with ``numpy=True`` (numeric containers as arrays);
 - ``FeatureRecord dense`` / ``sparse``: the processor filling a batch row, dense
   (2**12 hashed columns) or sparse (1024 slots of column, value; 2**20 columns);
+- ``decode, Python`` / ``decode numpy, Python``: ``decode`` by the pure-Python
+  decoders (_binary.py, _compact.py), what runs where the C could not be built,
+  and what ran before it was: the before and after of the same run;
 - ``C decoder``: the thrift package's C extension (``fastbinary.decode_binary``
   or ``decode_compact``) with the spec of the generated class, called directly:
   the fastest way the thrift package decodes;
@@ -111,7 +115,7 @@ def rows(protocol: str) -> dict[str, Callable[[list[bytes]], int]]:
     from thrift.transport.TTransport import TMemoryBuffer
     from thrift.TSerialization import deserialize
 
-    from distlearn.dataset.formats.thrift import FeatureRecord, decode
+    from distlearn.dataset.formats.thrift import FeatureRecord, _native, decode
 
     if protocol == "binary":
         accel, fast = TBinaryProtocol.TBinaryProtocolAccelerated, fastbinary.decode_binary
@@ -148,6 +152,18 @@ def rows(protocol: str) -> dict[str, Callable[[list[bytes]], int]]:
             sparse(d, None, sparse_row)
         return len(chunk)
 
+    def python(numpy: bool):
+        def row(chunk):
+            native, _native.decode = _native.decode, None  # the pure-Python decoders
+            try:
+                for d in chunk:
+                    decode(d, protocol, numpy=numpy)
+            finally:
+                _native.decode = native
+            return len(chunk)
+
+        return row
+
     def c_decoder(chunk):
         for d in chunk:
             proto.trans = TMemoryBuffer(d)
@@ -170,6 +186,8 @@ def rows(protocol: str) -> dict[str, Callable[[list[bytes]], int]]:
         "decode numpy": ours_numpy,
         "FeatureRecord dense": ours_dense,
         "FeatureRecord sparse": ours_sparse,
+        "decode, Python": python(False),
+        "decode numpy, Python": python(True),
         "C decoder": c_decoder,
         "deserialize()": c_deserialize,
         "pure Python": pure_python,
@@ -244,7 +262,13 @@ def measure(protocol: str, recs: list, passes: int) -> list[dict]:
 
 def markdown(results: list[dict], cmd: str, ext: str, passes: int, n: int) -> str:
     from bench.report import machine
+    from distlearn.dataset.formats.thrift import _native
 
+    ours = (
+        f"`{_native._fast.__file__}`"
+        if _native.decode is not None
+        else "not built (every decode row is the pure-Python decoders)"
+    )
     m = machine()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
@@ -254,13 +278,15 @@ def markdown(results: list[dict], cmd: str, ext: str, passes: int, n: int) -> st
         "",
         f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} usable cores, "
         f"Python {m.get('python', '?')}, load average at start {m['loadavg_start'][0]:.2f}. "
-        f"thrift's C extension: `{ext}`.",
+        f"thrift's C extension: `{ext}`. dataset.thrift's C decoder: {ours}.",
         "",
         "Data: synthetic feature records (bench/thrift.py says how they are drawn): "
         "set<i64> of ~221 ids, map<i64, double> of ~138, map<i64, i64> of ~64, "
         "map<i64, string> of ~40, ids uniform 64-bit hashes. records/s: records per second "
         "of CPU time of the decoding thread, median over the passes (min-max); vs C: "
-        "median of the per-pass ratios to the C decoder.",
+        "median of the per-pass ratios to the C decoder. The `, Python` rows are `decode` "
+        "by the pure-Python decoders (where the C is not built; what decode ran before it "
+        "was), in the same run.",
         "",
         "| protocol | decoder | bytes/record | records/s | vs C decoder |",
         "|---|---|---:|---:|---:|",

@@ -11,7 +11,8 @@ def test_bench_thrift_writes_every_row(tmp_path):
     assert "fastbinary" in text  # the C rows ran thrift's C extension
     for protocol in ("binary", "compact"):
         for row in ("decode", "decode numpy", "FeatureRecord dense", "FeatureRecord sparse",
-                    "C decoder", "deserialize()", "pure Python"):  # fmt: skip
+                    "decode, Python", "decode numpy, Python", "C decoder", "deserialize()",
+                    "pure Python"):  # fmt: skip
             assert f"| {protocol} | {row} |" in text
 
 

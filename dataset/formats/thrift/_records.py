@@ -155,6 +155,8 @@ class FeatureRecord:
         ids = np.concatenate(ids_parts) if len(ids_parts) > 1 else ids_parts[0]
         vals = np.concatenate(val_parts) if len(val_parts) > 1 else val_parts[0]
         if self.dim is not None:
+            if self.dim & (self.dim - 1) == 0:  # a power of two: the same columns, no division
+                return np.bitwise_and(ids, self.dim - 1), vals, 0
             return np.mod(ids, self.dim), vals, 0
         pos = np.searchsorted(self._vocab_sorted, ids)
         pos[pos == len(self._vocab_sorted)] = 0
