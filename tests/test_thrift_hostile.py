@@ -197,6 +197,9 @@ def test_nesting_is_limited(protocol):
     with pytest.raises(ThriftError, match="too deep"):
         decode(ok, protocol)
     assert decode(ok, protocol, max_depth=101)[1][1][1] is not None
+    # a limit raised past what Python's stack takes: still a ThriftError, in both decoders
+    with pytest.raises(ThriftError, match="recursion limit"):
+        decode(structs, protocol, max_depth=10 * depth)
 
 
 def test_bad_arguments():

@@ -103,6 +103,8 @@ def decode(
         return dec(data, schema, bool(numpy), max_depth, max_objects)
     except ThriftError as err:
         why = str(err)
+    except RecursionError:  # a max_depth raised past what the interpreter's stack takes
+        why = f"nested deeper than Python's recursion limit allows (max_depth={max_depth})"
     # raised here, not in the except clause: the error must not hold the decoder's frames
     # (as its __context__), and with them what it had made before the fault
     raise ThriftError(f"not a valid {protocol} Thrift struct ({len(data)} bytes): {why}")

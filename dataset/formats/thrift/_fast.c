@@ -121,10 +121,17 @@ static PyObject *bad_count(R *r, Py_ssize_t pos, long long n, const char *kind, 
     return NULL;
 }
 
-/* The compact protocol's count check (_compact._check_count). */
-static int check_count(R *r, Py_ssize_t pos, long long n, int size, const char *what) {
+/* The compact protocol's count check (_compact._check_count): n elements of a list<kt>
+ * (vt < 0) or entries of a map<kt, vt> at pos must fit in the bytes that remain. */
+static int check_count(R *r, Py_ssize_t pos, long long n, int kt, int vt) {
+    long long size = C_MIN[kt] + (vt < 0 ? 0 : C_MIN[vt]);
     if (n * size <= r->end - pos)
         return 0;
+    char what[64];
+    if (vt < 0)
+        snprintf(what, sizeof what, "list<%s>", NAME[kt]);
+    else
+        snprintf(what, sizeof what, "map<%s, %s>", NAME[kt], NAME[vt]);
     Py_ssize_t remain = r->end - pos > 0 ? r->end - pos : 0;
     PyErr_Format(ThriftError, "a %s of %lld elements at offset %zd needs at least %lld bytes; "
                  "%zd remain", what, n, pos, n * size, remain);
@@ -590,7 +597,8 @@ static inline int uvarint(R *r, Py_ssize_t *pp, int limit, int bits, uint64_t *o
         int n, high = 0; /* the varint's bytes; its 10th byte */
         if (stop) {
             n = (__builtin_ctzll(stop) >> 3) + 1;
-            v = pack7(w & (n == 8 ? 0x7F7F7F7F7F7F7F7FULL : ((1ULL << (8 * n)) - 1) & 0x7F7F7F7F7F7F7F7FULL));
+            uint64_t bytes = n == 8 ? ~0ULL : (1ULL << (8 * n)) - 1; /* the varint's */
+            v = pack7(w & bytes & 0x7F7F7F7F7F7F7F7FULL);
         } else {
             v = pack7(w & 0x7F7F7F7F7F7F7F7FULL);
             uint8_t c9 = b[p + 8];
@@ -801,9 +809,7 @@ static PyObject *c_list(R *r, Py_ssize_t *pp, int depth, PyObject *sch) {
         PyErr_Format(ThriftError, "unknown compact element type %d at offset %zd", h & 0x0F, pos);
         return NULL;
     }
-    char what[32];
-    snprintf(what, sizeof what, "list<%s>", NAME[et]);
-    if (check_count(r, p, (long long)n, C_MIN[et], what))
+    if (check_count(r, p, (long long)n, et, -1))
         return NULL;
     Py_ssize_t start = p;
     int array = r->numpy && WIDTH[et];
@@ -970,9 +976,7 @@ static PyObject *c_map(R *r, Py_ssize_t *pp, int depth, PyObject *sch) {
         return NULL;
     }
     p += 1;
-    char what[48];
-    snprintf(what, sizeof what, "map<%s, %s>", NAME[kt], NAME[vt]);
-    if (check_count(r, p, (long long)n, C_MIN[kt] + C_MIN[vt], what))
+    if (check_count(r, p, (long long)n, kt, vt))
         return NULL;
     Py_ssize_t cpos = p;
     int numeric = WIDTH[kt] && WIDTH[vt];
