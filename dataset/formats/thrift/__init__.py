@@ -18,7 +18,8 @@ no types, so it stays ``{}``); ``encode`` takes both forms back.
 
 No generated code: ``_binary`` and ``_compact`` hold the two decoders in Python
 and numpy, ``_fast.c`` both in C (an optional part of the install, used where it
-was built: :func:`built`; same results, same errors), ``_encode`` the encoder,
+was built: :func:`built`; the same results, and a ThriftError for every record
+either refuses), ``_encode`` the encoder,
 ``_records`` the ready processors (:class:`MediaRecord`, :class:`FeatureRecord`).
 
 Every record is bounded by what it holds: counts and lengths are checked against
