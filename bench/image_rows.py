@@ -103,7 +103,26 @@ def process_scaled(data: bytes, out: torch.Tensor | None = None) -> torch.Tensor
     return finish(chw, box, flip, out)
 
 
-WORK = {"full": process, "scaled": process_scaled}
+def process_simplejpeg(data: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+    """process_scaled with libjpeg-turbo called by simplejpeg: it decodes straight into a
+    numpy array (Pillow decodes into its own RGBX storage, then repacks it to RGB)."""
+    import simplejpeg
+
+    height, width = simplejpeg.decode_jpeg_header(data)[:2]
+    top, left, h, w = crop_box(height, width)
+    flip = flip_draw()
+    arr = simplejpeg.decode_jpeg(
+        data, colorspace="RGB", min_width=math.ceil(width * SIZE / w),
+        min_height=math.ceil(height * SIZE / h),
+    )  # fmt: skip
+    sy, sx = arr.shape[0] / height, arr.shape[1] / width
+    box = (int(top * sy), int(left * sx), max(1, round(h * sy)), max(1, round(w * sx)))
+    if out is None:
+        out = torch.empty(3, SIZE, SIZE)
+    return finish(hwc_to_chw(arr), box, flip, out)
+
+
+WORK = {"full": process, "scaled": process_scaled, "simplejpeg": process_simplejpeg}
 
 
 def collate(samples: list) -> tuple[torch.Tensor, torch.Tensor]:

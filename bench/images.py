@@ -64,7 +64,7 @@ class Plan:
 
 def plans(workers: list[int], cores: int) -> list[Plan]:
     out = []
-    for work in ("full", "scaled"):
+    for work in ("full", "scaled", "simplejpeg"):
         for procs in sorted({1, cores}):
             out.append(Plan("ceiling", f"ceiling-{work}-{procs}p", "ceiling",
                             {"procs": procs, "work": work}))  # fmt: skip
@@ -302,7 +302,7 @@ def summary(rows: list[dict], cores: int) -> dict:
             b = best(rows, loader, ep)
             if b:
                 out["best"].setdefault(loader, {})[ep] = b
-    one = {w: best(rows, f"ceiling-{w}-1p", "warm") for w in ("full", "scaled")}
+    one = {w: best(rows, f"ceiling-{w}-1p", "warm") for w in ("full", "scaled", "simplejpeg")}
     for ep in ("cold", "warm"):
         peers = [out["best"][x][ep] for x in loaders if x in out["best"] and ep in out["best"][x]
                  and any(r["group"] == "peer" and r["loader"] == x for r in rows)]  # fmt: skip
@@ -320,11 +320,18 @@ def summary(rows: list[dict], cores: int) -> dict:
         for work, c in one.items():
             if c is None:
                 continue
-            limit = cores * c["warm"]["img_s"]["median"]
-            r = us[ep]["img_s"]["median"] / limit
-            out["targets"].append({"epoch": ep, "what": f">= 0.9x the {work}-decode ceiling "
-                                   f"({cores} x {c['warm']['img_s']['median']:.0f} img/s)",
-                                   "ours": us["label"], "ratio": r, "met": r >= 0.9})  # fmt: skip
+            # cores x the one-core rate; the rate from CPU time is what an idle core would do
+            one_core = c["warm"]["img_s"]["median"]
+            by_cpu = 1e3 / c["warm"]["cpu_ms_per_img"]
+            r = us[ep]["img_s"]["median"] / (cores * one_core)
+            what = (
+                f">= 0.9x the {work}-decode ceiling ({cores} x {one_core:.0f} img/s; "
+                f"{us[ep]['img_s']['median'] / (cores * by_cpu):.2f}x of {cores} x {by_cpu:.0f} "
+                "img/s, the one-core rate from its CPU time)"
+            )
+            out["targets"].append(
+                {"epoch": ep, "what": what, "ours": us["label"], "ratio": r, "met": r >= 0.9}
+            )
     return out
 
 
