@@ -284,6 +284,19 @@ def measure(args, data: photos.Photos, emit) -> list[dict]:
     return out
 
 
+def levers(data: photos.Photos, n: int = 300) -> dict:
+    """One-core CPU per image of each decode + augment variant (bench/image_levers.py)."""
+    log.info("levers: one core, %d images, each decode + augment variant", n)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.image_levers", str(data.root), str(n)],
+        env=peer_env(), cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        return {"kind": "levers", "error": (done.stderr or done.stdout).strip()[-500:]}
+    return {"kind": "levers", **json.loads(line[len("RESULT ") :])}
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -406,6 +419,32 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
             f"{r['cold']['cpu_ms_per_img']:.1f} | {r['warm']['cpu_ms_per_img']:.1f} | "
             f"{r['server_cpu_ms_per_img']:.1f} |"
         )
+    lev = next((r for r in records if r["kind"] == "levers"), None)
+    if lev is not None:
+        lines += ["", "## One core, no I/O: CPU per image of each decode + augment variant", ""]
+        if "error" in lev:
+            lines.append(f"failed: {lev['error']}")
+        else:
+            base = lev["ms_per_img"].get("pil-full")
+            lines += [
+                f"`python -m bench.image_levers` on {lev['images']} of the images, one thread, "
+                "median of 5 passes (bench/image_levers.py says what each variant is).",
+                "",
+                "| variant | CPU ms/img | img/s per core | vs pil-full |",
+                "|---|---:|---:|---:|",
+            ]
+            for k, ms in lev["ms_per_img"].items():
+                rel = f"{base / ms:.2f}x" if base else ""
+                lines.append(f"| {k} | {ms:.2f} | {1e3 / ms:.0f} | {rel} |")
+            scales = ", ".join(f"{k}: {v}" for k, v in sorted(lev["dct_scales"].items()))
+            lines += [
+                "",
+                f"DCT scales the crops allowed (of {lev['images']}): {scales}; a crop must be "
+                "448 px a side to decode at 1/2, so on ~400 px photos the scaled decode "
+                "rarely applies.",
+            ]
+            for k, why in lev.get("missing", {}).items():
+                lines.append(f"- {k} not measured: {why}")
     notes = [r["text"] for r in records if r["kind"] == "note"]
     if notes:
         lines += ["", "## Notes", "", *[f"- {n}" for n in notes]]
@@ -475,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         emit({"kind": "run", "argv": args.argv, "machine": report.machine(), "versions": {}})
         emit({"kind": "data", "n": data.n, "bytes": data.bytes, "mean_side": data.mean_side,
               "labels": len(data.labels), "shards": len(data.shards)})  # fmt: skip
+        if not args.rows or "levers" in args.rows:
+            emit(levers(data))
         measure(args, data, emit)
         pythons = {None: sys.executable}
         for peer in PEERS:
