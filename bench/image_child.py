@@ -1,16 +1,17 @@
 """One repetition of one image row, in a fresh process: `python -m bench.image_child < SPEC`.
 
-Prints one line, RESULT {json}, with each epoch's samples, seconds and CPU
-seconds. Epoch 1 is cold: its clock starts before the loader is built (after
-imports and the row's untimed setup), so it holds start-up, worker spawning and
-the first downloads. Epoch 2 is the same loader's next `for`, warm. CPU covers
-this process and every worker it started. Runs in whichever venv the row needs,
-so it imports nothing beyond the rows' own needs.
+Prints one line, RESULT {json}, with each epoch's samples, seconds, CPU
+seconds of the whole tree and of the main process alone. Epoch 1 is cold: its
+clock starts before the loader is built (after imports and the row's untimed
+setup), so it holds start-up, worker spawning and the first downloads. Epoch 2
+is the same loader's next `for`, warm. Runs in whichever venv the row needs, so
+it imports nothing beyond the rows' own needs.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 
@@ -34,21 +35,29 @@ def count(batch, batch_size: int) -> int:
     return batch.shape[0]
 
 
+def main_cpu_seconds() -> float:
+    """This process alone (its threads included), not its workers."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
 def run(spec: dict) -> dict:
     ctx = Ctx(**spec["ctx"])
     r = ROWS[spec["row"]]
     args = (ctx, r.setup(ctx)) if r.setup else (ctx,)
     epochs = []
-    cpu0, t0 = own_cpu_seconds(), time.perf_counter()
+    cpu0, main0, t0 = own_cpu_seconds(), main_cpu_seconds(), time.perf_counter()
     loader = r.make(*args, **spec.get("params", {}))
     try:
         for _ in range(spec.get("epochs", 2)):
             n = 0
             for batch in loader:
                 n += count(batch, ctx.batch_size)
-            cpu1, t1 = own_cpu_seconds(), time.perf_counter()
-            epochs.append({"samples": n, "s": t1 - t0, "cpu_s": cpu1 - cpu0})
-            cpu0, t0 = cpu1, t1
+            cpu1, main1, t1 = own_cpu_seconds(), main_cpu_seconds(), time.perf_counter()
+            epochs.append(
+                {"samples": n, "s": t1 - t0, "cpu_s": cpu1 - cpu0, "main_cpu_s": main1 - main0}
+            )
+            cpu0, main0, t0 = cpu1, main1, t1
     finally:
         close = getattr(loader, "close", None)
         if close is not None:

@@ -276,6 +276,10 @@ def measure(args, data: photos.Photos, emit) -> list[dict]:
                     "cpu_ms_per_img": 1e3 * statistics.median(cpus),
                     "samples": ok[0]["epochs"][k]["samples"],
                 }
+                if all("main_cpu_s" in r["epochs"][k] for r in ok):
+                    rec[name]["main_cpu_ms_per_img"] = 1e3 * statistics.median(
+                        r["epochs"][k]["main_cpu_s"] / r["epochs"][k]["samples"] for r in ok
+                    )
             rec["server_cpu_ms_per_img"] = 1e3 * statistics.median(
                 r["server_cpu_s"] / sum(e["samples"] for e in r["epochs"]) for r in ok
             )
@@ -418,6 +422,32 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
             f"| {r['group']} | {r['label']} | {_rate(r, 'cold')} | {_rate(r, 'warm')} | "
             f"{r['cold']['cpu_ms_per_img']:.1f} | {r['warm']['cpu_ms_per_img']:.1f} | "
             f"{r['server_cpu_ms_per_img']:.1f} |"
+        )
+    lines += [
+        "",
+        "## Where the time goes (warm epoch, each loader's best setting)",
+        "",
+        f"Per image: the wall time times the {mach['cores_usable']} cores (the CPU the "
+        "machine had for it), the CPU the loader's main process and its workers used, "
+        "the servers' CPU (nginx, moto: on the same cores), and what is left: idle, "
+        "or taken by other work on this shared machine.",
+        "",
+        "| loader | cores x wall ms | main process CPU ms | workers CPU ms | servers CPU ms "
+        "| idle or others ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for loader, eps in s["best"].items():
+        w = eps.get("warm")
+        if not w or "main_cpu_ms_per_img" not in w["warm"]:
+            continue
+        budget = mach["cores_usable"] * 1e3 / w["warm"]["img_s"]["median"]
+        main_ms = w["warm"]["main_cpu_ms_per_img"]
+        workers_ms = w["warm"]["cpu_ms_per_img"] - main_ms
+        server_ms = w["server_cpu_ms_per_img"]
+        rest = budget - main_ms - workers_ms - server_ms
+        lines.append(
+            f"| {loader} | {budget:.2f} | {main_ms:.2f} | {workers_ms:.2f} | {server_ms:.2f} "
+            f"| {rest:.2f} |"
         )
     lev = next((r for r in records if r["kind"] == "levers"), None)
     if lev is not None:
