@@ -462,6 +462,29 @@ class BenchImage:
         return True
 
 
+class JpgMember:
+    """A tar sample's jpg member to `processor` (plain bytes pass through)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __call__(self, fetched, opt, out: torch.Tensor):
+        return self.processor(fetched["jpg"] if isinstance(fetched, dict) else fetched, opt, out)
+
+
+def distlearn_processor(work: str):
+    """`work` "package": the package's own RandomResizedCrop (the crop drawn before the
+    decode, libjpeg-turbo via simplejpeg when installed, written into the batch row);
+    else the peers' exact work (BenchImage)."""
+    if work != "package":
+        return BenchImage(work)
+    from bench.image_aug import IMAGENET_MEAN, IMAGENET_STD, RATIO, SCALE
+    from distlearn.dataset.processors import RandomResizedCrop
+
+    return JpgMember(RandomResizedCrop(scale=SCALE, ratio=RATIO, flip=0.5, mean=IMAGENET_MEAN,
+                                       std=IMAGENET_STD))  # fmt: skip
+
+
 def _batcher_epochs(ds, ctx: Ctx, sampler: str, processor, **opts) -> Epochs:
     batcher = ds.sampled_batcher(
         batch_size=ctx.batch_size,
@@ -484,7 +507,7 @@ def distlearn_csv(ctx: Ctx, work: str = "full", **opts) -> Epochs:
     from distlearn.dataset import Dataset
 
     ds = Dataset(ctx.base_url + "index.csv")
-    return _batcher_epochs(ds, ctx, "linear", BenchImage(work), **opts)
+    return _batcher_epochs(ds, ctx, "linear", distlearn_processor(work), **opts)
 
 
 def shard_pattern(ctx: Ctx) -> str:
@@ -503,4 +526,4 @@ def distlearn_shards(ctx: Ctx, work: str = "full", **opts) -> Epochs:
 
     opts.setdefault("cache_dir", os.path.join(ctx.cache_dir, "distlearn"))
     ds = Dataset(shard_pattern(ctx), cache_dir=opts.pop("cache_dir"))
-    return _batcher_epochs(ds, ctx, "part-linear", BenchImage(work), **opts)
+    return _batcher_epochs(ds, ctx, "part-linear", distlearn_processor(work), **opts)

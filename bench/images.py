@@ -74,11 +74,14 @@ def plans(workers: list[int], cores: int) -> list[Plan]:
     # mapper's rate in a trial), so its row is the thread mapper
     out += [Plan("peer", "torchdata", "torchdata", {"num_workers": w, "method": "thread"})
             for w in workers]  # fmt: skip
-    for loader in ("distlearn-csv", "distlearn-shards"):
-        out += [
-            Plan("distlearn", loader, loader, {"workers": "process", "num_workers": w})
-            for w in workers
-        ]
+    # the package's own processor, then the peers' exact work (what the loader alone adds)
+    for work, suffix in (("package", ""), ("full", "/pil-work")):
+        for row in ("distlearn-csv", "distlearn-shards"):
+            out += [
+                Plan("distlearn", row + suffix, row,
+                     {"workers": "process", "num_workers": w, "work": work})
+                for w in workers
+            ]  # fmt: skip
     return out
 
 
@@ -363,6 +366,8 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
     rows = [r for r in records if r["kind"] == "row"]
     ok = [r for r in rows if "error" not in r]
     mach = run["machine"]
+    vers = next((r for r in records if r["kind"] == "versions"), run.get("versions", {}))
+    vers = {k: v for k, v in vers.items() if k != "kind"}
     s = summary(ok, mach["cores_usable"])
     lines = [
         "# Image loading: real-photo JPEGs, decode + augment, distlearn against its peers",
@@ -374,7 +379,7 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
         f"- Machine: {mach['cpu']}, {mach['cores_usable']} usable cores, {mach['mem_gib']} GiB, "
         f"Linux {mach['kernel']}, Python {mach['python']}, load average at start "
         f"{', '.join(f'{x:.1f}' for x in mach['loadavg_start'])}.",
-        f"- Versions: {', '.join(f'{k} {v}' for k, v in run['versions'].items())}.",
+        f"- Versions: {', '.join(f'{k} {v}' for k, v in vers.items())}.",
         f"- Data: {data['n']} JPEGs made by bench/photos.py from scikit-image's photographs "
         f"(quality 90, 4:2:0, mean side {data['mean_side']:.0f} px, mean "
         f"{data['bytes'] / data['n'] / 1024:.0f} KiB; ImageNet's mean is about 110 KiB), "
@@ -481,6 +486,43 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chart(records: list[dict], path: Path) -> Path | None:
+    """Each loader's best img/s, cold and warm, with the decode ceilings as lines."""
+    rows = [r for r in records if r["kind"] == "row" and "error" not in r]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cores = next(r for r in records if r["kind"] == "run")["machine"]["cores_usable"]
+    s = summary(rows, cores)
+    loaders = list(s["best"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(loaders) + 2))
+    colors = {"cold": "#9ab8e0", "warm": "#3070c0"}
+    for k, ep in enumerate(("cold", "warm")):
+        vals = [s["best"][x][ep][ep]["img_s"]["median"] if ep in s["best"][x] else 0
+                for x in loaders]  # fmt: skip
+        ax.barh([i + 0.4 * k for i in range(len(loaders))], vals, 0.4, color=colors[ep],
+                label=f"{ep} epoch")  # fmt: skip
+    for work, style in (("full", "--"), ("simplejpeg", ":")):
+        c = best(rows, f"ceiling-{work}-1p", "warm")
+        if c:
+            x = cores * c["warm"]["img_s"]["median"]
+            ax.axvline(x, color="k", ls=style, lw=0.9,
+                       label=f"{cores} x one core, {work} decode + augment")  # fmt: skip
+    ax.set_yticks([i + 0.2 for i in range(len(loaders))], loaders, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("images/s (median; each loader at its best worker count)")
+    ax.set_title("JPEG photos -> RandomResizedCrop(224) + flip + normalise, batches of 64")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def versions(pythons: dict) -> dict:
     """Each peer's version, read from the venv it runs in."""
     out = {}
@@ -515,6 +557,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="never apt-get nginx nor make the peers' venvs")  # fmt: skip
     p.add_argument("--data-dir", default=str(BENCH / "data"))
     p.add_argument("--out", help="report path (default bench/RESULTS-images.md; quick bench/out/)")
+    p.add_argument("--report-from", metavar="JSONL", help="only rebuild the report from records")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.samples = args.samples or (256 if args.quick else 2000)
@@ -525,9 +568,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write(records: list[dict], args, elapsed: float) -> None:
+    """The report and the chart; the targets to the log."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(records, args, elapsed))
+    try:
+        png = chart(records, out.with_name(out.stem.replace("RESULTS", "results") + ".png"))
+    except ImportError as err:  # matplotlib is in the bench extra
+        log.warning("no chart: %s", err)
+        png = None
+    rows = [r for r in records if r["kind"] == "row" and "error" not in r]
+    for t in summary(rows, records[0]["machine"]["cores_usable"])["targets"]:
+        log.info("target %s %s: %.2fx %s", t["epoch"], t["what"], t["ratio"],
+                 "met" if t["met"] else "MISSED")  # fmt: skip
+    log.info("wrote %s%s", out, f" and {png}" if png else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.report_from:
+        records = [json.loads(ln) for ln in Path(args.report_from).read_text().splitlines() if ln]
+        run = next(r for r in records if r["kind"] == "run")
+        ran = parse_args(run["argv"])  # the run's own settings, this call's --out
+        ran.out = args.out if "--out" in (argv or sys.argv[1:]) else ran.out
+        done = next((r for r in records if r["kind"] == "done"), {})
+        write(records, ran, done.get("elapsed_s", float("nan")))
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     started = time.time()
     jsonl = BENCH / "out" / "images.jsonl"
@@ -541,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(rec) + "\n")
             f.flush()
 
-        emit({"kind": "run", "argv": args.argv, "machine": report.machine(), "versions": {}})
+        emit({"kind": "run", "argv": args.argv, "machine": report.machine()})
         emit({"kind": "data", "n": data.n, "bytes": data.bytes, "mean_side": data.mean_side,
               "labels": len(data.labels), "shards": len(data.shards)})  # fmt: skip
         if not args.rows or "levers" in args.rows:
@@ -551,17 +619,11 @@ def main(argv: list[str] | None = None) -> int:
         for peer in PEERS:
             if (REPO / f".venv-{peer}" / "bin" / "python").exists():
                 pythons[peer] = str(REPO / f".venv-{peer}" / "bin" / "python")
-        records[0]["versions"] = versions(pythons)
+        emit({"kind": "versions", **versions(pythons)})
         elapsed = time.time() - started
         emit({"kind": "done", "elapsed_s": elapsed})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(records, args, elapsed))
-    for t in summary([r for r in records if r["kind"] == "row" and "error" not in r],
-                     records[0]["machine"]["cores_usable"])["targets"]:  # fmt: skip
-        log.info("target %s %s: %.2fx %s", t["epoch"], t["what"], t["ratio"],
-                 "met" if t["met"] else "MISSED")  # fmt: skip
-    log.info("wrote %s (raw records in %s), %.0f s", out, jsonl, elapsed)
+    write(records, args, elapsed)
+    log.info("raw records in %s, %.0f s", jsonl, elapsed)
     return 0
 
 
