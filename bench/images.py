@@ -363,6 +363,7 @@ def _rate(rec: dict, ep: str) -> str:
 def markdown(records: list[dict], args, elapsed: float) -> str:
     run = next(r for r in records if r["kind"] == "run")
     data = next(r for r in records if r["kind"] == "data")
+    done = next((r for r in records if r["kind"] == "done"), {})
     rows = [r for r in records if r["kind"] == "row"]
     ok = [r for r in rows if "error" not in r]
     mach = run["machine"]
@@ -372,13 +373,19 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
     lines = [
         "# Image loading: real-photo JPEGs, decode + augment, distlearn against its peers",
         "",
-        f"Made by `python -m bench.images {' '.join(run['argv'])}` on {mach['date_utc']} "
+        f"Made by `{' '.join(['python -m bench.images', *run['argv']])}` on {mach['date_utc']} "
         f"(commit {mach['commit']}), {elapsed / 60:.0f} min. A shared machine: other work ran "
         "beside it, so compare the ratios of one run, not absolute figures across runs.",
         "",
         f"- Machine: {mach['cpu']}, {mach['cores_usable']} usable cores, {mach['mem_gib']} GiB, "
         f"Linux {mach['kernel']}, Python {mach['python']}, load average at start "
-        f"{', '.join(f'{x:.1f}' for x in mach['loadavg_start'])}.",
+        f"{', '.join(f'{x:.1f}' for x in mach['loadavg_start'])}"
+        + (
+            f", at the end {', '.join(f'{x:.1f}' for x in done['loadavg_end'])}"
+            if "loadavg_end" in done
+            else ""
+        )
+        + " (1, 5, 15 min).",
         f"- Versions: {', '.join(f'{k} {v}' for k, v in vers.items())}.",
         f"- Data: {data['n']} JPEGs made by bench/photos.py from scikit-image's photographs "
         f"(quality 90, 4:2:0, mean side {data['mean_side']:.0f} px, mean "
@@ -454,6 +461,8 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
             f"| {loader} | {budget:.2f} | {main_ms:.2f} | {workers_ms:.2f} | {server_ms:.2f} "
             f"| {rest:.2f} |"
         )
+    if lines[-1].startswith("|---"):
+        lines.append("| (the main process's CPU was not recorded in this run) | | | | | |")
     lev = next((r for r in records if r["kind"] == "levers"), None)
     if lev is not None:
         lines += ["", "## One core, no I/O: CPU per image of each decode + augment variant", ""]
@@ -621,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                 pythons[peer] = str(REPO / f".venv-{peer}" / "bin" / "python")
         emit({"kind": "versions", **versions(pythons)})
         elapsed = time.time() - started
-        emit({"kind": "done", "elapsed_s": elapsed})
+        emit({"kind": "done", "elapsed_s": elapsed, "loadavg_end": os.getloadavg()})
     write(records, args, elapsed)
     log.info("raw records in %s, %.0f s", jsonl, elapsed)
     return 0
