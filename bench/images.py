@@ -313,6 +313,15 @@ def best(rows: list[dict], loader: str, epoch: str) -> dict | None:
     return max(ok, key=lambda r: r[epoch]["img_s"]["median"], default=None)
 
 
+def cpu_bound(rec: dict, ep: str, cores: int) -> float:
+    """img/s if the loader kept `cores` idle cores busy: cores / CPU per image (its own and
+    the servers'). On a machine shared with other work this says more than the wall clock."""
+    if ep not in rec:
+        return 0.0
+    ms = rec[ep]["cpu_ms_per_img"] + rec.get("server_cpu_ms_per_img", 0.0)
+    return cores * 1e3 / ms if ms > 0 else 0.0
+
+
 def summary(rows: list[dict], cores: int) -> dict:
     """Best settings per loader and per epoch, and the two targets of issue 55."""
     loaders = list(dict.fromkeys(r["loader"] for r in rows if r["group"] != "ceiling"))
@@ -332,26 +341,27 @@ def summary(rows: list[dict], cores: int) -> dict:
             continue
         peer = max(peers, key=lambda r: r[ep]["img_s"]["median"])
         us = max(ours, key=lambda r: r[ep]["img_s"]["median"])
+        # by CPU time: each row's best rate by CPU per image, as idle cores would give it
+        peer_cpu = max(cpu_bound(r, ep, cores) for r in rows if r["group"] == "peer")
+        us_cpu = max(cpu_bound(r, ep, cores) for r in rows if r["group"] == "distlearn")
         ratio = us[ep]["img_s"]["median"] / peer[ep]["img_s"]["median"]
-        what = f">= 1.2x the best peer ({peer['label']})"
-        out["targets"].append(
-            {"epoch": ep, "what": what, "ours": us["label"], "ratio": ratio, "met": ratio >= 1.2}
-        )
+        out["targets"].append({
+            "epoch": ep, "what": f">= 1.2x the best peer ({peer['label']})",
+            "ours": us["label"], "ratio": ratio, "met": ratio >= 1.2,
+            "cpu_ratio": us_cpu / peer_cpu, "want": 1.2,
+        })  # fmt: skip
         for work, c in one.items():
             if c is None:
                 continue
-            # cores x the one-core rate; the rate from CPU time is what an idle core would do
-            one_core = c["warm"]["img_s"]["median"]
-            by_cpu = 1e3 / c["warm"]["cpu_ms_per_img"]
-            r = us[ep]["img_s"]["median"] / (cores * one_core)
-            what = (
-                f">= 0.9x the {work}-decode ceiling ({cores} x {one_core:.0f} img/s; "
-                f"{us[ep]['img_s']['median'] / (cores * by_cpu):.2f}x of {cores} x {by_cpu:.0f} "
-                "img/s, the one-core rate from its CPU time)"
-            )
-            out["targets"].append(
-                {"epoch": ep, "what": what, "ours": us["label"], "ratio": r, "met": r >= 0.9}
-            )
+            limit = cores * c["warm"]["img_s"]["median"]  # cores x the one-core rate
+            limit_cpu = cores * 1e3 / c["warm"]["cpu_ms_per_img"]
+            r = us[ep]["img_s"]["median"] / limit
+            out["targets"].append({
+                "epoch": ep, "what": f">= 0.9x the {work}-decode ceiling ({cores} x "
+                f"{c['warm']['img_s']['median']:.0f} img/s; by CPU {cores} x "
+                f"{limit_cpu / cores:.0f})", "ours": us["label"], "ratio": r, "met": r >= 0.9,
+                "cpu_ratio": us_cpu / limit_cpu, "want": 0.9,
+            })  # fmt: skip
     return out
 
 
@@ -401,22 +411,36 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
         "",
         "## Best setting of each loader",
         "",
-        "| loader | cold img/s | setting | warm img/s | setting | CPU ms/img (warm) |",
-        "|---|---:|---|---:|---|---:|",
+        "| loader | cold img/s | setting | warm img/s | setting | CPU ms/img (warm) "
+        "| by CPU img/s (warm) |",
+        "|---|---:|---|---:|---|---:|---:|",
     ]
+    cores = mach["cores_usable"]
     for loader, eps in s["best"].items():
         c, w = eps.get("cold"), eps.get("warm")
+        by_cpu = max(cpu_bound(r, "warm", cores) for r in ok if r["loader"] == loader)
         lines.append(
             f"| {loader} | {_rate(c, 'cold') if c else '-'} | {c['label'] if c else ''} | "
             f"{_rate(w, 'warm') if w else '-'} | {w['label'] if w else ''} | "
-            f"{w['warm']['cpu_ms_per_img']:.1f} |"
+            f"{w['warm']['cpu_ms_per_img']:.1f} | "
+            f"{by_cpu:.0f} |"
             if w
-            else f"| {loader} | - | | - | | |"
+            else f"| {loader} | - | | - | | | |"
         )
     lines += ["", "## Targets (issue 55)", ""]
+    lines += [
+        "Each target twice: by the wall clock (the rates above), and by CPU time (each row's "
+        "rate if it kept the idle cores busy: cores / its CPU per image, servers included; "
+        "the fairer measure on a machine shared with other work).",
+        "",
+    ]
     for t in s["targets"]:
         mark = "met" if t["met"] else "MISSED"
-        lines.append(f"- {t['epoch']}: {t['what']}: {t['ours']} at {t['ratio']:.2f}x, {mark}")
+        cmark = "met" if t["cpu_ratio"] >= t["want"] else "MISSED"
+        lines.append(
+            f"- {t['epoch']}: {t['what']}: {t['ours']} at {t['ratio']:.2f}x, {mark}; "
+            f"by CPU time {t['cpu_ratio']:.2f}x, {cmark}"
+        )
     if not s["targets"]:
         lines.append("- not checked: a peer, a distlearn row or a ceiling row is missing")
     lines += [
@@ -589,8 +613,8 @@ def write(records: list[dict], args, elapsed: float) -> None:
         png = None
     rows = [r for r in records if r["kind"] == "row" and "error" not in r]
     for t in summary(rows, records[0]["machine"]["cores_usable"])["targets"]:
-        log.info("target %s %s: %.2fx %s", t["epoch"], t["what"], t["ratio"],
-                 "met" if t["met"] else "MISSED")  # fmt: skip
+        log.info("target %s %s: %.2fx %s; by CPU time %.2fx", t["epoch"], t["what"], t["ratio"],
+                 "met" if t["met"] else "MISSED", t["cpu_ratio"])  # fmt: skip
     log.info("wrote %s%s", out, f" and {png}" if png else "")
 
 
