@@ -1,9 +1,10 @@
 """Image decoding and augmentation processors: RandomResizedCrop, Transform, scaled decoding,
-reproducible per-item draws across worker counts and kinds."""
+reproducible per-item draws across worker counts and kinds, and batches to a device."""
 
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 import pytest
@@ -270,3 +271,67 @@ def test_transform_gets_a_writable_image():
     out = torch.empty(3, 8, 8)
     assert Transform(in_place, decoder="pil")(jpeg(photo(40, 40)), None, out)
     assert torch.all(out[:, 0, 0] == 0)
+
+
+# -- batches to a device ----------------------------------------------------------------------
+
+
+def test_device_options_checked_where_given(folder):
+    ds = Dataset(str(folder))
+    with pytest.raises(ValueError, match="device='nowhere'"):
+        ds.sampled_batcher(batch_size=4, input_dims=(3, 8, 8), device="nowhere")
+    with pytest.raises(TypeError, match="pin_memory"):
+        ds.sampled_batcher(batch_size=4, input_dims=(3, 8, 8), pin_memory="yes")
+    with pytest.raises(TypeError, match="device"):
+        ds.sampled_batcher(batch_size=4, input_dims=(3, 8, 8), devices="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="pin_memory=True needs CUDA"):
+            ds.sampled_batcher(batch_size=4, input_dims=(3, 8, 8), pin_memory=True)
+        with pytest.raises(RuntimeError, match="device='cuda' needs CUDA"):
+            ds.sampled_batcher(batch_size=4, input_dims=(3, 8, 8), device="cuda")
+
+
+def test_device_cpu_changes_nothing(folder):
+    p = RandomResizedCrop()
+    ref = epochs(folder, p, n_epochs=1, workers="thread", num_workers=0)
+    got = epochs(folder, p, n_epochs=1, workers="thread", num_workers=0, device="cpu")
+    assert torch.equal(ref[0], got[0])
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_device_batches_arrive_on_the_gpu_equal_to_host_ones(folder, kind):
+    if not _cuda():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False here")
+    p = RandomResizedCrop()
+    ds = Dataset(str(folder))
+    host = epochs(folder, p, workers=kind, num_workers=2)
+    b = ds.sampled_batcher(batch_size=5, input_dims=(3, 32, 32), processor=p, workers=kind,
+                           num_workers=2, device="cuda")  # fmt: skip
+    try:
+        for ep in range(2):
+            batches = list(b)
+            assert all(x.input.is_cuda and x.target.is_cuda for x in batches)
+            assert torch.equal(torch.cat([x.input for x in batches]).cpu(), host[ep])
+        stats = b.stats
+        assert stats["device_batches"] == 2 * math.ceil(12 / 5)
+        assert stats["device_wait_s"] >= 0
+    finally:
+        b.close()
+
+
+@pytest.mark.cuda
+def test_pin_memory_batches_are_pinned(folder):
+    if not _cuda():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False here")
+    ds = Dataset(str(folder))
+    b = ds.sampled_batcher(batch_size=5, input_dims=(3, 32, 32), processor=RandomResizedCrop(),
+                           workers="thread", num_workers=0, pin_memory=True)  # fmt: skip
+    try:
+        assert all(x.input.is_pinned() for x in b)
+    finally:
+        b.close()
