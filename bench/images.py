@@ -370,6 +370,45 @@ def _rate(rec: dict, ep: str) -> str:
     return f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})"
 
 
+USAGE = """
+## Loading photos with distlearn: what the rows above use
+
+```python
+from distlearn.dataset import Dataset
+from distlearn.dataset.processors import RandomResizedCrop, Transform
+
+ds = Dataset("https://cdn.example/imagenet/train.csv")   # or ".../train-{000000..000999}.tar"
+batcher = ds.sampled_batcher(
+    batch_size=64, input_dims=(3, 224, 224), sampler="permutation",
+    processor=RandomResizedCrop(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
+    device="cuda")                 # optional: batches arrive on the GPU, copied one ahead
+for batch in batcher:              # batch.input: float [64, 3, 224, 224]
+    ...
+```
+
+- `RandomResizedCrop(scale, ratio, flip, mean, std)`: torchvision's
+  RandomResizedCrop(224) + RandomHorizontalFlip + ToDtype + Normalize, fused with
+  the decode. The crop is drawn before decoding, so a large JPEG is decoded at
+  1/2, 1/4 or 1/8 scale when the crop allows it (a crop must be at least 448 px a
+  side for 1/2 at 224: on ImageNet-sized photos it rarely applies, on big ones it
+  does); JPEGs go to libjpeg-turbo through `simplejpeg` (`pip install
+  distlearn[jpeg]`), about twice Pillow's decode speed; the result is written
+  straight into the batch.
+- `Transform(pipeline)`: your own pipeline on the decoded uint8 tensor `[C, H, W]`
+  in the `torchvision.transforms.v2` calling convention, e.g.
+  `Transform(v2.Compose([v2.RandomResizedCrop(224), v2.RandomHorizontalFlip(),
+  v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]))`.
+- Random draws are the item's own (from the seed, partition, epoch and position):
+  the same crops with any number or kind of workers, and after a resume.
+- A batch is handed out in the ring's own memory (no copy) and its slot is reused
+  only once the batch is gone; `pin_memory=True` gives page-locked batches;
+  `device="cuda"` copies the next batch on a side stream while the current step
+  runs, and `batcher.stats["device_wait_s"]` is the time steps waited for copies.
+  (Measured against DataLoader's `pin_memory` only where a GPU is lent: not in
+  this run.)
+"""
+
+
 def markdown(records: list[dict], args, elapsed: float) -> str:
     run = next(r for r in records if r["kind"] == "run")
     data = next(r for r in records if r["kind"] == "data")
@@ -513,6 +552,7 @@ def markdown(records: list[dict], args, elapsed: float) -> str:
             ]
             for k, why in lev.get("missing", {}).items():
                 lines.append(f"- {k} not measured: {why}")
+    lines += ["", USAGE.strip()]
     notes = [r["text"] for r in records if r["kind"] == "note"]
     if notes:
         lines += ["", "## Notes", "", *[f"- {n}" for n in notes]]
