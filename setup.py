@@ -35,6 +35,9 @@ extras = {
     "thrift": ["thrift>=0.16"],
     # TFRecord CRC32C in C; without it dataset.records falls back to pure Python (~1000x slower)
     "tfrecord": ["google-crc32c>=1.5"],
+    # JPEGs decoded by libjpeg-turbo straight into numpy (dataset.processors.RandomResizedCrop,
+    # Transform): about 2x Pillow's decode; without it, Pillow decodes them
+    "jpeg": ["simplejpeg>=1.7"],
     "examples": ["matplotlib>=3.7"],
     # bench/thrift.py compares dataset.thrift with thrift's own (C-accelerated) decoder;
     # bench/index.py opening an index with pandas' and pyarrow's CSV readers
@@ -45,6 +48,7 @@ extras = {
         "thrift>=0.16",
         "pandas>=2.0",
         "pyarrow>=14",
+        "simplejpeg>=1.7",
     ],
     "test": [
         "pytest>=7.4",
@@ -59,6 +63,7 @@ extras = {
         "google-crc32c>=1.5",
         "pandas>=2.0",
         "pyarrow>=14",
+        "simplejpeg>=1.7",
     ],
 }
 extras["all"] = sorted({req for reqs in extras.values() for req in reqs})

@@ -262,7 +262,7 @@ class Dataset:
         from .batcher import SampledBatcher
 
         _options.check_batcher_args(batch_size, seed, input_dims)
-        groups = ("fetch", "cache", "workers", "sampling")
+        groups = ("fetch", "cache", "workers", "sampling", "device")
         _options.check("sampled_batcher()", opts, *(_options.GROUPS[g].names() for g in groups),
                        _options.BATCHER_ARGS)  # fmt: skip
         opts.update(pool_size=pool_size, prefetch=prefetch)

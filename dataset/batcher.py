@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .device import DeviceCopy, check_device
 from .errors import AllFailed
 from .fetch.cache import item_cache
 from .fetch.stats import Stats
@@ -61,7 +62,7 @@ class SampledBatcher:
         options: Options | None = None,
         **flat: Any,
     ):
-        groups = ("fetch", "cache", "workers", "sampling")
+        groups = ("fetch", "cache", "workers", "sampling", "device")
         o = (options or Options()).update("SampledBatcher()", flat, groups)
         self.index = index
         self.stream = ItemStream(
@@ -73,6 +74,7 @@ class SampledBatcher:
             partition=partition,
             drop_last=o.sampling.drop_last,
         )
+        target = check_device(o.device.device, o.device.pin_memory)
         self.engine = SlotEngine(
             batch_size=batch_size,
             input_dims=input_dims,
@@ -84,7 +86,10 @@ class SampledBatcher:
             workers=o.workers,
             fetch=o.fetch,
             cache=item_cache(o.cache),
+            pin_memory=o.device.pin_memory or target is not None,
         )
+        self._device = DeviceCopy(target) if target is not None else None
+        self._ahead: tuple[Any, int] | None = None  # (copy in flight, items it accounts for)
         self.batch_size, self.input_dims = batch_size, self.engine.input_dims
         self.seed, self.partition = self.stream.seed, self.stream.partition
         self.sampler_name = self.stream.sampler_name
@@ -107,6 +112,8 @@ class SampledBatcher:
         counters = getattr(self.index, "read_counters", None)
         if counters is not None:
             out.update(counters())
+        if self._device is not None:  # device_wait_s: host seconds waited on copies to it
+            out.update(self._device.stats())
         return out
 
     @property
@@ -135,6 +142,7 @@ class SampledBatcher:
     # -- the pipeline ----------------------------------------------------------------
 
     def _start(self, epoch: int, skip: int = 0) -> None:
+        self._ahead = None
         self.engine.drain()
         self.stream.start(epoch, skip)
         self._run += 1
@@ -163,19 +171,44 @@ class SampledBatcher:
         if self._closed:
             raise RuntimeError("batcher is closed")
         try:
-            while True:
-                self._fill()
-                if not self.engine.pending:
-                    return None
-                batch, n = self.engine.next()
+            if self._device is None:
+                batch, n = self._pull()
                 self.stream.consumed(n)
-                self._fill()  # refill before handing over, so workers never wait on the user
-                if batch is not None:
-                    return batch
+                return batch
+            # to a device: the batch handed out now was started one call earlier, and
+            # the next one starts before it is handed out, so its copy overlaps the step
+            if self._ahead is None:
+                self._ahead = self._pull_to_device()
+            flight, n = self._ahead
+            self._ahead = None
+            if flight is None:
+                self.stream.consumed(n)
+                return None
+            self._ahead = self._pull_to_device()
+            self.stream.consumed(n)  # counted as the user gets it, for state_dict()
+            return self._device.finish(flight)
         except Exception as err:
             if self._closed:  # close() from another thread, while this call waited
                 raise RuntimeError("batcher is closed (by close() during this call)") from err
             raise
+
+    def _pull(self) -> tuple[Batch | None, int]:
+        """The next batch with a row (None at the epoch's end), and the items it took
+        from the stream, batches whose every item failed included."""
+        taken = 0
+        while True:
+            self._fill()
+            if not self.engine.pending:
+                return None, taken
+            batch, n = self.engine.next()
+            taken += n
+            self._fill()  # refill before handing over, so workers never wait on the user
+            if batch is not None:
+                return batch, taken
+
+    def _pull_to_device(self) -> tuple[Any, int]:
+        batch, n = self._pull()
+        return (None if batch is None else self._device.start(batch)), n
 
     # -- public iteration --------------------------------------------------------------
 
@@ -235,6 +268,7 @@ class SampledBatcher:
 
     def reset(self) -> None:
         """Drop what is in flight; the next batch starts a new epoch."""
+        self._ahead = None
         self.engine.drain()
         self.stream.stop()
         self._resume = None
@@ -276,6 +310,7 @@ class SampledBatcher:
         if self._closed or self._pid != os.getpid():
             return
         self._closed = True
+        self._ahead = None
         self.engine.close()
 
     def __enter__(self) -> SampledBatcher:

@@ -39,6 +39,7 @@ __all__ = [
     "PARTS",
     "REDIRECT_POLICIES",
     "CacheOptions",
+    "DeviceOptions",
     "FetchOptions",
     "Group",
     "IndexOptions",
@@ -241,6 +242,22 @@ class SamplingOptions(Group):
             raise TypeError(f"sampler_opt must be a dict (or a list, one per index), got {opt!r}")
 
 
+@dataclass(frozen=True)
+class DeviceOptions(Group):
+    """Batches to an accelerator (see :mod:`dataset.device`): ``pin_memory`` (page-locked
+    host batches) and ``device`` (batches copied there one ahead, on a side stream)."""
+
+    pin_memory: bool = False
+    device: Any = None
+
+    def __post_init__(self) -> None:
+        if self.device is None and self.pin_memory is False:
+            return  # the default: nothing to check, and no torch to import
+        from .device import check_device
+
+        check_device(self.device, self.pin_memory)
+
+
 GROUPS: dict[str, type[Group]] = {
     "fetch": FetchOptions,
     "index": IndexOptions,
@@ -248,6 +265,7 @@ GROUPS: dict[str, type[Group]] = {
     "parts": PartOptions,
     "workers": WorkerOptions,
     "sampling": SamplingOptions,
+    "device": DeviceOptions,
 }
 # flat names, for messages and the README
 FETCH = FetchOptions.names()
@@ -320,6 +338,7 @@ class Options:
     parts: PartOptions = field(default_factory=PartOptions)
     workers: WorkerOptions = field(default_factory=WorkerOptions)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    device: DeviceOptions = field(default_factory=DeviceOptions)
 
     def update(self, where: str, flat: Mapping[str, Any], groups: Sequence[str]) -> Options:
         """These options with `flat` keywords of `groups` laid over them (checked)."""

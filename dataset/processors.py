@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from PIL import Image as _PIL
 
-__all__ = ["Image", "Json", "Raw", "default_processor"]
+from .augment import RandomResizedCrop, Transform
+
+__all__ = ["Image", "Json", "RandomResizedCrop", "Raw", "Transform", "default_processor"]
 
 _MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}
 _SCALE = np.float32(1.0 / 255.0)

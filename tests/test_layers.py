@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first. The package's own __init__ (the public surface) is above every layer.
 LAYERS = {
     "dataset": [
-        # shared types and the public leaves that import nothing of the package
-        {"errors", "options", "items", "seeding", "processors", "serve"},
+        # shared types and the public leaves that import nothing of the package; the image
+        # processors' parts (augment, imagedecode) and the batches' copy to a GPU (device)
+        {"errors", "options", "items", "seeding", "processors", "serve"}
+        | {"augment", "imagedecode", "device"},
         {"formats"},  # bytes of one part or record -> records
         {"fetch"},  # sources, the Fetcher, the disk cache
         {"index"},  # kinds of index, CSV readers, part files -> Index

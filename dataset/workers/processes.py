@@ -23,6 +23,7 @@ from collections import deque
 from multiprocessing import reduction
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import WorkerDied
@@ -182,6 +183,14 @@ class ProcessWorkers:
             f"dataset worker process {w} (pid {proc.pid}) died with exit code "
             f"{proc.exitcode}" + (f" ({err})" if err else "")
         )
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        """Slot `slot` as a numpy array holding a buffer export of the shared memory, so
+        the mapping outlives close() while the array lives (a batch lent the slot)."""
+        shape = tuple(self.slots.shape[1:])
+        count = math.prod(shape)
+        offset = slot * count * self.slots.element_size()
+        return np.frombuffer(self._ring.buf, np.float32, count, offset).reshape(shape)
 
     def close(self) -> None:
         if self._closed or self._pid != os.getpid():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..fetch.fetcher import Fetcher
@@ -43,6 +44,10 @@ class ThreadWorkers:
             return job.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
             raise stuck("the thread workers", self.timeout) from None
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        """Slot `slot` as a numpy array (it keeps the slots' storage alive while it lives)."""
+        return self.slots[slot].numpy()
 
     def close(self) -> None:
         self.fetcher.close()
