@@ -78,6 +78,7 @@ def write_index(photos: Path, out: Path, val_every: int) -> tuple[int, int, int]
 # ----------------------------------------------------------------------- the processor
 
 
+# --8<-- [start:processor]
 class RandomCropFlip:
     """One image into its batch row ``out`` ([3, size, size], values in [0, 1]).
 
@@ -109,6 +110,9 @@ class RandomCropFlip:
         # HWC bytes -> CHW floats, written straight into the batch
         np.multiply(np.asarray(img).transpose(2, 0, 1), np.float32(1 / 255), out=out.numpy())
         return True
+
+
+# --8<-- [end:processor]
 
 
 # ----------------------------------------------------------------------- training
