@@ -254,7 +254,8 @@ FETCH = FetchOptions.names()
 INDEX = IndexOptions.names()
 CACHE = CacheOptions.names()
 PARTS = PartOptions.names()
-# the batcher's own arguments (Dataset.sampled_batcher's signature)
+# Dataset's own named arguments, and the batcher's (Dataset.sampled_batcher's signature)
+DATASET_ARGS = ("index", "partition", "partitions")
 BATCHER_ARGS = (
     "batch_size",
     "input_dims",
@@ -268,15 +269,25 @@ BATCHER_ARGS = (
 
 
 def check(where: str, given: Iterable[str], *groups: Iterable[str]) -> None:
-    """Raise TypeError for a name in `given` that no group has, naming the closest valid one."""
+    """Raise TypeError for a name in `given` that no group has, naming the closest valid one.
+
+    The closest is sought among the named arguments of Dataset() and sampled_batcher()
+    too (``partiton`` is ``partition``, not ``part_timeout``), and one that belongs to
+    the other call says so."""
     valid = sorted({name for group in groups for name in group})
     for name in given:
         if name in valid:
             continue
-        if name in BATCHER_ARGS:
-            raise TypeError(f"{where} got {name!r}: pass it to sampled_batcher()")
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; valid options: {', '.join(valid)}"
+        for args, call in ((BATCHER_ARGS, "sampled_batcher()"), (DATASET_ARGS, "Dataset()")):
+            if name in args:
+                raise TypeError(f"{where} got {name!r}: pass it to {call}")
+        close = difflib.get_close_matches(name, [*valid, *BATCHER_ARGS, *DATASET_ARGS], 1, 0.6)
+        if not close:
+            hint = f"; valid options: {', '.join(valid)}"
+        else:
+            call = "sampled_batcher()" if close[0] in BATCHER_ARGS else "Dataset()"
+            other = close[0] not in valid and call != where
+            hint = f"; did you mean {close[0]!r}{f' (an argument of {call})' if other else ''}?"
         raise TypeError(f"{where} got an unknown option {name!r}{hint}")
 
 

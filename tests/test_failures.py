@@ -137,6 +137,17 @@ def test_misspelt_options_fail_at_once_naming_the_closest(base):
         ds.sampled_batcher(batch_sise=4)
     with pytest.raises(TypeError, match=r"'retrys'; did you mean 'retries'"):
         ds.sampled_batcher(retrys=4)
+    # the named arguments of either call are candidates too: not 'part_timeout'
+    with pytest.raises(TypeError, match=r"'partiton'; did you mean 'partition'\?$"):
+        Dataset(url, partiton=0)
+    with pytest.raises(TypeError, match=r"'batchsize'; did you mean 'batch_size' \(an argument "
+                       r"of sampled_batcher\(\)\)\?"):  # fmt: skip
+        Dataset(url, batchsize=3)
+    with pytest.raises(TypeError, match=r"'partition': pass it to Dataset\(\)"):
+        ds.sampled_batcher(partition=1)
+    with pytest.raises(TypeError, match=r"'partitons'; did you mean 'partitions' \(an argument "
+                       r"of Dataset\(\)\)\?"):  # fmt: skip
+        ds.sampled_batcher(partitons=2)
 
 
 def test_one_base_exception_for_the_package():
