@@ -76,6 +76,8 @@ _LAZY = {
 }
 
 log = logging.getLogger(__name__)
+# The (partition, partitions) this process has logged at INFO (see Dataset.__init__).
+_PARTITIONS_SAID: set[tuple[int, int]] = set()
 
 
 def __getattr__(name: str) -> Any:
@@ -211,8 +213,15 @@ class Dataset:
                 f"{whole.origin}: partition {self.partition} of {self.partitions} is empty "
                 f"(the index has {len(whole)} items)"
             )
-        if source != "default":
-            log.info(
+        if source != "default" and not (source == "arguments" and self.partitions == 1):
+            # One INFO line per rank: a rank that opens more indexes with the same
+            # partition (train and test) says the rest at DEBUG; the whole index asked
+            # for by name (partition=0, partitions=1) goes unsaid.
+            said = (self.partition, self.partitions)
+            level = logging.DEBUG if said in _PARTITIONS_SAID else logging.INFO
+            _PARTITIONS_SAID.add(said)
+            log.log(
+                level,
                 "%s: partition %d of %d (from %s)",
                 whole.origin,
                 self.partition,

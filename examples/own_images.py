@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     tr.add_argument("--workers", type=int, help="loader processes per rank")
     tr.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.command == "index":
         if not args.photos.is_dir():
             p.error(f"{args.photos} is not a folder")

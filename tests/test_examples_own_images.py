@@ -79,6 +79,8 @@ def test_own_images_end_to_end(tmp_path):
     assert all(n == len(rows["train"]) and vn == len(rows["val"]) for *_, n, _, vn in epochs)
     assert epochs[-1][0] < epochs[0][0], text
     assert "2 processes" in text
+    said = re.findall(r"distlearn\.dataset: .*: partition (\d) of (\d) \(from arguments\)", text)
+    assert sorted(said) == [("0", "2"), ("1", "2")], text  # one line per rank
     saved = torch.load(out / "model.pt", weights_only=True)
     assert saved["labels"] == ["plain", "square"]
 

@@ -231,11 +231,29 @@ def test_ctrl_c_in_next_batch_leaves_the_batcher_usable(pngs, workers):
     assert seen == order, "the interrupted batch came next; nothing lost, nothing twice"
 
 
+def test_one_info_line_per_rank(base, monkeypatch, caplog):
+    """A rank's first Dataset of a partition says which at INFO; its others (a test set)
+    at DEBUG; another partition is said again."""
+    monkeypatch.setattr(dataset, "_PARTITIONS_SAID", set())  # a fresh process's
+    caplog.set_level(logging.DEBUG, logger="distlearn.dataset")
+    url = base + "train.csv"
+    for partition in (1, 1, 0):
+        Dataset(url, partition=partition, partitions=2)
+    Dataset(url, partition=0, partitions=1)  # the whole index, by name: nothing to say
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "partition" in r.getMessage()]
+    assert said == [
+        ("INFO", f"{url}: partition 1 of 2 (from arguments)"),
+        ("DEBUG", f"{url}: partition 1 of 2 (from arguments)"),
+        ("INFO", f"{url}: partition 0 of 2 (from arguments)"),
+    ]
+
+
 def test_torchrun_environment_picks_the_partition(base, monkeypatch, caplog):
     url = base + "train.csv"
     whole = len(Dataset(url))
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(dataset, "_PARTITIONS_SAID", set())  # a fresh process's
     caplog.set_level(logging.INFO, logger="distlearn.dataset")
     ds = Dataset(url)
     per_label = sum(1 for k in range(1, N // 2 + 1) if k % 4 == 1)  # k-th of a label: k % 4
