@@ -27,6 +27,7 @@ if __name__ != "distlearn.dataset":
 
 import logging
 import os
+import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +135,23 @@ def _env_rank(launchers=_LAUNCHERS) -> tuple[int, int, str] | None:
     return None
 
 
+def _no_answer(url: str, fetch: _options.FetchOptions) -> str:
+    """What to check when reading the index got no answer, and the options that wait longer."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme in ("http", "https") and parsed.hostname:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        where = f"is a server running at {parsed.hostname}:{port}, and reachable from this host?"
+    else:
+        where = "is the store reachable from this host?"
+    timeout = "no limit" if fetch.timeout is None else f"{fetch.timeout:g} s"
+    return (
+        f". Nothing answered: {where} The index was read with retries={fetch.retries} "
+        f"(backoff={fetch.backoff:g} s doubling up to max_backoff={fetch.max_backoff:g} s) "
+        f"and timeout={timeout} a try; for a server still starting, give Dataset() more, "
+        "e.g. retries=10, max_backoff=10"
+    )
+
+
 def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, str]:
     """(partition, partitions, where they came from) for a Dataset.
 
@@ -193,7 +211,7 @@ class Dataset:
         partitions: int | None = None,
         **opts: Any,
     ):
-        from .errors import BadIndex
+        from .errors import BadIndex, FetchError
         from .index.kinds import open_index
         from .index.parts import PartIndex
 
@@ -202,7 +220,15 @@ class Dataset:
                 raise TypeError(f"Dataset() got {name!r}: pass it to sampled_batcher()")
         self.options = _options.split("Dataset()", opts)
         self.partition, self.partitions, source = choose_partition(partition, partitions)
-        whole = open_index(index, options=self.options)
+        try:
+            whole = open_index(index, options=self.options)
+        except FetchError as err:
+            if not err.unanswered:
+                raise
+            hint = _no_answer(err.url, self.options.fetch)
+            raise FetchError(
+                err.url, err.cause + hint, err.retryable, err.missing, err.wait, True
+            ) from err
         parts_given = self.options.parts.given()
         if parts_given and not isinstance(whole, PartIndex):
             raise TypeError(f"{sorted(parts_given)} apply to part files only, not to {index!r}")

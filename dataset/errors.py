@@ -36,18 +36,22 @@ class FetchError(DatasetError, OSError):
 
     ``retryable``: the fault may pass (a connection error, a 5xx); ``missing``:
     the store says there is no such file (404/410, ``FileNotFoundError``);
-    ``wait``: seconds the server asked for before a retry (its Retry-After), or None.
+    ``wait``: seconds the server asked for before a retry (its Retry-After), or None;
+    ``unanswered``: no answer came (the connection was refused or could not be made,
+    or the read timed out), as opposed to an answer that was an error.
     """
 
     def __init__(self, url: str, cause: str, retryable: bool = False, missing: bool = False,
-                 wait: float | None = None):  # fmt: skip
+                 wait: float | None = None, unanswered: bool = False):  # fmt: skip
         super().__init__(f"{url}: {cause}")
         self.url, self.cause = url, cause
         self.retryable, self.missing, self.wait = retryable, missing, wait
+        self.unanswered = unanswered
 
     def __reduce__(self):
         # pickled from process workers to the main process: rebuild from the fields
-        return type(self), (self.url, self.cause, self.retryable, self.missing, self.wait)
+        fields = (self.url, self.cause, self.retryable, self.missing, self.wait, self.unanswered)
+        return type(self), fields
 
 
 class AllFailed(DatasetError, RuntimeError):

@@ -124,6 +124,26 @@ def test_no_empty_batch_reaches_the_user(pngs):
     assert handed == [] and isinstance(info.value.__cause__, FetchError)
 
 
+def test_an_index_nobody_answers_for_names_the_server_and_the_retry_options(pngs):
+    """Connection refused: the error asks whether the server runs, with the retry
+    options it was read with; an answer that is an error (503) is left as it was."""
+    with running(pngs) as (url, _):
+        pass  # the server has stopped: its port refuses connections now
+    with pytest.raises(FetchError) as info:
+        Dataset(url + "train.csv", retries=1, backoff=0.01)
+    port = url.split(":")[2].split("/")[0]
+    said = str(info.value)
+    assert f"is a server running at 127.0.0.1:{port}, and reachable from this host?" in said
+    assert "retries=1 (backoff=0.01 s doubling up to max_backoff=2 s)" in said
+    assert "timeout=30 s a try" in said and info.value.unanswered
+    with (
+        running(pngs, {"train.csv": ["503"]}) as (url, _),
+        pytest.raises(FetchError, match=r"HTTP 503") as info,
+    ):
+        Dataset(url + "train.csv", retries=1, backoff=0.01)
+    assert "Nothing answered" not in str(info.value) and not info.value.unanswered
+
+
 def test_misspelt_options_fail_at_once_naming_the_closest(base):
     url = base + "train.csv"
     with pytest.raises(TypeError, match=r"unknown option 'num_worker'; did you mean 'num_workers'"):

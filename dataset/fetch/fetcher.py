@@ -336,10 +336,15 @@ class Fetcher:
         except FetchError:
             raise
         except asyncio.TimeoutError:
-            raise FetchError(url, f"timed out after {self.timeout}s", True) from None
+            raise FetchError(
+                url, f"timed out after {self.timeout}s", True, unanswered=True
+            ) from None
         except aiohttp.ClientError as err:
             # connection refused/reset, server disconnected, payload cut short
-            raise FetchError(url, f"{type(err).__name__}: {err}", True) from None
+            unanswered = isinstance(err, aiohttp.ClientConnectorError)  # refused, no such host
+            raise FetchError(
+                url, f"{type(err).__name__}: {err}", True, unanswered=unanswered
+            ) from None
 
     def _redirect(self, url: str, current: str, resp: aiohttp.ClientResponse) -> str:
         """Where a redirect leads, if the policy allows following it."""
