@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +35,7 @@ _tree: Path | None = None
 # ------------------------------------------------------------------ the installed tree
 
 
+@event_priority(100)  # before mkdocstrings makes its handler, which reads the paths
 def on_config(config: Any) -> Any:
     global _tree
     _tree = Path(tempfile.mkdtemp(prefix="distlearn-docs-"))
