@@ -159,6 +159,7 @@ class _NumpyCopies:
 WROTE = "out is [1, 28, 28] (input_dims) but the processor wrote"
 
 
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
 @pytest.mark.parametrize("workers", ["thread", "process"])
 @pytest.mark.parametrize(
     ("processor", "error", "wrote"),
