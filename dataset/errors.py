@@ -34,11 +34,17 @@ class IndexNotFound(DatasetError, FileNotFoundError):
 class FetchError(DatasetError, OSError):
     """A read failed; ``url`` and ``cause`` say which and why (an ``OSError``, as I/O errors are).
 
-    ``retryable``: the fault may pass (a connection error, a 5xx); ``missing``:
-    the store says there is no such file (404/410, ``FileNotFoundError``);
-    ``wait``: seconds the server asked for before a retry (its Retry-After), or None;
-    ``unanswered``: no answer came (the connection was refused or could not be made,
-    or the read timed out), as opposed to an answer that was an error.
+    The fields carry the decisions (retry, give up, wait); code reads them, never the
+    message.
+
+    Args:
+        url: What was read.
+        cause: Why it failed, in a line.
+        retryable: The fault may pass (a connection error, a 5xx).
+        missing: The store says there is no such file (404/410, `FileNotFoundError`).
+        wait: Seconds the server asked for before a retry (its Retry-After), or None.
+        unanswered: No answer came (the connection was refused or could not be made,
+            or the read timed out), as opposed to an answer that was an error.
     """
 
     def __init__(self, url: str, cause: str, retryable: bool = False, missing: bool = False,
