@@ -273,7 +273,16 @@ def check(where: str, given: Iterable[str], *groups: Iterable[str]) -> None:
 
     The closest is sought among the named arguments of Dataset() and sampled_batcher()
     too (``partiton`` is ``partition``, not ``part_timeout``), and one that belongs to
-    the other call says so."""
+    the other call says so.
+
+    Args:
+        where: The call, for the message (`"Dataset()"`).
+        given: The names given.
+        *groups (Iterable[str]): The valid names, in groups.
+
+    Raises:
+        TypeError: A name no group has, naming the closest valid one.
+    """
     valid = sorted({name for group in groups for name in group})
     for name in given:
         if name in valid:
@@ -344,5 +353,18 @@ class Options:
 
 
 def split(where: str, flat: Mapping[str, Any], groups: Sequence[str] = tuple(GROUPS)) -> Options:
-    """Flat keywords sorted into typed groups: an unknown name or a bad value raises here."""
+    """Flat keywords sorted into typed groups: an unknown name or a bad value raises here.
+
+    Args:
+        where: The call, for messages.
+        flat: The keywords.
+        groups: The groups they may belong to.
+
+    Returns:
+        The `Options`, defaults where not given.
+
+    Raises:
+        TypeError: A misspelt name, naming the closest.
+        ValueError: A bad value, naming the option.
+    """
     return Options().update(where, flat, groups)
