@@ -30,6 +30,13 @@ install_requires = [
     "pyarrow>=14",
 ]
 
+DOCS = [
+    "mkdocs==1.6.1",
+    "mkdocs-material==9.8.2",
+    "mkdocstrings==1.0.8",
+    "mkdocstrings-python==2.0.11",
+]
+
 extras = {
     "s3": ["s3fs>=2023.6"],
     "thrift": ["thrift>=0.16"],
@@ -39,6 +46,9 @@ extras = {
     # Transform): about 2x Pillow's decode; without it, Pillow decodes them
     "jpeg": ["simplejpeg>=1.7"],
     "examples": ["matplotlib>=3.7"],
+    # the docs site (mkdocs.yml): `mkdocs build --strict`, which tests/run.sh runs.
+    # Pinned: a theme or handler release changes what --strict accepts.
+    "docs": DOCS,
     # bench/thrift.py compares dataset.thrift with thrift's own (C-accelerated) decoder;
     # bench/index.py opening an index with pandas' and pyarrow's CSV readers
     "bench": [
@@ -64,6 +74,7 @@ extras = {
         "pandas>=2.0",
         "pyarrow>=14",
         "simplejpeg>=1.7",
+        *DOCS,
     ],
 }
 extras["all"] = sorted({req for reqs in extras.values() for req in reqs})

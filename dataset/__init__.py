@@ -27,6 +27,7 @@ if __name__ != "distlearn.dataset":
 
 import logging
 import os
+import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,8 @@ _LAZY = {
 }
 
 log = logging.getLogger(__name__)
+# The (partition, partitions) this process has logged at INFO (see Dataset.__init__).
+_PARTITIONS_SAID: set[tuple[int, int]] = set()
 
 
 def __getattr__(name: str) -> Any:
@@ -132,14 +135,43 @@ def _env_rank(launchers=_LAUNCHERS) -> tuple[int, int, str] | None:
     return None
 
 
+def _no_answer(url: str, fetch: _options.FetchOptions) -> str:
+    """What to check when reading the index got no answer, and the options that wait longer."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme in ("http", "https") and parsed.hostname:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        where = f"is a server running at {parsed.hostname}:{port}, and reachable from this host?"
+    else:
+        where = "is the store reachable from this host?"
+    timeout = "no limit" if fetch.timeout is None else f"{fetch.timeout:g} s"
+    return (
+        f". Nothing answered: {where} The index was read with retries={fetch.retries} "
+        f"(backoff={fetch.backoff:g} s doubling up to max_backoff={fetch.max_backoff:g} s) "
+        f"and timeout={timeout} a try; for a server still starting, give Dataset() more, "
+        "e.g. retries=10, max_backoff=10"
+    )
+
+
 def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, str]:
     """(partition, partitions, where they came from) for a Dataset.
 
-    No partition arguments under torchrun (``WORLD_SIZE`` > 1) follow
-    ``RANK``/``WORLD_SIZE``, as ``DistributedSampler`` follows the process
-    group; ``partition="auto"`` reads them whatever ``WORLD_SIZE``, or Slurm's
-    ``SLURM_PROCID``/``SLURM_NTASKS`` (under ``srun``) without them; explicit
-    numbers win (``partition=0, partitions=1`` is the whole index).
+    No partition arguments under torchrun (`WORLD_SIZE` > 1) follow
+    `RANK`/`WORLD_SIZE`, as `DistributedSampler` follows the process group;
+    `partition="auto"` reads them whatever `WORLD_SIZE`, or Slurm's
+    `SLURM_PROCID`/`SLURM_NTASKS` (under `srun`) without them; explicit numbers win
+    (`partition=0, partitions=1` is the whole index).
+
+    Args:
+        partition: As given to `Dataset`: an int, `"auto"` or None.
+        partitions: As given to `Dataset`: an int or None.
+
+    Returns:
+        `(partition, partitions, source)`, `source` saying where they came from.
+
+    Raises:
+        TypeError: `partition` is neither an int nor `"auto"`.
+        ValueError: `"auto"` with `partitions`, or launcher variables half set or
+            out of range.
     """
     if partition is None and partitions is None:
         # torchrun's variables only: a Slurm batch script's own process sees
@@ -165,23 +197,42 @@ def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, 
 class Dataset:
     """An index, partitioned for one rank, that makes batchers.
 
-    ``index``: a .csv/.tsv path or URL (local, http(s)://, any fsspec URL), a
-    directory (labels = sub-folder names), a tensor, ``dict(x=, y=)``, a .pt file,
-    a folder/URL of part files, or a list of these joined item by item (see
-    :mod:`dataset.index.kinds`). ``partition`` is 0-based like a torch rank;
-    ``"auto"`` reads RANK/WORLD_SIZE, and so does a Dataset given neither
-    under torchrun (``WORLD_SIZE`` > 1).
+    Options are flat keywords, sorted into typed groups and checked here, before
+    anything is read (`distlearn.dataset.options`): the index group (`sep`, `meta`,
+    `url_params`, `multi_hot`, `allow_schemes`, `cache_index`), the read policy of
+    every read (`timeout`, `retries`...), the disk cache (`cache_items`,
+    `cache_dir`...), part files (`record_format`, `resident_parts`...), and the
+    batcher's workers and sampling options, which become defaults for
+    `sampled_batcher`. The table of every option and its default is in the guide.
 
-    Options are flat keywords, sorted into typed groups and checked here,
-    before anything is read (see :mod:`dataset.options`): the index group
-    (``sep``, ``meta``, ``url_params``, ``multi_hot``, ``allow_schemes``,
-    ``cache_index``), the read policy of every read (``timeout``,
-    ``retries``...), the disk cache (``cache_items``, ``cache_dir``...), part
-    files (``record_format``, ``resident_parts``...), and the batcher's
-    workers and sampling options, which become defaults for
-    :meth:`sampled_batcher`. ``cache_index=True`` keeps index files, and CSV
-    indexes parsed, in the cache: a restarted job or the other ranks of a host
-    map the same file (one copy per host). A misspelt option raises TypeError.
+    Args:
+        index: A .csv/.tsv path or URL (local, http(s)://, any fsspec URL), a directory
+            (labels: the sub-folder names), a tensor, `dict(x=, y=)`, a .pt file, a
+            folder, URL or brace pattern of part files, or a list of these joined item
+            by item.
+        partition: This rank's partition, 0-based like a torch rank. `"auto"` reads
+            RANK/WORLD_SIZE, else Slurm's SLURM_PROCID/SLURM_NTASKS. Left out (with
+            `partitions`) under torchrun (`WORLD_SIZE` > 1) it follows
+            RANK/WORLD_SIZE; otherwise the whole index.
+        partitions: How many partitions (the world size).
+        **opts (Any): Options of the fetch, index, cache, parts, workers and sampling
+            groups.
+
+    Attributes:
+        index: This partition of the index: `len(index)` examples, `index.labels`
+            the sorted label names.
+        partition: This rank's partition.
+        partitions: How many partitions.
+        options: The typed option groups.
+
+    Raises:
+        TypeError: A misspelt option (naming the closest), a batcher's argument
+            (`pool_size`, `prefetch`), or part-file options for another kind of index.
+        ValueError: A bad option value, naming the option; RANK/WORLD_SIZE half set.
+        BadIndex: A malformed index (naming the file and line), or an empty partition.
+        IndexNotFound: The index, its meta file or a .pt file does not exist.
+        FetchError: The index could not be read after the retries; where nothing
+            answered, the message asks whether the server runs.
     """
 
     def __init__(
@@ -191,7 +242,7 @@ class Dataset:
         partitions: int | None = None,
         **opts: Any,
     ):
-        from .errors import BadIndex
+        from .errors import BadIndex, FetchError
         from .index.kinds import open_index
         from .index.parts import PartIndex
 
@@ -200,7 +251,15 @@ class Dataset:
                 raise TypeError(f"Dataset() got {name!r}: pass it to sampled_batcher()")
         self.options = _options.split("Dataset()", opts)
         self.partition, self.partitions, source = choose_partition(partition, partitions)
-        whole = open_index(index, options=self.options)
+        try:
+            whole = open_index(index, options=self.options)
+        except FetchError as err:
+            if not err.unanswered:
+                raise
+            hint = _no_answer(err.url, self.options.fetch)
+            raise FetchError(
+                err.url, err.cause + hint, err.retryable, err.missing, err.wait, True
+            ) from err
         parts_given = self.options.parts.given()
         if parts_given and not isinstance(whole, PartIndex):
             raise TypeError(f"{sorted(parts_given)} apply to part files only, not to {index!r}")
@@ -211,8 +270,15 @@ class Dataset:
                 f"{whole.origin}: partition {self.partition} of {self.partitions} is empty "
                 f"(the index has {len(whole)} items)"
             )
-        if source != "default":
-            log.info(
+        if source != "default" and not (source == "arguments" and self.partitions == 1):
+            # One INFO line per rank: a rank that opens more indexes with the same
+            # partition (train and test) says the rest at DEBUG; the whole index asked
+            # for by name (partition=0, partitions=1) goes unsaid.
+            said = (self.partition, self.partitions)
+            level = logging.DEBUG if said in _PARTITIONS_SAID else logging.INFO
+            _PARTITIONS_SAID.add(said)
+            log.log(
+                level,
                 "%s: partition %d of %d (from %s)",
                 whole.origin,
                 self.partition,
@@ -227,7 +293,11 @@ class Dataset:
         )
 
     def __len__(self) -> int:
-        """Examples in this partition (for part files: records, estimated until all are read)."""
+        """Examples in this partition (part files: records, estimated until all were read).
+
+        Returns:
+            The number of examples.
+        """
         return len(self.index)
 
     def sampled_batcher(
@@ -242,22 +312,36 @@ class Dataset:
         seed: int = 0,
         **opts: Any,
     ) -> SampledBatcher:
-        """Batches of this partition in sampler order; see :class:`SampledBatcher` for options.
+        """Batches of this partition, in sampler order.
 
-        ``sampler``: a registered name (``linear``, ``permutation``, ``uniform``,
-        ``label-uniform``, ``label-permutation``, ``label-distribution``) or a
-        callable ``(index, epoch, rng, **sampler_opt) -> iterable``. For a list
-        of indexes, a list with one entry per index: entry 0 drives the epoch,
-        entry k is None (item i of the first fetches item i of index k) or a
-        sampler that draws index k's item, from all of index k whatever the
-        partition (``sampler=["permutation", "uniform"]``, ``sampler_opt`` a
-        list too or a dict for the first).
-        ``processor(fetched, opt, out) -> bool | (bool, extra)`` decodes one item
-        into ``out``. ``pool_size``: concurrent fetches per worker. ``prefetch``:
-        batches in flight. ``workers="thread" | "process"``, ``num_workers``,
-        ``sampler_opt``, ``timeout``, ``retries``, ``cache``, ``progress``,
-        ``drop_last``, ``on_error``, ``worker_timeout`` and ``mp_context`` are
-        further options (see the README).
+        Args:
+            batch_size: Items per batch.
+            input_dims: The shape of one item in `batch.input`, e.g. `(3, 224, 224)`.
+            sampler: A registered name (`linear`, `permutation`, `uniform`,
+                `label-uniform`, `label-permutation`, `label-distribution`, and
+                `part-*` for part files) or a callable
+                `(index, epoch, rng, **sampler_opt) -> iterable`. For a list of
+                indexes, one entry per index: entry 0 drives the epoch, entry k is
+                None (item i of the first fetches item i of index k) or a sampler
+                that draws index k's item from all of it, whatever the partition.
+            processor: `processor(fetched, opt, out) -> bool | (bool, extra)` decodes
+                one item into `out`, its row of the batch; None copies tensor rows
+                and decodes bytes as images.
+            processor_opt: Passed to the processor as `opt`.
+            pool_size: Concurrent fetches per worker (64 when None).
+            prefetch: Batches in flight (process workers keep at least 2 each).
+            seed: Seeds the sampler and `item_rng()`.
+            **opts (Any): Options of the fetch, cache, workers and sampling groups
+                (`workers`, `num_workers`, `sampler_opt`, `drop_last`, `on_error`,
+                `retries`...), over those given to `Dataset`.
+
+        Returns:
+            A `SampledBatcher`: `for batch in batcher` is one epoch.
+
+        Raises:
+            TypeError: A misspelt option (naming the closest), or one of `Dataset`'s.
+            ValueError: A bad value (`batch_size=0`, `input_dims=(3, 0)`, an unknown
+                sampler or `sampler_opt` key), naming it.
         """
         from .batcher import SampledBatcher
 

@@ -41,11 +41,26 @@ log = logging.getLogger(__name__)
 
 
 class SampledBatcher:
-    """Iterate batches of a partition; see :meth:`dataset.Dataset.sampled_batcher`.
+    """Batches of a partition, in sampler order; made by `Dataset.sampled_batcher`.
 
-    ``options`` holds the typed option groups (fetch, cache, workers,
-    sampling); flat keywords (``workers="thread"``, ``retries=5``...) are laid
-    over them and checked here.
+    `for batch in batcher` is one epoch; the next `for` starts the next epoch. A
+    batcher is also a context manager that closes it.
+
+    Args:
+        index: The partition's index (`Dataset.index`).
+        batch_size: Items per batch.
+        input_dims: The shape of one item in `batch.input`.
+        sampler: A sampler's name or callable (see `Dataset.sampled_batcher`).
+        processor: Decodes one item into its row of the batch.
+        processor_opt: Passed to the processor as `opt`.
+        seed: Seeds the sampler and `item_rng()`.
+        partition: The partition, for the seeds.
+        options: The typed option groups (fetch, cache, workers, sampling).
+        **flat (Any): Flat options laid over `options`, checked here.
+
+    Raises:
+        TypeError: A misspelt option, naming the closest.
+        ValueError: A bad option value or an unknown sampler.
     """
 
     def __init__(
@@ -102,7 +117,7 @@ class SampledBatcher:
 
     @property
     def stats(self) -> Stats:
-        """Counters: items ``fetched``, ``retried``, ``failed``, ``dropped``, ``bytes``.
+        """Counters: items `fetched`, `retried`, `failed`, `dropped`, `bytes`.
 
         For part files, records handed out count as fetched (with their size),
         and the part reader's counters join in: ``parts``, ``part_bytes``,
@@ -118,21 +133,34 @@ class SampledBatcher:
 
     @property
     def epoch(self) -> int:
-        """The epoch being read (0-based); -1 before the first batch."""
+        """The epoch being read (0-based); -1 before the first batch.
+
+        Returns:
+            The epoch.
+        """
         return self.stream.epoch
 
     def __len__(self) -> int:
-        """Batches in one epoch; TypeError for a stream of unknown length (see num_batches).
+        """Batches in one epoch.
 
         A batch whose every item failed is skipped, so an epoch may hand out fewer.
+
+        Returns:
+            The number of batches.
+
+        Raises:
+            TypeError: The stream's length is unknown (part files): see `num_batches`.
         """
         return len(self.stream)
 
     def num_batches(self) -> int:
-        """Batches in one epoch, or an estimate from ``len(index)`` for an unknown-length stream.
+        """Batches in one epoch, or an estimate for a stream of unknown length.
 
-        For part files ``len(index)`` is estimated from the part sizes until
-        every part has been read once, then exact.
+        For part files `len(index)` is estimated from the part sizes until every
+        part has been read once, then exact.
+
+        Returns:
+            The number of batches, or its estimate.
         """
         try:
             return len(self)
@@ -218,7 +246,18 @@ class SampledBatcher:
         One pipeline feeds one iteration at a time: a new `iter()` (or `next_batch()`
         starting an epoch, `reset()`, `load_state_dict()`) ends an iteration still under
         way, whose next step raises RuntimeError rather than hand out the new one's
-        batches. Leaving a loop with `break` and starting the next is fine."""
+        batches. Leaving a loop with `break` and starting the next is fine.
+
+        Yields:
+            Each `Batch` of the epoch.
+
+        Raises:
+            AllFailed: `max_failed_batches` consecutive batches in which every item
+                failed.
+            WorkerDied: A worker exited, or finished no batch within `worker_timeout`.
+            Exception: A bug in the processor, with the worker's traceback (or any
+                failure, as `on_error` decides).
+        """
         self._start_next()
         run = self._run
         bar = self._progress_bar()
@@ -252,7 +291,16 @@ class SampledBatcher:
         return tqdm(total=total, desc=f"epoch {self.epoch}", unit="batch")
 
     def next_batch(self) -> Batch:
-        """The next batch, rolling over into the next epoch at the end of one."""
+        """The next batch, rolling over into the next epoch at the end of one.
+
+        Returns:
+            The next `Batch`.
+
+        Raises:
+            RuntimeError: The sampler gave an epoch with no item.
+            AllFailed: As for iterating.
+            WorkerDied: As for iterating.
+        """
         if self._resume is not None or self.epoch < 0:
             self._start_next()
         batch = self._next_or_none()
@@ -281,13 +329,25 @@ class SampledBatcher:
 
         A few integers, whatever the epoch's size: the order is regenerated from
         (seed, partition, epoch) on resume. Items in flight but not yet handed
-        out are not counted, so a job resumed with :meth:`load_state_dict` sees
+        out are not counted, so a job resumed with `load_state_dict` sees
         exactly the items it had not seen.
+
+        Returns:
+            A small dict of ints.
         """
         return self.stream.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`: the next batch is the first item not yet seen then."""
+        """Continue from `state`: the next batch is the first item not yet seen then.
+
+        Args:
+            state: What `state_dict()` returned.
+
+        Raises:
+            TypeError: `state` is not a dict.
+            ValueError: `state` was saved for another order (another sampler, seed,
+                partition, or an index that gained or lost items), naming what differs.
+        """
         resume = self.stream.check_state(state)
         self.engine.drain()
         self.stream.stop()
@@ -297,11 +357,14 @@ class SampledBatcher:
     # -- adapters and lifetime ---------------------------------------------------------
 
     def as_torch(self) -> torch.utils.data.IterableDataset:
-        """A ``torch.utils.data.IterableDataset`` yielding (input, target) per batch.
+        """A `torch.utils.data.IterableDataset` yielding (input, target) per batch.
 
-        Use it with ``DataLoader(batcher.as_torch(), batch_size=None)`` and no
-        DataLoader workers (``num_workers=0``): this batcher already has its own,
+        Use it with `DataLoader(batcher.as_torch(), batch_size=None)` and no
+        DataLoader workers (`num_workers=0`): this batcher already has its own,
         and a DataLoader worker raises a clear error at once.
+
+        Returns:
+            The dataset.
         """
         return _TorchAdapter(self)
 

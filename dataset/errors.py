@@ -34,20 +34,30 @@ class IndexNotFound(DatasetError, FileNotFoundError):
 class FetchError(DatasetError, OSError):
     """A read failed; ``url`` and ``cause`` say which and why (an ``OSError``, as I/O errors are).
 
-    ``retryable``: the fault may pass (a connection error, a 5xx); ``missing``:
-    the store says there is no such file (404/410, ``FileNotFoundError``);
-    ``wait``: seconds the server asked for before a retry (its Retry-After), or None.
+    The fields carry the decisions (retry, give up, wait); code reads them, never the
+    message.
+
+    Args:
+        url: What was read.
+        cause: Why it failed, in a line.
+        retryable: The fault may pass (a connection error, a 5xx).
+        missing: The store says there is no such file (404/410, `FileNotFoundError`).
+        wait: Seconds the server asked for before a retry (its Retry-After), or None.
+        unanswered: No answer came (the connection was refused or could not be made,
+            or the read timed out), as opposed to an answer that was an error.
     """
 
     def __init__(self, url: str, cause: str, retryable: bool = False, missing: bool = False,
-                 wait: float | None = None):  # fmt: skip
+                 wait: float | None = None, unanswered: bool = False):  # fmt: skip
         super().__init__(f"{url}: {cause}")
         self.url, self.cause = url, cause
         self.retryable, self.missing, self.wait = retryable, missing, wait
+        self.unanswered = unanswered
 
     def __reduce__(self):
         # pickled from process workers to the main process: rebuild from the fields
-        return type(self), (self.url, self.cause, self.retryable, self.missing, self.wait)
+        fields = (self.url, self.cause, self.retryable, self.missing, self.wait, self.unanswered)
+        return type(self), fields
 
 
 class AllFailed(DatasetError, RuntimeError):

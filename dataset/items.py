@@ -20,11 +20,14 @@ __all__ = ["Batch", "Record"]
 class Record:
     """An item handed over by a sampler instead of an index position.
 
-    ``source``: what to fetch (a URL, ``(url, offset, length)``) or the payload
-    itself (bytes, a tensor) when it is already in memory, e.g. a record read
-    from a part file. ``labels``: label ids into ``index.labels``. ``target``:
-    the label this example stands for (default: the first label, -1 if none).
-    ``name``: for ``batch.urls`` and logs.
+    Attributes:
+        source: What to fetch (a URL, `(url, offset, length)`) or the payload itself
+            (bytes, a tensor) when it is already in memory, e.g. a record read from a
+            part file.
+        labels: Label ids into `index.labels`.
+        name: For `batch.urls` and logs.
+        target: The label this example stands for (default: the first label, -1 if
+            none).
     """
 
     source: Any
@@ -35,15 +38,20 @@ class Record:
 
 @dataclass
 class Batch:
-    """One batch: ``input`` [n, *input_dims] float, ``target`` [n] long (-1: unlabeled).
+    """One batch of n items; `len(batch)` is n.
 
-    ``target[i]`` is the label example i stands for (an item with several
-    labels is one example per label); with ``multi_hot`` datasets it is a float
-    [n, len(labels)] tensor with a 1 for each label of the item.
-    ``labels[i]``: the names of all labels of item i (a tuple; empty when
-    unlabeled), ``urls[i]``: where it came from, ``extra[i]``: what the
-    processor returned (None when nothing). Rows whose fetch or processor
-    failed are left out, so n may be less than the batch size, never 0.
+    Rows whose fetch or processor failed are left out, so n may be less than the
+    batch size, never 0. A batch owns its tensors: keeping it is safe.
+
+    Attributes:
+        input: Float `[n, *input_dims]`.
+        target: Long `[n]`: the label example i stands for, as its place in
+            `index.labels` (-1: unlabeled); an item with several labels is one
+            example per label. With `multi_hot=True` a float `[n, len(labels)]`
+            tensor with a 1 for each label of the item.
+        labels: The names of all labels of item i (a tuple; empty when unlabeled).
+        urls: Where item i came from.
+        extra: What the processor returned beside its verdict (None when nothing).
     """
 
     input: torch.Tensor

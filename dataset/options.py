@@ -272,7 +272,8 @@ FETCH = FetchOptions.names()
 INDEX = IndexOptions.names()
 CACHE = CacheOptions.names()
 PARTS = PartOptions.names()
-# the batcher's own arguments (Dataset.sampled_batcher's signature)
+# Dataset's own named arguments, and the batcher's (Dataset.sampled_batcher's signature)
+DATASET_ARGS = ("index", "partition", "partitions")
 BATCHER_ARGS = (
     "batch_size",
     "input_dims",
@@ -286,15 +287,34 @@ BATCHER_ARGS = (
 
 
 def check(where: str, given: Iterable[str], *groups: Iterable[str]) -> None:
-    """Raise TypeError for a name in `given` that no group has, naming the closest valid one."""
+    """Raise TypeError for a name in `given` that no group has, naming the closest valid one.
+
+    The closest is sought among the named arguments of Dataset() and sampled_batcher()
+    too (``partiton`` is ``partition``, not ``part_timeout``), and one that belongs to
+    the other call says so.
+
+    Args:
+        where: The call, for the message (`"Dataset()"`).
+        given: The names given.
+        *groups (Iterable[str]): The valid names, in groups.
+
+    Raises:
+        TypeError: A name no group has, naming the closest valid one.
+    """
     valid = sorted({name for group in groups for name in group})
     for name in given:
         if name in valid:
             continue
-        if name in BATCHER_ARGS:
-            raise TypeError(f"{where} got {name!r}: pass it to sampled_batcher()")
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; valid options: {', '.join(valid)}"
+        for args, call in ((BATCHER_ARGS, "sampled_batcher()"), (DATASET_ARGS, "Dataset()")):
+            if name in args:
+                raise TypeError(f"{where} got {name!r}: pass it to {call}")
+        close = difflib.get_close_matches(name, [*valid, *BATCHER_ARGS, *DATASET_ARGS], 1, 0.6)
+        if not close:
+            hint = f"; valid options: {', '.join(valid)}"
+        else:
+            call = "sampled_batcher()" if close[0] in BATCHER_ARGS else "Dataset()"
+            other = close[0] not in valid and call != where
+            hint = f"; did you mean {close[0]!r}{f' (an argument of {call})' if other else ''}?"
         raise TypeError(f"{where} got an unknown option {name!r}{hint}")
 
 
@@ -352,5 +372,18 @@ class Options:
 
 
 def split(where: str, flat: Mapping[str, Any], groups: Sequence[str] = tuple(GROUPS)) -> Options:
-    """Flat keywords sorted into typed groups: an unknown name or a bad value raises here."""
+    """Flat keywords sorted into typed groups: an unknown name or a bad value raises here.
+
+    Args:
+        where: The call, for messages.
+        flat: The keywords.
+        groups: The groups they may belong to.
+
+    Returns:
+        The `Options`, defaults where not given.
+
+    Raises:
+        TypeError: A misspelt name, naming the closest.
+        ValueError: A bad value, naming the option.
+    """
     return Options().update(where, flat, groups)

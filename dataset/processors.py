@@ -33,15 +33,27 @@ _MODES16 = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 class Image:
-    """PNG/JPEG/... bytes (via Pillow) into a float tensor ``[C, H, W]`` with values in [0, 1].
+    """PNG/JPEG/... bytes (via Pillow) into a float tensor `[C, H, W]` with values in [0, 1].
 
-    ``mode``: Pillow mode to convert to (``"L"``, ``"RGB"``...); default from the
-    channel count of ``input_dims``. ``size``: resize to ``(height, width)`` (or an
-    int for a square) first; without it an image must already match ``input_dims``.
-    ``mean``/``std``: per-channel normalisation applied after scaling to [0, 1].
-    ``max_pixels``: larger images raise ``PIL.Image.DecompressionBombError``
-    before they are decoded (default: Pillow's ``Image.MAX_IMAGE_PIXELS``, which
-    Pillow itself only warns about below twice that size).
+    16-bit grey images are scaled by their own depth. A JPEG that is resized is
+    decoded at a reduced scale first where libjpeg can.
+
+    Args:
+        mode: The Pillow mode to convert to (`"L"`, `"RGB"`...); by default from the
+            channel count of `input_dims`.
+        size: Resize to `(height, width)` (or an int, for a square) first; without it
+            an image must already match `input_dims`.
+        mean: Per-channel mean subtracted after scaling to [0, 1].
+        std: Per-channel deviation divided by after that.
+        resample: Pillow's resampling filter for `size`.
+        max_pixels: Larger images raise `PIL.Image.DecompressionBombError` before they
+            are decoded (default: Pillow's `Image.MAX_IMAGE_PIXELS`, which Pillow
+            itself only warns about below twice that size).
+
+    Raises:
+        ValueError: A zero in `std`; when called, an image that does not fit
+            `input_dims` (naming the dimension that differs and the option that fixes
+            it), or a 16-bit grey image asked to become colour.
     """
 
     def __init__(
@@ -142,7 +154,15 @@ def _mismatch(got: tuple[int, ...], want: tuple[int, ...], mode: str) -> str:
 
 
 class Raw:
-    """Bytes read as a flat array of `dtype` (default uint8) into the row, optionally scaled."""
+    """Bytes read as a flat array of `dtype` into the row, optionally scaled.
+
+    Args:
+        dtype: The numpy dtype of the bytes.
+        scale: A factor applied after the copy (e.g. `1 / 255`).
+
+    Raises:
+        ValueError: When called, bytes holding another number of values than the row.
+    """
 
     def __init__(self, dtype: str | np.dtype = "uint8", scale: float | None = None):
         self.dtype = np.dtype(dtype)
@@ -161,10 +181,16 @@ class Raw:
 
 
 class Json:
-    """A JSON document: ``field`` (or the whole document) as numbers into the row.
+    """A JSON document: `field` (or the whole document) as numbers into the row.
 
-    The parsed document is returned as the item's ``extra``. With ``field=None``
-    and a document that is not numeric, only the extra is kept (the row is zero).
+    The parsed document is returned as the item's `extra`. With `field=None` and a
+    document that is not numeric, only the extra is kept (the row is zero).
+
+    Args:
+        field: The key whose value goes into the row; None: the whole document.
+
+    Raises:
+        ValueError: When called, a field that is not numeric or does not fit the row.
     """
 
     def __init__(self, field: str | None = None):
@@ -187,7 +213,20 @@ class Json:
 
 
 def default_processor(fetched: Any, opt: Any, out: torch.Tensor) -> bool:
-    """Tensor rows are copied (reshaped to ``input_dims``); bytes are decoded as images."""
+    """The processor when none is given: tensor rows are copied, bytes decoded as images.
+
+    Args:
+        fetched: A tensor row, or an image's bytes.
+        opt: The batcher's `processor_opt`.
+        out: The item's row of the batch.
+
+    Returns:
+        True: the item is kept.
+
+    Raises:
+        ValueError: A tensor row of another size than `input_dims`.
+        TypeError: Anything but a tensor or bytes (pass `processor=`).
+    """
     if isinstance(fetched, torch.Tensor):
         if fetched.numel() != out.numel():
             raise ValueError(

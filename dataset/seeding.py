@@ -44,7 +44,17 @@ _CURRENT: contextvars.ContextVar[tuple[int, int, int, int] | None] = contextvars
 
 
 def item_seed() -> int:
-    """A 63-bit seed for the item being decoded (call it inside a processor)."""
+    """A 63-bit seed for the item being decoded (call it inside a processor).
+
+    It derives from (seed, partition, epoch, the item's place in the epoch): the same
+    for that item whatever the number or kind of workers, and after a resume.
+
+    Returns:
+        The seed, e.g. for `torch.Generator().manual_seed`.
+
+    Raises:
+        RuntimeError: Called outside a processor run by a batcher.
+    """
     key = _CURRENT.get()
     if key is None:
         raise RuntimeError("item_seed()/item_rng() are for use inside a processor of a batcher")
@@ -53,7 +63,14 @@ def item_seed() -> int:
 
 
 def item_rng() -> np.random.Generator:
-    """A numpy generator for the item being decoded: the same for that item on any setup."""
+    """A numpy generator for the item being decoded: the same for that item on any setup.
+
+    Returns:
+        A `numpy.random.Generator` seeded with `item_seed()`.
+
+    Raises:
+        RuntimeError: Called outside a processor run by a batcher.
+    """
     return np.random.default_rng(item_seed())
 
 

@@ -459,7 +459,17 @@ class HttpConnection(asyncio.Protocol):
 
 
 class Server:
-    """Serves `root` on a bound socket; `await serve()` runs until `stop()`."""
+    """Serves `root` on a bound socket; `await serve()` runs until `stop()`.
+
+    Args:
+        root: The folder to serve; nothing outside it, and no symbolic link.
+        sock: A listening socket (`bind`).
+        head_timeout: Seconds a request's head may take to arrive.
+        idle_timeout: Seconds an idle keep-alive connection stays open.
+
+    Raises:
+        ValueError: A timeout that is not positive.
+    """
 
     def __init__(
         self,
@@ -478,9 +488,11 @@ class Server:
 
     @property
     def port(self) -> int:
+        """The port the socket is bound to."""
         return self.sock.getsockname()[1]
 
     async def serve(self) -> None:
+        """Serve until `stop()`; then close every connection and the open files."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         server = await loop.create_server(lambda: HttpConnection(self), sock=self.sock)
@@ -495,6 +507,7 @@ class Server:
             self.files.close()
 
     def stop(self) -> None:
+        """Make `serve()` return (from the loop's thread)."""
         if self._stop is not None:
             self._stop.set()
 
@@ -509,7 +522,19 @@ class Server:
 
 
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A listening socket on (host, port); OSError naming the address if it is taken."""
+    """A listening, non-blocking socket on (host, port).
+
+    Args:
+        host: The address to bind (IPv6 when it holds a colon).
+        port: The port; 0 for a free one.
+        reuse_port: Set SO_REUSEPORT (for a group of sockets on one port).
+
+    Returns:
+        The socket.
+
+    Raises:
+        OSError: The address is taken or cannot be bound, naming it.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -612,8 +637,15 @@ def _worker(
 
 
 def serve_in_processes(args: argparse.Namespace, socks: list[socket.socket]) -> int:
-    """One forked worker per socket; this process supervises them. Returns the exit
-    status: 0 once stopped by SIGINT or SIGTERM, 1 when a worker died first."""
+    """One forked worker per socket; this process supervises them.
+
+    Args:
+        args: The parsed command line (`root`, the timeouts).
+        socks: The listening sockets (`bind_group`), one per worker.
+
+    Returns:
+        The exit status: 0 once stopped by SIGINT or SIGTERM, 1 when a worker died first.
+    """
     parent, pids, port = os.getpid(), [], socks[0].getsockname()[1]
     try:
         for mine in range(len(socks)):
@@ -670,6 +702,14 @@ def _stop_workers(pids: list[int], grace: float = 5.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`distlearn-serve DIR [--host H] [--port P] [--port-file F] [--workers N] ...`.
+
+    Args:
+        argv: The command line's arguments; None: `sys.argv[1:]`.
+
+    Returns:
+        The exit status.
+    """
     p = argparse.ArgumentParser(
         prog="python -m distlearn.dataset.serve", description=__doc__.split("\n")[0]
     )

@@ -47,12 +47,22 @@ class Handle(Protocol):
     """An all-reduce in flight."""
 
     def wait(self) -> int:
-        """Block until the result is in the tensors; returns how many nodes contributed.
-        Waiting again returns the same count."""
+        """Block until the result is in the tensors.
+
+        Returns:
+            How many nodes contributed; waiting again returns the same count.
+
+        Raises:
+            Exception: What the synchronous call would have raised (a dead peer...).
+        """
         ...
 
     def is_completed(self) -> bool:
-        """Whether `wait()` would return without blocking on communication."""
+        """Whether `wait()` would return without blocking on communication.
+
+        Returns:
+            True once the result is in the tensors (or the collective failed).
+        """
         ...
 
 
@@ -63,27 +73,54 @@ class Communicator(Protocol):
     `tensors` is a tensor or a nested list/tuple/dict of tensors, changed in place.
     Communicators that can overlap also accept `async_op=True` in `all_reduce` and then
     return a `Handle` (see the module docstring).
+
+    Attributes:
+        node_index: This node's index, 0-based; node 0 is the root.
+        num_nodes: How many nodes take part.
     """
 
     node_index: int
     num_nodes: int
 
     def all_reduce(self, tensors: Any, op: Op = "sum", finished: bool = False) -> int:
-        """Reduce across nodes; a `finished` node contributes nothing. Returns how many
-        nodes contributed."""
+        """Reduce across nodes, in place.
+
+        Args:
+            tensors: A tensor or nested list/tuple/dict of tensors, the same shapes and
+                dtypes on every node.
+            op: `"sum"`, `"max"`, `"min"`, or a function `op(acc, x)`.
+            finished: This node has run out of data: it takes part, contributing
+                nothing (the op's identity), so the others do not hang.
+
+        Returns:
+            How many nodes contributed (were not `finished`).
+        """
         ...
 
     def scatter(self, tensors: Any) -> None:
-        """Copy the root's values to every node."""
+        """Copy the root's values to every node, in place.
+
+        Args:
+            tensors: A tensor or nested list/tuple/dict of tensors, the same shapes
+                and dtypes on every node.
+        """
         ...
 
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every node has reached the barrier."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Leave: finish what is in flight and release the connections."""
+        ...
 
 
 class Completed:
-    """The handle of an all-reduce that already ran (a synchronous communicator's)."""
+    """The handle of an all-reduce that already ran (a synchronous communicator's).
+
+    Args:
+        count: How many nodes contributed, what `wait()` returns.
+    """
 
     __slots__ = ("count",)
 
@@ -91,9 +128,11 @@ class Completed:
         self.count = count
 
     def wait(self) -> int:
+        """The contributor count, at once."""
         return self.count
 
     def is_completed(self) -> bool:
+        """Always True."""
         return True
 
     def __repr__(self) -> str:
@@ -101,7 +140,18 @@ class Completed:
 
 
 def check_communicator(comm: Any) -> Communicator:
-    """Fail early, naming what is missing, rather than at the first collective."""
+    """Fail early, naming what is missing, rather than at the first collective.
+
+    Args:
+        comm: The object to check.
+
+    Returns:
+        `comm` itself.
+
+    Raises:
+        TypeError: `comm` lacks `node_index`, `num_nodes`, `all_reduce`, `scatter` or
+            `barrier`, named.
+    """
     missing = [
         name
         for name in ("node_index", "num_nodes", "all_reduce", "scatter", "barrier")
@@ -115,7 +165,14 @@ def check_communicator(comm: Any) -> Communicator:
 
 
 def supports_async(comm: Any) -> bool:
-    """Whether `comm.all_reduce` has the asynchronous form (takes `async_op`)."""
+    """Whether `comm.all_reduce` has the asynchronous form (takes `async_op`).
+
+    Args:
+        comm: A communicator.
+
+    Returns:
+        True where `all_reduce(..., async_op=True)` returns a `Handle`.
+    """
     if "all_reduce" in getattr(comm, "__dict__", {}) or not hasattr(type(comm), "all_reduce"):
         return _takes_async_op(comm.all_reduce)  # set on the instance: look every time
     return _class_supports_async(type(comm))
@@ -136,8 +193,19 @@ def _takes_async_op(method: Callable) -> bool:
 def start_all_reduce(
     comm: Communicator, tensors: Any, op: Op = "sum", finished: bool = False
 ) -> Handle:
-    """Start an all-reduce and return its handle. A communicator without the asynchronous
-    form runs it to completion here and returns a `Completed` handle."""
+    """Start an all-reduce and return its handle, whatever the communicator.
+
+    A communicator without the asynchronous form runs it to completion here.
+
+    Args:
+        comm: The communicator.
+        tensors: What to reduce, in place.
+        op: The reduction, as for `Communicator.all_reduce`.
+        finished: This node contributes nothing.
+
+    Returns:
+        A `Handle`: the communicator's own, or a `Completed` one.
+    """
     if supports_async(comm):
         return comm.all_reduce(tensors, op=op, finished=finished, async_op=True)
     return Completed(comm.all_reduce(tensors, op=op, finished=finished))
@@ -150,6 +218,14 @@ def check_same_layout(comm: Communicator, tensors: list[torch.Tensor], who: str)
     What DDP checks when it is built. Without it nodes with different models meet in
     collectives of different sizes: gloo then aborts the process from one of its
     threads, and other backends fail on a message that does not say why.
+
+    Args:
+        comm: The communicator.
+        tensors: This node's tensors, in order.
+        who: Names the caller in the error.
+
+    Raises:
+        ValueError: The nodes' tensors differ, with the counts on each side.
     """
     layout = ";".join(f"{tuple(t.shape)}:{t.dtype}:{t.requires_grad:d}" for t in tensors)
     digest = hashlib.blake2b(layout.encode(), digest_size=8).digest()

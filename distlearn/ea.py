@@ -47,6 +47,17 @@ class AllReduceEA:
     compute, the all-reduce only competes with the steps for them (measured: no gain,
     bench/RESULTS-step-time.md); it can pay where communication has resources of its
     own (a network card, a GPU's NCCL stream).
+
+    Args:
+        comm: The communicator (see `AllReduceSGD`).
+        tau: Steps between two averages.
+        alpha: The elastic pull, in [0, 1].
+        overlap: Let an average's all-reduce run during the next steps, where the
+            communicator can.
+
+    Raises:
+        ValueError: `tau` is not a positive int, or `alpha` is outside [0, 1].
+        TypeError: `comm` lacks a communicator's methods.
     """
 
     def __init__(
@@ -70,7 +81,11 @@ class AllReduceEA:
 
     @property
     def center(self) -> list[torch.Tensor]:
-        """This node's copy of the center, one tensor per parameter."""
+        """This node's copy of the center, one tensor per parameter.
+
+        Raises:
+            RuntimeError: Before the first call that averages or synchronizes.
+        """
         if self._center is None:
             raise RuntimeError("the center exists after the first AllReduceEA call")
         self._land()
@@ -89,11 +104,20 @@ class AllReduceEA:
         return ask_active and bool(self._active.real.item() > 0)
 
     def center_model(self, model: nn.Module) -> nn.Module:
-        """A copy of `model` whose parameters are the center: the model to evaluate or
-        save (after `synchronize_center`, the same on every node).
+        """A copy of `model` whose parameters are the center.
 
-        Buffers (BatchNorm statistics) are this node's: elastic averaging averages
-        parameters only. `model` itself is left as it is and keeps training.
+        The model to evaluate or save (after `synchronize_center`, the same on every
+        node). Buffers (BatchNorm statistics) are this node's: elastic averaging
+        averages parameters only. `model` itself is left as it is and keeps training.
+
+        Args:
+            model: The module this AllReduceEA averages.
+
+        Returns:
+            A new module holding the center.
+
+        Raises:
+            TypeError: `model` is not an `nn.Module`.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"center_model needs an nn.Module, got {type(model).__name__}")
@@ -163,7 +187,14 @@ class AllReduceEA:
         return True if not wait else self._land(ask_active=True)
 
     def average_parameters(self, x: Any) -> None:
-        """Call once per training step; every `tau`-th call averages with the center."""
+        """Call once per training step; every `tau`-th call averages with the center.
+
+        Args:
+            x: A module, an iterable of tensors, or a dict: the same on every call.
+
+        Raises:
+            ValueError: Other parameters than on the first call.
+        """
         params = parameters_of(x)
         self._init(params, x)
         self.steps += 1
@@ -182,8 +213,12 @@ class AllReduceEA:
         self.steps = 0
 
     def synchronize_center(self, x: Any) -> None:
-        """End of epoch: wait out nodes with more steps, then make the center bitwise
-        identical on all nodes (the root's), erasing float drift."""
+        """End of epoch: wait out the nodes with more steps, then give every node the
+        root's center, bit for bit (erasing float drift).
+
+        Args:
+            x: The parameters, as given to `average_parameters`.
+        """
         params = parameters_of(x)
         self._init(params, x)
         self._handle_uneven_steps(params)
@@ -191,7 +226,13 @@ class AllReduceEA:
 
     def synchronize_parameters(self, x: Any) -> None:
         """Give every node the root's parameters (and a module's buffers) and reset the
-        center to them. Call at the start, or whenever replicas must agree exactly."""
+        center to them.
+
+        Call it at the start, or whenever the replicas must agree exactly.
+
+        Args:
+            x: A module, an iterable of tensors, or a dict.
+        """
         x = reusable(x)
         params = parameters_of(x)
         self._init(params, x)

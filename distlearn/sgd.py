@@ -72,11 +72,6 @@ class AllReduceSGD:
     the last bucket. Otherwise (tensors, `overlap=False`, XLA) it all-reduces every
     gradient in one call after backward. The results are the same either way.
 
-    Options: `bucket_bytes` (the size of a bucket) and `first_bucket_bytes` (the first
-    one, smaller so that communication starts early); `grad_dtype` (torch.bfloat16 or
-    torch.float16) sends float gradients in half the bytes and turns them back into
-    their own dtype on arrival.
-
     A parameter that no contributing node had a `.grad` for (a branch nobody's batch
     took) keeps `.grad = None` after the sum, as in one process on the whole batch and
     under DDP, so optimizers skip it; one that some nodes used gets the mean, with
@@ -85,6 +80,22 @@ class AllReduceSGD:
     Nodes may take different numbers of steps in an epoch: `synchronize_parameters`
     keeps the early finishers taking part (with zeros) until all are done, then gives
     everyone the parameters of the node that took the most steps.
+
+    Args:
+        comm: The communicator: an `ipc.Tree`, `backends.TorchDistributed` or
+            `backends.XLA` (anything with `distlearn.Communicator`'s methods).
+        overlap: All-reduce buckets during backward where the communicator can (its
+            `all_reduce` takes `async_op`) and a module is given; False sends every
+            gradient in one call after backward.
+        bucket_bytes: The size of a gradient bucket.
+        first_bucket_bytes: The size of the first bucket, smaller so that
+            communication starts early in backward.
+        grad_dtype: `torch.bfloat16` or `torch.float16` (or `"bf16"`, `"fp16"`...):
+            float gradients travel in half the bytes; None sends them as they are.
+
+    Raises:
+        TypeError: `comm` lacks a communicator's methods.
+        ValueError: A byte size that is not a positive int, or another `grad_dtype`.
     """
 
     def __init__(
@@ -127,24 +138,48 @@ class AllReduceSGD:
     # -- gradients ----------------------------------------------------------------------
 
     def sum_gradients(self, x: Any) -> int:
-        """All-reduce (sum) the gradients of `x` in place; returns how many nodes contributed.
+        """All-reduce (sum) the gradients of `x` in place.
 
-        `x` is a module (its parameters' `.grad`), or gradient tensors.
+        Args:
+            x: A module (its parameters' `.grad`), or gradient tensors (a tensor that
+                requires grad stands for its `.grad`).
+
+        Returns:
+            How many nodes contributed (those not finished with their epoch).
+
+        Raises:
+            ValueError: The nodes' models differ, a sparse gradient, or a trainable set
+                changed on some nodes only.
         """
         return self._reduce(x, normalize=False)
 
     def sum_and_normalize_gradients(self, x: Any) -> int:
-        """Sum the gradients, then divide by the number of nodes that contributed this
-        step (fewer than `num_nodes` near the end of an uneven epoch)."""
+        """Sum the gradients, then divide by the number of nodes that contributed.
+
+        Fewer than `num_nodes` contribute near the end of an uneven epoch; the mean is
+        over those that did. Call it after `backward()` and before `optimizer.step()`.
+
+        Args:
+            x: A module (its parameters' `.grad`), or gradient tensors.
+
+        Returns:
+            How many nodes contributed.
+
+        Raises:
+            ValueError: As for `sum_gradients`.
+        """
         return self._reduce(x, normalize=True)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: backward passes inside only accumulate into `.grad`;
-        the next backward outside (or the next `sum_*_gradients`) sends the total.
+        """Gradient accumulation: backward passes inside only accumulate into `.grad`.
 
-        Like DDP's `no_sync()`. Without it, accumulating several backward passes still
-        gives the right sum, but sends the gradients more than once.
+        The next backward outside (or the next `sum_*_gradients`) sends the total. Like
+        DDP's `no_sync()`. Without it, accumulating several backward passes still gives
+        the right sum, but sends the gradients more than once.
+
+        Returns:
+            A context manager.
         """
         self._no_sync += 1
         self._set_syncing()
@@ -156,9 +191,13 @@ class AllReduceSGD:
 
     @property
     def stats(self) -> dict:
-        """How the gradients travelled: `overlap` (whether buckets are started during
-        backward), and for each hooked module its bucket sizes in bytes, steps,
-        buckets started during backward, and steps resent (see distlearn.buckets)."""
+        """How the gradients travelled.
+
+        Returns:
+            `overlap` (whether buckets are started during backward), and under
+            `modules`, for each hooked module, its bucket sizes in bytes, steps, buckets
+            started during backward and steps resent.
+        """
         modules = [
             {
                 "module": type(module).__name__,
@@ -274,7 +313,14 @@ class AllReduceSGD:
 
         At the start (nobody has stepped) that is the root's; after an epoch it is the
         parameters of the node that took the most steps (the lowest index among ties).
-        Every node must call this at the same point of its loop.
+        A node that gets here first keeps joining the others' gradient all-reduces
+        until every node has. Every node must call this at the same point of its loop.
+
+        Args:
+            x: A module, an iterable of tensors (`model.parameters()`), or a dict.
+
+        Raises:
+            ValueError: The nodes' models differ (shapes, dtypes, trainable parameters).
         """
         x = reusable(x)
         self._check_layout(x)

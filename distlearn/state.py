@@ -73,11 +73,23 @@ def _allocate(node: Any, out: list[tuple[int, torch.Tensor]], device: torch.devi
 def broadcast_state_dict(
     comm: Communicator, state_dict: dict | None, device: torch.device | str | None = None
 ) -> dict:
-    """Return the root's `state_dict` on every node (the root gets its own back).
+    """The root's `state_dict` on every node (the root gets its own back).
 
-    Non-root nodes may pass None or a state of a different shape; theirs is ignored.
-    New tensors go on `device` if given, else on the root's device type (with NCCL,
-    pass a CUDA device: it reduces only CUDA tensors).
+    The structure travels as JSON in a uint8 tensor, then the tensors, so nodes with
+    empty state (a fresh optimizer) receive it whole.
+
+    Args:
+        comm: The communicator.
+        state_dict: The root's state; other nodes may pass None or a state of another
+            shape, which is ignored.
+        device: Where new tensors go; by default where the root's tensors are (with
+            NCCL, pass a CUDA device: it reduces only CUDA tensors).
+
+    Returns:
+        The root's state, with tensors of this node.
+
+    Raises:
+        TypeError: The root passed something other than a dict.
     """
     comm = check_communicator(comm)
     wire = torch.device(device) if device is not None else torch.device("cpu")
@@ -113,6 +125,10 @@ def synchronize_optimizer(comm: Communicator, optimizer: torch.optim.Optimizer) 
 
     Call it after `synchronize_parameters` when resuming from a checkpoint loaded on the
     root only, or to restart replicas from identical optimizer state.
+
+    Args:
+        comm: The communicator.
+        optimizer: This node's optimizer, over the same parameters as the root's.
     """
     state = broadcast_state_dict(comm, optimizer.state_dict() if comm.node_index == 0 else None)
     if comm.node_index != 0:

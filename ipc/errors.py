@@ -6,7 +6,12 @@ __all__ = ["AuthError", "IPCError", "IPCTimeoutError", "MismatchError", "PeerErr
 
 
 class IPCError(RuntimeError):
-    """Base class: the tree cannot complete a collective."""
+    """Base of every error of `distlearn.ipc`: a collective or a service cannot complete.
+
+    Args:
+        message: What went wrong, naming the node or peer at fault.
+        node: The node at fault, when it is known.
+    """
 
     def __init__(self, message: str, node: int | None = None):
         super().__init__(message)

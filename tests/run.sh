@@ -23,6 +23,11 @@ fi
 VENV="$(scripts/venv.sh)"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+# The docs site (mkdocs.yml): a broken link or anchor, a missing API reference or an
+# option table out of step with the code fails here, in a few seconds.
+site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 # Tests run side by side in worker processes (pytest-xdist): most of a test's time is
 # child processes starting (each imports torch) or waiting on a peer, not CPU, so two
 # workers on 2 cores take ~2/3 of the serial time. TEST_WORKERS=0 runs them in this

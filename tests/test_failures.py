@@ -124,6 +124,26 @@ def test_no_empty_batch_reaches_the_user(pngs):
     assert handed == [] and isinstance(info.value.__cause__, FetchError)
 
 
+def test_an_index_nobody_answers_for_names_the_server_and_the_retry_options(pngs):
+    """Connection refused: the error asks whether the server runs, with the retry
+    options it was read with; an answer that is an error (503) is left as it was."""
+    with running(pngs) as (url, _):
+        pass  # the server has stopped: its port refuses connections now
+    with pytest.raises(FetchError) as info:
+        Dataset(url + "train.csv", retries=1, backoff=0.01)
+    port = url.split(":")[2].split("/")[0]
+    said = str(info.value)
+    assert f"is a server running at 127.0.0.1:{port}, and reachable from this host?" in said
+    assert "retries=1 (backoff=0.01 s doubling up to max_backoff=2 s)" in said
+    assert "timeout=30 s a try" in said and info.value.unanswered
+    with (
+        running(pngs, {"train.csv": ["503"]}) as (url, _),
+        pytest.raises(FetchError, match=r"HTTP 503") as info,
+    ):
+        Dataset(url + "train.csv", retries=1, backoff=0.01)
+    assert "Nothing answered" not in str(info.value) and not info.value.unanswered
+
+
 def test_misspelt_options_fail_at_once_naming_the_closest(base):
     url = base + "train.csv"
     with pytest.raises(TypeError, match=r"unknown option 'num_worker'; did you mean 'num_workers'"):
@@ -137,6 +157,17 @@ def test_misspelt_options_fail_at_once_naming_the_closest(base):
         ds.sampled_batcher(batch_sise=4)
     with pytest.raises(TypeError, match=r"'retrys'; did you mean 'retries'"):
         ds.sampled_batcher(retrys=4)
+    # the named arguments of either call are candidates too: not 'part_timeout'
+    with pytest.raises(TypeError, match=r"'partiton'; did you mean 'partition'\?$"):
+        Dataset(url, partiton=0)
+    with pytest.raises(TypeError, match=r"'batchsize'; did you mean 'batch_size' \(an argument "
+                       r"of sampled_batcher\(\)\)\?"):  # fmt: skip
+        Dataset(url, batchsize=3)
+    with pytest.raises(TypeError, match=r"'partition': pass it to Dataset\(\)"):
+        ds.sampled_batcher(partition=1)
+    with pytest.raises(TypeError, match=r"'partitons'; did you mean 'partitions' \(an argument "
+                       r"of Dataset\(\)\)\?"):  # fmt: skip
+        ds.sampled_batcher(partitons=2)
 
 
 def test_one_base_exception_for_the_package():
@@ -220,11 +251,29 @@ def test_ctrl_c_in_next_batch_leaves_the_batcher_usable(pngs, workers):
     assert seen == order, "the interrupted batch came next; nothing lost, nothing twice"
 
 
+def test_one_info_line_per_rank(base, monkeypatch, caplog):
+    """A rank's first Dataset of a partition says which at INFO; its others (a test set)
+    at DEBUG; another partition is said again."""
+    monkeypatch.setattr(dataset, "_PARTITIONS_SAID", set())  # a fresh process's
+    caplog.set_level(logging.DEBUG, logger="distlearn.dataset")
+    url = base + "train.csv"
+    for partition in (1, 1, 0):
+        Dataset(url, partition=partition, partitions=2)
+    Dataset(url, partition=0, partitions=1)  # the whole index, by name: nothing to say
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "partition" in r.getMessage()]
+    assert said == [
+        ("INFO", f"{url}: partition 1 of 2 (from arguments)"),
+        ("DEBUG", f"{url}: partition 1 of 2 (from arguments)"),
+        ("INFO", f"{url}: partition 0 of 2 (from arguments)"),
+    ]
+
+
 def test_torchrun_environment_picks_the_partition(base, monkeypatch, caplog):
     url = base + "train.csv"
     whole = len(Dataset(url))
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(dataset, "_PARTITIONS_SAID", set())  # a fresh process's
     caplog.set_level(logging.INFO, logger="distlearn.dataset")
     ds = Dataset(url)
     per_label = sum(1 for k in range(1, N // 2 + 1) if k % 4 == 1)  # k-th of a label: k % 4

@@ -129,3 +129,67 @@ def test_16_bit_grey_keeps_its_depth():
     assert 0.3 < float(small.max()) < 1.0
     with pytest.raises(ValueError, match=r"16-bit grey image .* cannot become mode RGB"):
         Image()(encode(arr), None, torch.empty(3, 8, 8))
+
+
+# ------------------------------------------- a processor that writes the wrong shape
+
+
+class _Resizes:
+    """Writes through a torch op's out=, which resizes out rather than failing."""
+
+    def __call__(self, data, opt, out):
+        torch.add(torch.zeros(3, 224, 224), 1, out=out)
+
+
+class _Copies:
+    def __call__(self, data, opt, out):
+        out.copy_(torch.zeros(3, 224, 224))
+
+
+class _Assigns:
+    def __call__(self, data, opt, out):
+        out[:] = torch.zeros(3, 224, 224)
+
+
+class _NumpyCopies:
+    def __call__(self, data, opt, out):
+        np.copyto(out.numpy(), np.zeros((3, 224, 224), np.float32))
+
+
+WROTE = "out is [1, 28, 28] (input_dims) but the processor wrote"
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize(
+    ("processor", "error", "wrote"),
+    [
+        (_Resizes(), (ValueError, RuntimeError), "[3, 224, 224]"),
+        (_Copies(), RuntimeError, "a tensor whose dimension 2 is 224"),
+        (_Assigns(), RuntimeError, "[3, 224, 224]"),
+        (_NumpyCopies(), ValueError, "[3, 224, 224]"),
+    ],
+)
+def test_a_processor_writing_the_wrong_shape_is_told_what_out_is(processor, error, wrote, workers):
+    """The first batch raises (every item failed alike), saying what out is and what was
+    written, whether the processor's write failed or silently resized out."""
+    from distlearn.dataset import Dataset
+
+    ds = Dataset(torch.zeros(8, 784))
+    b = ds.sampled_batcher(batch_size=4, input_dims=(1, 28, 28), processor=processor,
+                           workers=workers, num_workers=1)  # fmt: skip
+    with b, pytest.raises(error) as info:
+        b.next_batch()
+    said = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    if isinstance(processor, _Resizes) and workers == "process":  # out is in shared memory
+        wrote = "a larger tensor through a torch op's out=, which resizes out"
+    assert f"{WROTE} {wrote}" in said, said
+
+
+def test_shape_notes_only_for_shape_errors():
+    from distlearn.dataset.workers.fill import shape_note
+
+    assert shape_note(KeyError("Tensor sizes: [3]"), (1, 28, 28)) is None
+    assert shape_note(ValueError("cannot identify image file"), (1, 28, 28)) is None
+    same = RuntimeError("... Target sizes: [1, 28, 28].  Tensor sizes: [1, 28, 28]")
+    assert shape_note(same, (1, 28, 28)) is None

@@ -98,6 +98,48 @@ def test_sigkilled_main_process_leaves_no_shared_memory(pngs, start, tmp_path):
     assert not orphans, "workers outlived their main process"
 
 
+@pytest.mark.timeout(120)
+def test_a_dead_main_process_leaves_its_workers_quiet():
+    """A rank that dies with batches in flight (os._exit, torchrun's SIGTERM): its
+    workers answer into a closed pipe, and stop without a traceback per batch (asyncio's
+    "Task exception was never retrieved ... BrokenPipeError") on the rank's stderr."""
+    script = textwrap.dedent("""
+        import os, time, torch
+        from distlearn.dataset import Dataset
+
+        class Slow:  # batches still decoding when the main process goes
+            def __call__(self, row, opt, out):
+                time.sleep(0.05)
+                out.copy_(row)
+
+        b = Dataset(torch.arange(256.0).reshape(64, 4)).sampled_batcher(
+            batch_size=4, input_dims=(4,), processor=Slow(), workers="process",
+            num_workers=2, prefetch=12)
+        b.next_batch()
+        print(" ".join(str(p.pid) for p in b.engine.workers._procs), flush=True)
+        os._exit(3)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], env=repo_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        # stdout and stderr end when the workers, which hold them too, have exited
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    workers = [int(p) for p in out.split()]
+    deadline = time.monotonic() + 30
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = [w for w in workers if _alive(w)]
+    for w in orphans:  # never leave them behind, even when the test fails
+        os.kill(w, signal.SIGKILL)
+    assert proc.returncode == 3 and len(workers) == 2, (out, err)
+    assert not orphans, "workers outlived their main process"
+    assert "BrokenPipeError" not in err and "never retrieved" not in err, err
+    assert err.strip() == "", err
+
+
 def test_as_torch_dataloader_and_progress(pngs, capsys):
     ds = Dataset(str(pngs))
     with ds.sampled_batcher(batch_size=32, input_dims=(1, 8, 8), processor=Image(),

@@ -86,6 +86,23 @@ class Fetcher:
     ``redirects``: ``"same-host"`` (default: the same host name, never from https to
     http), ``"any"`` or ``"none"``. ``headers`` go to the origin (scheme, host, port)
     of the URL asked for, not to another one a redirect leads to.
+
+    Args:
+        pool_size: Fetches in flight at once.
+        timeout: Seconds one attempt may take (None: no limit).
+        retries: Retries after a fault that may pass (connection, timeout, 5xx, 429).
+        backoff: The first retry's wait in seconds; it doubles, with jitter.
+        max_backoff: The longest wait between retries.
+        cache: A cache with `get`/`put` for fetched remote items, or None.
+        headers: HTTP headers for the origin of each URL asked for.
+        redirects: Which redirects to follow.
+        max_item_bytes: A larger body is refused.
+        idle_timeout: Seconds to wait for each chunk of a body, instead of `timeout`
+            for the whole attempt.
+
+    Raises:
+        ValueError: A `pool_size` or `max_item_bytes` below 1, negative `retries`, or
+            another `redirects`.
     """
 
     def __init__(
@@ -158,11 +175,28 @@ class Fetcher:
         return self._loop
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
-        """Run `coro` on the fetcher's loop; returns a thread-safe future."""
+        """Run `coro` on the fetcher's loop, from any thread.
+
+        Args:
+            coro: A coroutine, such as `fetch(source)`.
+
+        Returns:
+            A thread-safe `concurrent.futures.Future` of its result.
+        """
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def read(self, source: Any) -> bytes:
-        """The bytes of one source, blocking (retried; FetchError naming it when it fails)."""
+        """The bytes of one source, blocking, retried by the policy.
+
+        Args:
+            source: A path or URL, or `(url, offset, length)`.
+
+        Returns:
+            The bytes.
+
+        Raises:
+            FetchError: The read failed after its retries, naming the source.
+        """
         return self.submit(self.fetch(source)).result()
 
     def close(self) -> None:
@@ -227,12 +261,23 @@ class Fetcher:
         return self._session
 
     async def fetch(self, source: Any, stats: dict | None = None) -> Any:
-        """The bytes (or in-memory payload) of one source; raises FetchError when it fails.
+        """The bytes (or in-memory payload) of one source, on the fetcher's loop.
 
         Counts ``fetched``, ``retried``, ``bytes`` into `stats` (``failed`` is the
         caller's to count, since a list of joined sources fails as one item).
         A payload already in memory (a record of a part file, a tensor row)
         counts as fetched too, with its size.
+
+        Args:
+            source: A path or URL, `(url, offset, length)`, a list of sources (joined
+                indexes), or a payload already in memory.
+            stats: Counters to add to, or None.
+
+        Returns:
+            The bytes, the payload, or a list of them for a list.
+
+        Raises:
+            FetchError: The read failed after its retries, naming the source.
         """
         if isinstance(source, bytes | bytearray | memoryview) or not isinstance(
             source, str | tuple
@@ -336,10 +381,15 @@ class Fetcher:
         except FetchError:
             raise
         except asyncio.TimeoutError:
-            raise FetchError(url, f"timed out after {self.timeout}s", True) from None
+            raise FetchError(
+                url, f"timed out after {self.timeout}s", True, unanswered=True
+            ) from None
         except aiohttp.ClientError as err:
             # connection refused/reset, server disconnected, payload cut short
-            raise FetchError(url, f"{type(err).__name__}: {err}", True) from None
+            unanswered = isinstance(err, aiohttp.ClientConnectorError)  # refused, no such host
+            raise FetchError(
+                url, f"{type(err).__name__}: {err}", True, unanswered=unanswered
+            ) from None
 
     def _redirect(self, url: str, current: str, resp: aiohttp.ClientResponse) -> str:
         """Where a redirect leads, if the policy allows following it."""

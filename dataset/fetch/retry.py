@@ -69,4 +69,5 @@ def after_tries(err: FetchError, attempt: int) -> FetchError:
     """`err` with the number of tries in its message (when it was retried)."""
     if not attempt:
         return err
-    return FetchError(err.url, _tries(err.cause, attempt), err.retryable, err.missing, err.wait)
+    return FetchError(err.url, _tries(err.cause, attempt), err.retryable, err.missing, err.wait,
+                      err.unanswered)  # fmt: skip

@@ -86,7 +86,17 @@ def register_index_kind(
     open: Callable[[Any, Opening], Any],
     before: str = "csv",
 ) -> None:
-    """Add a kind of index, asked before the kind named `before` (default: the CSV catch-all)."""
+    """Add a kind of index, asked before the kind named `before`.
+
+    Args:
+        name: The kind's name.
+        matches: `matches(index, opening) -> bool`: is this argument an index of mine?
+        open: `open(index, opening)`: read it, returning an `Index` or a part source.
+        before: The kind to be asked before (default: `"csv"`, the catch-all).
+
+    Raises:
+        ValueError: A kind of that name is registered already.
+    """
     names = [k.name for k in _KINDS]
     if name in names:
         raise ValueError(f"index kind {name!r} is already registered")
@@ -102,10 +112,22 @@ def kinds() -> list[str]:
 def open_index(index: Any, *, options: Options | None = None, **flat: Any) -> Any:
     """Read any kind of index (the whole index, unpartitioned).
 
-    Options come as typed groups (`options`) or flat keywords: the index
-    group (``sep``, ``meta``, ``url_params``, ``multi_hot``, ``allow_schemes``,
-    ``cache_index``), the read policy (``timeout``, ``retries``...), the
-    cache (``cache_dir``...) and, for part files, the part options.
+    Args:
+        index: What `Dataset` accepts as its index.
+        options: The typed option groups.
+        **flat (Any): Or flat keywords of the index group (`sep`, `meta`, `url_params`,
+            `multi_hot`, `allow_schemes`, `cache_index`), the read policy (`timeout`,
+            `retries`...), the cache (`cache_dir`...) and the part options.
+
+    Returns:
+        An `Index`, or a part source for part files (`index.partition(p, n)` gives a
+        partition of either).
+
+    Raises:
+        TypeError: An index of no registered kind, or a misspelt option.
+        BadIndex: A malformed index, naming the file and line.
+        IndexNotFound: A file that does not exist.
+        FetchError: A read that failed after its retries.
     """
     if options is None:
         options = split("open_index()", flat, ("index", "fetch", "cache", "parts"))

@@ -169,7 +169,11 @@ class PartIndex:
         return known + round(len(unread) * known / len(counts))
 
     def read_counters(self) -> dict[str, int]:
-        """What reading the parts produced so far, for ``batcher.stats``."""
+        """What reading the parts produced so far, for ``batcher.stats``.
+
+        Returns:
+            `parts`, `part_bytes`, `corrupt` and `failed_parts` counts.
+        """
         with self._lock:
             return {
                 "parts": self.stats.parts,
@@ -184,7 +188,19 @@ class PartIndex:
         return len(self.counts) + len(self.failed) == len(self.parts)
 
     def partition(self, partition: int, partitions: int) -> PartIndex:
-        """The parts of one partition: file i goes to partition ``i % partitions``."""
+        """The parts of one partition: file i goes to partition ``i % partitions``.
+
+        Args:
+            partition: The partition, 0-based.
+            partitions: How many partitions.
+
+        Returns:
+            The part source of that partition.
+
+        Raises:
+            ValueError: `partition` out of range.
+            PartError: Fewer part files than partitions, naming both counts.
+        """
         if partitions < 1 or not 0 <= partition < partitions:
             raise ValueError(f"partition must be in [0, {partitions}), got {partition}")
         if len(self.parts) < partitions:
@@ -366,7 +382,16 @@ class PartIndex:
     def stream(
         self, rng: np.random.Generator, parts: str = "linear", items: str = "linear"
     ) -> Iterator[Record]:
-        """One epoch of records: parts and items each in order or permuted by ``rng``."""
+        """One epoch of records: parts and items each in order or permuted by ``rng``.
+
+        Args:
+            rng: The epoch's generator.
+            parts: `"linear"` or `"permutation"`: the order of the parts.
+            items: `"linear"` or `"permutation"`: the order within each part.
+
+        Yields:
+            Each `Record`, its payload in memory.
+        """
         order = list(range(len(self.parts)))
         if parts == "permutation":
             order = [int(i) for i in rng.permutation(len(order))]
@@ -392,6 +417,21 @@ def open_parts(
     Options as typed groups, or flat keywords (``record_format=``,
     ``cache_dir=``, ``retries=``...). Downloaded parts are cached on local
     disk (``cache_dir``) unless ``cache_parts=False``.
+
+    Args:
+        index: A folder (local or any fsspec URL) or a brace pattern of part files.
+        options: The part options.
+        fetch: The read policy.
+        cache: The disk cache's options.
+        **flat (Any): Or the same as flat keywords.
+
+    Returns:
+        The part source of every part file.
+
+    Raises:
+        PartError: No such folder, a listing that failed, no part files, a folder of
+            index files (naming the file to open instead), or a brace pattern of more
+            than a million names.
     """
     given = Options(
         fetch=fetch or FetchOptions(), cache=cache or CacheOptions(), parts=options or PartOptions()
@@ -417,6 +457,14 @@ class SampleMember:
     ``SampleMember(Image(mode="L"))`` decodes the first of ``exts`` present in
     the sample (``png``, ``jpg``, ``jpeg``, ``webp`` by default). A class, so
     process workers can pickle it.
+
+    Args:
+        processor: The processor for the member's bytes.
+        exts: The member extensions to look for, in order.
+
+    Raises:
+        TypeError: When called, on something other than a tar sample (a dict).
+        KeyError: When called, on a sample with none of `exts`.
     """
 
     def __init__(self, processor: Any, exts: Sequence[str] = ("png", "jpg", "jpeg", "webp")):

@@ -69,6 +69,20 @@ class Index:
     label ids), shared by every partition taken from it, and per-example
     arrays ``rows`` and ``targets`` (``rows`` None: example i is row i, an array
     made on first use; a partition taken at once needs only its own).
+
+    Args:
+        table: The rows' sources and names (`NameRows`, `TensorRows`).
+        row_labels: Each row's label ids.
+        labels: The label names, sorted.
+        origin: Where the index came from, for messages.
+        rows: Each example's row, or None when example i is row i.
+        targets: Each example's label id (-1: unlabeled).
+        multi_hot: An item is one example whose target is every label of it.
+        split: How partitions deal examples: by label (torch-dataset's) or by row.
+        label_order: `targets` run label by label, as `labelled()` makes them.
+
+    Raises:
+        ValueError: The tables' lengths disagree.
     """
 
     label_order = False  # (see __init__)
@@ -130,28 +144,85 @@ class Index:
         return int(self.rows[i])
 
     def row(self, i: int) -> int:
-        """The row (in the file) of example i's item."""
+        """The row (in the file) of example i's item.
+
+        Args:
+            i: The example's position in this index.
+
+        Returns:
+            The row.
+
+        Raises:
+            IndexError: `i` is out of range.
+        """
         return self._row(i)
 
     def source(self, i: int) -> Any:
-        """What to fetch for example i."""
+        """What to fetch for example i.
+
+        Args:
+            i: The example's position.
+
+        Returns:
+            A path or URL, `(url, offset, length)`, or a tensor row.
+
+        Raises:
+            IndexError: `i` is out of range.
+        """
         return self.table.source(self._row(i))
 
     def target(self, i: int) -> int:
-        """The label id example i stands for (-1: unlabeled)."""
+        """The label id example i stands for (-1: unlabeled).
+
+        Args:
+            i: The example's position.
+
+        Returns:
+            The label id, a place in `labels`.
+
+        Raises:
+            IndexError: `i` is out of range.
+        """
         self._row(i)
         return int(self.targets[i])
 
     def item_labels(self, i: int) -> tuple[int, ...]:
-        """Every label id of example i's item."""
+        """Every label id of example i's item.
+
+        Args:
+            i: The example's position.
+
+        Returns:
+            The label ids.
+
+        Raises:
+            IndexError: `i` is out of range.
+        """
         return self.row_labels.of(self._row(i))
 
     def name(self, i: int) -> str:
-        """A human-readable name for example i (its URL or path), for logs and ``batch.urls``."""
+        """A human-readable name for example i (its URL or path), for logs and ``batch.urls``.
+
+        Args:
+            i: The example's position.
+
+        Returns:
+            The name.
+
+        Raises:
+            IndexError: `i` is out of range.
+        """
         return self.table.name(self._row(i))
 
     def describe(self, positions: np.ndarray) -> tuple[list, list[str], list, list[int]]:
-        """``(sources, names, labels, targets)`` of the examples at `positions` (one batch)."""
+        """What one batch's examples are.
+
+        Args:
+            positions: The examples' positions.
+
+        Returns:
+            `(sources, names, labels, targets)`, one entry per example.
+        """
         table, row_labels = self.table, self.row_labels
         rows = self.rows[positions].tolist()
         sources = [table.source(r) for r in rows]
@@ -183,6 +254,9 @@ class Index:
         """Positions of the examples of each label (label samplers draw from these).
 
         With ``multi_hot`` an example (an item) is in every one of its labels.
+
+        Returns:
+            One array of positions per label, in the order of `labels`.
         """
         if not self.multi_hot:
             targets = self.targets
@@ -198,7 +272,18 @@ class Index:
         return [positions[order[bounds[k] : bounds[k + 1]]] for k in range(len(self.labels))]
 
     def partition(self, partition: int, partitions: int) -> Index:
-        """The examples of `partition` (0-based) out of `partitions` (see the module docstring)."""
+        """The examples of one partition (see the module docstring for the rule).
+
+        Args:
+            partition: The partition, 0-based.
+            partitions: How many partitions.
+
+        Returns:
+            A new Index sharing this one's tables (this one when `partitions` is 1).
+
+        Raises:
+            ValueError: `partitions` < 1, or `partition` out of range.
+        """
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         if not 0 <= partition < partitions:
@@ -213,7 +298,15 @@ class Index:
         return self.take(positions, f"{self.origin}[partition {partition}/{partitions}]")
 
     def take(self, positions: Sequence[int] | np.ndarray, origin: str | None = None) -> Index:
-        """A new Index of the examples at `positions`, sharing this one's tables and labels."""
+        """A new Index of the examples at `positions`, sharing this one's tables and labels.
+
+        Args:
+            positions: The examples to keep, in the new order.
+            origin: The new index's origin; by default this one's.
+
+        Returns:
+            The new Index.
+        """
         positions = np.asarray(positions)
         if positions.dtype.kind not in "iu":  # (a list, or an empty one: floats)
             positions = positions.astype(np.int64)

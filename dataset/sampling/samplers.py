@@ -57,7 +57,17 @@ _SAMPLERS: dict[str, SamplerFn] = {}
 
 
 def register_sampler(name: str, factory: SamplerFn) -> None:
-    """Make ``sampler=name`` available: ``factory(index, epoch, rng, **sampler_opt)``."""
+    """Make `sampler=name` available to every batcher.
+
+    Args:
+        name: The name `sampled_batcher(sampler=...)` will take.
+        factory: `factory(index, epoch, rng, **sampler_opt) -> iterable` of positions
+            (best one numpy array) or `Record`s for one epoch; `rng` is a numpy
+            generator seeded by (seed, partition, epoch).
+
+    Raises:
+        TypeError: `factory` is not callable.
+    """
     if not callable(factory):
         raise TypeError(f"sampler {name!r}: factory must be callable")
     _SAMPLERS[name] = factory

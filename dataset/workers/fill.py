@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,47 @@ def _verdict(ret: Any) -> tuple[bool, Any]:
     return True, extra
 
 
+_IN_PLACE = (
+    ": a processor writes the item into out in place, in its shape (out.copy_(x), "
+    "np.copyto(out.numpy(), x)); a torch op given out=out resizes it instead"
+)
+# Where torch's and numpy's shape errors give the whole shape that was written, or one
+# of its dimensions. Read for the note only: what the error does never depends on it.
+_WHOLE = (
+    re.compile(r"Tensor sizes: \[([\d, ]*)\]"),  # out[...] = x
+    re.compile(r"from shape \(([\d, ]*)\)"),  # numpy: np.copyto, out.numpy()[...] = x
+    re.compile(r"broadcast shape [\[(]([\d, ]*)[\])]"),  # an op into out
+)
+_ONE_DIM = re.compile(
+    r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) "
+    r"at non-singleton dimension (\d+)"  # out.copy_(x)
+)
+
+
+def _wrote(want: Any, what: str) -> str:
+    return f"out is {list(want)} (input_dims) but the processor wrote {what}"
+
+
+def shape_note(err: BaseException, want: Any) -> str | None:
+    """For a processor's shape error, what it wrote against what ``out`` is, in the
+    contract's words ("out is [1, 28, 28] (input_dims) but the processor wrote
+    [3, 224, 224]"); None for any other error."""
+    if not isinstance(err, RuntimeError | ValueError):
+        return None
+    text = str(err)
+    for pattern in _WHOLE:
+        m = pattern.search(text)
+        if m:
+            wrote = [int(d) for d in m.group(1).replace(" ", "").split(",") if d]
+            return _wrote(want, f"{wrote}") if wrote != list(want) else None
+    if "resize storage that is not resizable" in text:  # out= on a batch in shared memory
+        return _wrote(want, "a larger tensor through a torch op's out=, which resizes out")
+    m = _ONE_DIM.search(text)
+    if m and len(want) > int(m.group(3)) and int(m.group(1)) == want[int(m.group(3))]:
+        return _wrote(want, f"a tensor whose dimension {m.group(3)} is {m.group(2)}")
+    return None
+
+
 async def fill(
     fetcher: Fetcher,
     sources: list[Any],
@@ -96,16 +138,23 @@ async def fill(
             )
             return
         key = (seed, partition, epoch, first + i)
+        row = out[i]
         try:
             if handoff is None:
-                ret = call_with_item(key, processor, data, opt, out[i])
+                ret = call_with_item(key, processor, data, opt, row)
             else:
-                ret = await handoff.submit(key, data, out[i])
+                ret = await handoff.submit(key, data, row)
+            if row.shape != out.shape[1:]:  # a torch op given out=row resized it
+                raise ValueError(_wrote(out.shape[1:], f"{list(row.shape)}") + _IN_PLACE)
             kept, extra = _verdict(ret)
         except (Exception, SystemExit) as err:  # (SystemExit: it would end the loop's thread)
             stats["dropped"] += 1
             kind = type(err).__name__
             cause = f"processor raised {kind}: {err}"
+            note = shape_note(err, out.shape[1:])
+            if note is not None:
+                err.add_note(note)
+                cause += f" ({note})"
             res.errors.append(ItemFailure(i, PROCESS, cause, kind, err, traceback.format_exc()))
             return
         if not kept:

@@ -246,6 +246,7 @@ async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict
     done = asyncio.Event()
     previous: asyncio.Future | None = None
     tasks: set[asyncio.Task] = set()
+    gone = [False]  # the main process's end of the pipe is closed
     seeded: list[Any] = [None]  # the (seed, partition, epoch) the globals were seeded for
 
     async def run(job: int, slot: int, sources: list, ctx, before) -> None:
@@ -265,8 +266,16 @@ async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict
             )
             payload = reduction.ForkingPickler.dumps((job, res))
         if before is not None:
-            await before  # answers go back in job order
-        conn.send_bytes(payload)
+            await asyncio.wait([before])  # answers go back in job order
+        if gone[0]:
+            return
+        try:
+            conn.send_bytes(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            # The main process is gone (its rank died or was killed): no one is left to
+            # answer, and a traceback per batch in flight would bury the rank's own error.
+            gone[0] = True
+            done.set()
 
     def readable() -> None:
         nonlocal previous

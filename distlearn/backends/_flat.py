@@ -237,12 +237,24 @@ class FlatCommunicator:
     def all_reduce(
         self, tensors: Any, op: Op = "sum", finished: bool = False, async_op: bool = False
     ) -> Any:
-        """Reduce `tensors` across nodes in place; returns how many nodes contributed.
+        """Reduce `tensors` across nodes in place.
 
         A `finished` node keeps taking part (so the others do not hang) but contributes
-        nothing; its tensors receive the result like everyone else's. With
-        `async_op=True` it returns a handle at once instead: `handle.wait()` returns the
-        count once the result is in `tensors` (a callable `op` runs before returning).
+        nothing; its tensors receive the result like everyone else's.
+
+        Args:
+            tensors: A tensor or nested list/tuple/dict of tensors.
+            op: `"sum"`, `"max"`, `"min"`, or a function `op(acc, x)` (run after an
+                all-gather, so before this returns even with `async_op`).
+            finished: This node contributes nothing.
+            async_op: Return a handle at once instead of waiting.
+
+        Returns:
+            How many nodes contributed; with `async_op`, a handle whose `wait()`
+            returns that count once the result is in `tensors`.
+
+        Raises:
+            ValueError: An unknown `op`, or no tensor at all.
         """
         members = leaves(tensors)
         if callable(op):
@@ -267,6 +279,14 @@ class FlatCommunicator:
         the slot holds the count afterwards. Gradient buckets travel this way. Where
         the dtype cannot count the nodes exactly, the slot is left out and the count
         travels the usual way (`handle.count_in_slot` is False).
+
+        Args:
+            flat: A 1-D buffer whose last element is free for the count.
+            finished: This node contributes nothing.
+            async_op: Return a handle at once instead of waiting.
+
+        Returns:
+            How many nodes contributed, or with `async_op` a handle.
         """
         if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() < 2:
             raise ValueError("all_reduce_counted takes a contiguous 1-D buffer of 2+ elements")
@@ -374,7 +394,12 @@ class FlatCommunicator:
         return count
 
     def scatter(self, tensors: Any) -> None:
-        """Copy the root's (node 0's) values into every node's `tensors`, in place."""
+        """Copy the root's (node 0's) values into every node's `tensors`, in place.
+
+        Args:
+            tensors: A tensor or nested list/tuple/dict of tensors, the same shapes
+                and dtypes on every node.
+        """
         for group in _groups(leaves(tensors)):
             buf, _ = self._pack(group, 0)
             self._broadcast_flat(buf)

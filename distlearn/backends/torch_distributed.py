@@ -75,6 +75,16 @@ class TorchDistributed(FlatCommunicator):
     any node may run on) is asked once, in the first all-reduce of a CPU buffer, which
     also checks that every node was given the same `gather_bytes` (ValueError on every
     node if not). `0` turns it off.
+
+    Args:
+        group: The process group; None for the default (world) group.
+        gather_bytes: The most bytes (size x (nodes - 1)) an all-reduce of a CPU buffer
+            may hold to be reduced at node 0 on one crowded machine; 0: never.
+
+    Raises:
+        RuntimeError: No process group is initialised (see `from_env`).
+        ValueError: `gather_bytes` is not an int >= 0, or (at the first all-reduce of
+            a CPU buffer) differs between nodes.
     """
 
     def __init__(
@@ -121,6 +131,18 @@ class TorchDistributed(FlatCommunicator):
         raises; torch's default is 30 minutes for gloo and 10 for NCCL. A peer that died
         is noticed at once (its connection closes), but one that stopped (SIGSTOP, a
         debugger, a machine swapping) is waited for that long.
+
+        Args:
+            backend: `"nccl"` or `"gloo"`; None: NCCL when CUDA is available, else gloo.
+            timeout: Seconds, or a timedelta, a collective waits for the other nodes.
+            **options (Any): For the constructor (`gather_bytes`).
+
+        Returns:
+            A TorchDistributed over the new default group; `close()` destroys the group.
+
+        Raises:
+            RuntimeError: RANK, WORLD_SIZE, MASTER_ADDR or MASTER_PORT is not set.
+            ValueError: `timeout` is not a positive number of seconds or a timedelta.
         """
         kwargs = {} if timeout is None else {"timeout": _check_timeout(timeout)}
         missing = [
@@ -218,7 +240,7 @@ class TorchDistributed(FlatCommunicator):
         dist.barrier(group=self.group)
 
     def close(self) -> None:
-        """Drop cached buffers; destroy the process group if `from_env` created it."""
+        """Drop the cached buffers, and destroy the process group if `from_env` made it."""
         super().close()
         # Our references would keep the group alive past destroy_process_group(), its
         # gloo threads running until the interpreter shuts down: one that then frees a

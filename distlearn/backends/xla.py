@@ -23,7 +23,14 @@ from ._flat import FlatCommunicator
 
 
 class XLA(FlatCommunicator):
-    """Every XLA device of the job (one per process, as `torch_xla.launch` starts them)."""
+    """Every XLA device of the job (one per process, as `torch_xla.launch` starts them).
+
+    Synchronous only: the all-reduce joins the traced graph after backward, where XLA's
+    own scheduler overlaps it with computation.
+
+    Raises:
+        ImportError: torch_xla is not installed.
+    """
 
     # Lazy tensors allocate nothing until the graph runs; a cached buffer would only
     # chain in-place updates across steps into the traced graph.
@@ -50,12 +57,24 @@ class XLA(FlatCommunicator):
 
     @property
     def device(self) -> torch.device:
-        """This process's XLA device: put the model and batches here."""
+        """This process's XLA device: put the model and batches here.
+
+        Returns:
+            The device.
+        """
         return self._xla.device()
 
     def all_reduce(self, tensors: Any, op: Op = "sum", finished: bool = False) -> int:
-        """Reduce across the XLA processes, in place; returns how many contributed (the
-        synchronous form only: see the module docstring)."""
+        """Reduce across the XLA processes, in place (the synchronous form only).
+
+        Args:
+            tensors: A tensor or nested list/tuple/dict of tensors on the XLA device.
+            op: `"sum"`, `"max"`, `"min"`, or a function `op(acc, x)`.
+            finished: This node contributes nothing.
+
+        Returns:
+            How many processes contributed.
+        """
         return super().all_reduce(tensors, op, finished)
 
     def _sync(self) -> None:

@@ -33,7 +33,25 @@ def LocalhostTree(
     line); pass `key=` (or set $IPC_KEY) to group processes with different parents.
     `token=` / `token_file=` (or $IPC_TOKEN / $IPC_TOKEN_FILE) set the secret yourself;
     with `port=` node 0 also accepts joins on 127.0.0.1:port from nodes that have it.
-    `options` as for Tree (shm=False keeps every collective on the sockets)."""
+
+    Args:
+        node_index: This node, 0-based.
+        num_nodes: How many nodes.
+        key: Names the launch, for processes started from different parents.
+        port: Node 0 also accepts joins on 127.0.0.1 at this port.
+        token: The secret, instead of a random one.
+        token_file: A private file holding the secret.
+        **options (Any): As for `Tree` (`shm=False` keeps every collective on the
+            sockets).
+
+    Returns:
+        This process's node of the tree.
+
+    Raises:
+        TypeError: A misspelt option, naming the closest.
+        IPCError: The rendezvous failed, saying why.
+        IPCTimeoutError: Not every node arrived within the `timeout`.
+    """
     check("LocalhostTree()", options, keyword_names(Tree.__init__), keyword_names(LocalhostTree))
     handler = Localhost(
         node_index, num_nodes, key=key, port=port, token=token, token_file=token_file
@@ -58,8 +76,29 @@ def StaticTree(
     The secret is `token`, `token_file`, $IPC_TOKEN or $IPC_TOKEN_FILE; without one an
     IPCError says how to set it (`insecure=True` derives it from the root address, for a
     trusted cluster, loudly logged). A loopback `root_host` without a secret means every
-    node is on this host: they meet as LocalhostTree does, keyed by the port. `host` is
-    the address this node binds and advertises. `options` as for Tree."""
+    node is on this host: they meet as LocalhostTree does, keyed by the port.
+
+    Args:
+        node_index: This node, 0-based.
+        num_nodes: How many nodes.
+        root_host: Node 0's address, which it binds.
+        root_port: Node 0's port.
+        host: The address this node binds and advertises.
+        token: The job's secret, the same on every node.
+        token_file: A private file holding it.
+        insecure: Derive the secret from the root's address (a trusted cluster only).
+        **options (Any): As for `Tree`.
+
+    Returns:
+        This process's node of the tree.
+
+    Raises:
+        TypeError: A misspelt option, naming the closest.
+        ValueError: `node_index` out of range for `num_nodes`.
+        IPCError: No secret across hosts (saying how to set one), or the rendezvous
+            failed.
+        IPCTimeoutError: Not every node arrived within the `timeout`.
+    """
     check("StaticTree()", options, keyword_names(Tree.__init__), keyword_names(StaticTree))
     check_index(node_index, num_nodes)
     if is_loopback(root_host) and not (token or token_file or insecure or _env_secret()):
@@ -83,5 +122,12 @@ def _env_secret() -> bool:
 
 
 def from_env(**kwargs) -> Tree:
-    """`Tree.from_env`: a tree configured by torchrun or Slurm."""
+    """`Tree.from_env`: a tree configured by torchrun or Slurm.
+
+    Args:
+        **kwargs (Any): As for `Tree.from_env`.
+
+    Returns:
+        This process's node of the tree.
+    """
     return Tree.from_env(**kwargs)

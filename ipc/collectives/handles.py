@@ -33,8 +33,10 @@ SERVICE_NAP_MAX_S = 0.4
 
 
 class Handle:
-    """A collective in flight. `wait()` returns what the synchronous call returns (the
-    number of contributing nodes for all_reduce) or raises what it would raise.
+    """A collective in flight, from `all_reduce`, `scatter` or `barrier` with `async_op`.
+
+    `wait()` returns what the synchronous call returns (the number of contributing
+    nodes for all_reduce) or raises what it would raise.
 
     A thread that waits without a `timeout` runs the queued collectives, up to and
     including this one, in its own thread (in order, as the communication thread would)
@@ -51,11 +53,27 @@ class Handle:
         self._queue = queue
 
     def is_completed(self) -> bool:
+        """Whether the collective is done (`wait()` would not block).
+
+        Returns:
+            True once done, or failed.
+        """
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> int | None:
-        """Block until the collective is done (its own timeout bounds this); `timeout`
-        only bounds this wait, raising TimeoutError with the collective still running."""
+        """Block until the collective is done (the tree's own timeout bounds it).
+
+        Args:
+            timeout: Seconds to wait at most; the collective goes on running after.
+
+        Returns:
+            What the synchronous call returns: the contributor count for all_reduce,
+            None for scatter and barrier.
+
+        Raises:
+            TimeoutError: `timeout` passed with the collective still running.
+            IPCError: What the synchronous call would have raised (`PeerError`...).
+        """
         if timeout is None and self._queue is not None and not self._done.is_set():
             self._queue.help(self)
         if not self._done.wait(timeout):

@@ -76,13 +76,34 @@ class Tree(RunningMixin):
         tree = ipc.LocalhostTree(node_index, num_nodes)      # the same
         tree = ipc.Tree.from_env()                            # torchrun or Slurm
 
-    Options: `base` (fan-out), `timeout` (seconds any collective may wait for a slow
-    node; default 300 or $IPC_TIMEOUT), `chunk_bytes` (socket transport's chunk),
-    `shm` (shared memory when every node is on one host), `encrypt` (CURVE on every
-    link), `heartbeat` (ipc.Liveness: how soon a dead or frozen peer is named;
-    default from $IPC_HEARTBEAT_INTERVAL/$IPC_HEARTBEAT_TIMEOUT, 1 s and 6 s),
-    `stall_warning` (seconds before a waiting collective logs who it waits for).
-    Every node must pass the same base, chunk_bytes, shm and encrypt."""
+    Every node must pass the same `base`, `chunk_bytes`, `shm` and `encrypt`; node 0
+    checks.
+
+    Args:
+        rendezvous: How the nodes find each other: `ipc.rendezvous.Localhost`,
+            `ipc.rendezvous.Static`, or `ipc.rendezvous.from_env()`.
+        base: The tree's fan-out.
+        timeout: Seconds any collective may wait for a slow node (default 300, or
+            $IPC_TIMEOUT).
+        chunk_bytes: The socket transport's chunk: large buffers travel in pieces of
+            this size, reduced on the way up.
+        shm: Collectives through shared memory when every node is on one host.
+        encrypt: CURVE on every link, keys derived from the job's secret.
+        heartbeat: An `ipc.Liveness`: how soon a dead or frozen peer is named
+            (default from $IPC_HEARTBEAT_INTERVAL/$IPC_HEARTBEAT_TIMEOUT, 1 s and 6 s).
+        stall_warning: Seconds before a waiting collective logs who it waits for.
+
+    Attributes:
+        node_index: This node, 0-based; node 0 is the root.
+        num_nodes: How many nodes the tree has.
+
+    Raises:
+        TypeError: A misspelt option, naming the closest.
+        ValueError: An option out of range, naming it.
+        IPCError: The rendezvous failed (nodes with different options, a node 0 that
+            gave up...), naming the node at fault.
+        IPCTimeoutError: Not every node arrived within `timeout`.
+    """
 
     @checked
     def __init__(
@@ -278,10 +299,28 @@ class Tree(RunningMixin):
         insecure: bool = False,
         **options,
     ) -> Tree:
-        """A tree from torchrun's RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT
-        or Slurm's variables (see ipc.rendezvous.from_env); `options` as for Tree. With
-        no launcher (plain `python`), a one-node tree: rank 0 of 1, collectives are
-        identities, logged at INFO."""
+        """A tree from the launcher's environment: torchrun's or Slurm's.
+
+        torchrun's RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or Slurm's
+        SLURM_PROCID/SLURM_NTASKS/... (see `ipc.rendezvous.from_env`). All ranks on one
+        host meet through the private runtime directory; across hosts, node 0 listens
+        at MASTER_ADDR. With no launcher (plain `python`), a one-node tree: rank 0 of 1,
+        collectives are identities, logged at INFO.
+
+        Args:
+            token: The job's secret across hosts (else $IPC_TOKEN).
+            token_file: A private file holding it (else $IPC_TOKEN_FILE).
+            insecure: Derive the secret from the root's address (a trusted cluster
+                only; logged loudly).
+            **options (Any): As for `Tree`.
+
+        Returns:
+            This process's node of the tree.
+
+        Raises:
+            IPCError: Half a launcher's variables, a value that is not an integer, or
+                several hosts without a secret (saying how to set one).
+        """
         return Tree(env_handler(token=token, token_file=token_file, insecure=insecure), **options)
 
     # ---- public API -------------------------------------------------------------
@@ -290,32 +329,81 @@ class Tree(RunningMixin):
     def all_reduce(
         self, tensors: Nested, op: Op = "sum", finished: bool = False, async_op: bool = False
     ) -> Handle | int:
-        """Reduce `tensors` across all nodes, in place; returns how many nodes contributed.
+        """Reduce `tensors` across all nodes, in place.
 
         A node passing `finished=True` contributes nothing (so a sum sees zeros
         from it) but still receives the result; this lets ranks with uneven
-        step counts finish an epoch without hanging. With `async_op=True` it
-        returns a Handle at once; `handle.wait()` returns the count. Do not touch
-        the tensors until then."""
+        step counts finish an epoch without hanging.
+
+        Args:
+            tensors: A tensor or a nested list/tuple/dict of tensors, the same shapes
+                and dtypes on every node (CUDA tensors travel through pinned memory).
+            op: `"sum"`, `"max"`, `"min"`, or a function `op(acc, x)` that folds `x`
+                into `acc` (in place, or by returning the result).
+            finished: This node has run out of data.
+            async_op: Return a `Handle` at once; do not touch the tensors until it
+                is done.
+
+        Returns:
+            How many nodes contributed; with `async_op`, a `Handle` whose `wait()`
+            returns it.
+
+        Raises:
+            PeerError: A node died, froze or left the collective, naming it.
+            MismatchError: The nodes' shapes, dtypes or collectives differ.
+            IPCTimeoutError: A slow node did not arrive within the tree's `timeout`.
+            IPCError: The tree is closed, or used from a forked child.
+            ValueError: An unknown `op`.
+        """
         self._check()
         kind, reduce = _op(op)
         return self._submit((flatten(tensors), kind, reduce, True, not finished), async_op)
 
     @checked
     def scatter(self, tensors: Nested, async_op: bool = False) -> Handle | None:
-        """Copy the root's `tensors` into every node's `tensors`, in place."""
+        """Copy the root's `tensors` into every node's `tensors`, in place.
+
+        Args:
+            tensors: A tensor or a nested list/tuple/dict of tensors, the same shapes
+                and dtypes on every node.
+            async_op: Return a `Handle` at once.
+
+        Returns:
+            None, or with `async_op` a `Handle`.
+
+        Raises:
+            PeerError: A node died, froze or left, naming it.
+            MismatchError: The nodes' shapes or dtypes differ.
+            IPCTimeoutError: A slow node did not arrive within `timeout`.
+        """
         self._check()
         return self._submit((flatten(tensors), "scatter", None, False, True), async_op)
 
     def barrier(self, async_op: bool = False) -> Handle | None:
-        """Return once every node has entered the barrier."""
+        """Return once every node has entered the barrier.
+
+        Args:
+            async_op: Return a `Handle` at once.
+
+        Returns:
+            None, or with `async_op` a `Handle`.
+
+        Raises:
+            PeerError: A node died, froze or left, naming it.
+            IPCTimeoutError: A slow node did not arrive within `timeout`.
+        """
         self._check()
         return self._submit(([], "barrier", None, True, True), async_op)
 
     def net_stats(self) -> dict:
-        """Bytes and messages per link, time spent in collectives, and shared-memory traffic
-        (``shm``: collectives, bytes, ``direct``: those read out of peers' tensors, and
-        ``fused``: queued all-reduces that ran inside the collective before them)."""
+        """What this node has sent and received.
+
+        Returns:
+            Bytes and messages per link, time spent in collectives, and shared-memory
+            traffic (``shm``: collectives, bytes, ``direct``: those read out of peers'
+            tensors, and ``fused``: queued all-reduces that ran inside the collective
+            before them).
+        """
         return {
             "node": self.node_index,
             "parent": self.parent,
@@ -329,9 +417,12 @@ class Tree(RunningMixin):
         }
 
     def close(self) -> None:
-        """Finish what is in flight, say goodbye to the neighbours and wait until they have
-        read everything we sent (so the last collective is never lost), then release
-        sockets and files."""
+        """Leave the tree.
+
+        Finish what is in flight, say goodbye to the neighbours and wait until they
+        have read everything sent (so the last collective is never lost), then release
+        the sockets and files. Closing twice does nothing.
+        """
         if self._closed:
             return
         self._closed = True

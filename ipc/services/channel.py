@@ -24,7 +24,14 @@ class Channel:
 
     The creating process holds the items (keep the Channel alive there until the others
     are done); pass the Channel to other processes as an argument (`ipc.map`, or any
-    multiprocessing start method: it pickles as its address and secret)."""
+    multiprocessing start method: it pickles as its address and secret).
+
+    Attributes:
+        OPEN: A read's status: an item, the channel open.
+        CLOSED: A read's status: an item of a closed channel.
+        DRAINED: Closed and empty.
+        EMPTY: A non-blocking read found nothing now.
+    """
 
     OPEN = OPEN
     CLOSED = CLOSED
@@ -60,15 +67,34 @@ class Channel:
         return self._remote
 
     def write(self, obj: object) -> str:
-        """Append `obj`; returns OPEN, or CLOSED/DRAINED (and drops it) if the channel is
-        closed. From another process the write is sent without waiting: a write racing a
-        close may be dropped, and once a read there has seen the close, writes say so."""
+        """Append `obj`.
+
+        From another process the write is sent without waiting: a write racing a close
+        may be dropped, and once a read there has seen the close, writes say so.
+
+        Args:
+            obj: A tensor, or a nested list/tuple/dict of tensors, str, int, float,
+                bool, None and bytes.
+
+        Returns:
+            `OPEN`, or `CLOSED`/`DRAINED` (and the item dropped) if the channel is closed.
+        """
         return self._side().put("c", obj)
 
     def read(self, block: bool = True, timeout: float | None = None) -> tuple[str, object]:
-        """(status, item): (OPEN or CLOSED, item), (DRAINED, None) once closed and empty,
-        or (EMPTY, None) for a non-blocking read that finds nothing now (an open, empty
-        channel, or a closed one whose last items are still out with readers)."""
+        """The next item, with the channel's status.
+
+        Args:
+            block: Wait for an item; False returns `(EMPTY, None)` at once when there
+                is none.
+            timeout: Seconds to wait; None: without end.
+
+        Returns:
+            `(OPEN or CLOSED, item)`, `(DRAINED, None)` once closed and empty, or
+            `(EMPTY, None)` for a non-blocking read that finds nothing now (an open,
+            empty channel, or a closed one whose last items are still out with
+            readers).
+        """
         return self._side().get("c", bool(block), timeout)
 
     def close(self) -> None:

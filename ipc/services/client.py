@@ -24,7 +24,30 @@ log = logging.getLogger(__name__)
 
 
 class Client:
-    """One authenticated connection to a Server at `host:port`."""
+    """One authenticated connection to a Server at `host:port`, used from one thread.
+
+    A client of the same user on the same host finds a loopback server's secret (and
+    its direct socket) in the server's private record file.
+
+    Args:
+        host: The server's address.
+        port: The server's port.
+        token: The secret (else $IPC_TOKEN, $IPC_TOKEN_FILE, or a loopback server's
+            record).
+        token_file: A private file holding the secret.
+        encrypt: CURVE on the connection (as the server has it).
+        liveness: How soon a dead or frozen server is named (`ipc.Liveness`).
+        max_frame: The largest frame the server may send.
+        timeout: Seconds the handshake may take.
+        name: What this client calls itself to the server.
+
+    Raises:
+        TypeError: A misspelt option, naming the closest.
+        ValueError: A port out of range.
+        PeerError: Nobody listens there (a refused connection).
+        IPCTimeoutError: The server did not finish the handshake within `timeout`.
+        IPCError: No secret for a server that needs one, saying how to give it.
+    """
 
     @checked
     def __init__(
@@ -172,7 +195,15 @@ class Client:
         return self._direct_end
 
     def send(self, obj: object) -> None:
-        """Send `obj` to the server; PeerError if it is gone."""
+        """Send `obj` to the server.
+
+        Args:
+            obj: A tensor, or a nested list/tuple/dict of tensors, str, int, float,
+                bool, None and bytes.
+
+        Raises:
+            PeerError: The server is gone.
+        """
         self._check()
         if self._link.bye is not None:
             raise PeerError(f"{self.name}: the server has closed the connection")
@@ -197,8 +228,20 @@ class Client:
             raise self._direct_gone(why) from None
 
     def recv(self, into: object = None, timeout: float | None = None) -> object:
-        """The next message from the server (tensors written into `into`'s where it has
-        them); PeerError once the server is gone and its messages read."""
+        """The next message from the server.
+
+        Args:
+            into: Tensors (in the message's structure) to receive into, same shapes and
+                dtypes; None allocates.
+            timeout: Seconds to wait; None: without end.
+
+        Returns:
+            The value.
+
+        Raises:
+            PeerError: The server is gone and its messages are read.
+            IPCTimeoutError: Nothing came within `timeout`.
+        """
         _check_timeout(timeout, "Client.recv")
         self._check()
         ep = self._endpoint
@@ -233,13 +276,18 @@ class Client:
             ep.poll(min(remaining, 1.0))
 
     def net_stats(self) -> dict:
+        """Bytes and messages sent and received.
+
+        Returns:
+            The traffic, with the server's address.
+        """
         return {
             "server": self._link.address,
             **_traffic(self._link, self._direct, self._bulk),
         }
 
     def close(self) -> None:
-        """Say goodbye; returns once the server has read everything we sent (or is gone)."""
+        """Say goodbye; returns once the server has read everything sent (or is gone)."""
         if self._closed:
             return
         self._closed = True

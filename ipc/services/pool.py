@@ -63,8 +63,13 @@ _MAX_TRACEBACK = 64 << 10
 
 
 class WorkerError(IPCError):
-    """A map worker raised an exception whose type is not a built-in one; `.type`,
-    `.traceback` (the worker's, as text) and `.index` say which."""
+    """A map worker raised an exception whose type is not a built-in one.
+
+    Attributes:
+        index: The worker's index.
+        type: The exception's type name.
+        traceback: The worker's traceback, as text.
+    """
 
     def __init__(self, message: str, index: int, type_name: str, tb: str):
         super().__init__(message, index)
@@ -163,7 +168,21 @@ def _how_it_ended(code: int | None) -> str:
 
 
 class Map:
-    """n processes running fn(*args, i); `join()` gathers their results in order."""
+    """n processes running fn(*args, i); `join()` gathers their results in order.
+
+    Made by `ipc.map`. Until `join()` the workers run on; a map not joined when its
+    parent's interpreter exits is stopped, with a warning.
+
+    Args:
+        n: How many processes.
+        fn: The function; picklable for `context="spawn"`.
+        args: Its leading arguments.
+        context: `"fork"` (torch with one thread in the workers) or `"spawn"`.
+
+    Raises:
+        ValueError: `n` is not an int >= 1.
+        TypeError: `fn` is not callable, or a misspelt option.
+    """
 
     @checked
     def __init__(self, n: int, fn: Callable, args: tuple = (), *, context: str = "fork"):
@@ -281,8 +300,22 @@ class Map:
                 return
 
     def join(self, timeout: float | None = None) -> list:
-        """The n results in index order, once every worker is done; see the module
-        docstring for failures."""
+        """The n results in index order, once every worker is done.
+
+        Args:
+            timeout: Seconds to wait; None: without end.
+
+        Returns:
+            `[fn(*args, 0), ..., fn(*args, n - 1)]`.
+
+        Raises:
+            Exception: A worker's exception (built-in types as themselves, others as
+                `WorkerError`), with its traceback as `__cause__`; the others are
+                stopped.
+            PeerError: A worker was killed by a signal.
+            IPCTimeoutError: Not every worker was done within `timeout`.
+            IPCError: `join()` was called already.
+        """
         if self._joined:
             raise IPCError("ipc.map: join() was called already")
         self._joined = True
@@ -344,5 +377,15 @@ def _stop_at_exit() -> None:
 
 @checked
 def map(n: int, fn: Callable, *args, context: str = "fork") -> Map:
-    """Start fn(*args, i) for i in range(n) in n processes; `.join()` gathers the results."""
+    """Start fn(*args, i) for i in range(n) in n processes; `.join()` gathers the results.
+
+    Args:
+        n: How many processes.
+        fn: The function.
+        *args (Any): Its leading arguments; the worker's index comes last.
+        context: `"fork"` or `"spawn"`.
+
+    Returns:
+        The running `Map`.
+    """
     return Map(n, fn, args, context=context)

@@ -75,8 +75,13 @@ log = logging.getLogger(__name__)
 
 
 class Connection:
-    """The server's side of one client. `name` is what the client called itself (its
-    handshake is authenticated); `index` numbers connections in arrival order."""
+    """The server's side of one client.
+
+    Attributes:
+        name: What the client called itself (its handshake is authenticated).
+        index: Numbers connections in arrival order.
+        alive: The client is connected and has not said goodbye.
+    """
 
     def __init__(self, server: Server, link: Link, index: int):
         self._server = server
@@ -100,7 +105,16 @@ class Connection:
         return f"Connection({self.index}, {self.name!r}, {state})"
 
     def send(self, obj: object) -> None:
-        """Send `obj` to this client; PeerError if it is gone."""
+        """Send `obj` to this client.
+
+        Args:
+            obj: A tensor, or a nested list/tuple/dict of tensors, str, int, float,
+                bool, None and bytes.
+
+        Raises:
+            PeerError: The client is gone.
+            IPCError: The server is closed.
+        """
         self._server._check_open()
         if self.link.bye is not None or self.said_bye:
             raise PeerError(f"ipc server: {self.name} has closed its connection", self.index)
@@ -110,9 +124,20 @@ class Connection:
             self._server._bulk.send(self.link, obj)
 
     def recv(self, into: object = None, timeout: float | None = None) -> object:
-        """The next message from this client (tensors written into `into`'s where it has
-        them); PeerError once it is gone and its messages are read, IPCTimeoutError after
-        `timeout` seconds."""
+        """The next message from this client.
+
+        Args:
+            into: Tensors (in the message's structure) to receive into, same shapes and
+                dtypes; None allocates.
+            timeout: Seconds to wait; None: without end.
+
+        Returns:
+            The value.
+
+        Raises:
+            PeerError: The client is gone and its messages are read.
+            IPCTimeoutError: Nothing came within `timeout`.
+        """
         _check_timeout(timeout, "Connection.recv")
         frames = self._server._next_from(self, _deadline(timeout))
         return recv_value(self._server._bulk, self.link, frames, into)
@@ -123,8 +148,32 @@ class Connection:
 
 
 class Server(DirectSocketsMixin):
-    """Listens on `host:port` (port 0: a free port, in `.port`) for clients that know the
-    secret. See the module docstring."""
+    """Listens on `host:port` for clients that know the secret. See the module docstring.
+
+    Used from one thread. On a loopback address without a secret it makes a random one
+    and leaves it, with a Unix socket's path, in a private file of the runtime
+    directory for clients of this user on this host.
+
+    Args:
+        host: The address to bind.
+        port: The port; 0 for a free one (then in `.port`).
+        token: The secret (else $IPC_TOKEN or $IPC_TOKEN_FILE).
+        token_file: A private file holding the secret.
+        encrypt: CURVE on every connection.
+        liveness: How soon a dead or frozen client is named (`ipc.Liveness`).
+        max_frame: The largest frame a client may send; larger ones are refused
+            before they are read.
+        name: What the server calls itself.
+
+    Attributes:
+        port: The bound port.
+        address: The bound address.
+
+    Raises:
+        TypeError: A misspelt option, naming the closest.
+        ValueError: A port out of range.
+        IPCError: An address beyond loopback without a secret, saying how to set one.
+    """
 
     @checked
     def __init__(
@@ -301,11 +350,27 @@ class Server(DirectSocketsMixin):
     # ---- the public API --------------------------------------------------------------
 
     def connections(self) -> list[Connection]:
-        """The clients connected now (alive), in arrival order."""
+        """The clients connected now (alive), in arrival order.
+
+        Returns:
+            Their connections.
+        """
         return [c for c in self._conns if c.alive]
 
     def clients(self, n: int, timeout: float | None = None) -> list[Connection]:
-        """Wait until `n` clients are connected; the first `n` live connections."""
+        """Wait until `n` clients are connected.
+
+        Args:
+            n: How many.
+            timeout: Seconds to wait; None: without end.
+
+        Returns:
+            The first `n` live connections, in arrival order.
+
+        Raises:
+            ValueError: `n` is not an int >= 0.
+            IPCTimeoutError: Fewer came within `timeout`.
+        """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"Server.clients: n must be an int >= 0, not {n!r}")
         _check_timeout(timeout, "Server.clients")
@@ -319,9 +384,22 @@ class Server(DirectSocketsMixin):
     def recv_any(
         self, into: object = None, timeout: float | None = None, skip_dead: bool = False
     ) -> tuple[object, Connection]:
-        """(value, connection) of the next message from any client, in arrival order. A
-        client that died raises PeerError naming it once its messages are read (or is
-        skipped with `skip_dead=True`); one that closed its connection is just gone."""
+        """The next message from any client, in arrival order.
+
+        A client that closed its connection is just gone.
+
+        Args:
+            into: Tensors to receive into, as for `Connection.recv`.
+            timeout: Seconds to wait; None: without end.
+            skip_dead: Pass over clients that died instead of raising.
+
+        Returns:
+            `(value, connection)`.
+
+        Raises:
+            PeerError: A client died, naming it, once its messages are read.
+            IPCTimeoutError: Nothing came within `timeout`.
+        """
         _check_timeout(timeout, "Server.recv_any")
         self._check_open()
         deadline = _deadline(timeout)
@@ -343,8 +421,16 @@ class Server(DirectSocketsMixin):
             self._wait(deadline, "a message from any client")
 
     def broadcast(self, obj: object) -> int:
-        """Send `obj` to every live client (encoded once); returns how many it reached. A
-        client that is gone is skipped: its death is reported by the receives."""
+        """Send `obj` to every live client (encoded once).
+
+        A client that is gone is skipped: its death is reported by the receives.
+
+        Args:
+            obj: The value, as for `Connection.send`.
+
+        Returns:
+            How many clients it reached.
+        """
         self._check_open()
         self._service(0)
         # Encoded once; each large buffer copied once into a ZeroMQ message that every
@@ -379,8 +465,12 @@ class Server(DirectSocketsMixin):
         return reached
 
     def net_stats(self) -> dict:
-        """Bytes and messages sent and received, in all (clients that left included) and
-        per client (those connected, and those gone whose end is not yet settled)."""
+        """Bytes and messages sent and received.
+
+        Returns:
+            The totals (clients that left included), and under `per` each client's
+            (those connected, and those gone whose end is not yet settled).
+        """
         per = {
             c.index: {
                 "name": c.name,

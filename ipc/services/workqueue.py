@@ -36,7 +36,19 @@ class WorkQueue:
     Every other process that opens `name` is a worker: it reads the owner's items and
     writes results back. `read()` returns None once the queue is closed and drained.
     `maxsize` (the owner's; 0: no bound) bounds the items waiting for a worker: the
-    owner's `write` then waits for room, so a fast producer cannot outgrow memory."""
+    owner's `write` then waits for room, so a fast producer cannot outgrow memory.
+
+    Args:
+        name: The queue's name on this host (letters, digits, `._-`).
+        maxsize: The owner's bound on items waiting for a worker; 0: none.
+
+    Attributes:
+        owner: Whether this process owns the queue.
+
+    Raises:
+        ValueError: A bad name or `maxsize`.
+        TypeError: A misspelt option, naming the closest.
+    """
 
     @checked
     def __init__(self, name: str, maxsize: int = 0):
@@ -141,9 +153,19 @@ class WorkQueue:
             )
 
     def write(self, obj: object, timeout: float | None = None) -> None:
-        """Owner: one item for one worker; with `maxsize`, waits while that many items
-        wait for a worker (IPCTimeoutError after `timeout` s). Worker: one result for the
-        owner, sent without waiting."""
+        """Owner: one item for one worker. Worker: one result for the owner.
+
+        Args:
+            obj: The item: a tensor, or a nested list/tuple/dict of tensors, str, int,
+                float, bool and bytes (not None).
+            timeout: The owner's wait for room under `maxsize`; a worker's result is
+                sent without waiting.
+
+        Raises:
+            TypeError: `obj` is None (what a worker's `read()` returns at the end).
+            IPCTimeoutError: No room within `timeout`.
+            IPCError: The queue is closed.
+        """
         self._check()
         if self._broker is not None:
             if obj is None:
@@ -161,8 +183,18 @@ class WorkQueue:
             self._remote.put("up", obj)
 
     def read(self, timeout: float | None = None) -> object:
-        """Owner: the next result. Worker: the next item, or None once the owner closed the
-        queue and every item was handed out. Blocks until then."""
+        """Owner: the next result. Worker: the next item. Blocks until there is one.
+
+        Args:
+            timeout: Seconds to wait; None: without end.
+
+        Returns:
+            The value; for a worker, None once the owner closed the queue and every
+            item was handed out.
+
+        Raises:
+            IPCTimeoutError: Nothing came within `timeout`.
+        """
         if self._broker is not None:
             self._check_process()  # (results stay readable after close)
             return self._broker.get("up", True, timeout)[1]
@@ -177,7 +209,16 @@ class WorkQueue:
         no worker left to take them. Results still queued stay readable (read() returns
         None after the last). The name stays marked closed while this process lives (a worker
         that opens it later reads None at once); this process may open it anew. Worker:
-        leave the queue."""
+        leave the queue.
+
+        Args:
+            timeout: The owner's wait for the items to be handed out and the workers
+                to leave.
+
+        Raises:
+            IPCError: Items came back from workers that died, with no worker left to
+                take them.
+        """
         if self._closed:
             return
         self._check_process()

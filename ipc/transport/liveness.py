@@ -33,15 +33,30 @@ _FORGOTTEN = 4096  # routing ids of forgotten links whose late messages are drop
 
 @dataclass(frozen=True)
 class Liveness:
-    """ZMTP heartbeats: a PING every `interval` s; no traffic for `timeout` s after one
-    closes the connection. `interval=0` turns them off (dead processes are still seen
-    when their sockets close, frozen ones no longer)."""
+    """ZMTP heartbeats: how soon a dead or frozen peer is named.
+
+    Args:
+        interval: Seconds between PINGs; 0 turns heartbeats off (dead processes are
+            still seen when their sockets close, frozen ones no longer).
+        timeout: Seconds without traffic after a PING that close the connection.
+
+    Raises:
+        ValueError: `timeout` does not exceed `interval`.
+    """
 
     interval: float = 1.0
     timeout: float = 6.0
 
     @staticmethod
     def from_env() -> Liveness:
+        """The heartbeat of $IPC_HEARTBEAT_INTERVAL and $IPC_HEARTBEAT_TIMEOUT (1 s, 6 s).
+
+        Returns:
+            The Liveness.
+
+        Raises:
+            ValueError: A value that is not a finite number, naming the variable.
+        """
         return Liveness(
             env_float("IPC_HEARTBEAT_INTERVAL", 1.0), env_float("IPC_HEARTBEAT_TIMEOUT", 6.0)
         )

@@ -79,12 +79,25 @@ def decode(
 ) -> dict[int, Any]:
     """Decode one Thrift struct from ``data`` into a dict keyed by field id.
 
-    ``schema`` is optional; it only turns ``"string"`` fields into ``str`` and
-    ``("set", T)`` fields into ``set``. ``numpy=True`` returns numeric
-    containers as arrays. The whole of ``data`` must be the struct. Raises
-    :class:`ThriftError`, naming the offset, on bad input, and on a record
-    nested deeper than ``max_depth`` or decoding into more than ``max_objects``
-    objects (see :data:`MAX_OBJECTS`).
+    Args:
+        data: The whole struct, nothing after it.
+        protocol: `"binary"` or `"compact"`.
+        schema: Optional: it only turns `"string"` fields into `str` and
+            `("set", T)` fields into `set`.
+        numpy: Return numeric lists and sets as arrays, and maps of numbers as
+            `(keys, values)` pairs of arrays.
+        max_depth: The deepest nesting accepted.
+        max_objects: The most objects (struct fields, list elements, map keys and
+            values) one record may decode into (see `MAX_OBJECTS`).
+
+    Returns:
+        The struct: nested values keyed by field id.
+
+    Raises:
+        ThriftError: Bad input, naming the offset; a record nested deeper than
+            `max_depth` or decoding into more than `max_objects` objects.
+        ValueError: An unknown protocol, a schema that is not a struct, or a bad
+            `max_depth`.
     """
     dec = _DECODERS.get(protocol)
     if dec is None:
@@ -117,7 +130,20 @@ def encode(
     """Encode a struct (dict keyed by field id) given its ``schema``.
 
     Fields absent from ``value`` (or None) are left out, as optional fields
-    are; a field the schema does not name raises :class:`ThriftError`.
+    are. The bytes are those Thrift's generated classes write.
+
+    Args:
+        value: The struct, keyed by field id.
+        schema: Its fields' types, `{field_id: type}`.
+        protocol: `"binary"` or `"compact"`.
+
+    Returns:
+        The encoded bytes.
+
+    Raises:
+        ThriftError: A field the schema does not name, or a value that does not fit
+            its type.
+        ValueError: An unknown protocol.
     """
     _check_protocol(protocol)
     return _encode.encode(value, schema, protocol)

@@ -33,6 +33,13 @@ class MediaRecord:
     "resolution": list[int] | None})``. The image (PNG, JPEG, ... anything
     Pillow reads) is decoded by :class:`dataset.processors.Image`, which
     ``image_opts`` configure (``mode``, ``size``, ``mean``, ``std``).
+
+    Args:
+        protocol: `"binary"` or `"compact"`.
+        **image_opts (Any): For `processors.Image`.
+
+    Raises:
+        ValueError: An unknown protocol.
     """
 
     def __init__(self, protocol: str = "binary", **image_opts: Any):
@@ -76,6 +83,18 @@ class FeatureRecord:
     features not written (ids outside ``vocab``, or cut by ``overflow="truncate"``).
     A listed field that is not a set/list of integers or a map from integers to
     numbers raises :class:`ThriftError`.
+
+    Args:
+        protocol: `"binary"` or `"compact"`.
+        dim: Columns for the hashing trick (`id mod dim`); or give `vocab`.
+        vocab: The feature ids, in column order.
+        fields: The record's fields that hold features.
+        layout: `"dense"` or `"sparse"`.
+        overflow: `"error"` or `"truncate"`, for a sparse row too short.
+
+    Raises:
+        ValueError: An unknown protocol, layout or overflow, or neither (or both)
+            of `dim` and `vocab`.
     """
 
     def __init__(
