@@ -1,17 +1,14 @@
 """distlearn: AllReduceSGD and AllReduceEA over any communicator.
 
 One import namespace: `distlearn.dataset` (loading), `distlearn.ipc` (the process
-tree) and this package. The communicator is the `ipc` tree (the default),
-`torch.distributed` through `distlearn.backends.TorchDistributed`, or XLA
-through `distlearn.backends.XLA`.
+tree), `distlearn.common` (the helpers both share) and this package. The
+communicator is the `ipc` tree (the default), `torch.distributed` through
+`distlearn.backends.TorchDistributed`, or XLA through `distlearn.backends.XLA`.
 """
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
 
-from .comm import Communicator
-from .ea import AllReduceEA
-from .sgd import AllReduceSGD
-from .state import broadcast_state_dict, synchronize_optimizer
+__version__ = "0.1.0"
 
 __all__ = [
     "AllReduceEA",
@@ -20,3 +17,33 @@ __all__ = [
     "broadcast_state_dict",
     "synchronize_optimizer",
 ]
+
+# Imported on first use (PEP 562): `distlearn.common`, `distlearn.dataset.serve` and
+# `distlearn.ipc` below this package start without importing torch for it.
+_LAZY = {
+    "Communicator": "comm",
+    "AllReduceEA": "ea",
+    "AllReduceSGD": "sgd",
+    "broadcast_state_dict": "state",
+    "synchronize_optimizer": "state",
+}
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+    from .ea import AllReduceEA
+    from .sgd import AllReduceSGD
+    from .state import broadcast_state_dict, synchronize_optimizer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,5 +1,10 @@
 """The layers of each package, as folders: no module imports from a layer above its own.
 
+Across packages, lowest first: ``distlearn.common`` (the helpers every layer shares),
+then ``distlearn.dataset`` and ``distlearn.ipc`` side by side, then ``distlearn`` itself.
+``common`` imports nothing of distlearn but itself; ``dataset`` and ``ipc`` nothing but
+themselves and ``common``.
+
 Each package lists its layers lowest first; a module belongs to the first layer one of whose
 prefixes names it (``index`` covers ``index.kinds`` and ``index.csv.lines``). An import
 counts wherever it stands (module level, inside a function, under ``TYPE_CHECKING``): a
@@ -10,6 +15,7 @@ module-level imports of a whole package hold no cycle.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +37,7 @@ LAYERS = {
         {"batcher"},  # the user's iterator
     ],
     "ipc": [
-        {"errors", "envvars", "keywords", "procs"},  # shared: errors, settings, processes
+        {"errors", "procs"},  # shared: errors, processes (and distlearn.common, below)
         {"transport"},  # the wire format, the secret, authenticated links
         {"rendezvous"},  # finding the other nodes: a Roster
         {"collectives"},  # all_reduce, scatter, barrier over a tree of links
@@ -39,6 +45,12 @@ LAYERS = {
     ],
 }
 PACKAGE_NAMES = {"dataset": "distlearn.dataset", "ipc": "distlearn.ipc"}
+# Folder -> the packages of distlearn its modules may import (their own included).
+MAY_IMPORT = {
+    "distlearn/common": {"distlearn.common"},
+    "dataset": {"distlearn.dataset", "distlearn.common"},
+    "ipc": {"distlearn.ipc", "distlearn.common"},
+}
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -137,6 +149,52 @@ def test_the_packages_do_not_import_each_other():
                     names = [node.module or ""]
                 bad = [n for n in names if n == other or n.startswith(other + ".")]
                 assert not bad, f"{package}.{name or '__init__'} imports {bad[0]}"
+
+
+def _distlearn_imports(folder: str):
+    """(module, what it imports of distlearn) for every import of a module under `folder`,
+    relative ones resolved (a relative import that climbs out of the folder, into the
+    rest of distlearn, counts as the package it reaches)."""
+    top = ROOT / folder
+    package = "distlearn." + folder.rsplit("/", 1)[-1] if folder != "distlearn" else "distlearn"
+    for path in sorted(top.rglob("*.py")):
+        parts = list(path.relative_to(top).with_suffix("").parts)
+        here = [*package.split("."), *parts]
+        base = here[:-1]  # (an __init__'s own package is its folder: the same base)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                up = base[: len(base) - (node.level - 1)]
+                names = [".".join([*up, *([node.module] if node.module else [])])]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name == "distlearn" or name.startswith("distlearn."):
+                    yield path.relative_to(ROOT), name
+
+
+@pytest.mark.parametrize("folder", sorted(MAY_IMPORT))
+def test_a_layer_imports_nothing_of_distlearn_above_it(folder):
+    allowed = MAY_IMPORT[folder]
+    bad = [
+        f"{path} imports {name}"
+        for path, name in _distlearn_imports(folder)
+        if not any(name == a or name.startswith(a + ".") for a in allowed)
+    ]
+    assert not bad, "imports that run upward:\n" + "\n".join(bad)
+
+
+def test_the_checks_see_an_upward_import(tmp_path, monkeypatch):
+    """The two kinds the check above must catch (it would pass on nothing seen)."""
+    folder = tmp_path / "ipc" / "sub"
+    folder.mkdir(parents=True)
+    (folder / "m.py").write_text("import distlearn.sgd\nfrom ...dataset import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = sorted(name for _, name in _distlearn_imports("ipc"))
+    assert found == ["distlearn.dataset", "distlearn.sgd"]
 
 
 def test_every_module_is_in_a_layer():
