@@ -26,10 +26,11 @@ if __name__ != "distlearn.dataset":
     )
 
 import logging
-import os
 import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from distlearn.common import launchers
 
 from . import options as _options
 
@@ -110,31 +111,6 @@ if TYPE_CHECKING:
     from .seeding import item_rng, item_seed
 
 
-_TORCHRUN = (("RANK", "WORLD_SIZE"),)
-_LAUNCHERS = (*_TORCHRUN, ("SLURM_PROCID", "SLURM_NTASKS"))
-
-
-def _env_rank(launchers=_LAUNCHERS) -> tuple[int, int, str] | None:
-    """(rank, world size, which variables) from the launcher: torchrun's RANK and
-    WORLD_SIZE, else Slurm's SLURM_PROCID and SLURM_NTASKS (as `ipc.Tree.from_env`
-    reads them); None when neither is set."""
-    env = os.environ
-    for rank_var, world_var in launchers:
-        if world_var not in env:
-            continue
-        if rank_var not in env:
-            # Every process would read partition 0: the same data on every rank.
-            raise ValueError(f"${world_var} is set without ${rank_var}: set both, or neither")
-        try:
-            rank, world = int(env[rank_var]), int(env[world_var])
-        except ValueError as err:
-            raise ValueError(f"{rank_var}/{world_var} must be integers ({err})") from None
-        if not 0 <= rank < world:
-            raise ValueError(f"${rank_var}={rank} is not in [0, ${world_var}={world})")
-        return rank, world, f"{rank_var}/{world_var}"
-    return None
-
-
 def _no_answer(url: str, fetch: _options.FetchOptions) -> str:
     """What to check when reading the index got no answer, and the options that wait longer."""
     parsed = urllib.parse.urlsplit(url)
@@ -155,11 +131,13 @@ def _no_answer(url: str, fetch: _options.FetchOptions) -> str:
 def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, str]:
     """(partition, partitions, where they came from) for a Dataset.
 
-    No partition arguments under torchrun (`WORLD_SIZE` > 1) follow
-    `RANK`/`WORLD_SIZE`, as `DistributedSampler` follows the process group;
-    `partition="auto"` reads them whatever `WORLD_SIZE`, or Slurm's
-    `SLURM_PROCID`/`SLURM_NTASKS` (under `srun`) without them; explicit numbers win
-    (`partition=0, partitions=1` is the whole index).
+    No partition arguments under a launcher of several processes follow its ranks, as
+    `DistributedSampler` follows the process group; `partition="auto"` follows them
+    whatever their number; explicit numbers win (`partition=0, partitions=1` is the
+    whole index). The launchers are `distlearn.common.launchers`' (the ones
+    `ipc.Tree.from_env` follows): torchrun's `RANK`/`WORLD_SIZE`, then Slurm's
+    `SLURM_PROCID`/`SLURM_NTASKS` inside an `srun` step (not in a batch script's own
+    process, which sees the allocation's task count).
 
     Args:
         partition: As given to `Dataset`: an int, `"auto"` or None.
@@ -170,15 +148,14 @@ def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, 
 
     Raises:
         TypeError: `partition` is neither an int nor `"auto"`.
-        ValueError: `"auto"` with `partitions`, or launcher variables half set or
-            out of range.
+        ValueError: `"auto"` with `partitions`.
+        LaunchError: Launcher variables half set, not integers or out of range (a
+            `ValueError`).
     """
     if partition is None and partitions is None:
-        # torchrun's variables only: a Slurm batch script's own process sees
-        # SLURM_NTASKS of the whole allocation, and would read a part of the index.
-        env = _env_rank(_TORCHRUN)
-        if env is not None and env[1] > 1:
-            return env
+        launch = launchers.detect()
+        if launch is not None and launch.world > 1:
+            return launch.rank, launch.world, launch.variables
         return 0, 1, "default"
     if partition == "auto":
         if partitions is not None:
@@ -186,7 +163,10 @@ def choose_partition(partition: Any, partitions: int | None) -> tuple[int, int, 
                 f'partition="auto" reads the partition count from the environment too: '
                 f"leave out partitions={partitions!r}"
             )
-        return _env_rank() or (0, 1, "no launcher variables: the whole index")
+        launch = launchers.detect()
+        if launch is None:
+            return 0, 1, "no launcher variables: the whole index"
+        return launch.rank, launch.world, launch.variables
     if partition is None:
         partition = 0
     if isinstance(partition, bool) or not isinstance(partition, int):
@@ -211,9 +191,9 @@ class Dataset:
             folder, URL or brace pattern of part files, or a list of these joined item
             by item.
         partition: This rank's partition, 0-based like a torch rank. `"auto"` reads
-            RANK/WORLD_SIZE, else Slurm's SLURM_PROCID/SLURM_NTASKS. Left out (with
-            `partitions`) under torchrun (`WORLD_SIZE` > 1) it follows
-            RANK/WORLD_SIZE; otherwise the whole index.
+            the launcher's ranks: RANK/WORLD_SIZE, else Slurm's SLURM_PROCID/SLURM_NTASKS
+            inside an srun step. Left out (with `partitions`) under a launcher of
+            several processes it follows them too; otherwise the whole index.
         partitions: How many partitions (the world size).
         **opts (Any): Options of the fetch, index, cache, parts, workers and sampling
             groups.

@@ -7,6 +7,9 @@ standard base a caller would also expect (``BadIndex`` is a ``ValueError``,
 
 from __future__ import annotations
 
+# (one class for every layer: the worker processes here, ipc.map there)
+from distlearn.common.errors import RemoteTraceback
+
 __all__ = [
     "AllFailed",
     "BadIndex",
@@ -70,18 +73,3 @@ class WorkerDied(DatasetError, RuntimeError):
 
 class PartError(DatasetError, ValueError):
     """A part-file dataset that cannot be read as asked (no parts, too few for the partitions)."""
-
-
-class RemoteTraceback(Exception):
-    """The formatted traceback of an exception raised in a worker process.
-
-    Set as the ``__cause__`` of the re-raised exception, so the worker's frames
-    print above the main process's (as ``concurrent.futures`` does).
-    """
-
-    def __init__(self, tb: str):
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.tb}"""'

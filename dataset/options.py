@@ -18,12 +18,13 @@ the option), before any file is read or any worker started.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from distlearn.common.keywords import closest, unknown
 
 __all__ = [
     "BATCHER_ARGS",
@@ -308,14 +309,12 @@ def check(where: str, given: Iterable[str], *groups: Iterable[str]) -> None:
         for args, call in ((BATCHER_ARGS, "sampled_batcher()"), (DATASET_ARGS, "Dataset()")):
             if name in args:
                 raise TypeError(f"{where} got {name!r}: pass it to {call}")
-        close = difflib.get_close_matches(name, [*valid, *BATCHER_ARGS, *DATASET_ARGS], 1, 0.6)
-        if not close:
-            hint = f"; valid options: {', '.join(valid)}"
-        else:
-            call = "sampled_batcher()" if close[0] in BATCHER_ARGS else "Dataset()"
-            other = close[0] not in valid and call != where
-            hint = f"; did you mean {close[0]!r}{f' (an argument of {call})' if other else ''}?"
-        raise TypeError(f"{where} got an unknown option {name!r}{hint}")
+        near = closest(name, [*valid, *BATCHER_ARGS, *DATASET_ARGS])
+        if near is None:
+            raise unknown(where, name, valid, noun="option")
+        call = "sampled_batcher()" if near in BATCHER_ARGS else "Dataset()"
+        other = f" (an argument of {call})" if near not in valid and call != where else ""
+        raise TypeError(f"{where} got an unknown option {name!r}; did you mean {near!r}{other}?")
 
 
 def _count(value: Any, name: str, low: int) -> int:

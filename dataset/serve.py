@@ -52,6 +52,8 @@ from email.utils import formatdate
 from typing import NoReturn
 from urllib.parse import unquote_to_bytes
 
+from distlearn.common.procs import die_with_parent
+
 __all__ = [
     "CACHE_BYTES",
     "HEAD_TIMEOUT_S",
@@ -608,15 +610,6 @@ def _raise_stop(_signum: int, _frame) -> None:
     raise _Stop
 
 
-def _die_with(parent: int) -> None:
-    """In a worker: SIGTERM when the supervising process dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, signal.SIGTERM) != 0:  # PR_SET_PDEATHSIG
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent:  # it died before the line above
-        os._exit(0)
-
-
 def _worker(
     args: argparse.Namespace, socks: list[socket.socket], mine: int, parent: int
 ) -> NoReturn:
@@ -624,7 +617,7 @@ def _worker(
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (see _run)
-        _die_with(parent)
+        die_with_parent(parent, signal.SIGTERM)  # (SIGTERM: it stops as when told to)
         for i, sock in enumerate(socks):
             if i != mine:
                 sock.close()

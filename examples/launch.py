@@ -29,7 +29,6 @@ The last line printed is node 0's result: the final test accuracy.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import secrets
@@ -48,22 +47,21 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import prepare_mnist  # noqa: E402  (a sibling script, not a package)
 
+from distlearn.common.procs import die_with_parent  # noqa: E402  (no torch: a light import)
+
 log = logging.getLogger("launch")
 
 GRACE_S = 10.0  # how long a stopped process gets to exit before SIGKILL
 SERVER_START_S = 120.0  # generous: importing aiohttp on a busy 2-core machine is slow
 QUICK_ITEMS = 4000  # items per split in --quick mode
 
-_PR_SET_PDEATHSIG = 1
+
+LAUNCHER = os.getpid()  # (this module runs in the launcher)
 
 
 def _die_with_parent() -> None:
     """In the child, before exec: the kernel sends SIGKILL when the launcher dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still applies
-        pass
+    die_with_parent(LAUNCHER, signal.SIGKILL, before_exec=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -5,7 +5,9 @@ tree = ipc.LocalhostTree(node_index, num_nodes)
 n = tree.all_reduce(tensors, op="sum")   # in place; n = nodes that contributed
 
 Layers, lowest first; each imports only from those below it:
-- base: `errors` (IPCError and its kinds), `envvars`, `keywords`, `procs`;
+- base: `errors` (IPCError and its kinds), `procs`; below them `distlearn.common`
+  (environment variables, launchers, keyword checks, loopback, die-with-parent),
+  shared with `distlearn.dataset`;
 - `ipc.transport`: authenticated links (`Endpoint`, `Link`) and what travels on
   them (`ipc.wire`);
 - `ipc.rendezvous`: how the nodes find each other (handlers that end in a Roster);

@@ -324,12 +324,14 @@ def test_partition_auto_reads_env(tmp_path, monkeypatch):
 
 def test_partition_auto_reads_slurm_and_refuses_half_an_environment(tmp_path, monkeypatch):
     idx = write(tmp_path / "i.csv", "filename\n" + "".join(f"{i}\n" for i in range(10)))
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "1")
-    monkeypatch.setenv("SLURM_NTASKS", "4")  # srun, as ipc.Tree.from_env reads it
-    assert (Dataset(str(idx), partition="auto").partition, Dataset(str(idx)).partitions) == (1, 1)
-    # (with no partition arguments only torchrun's: a batch script sees the allocation's)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    # outside an srun step (a batch script's shell sees the allocation's), no launch at all
+    assert (Dataset(str(idx), partition="auto").partitions, Dataset(str(idx)).partitions) == (1, 1)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # srun, as ipc.Tree.from_env reads it
+    assert (Dataset(str(idx), partition="auto").partition, Dataset(str(idx)).partitions) == (1, 4)
     monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun's win; without RANK every rank
     with pytest.raises(ValueError, match=r"\$WORLD_SIZE is set without \$RANK"):  # reads 0
         Dataset(str(idx), partition="auto")

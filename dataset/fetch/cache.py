@@ -41,6 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distlearn.common.envvars import env_str
+
 from ..errors import DatasetError
 from .hostlock import HostLock
 
@@ -72,10 +74,10 @@ _MAGIC = b"DLC1"
 
 def default_cache_dir() -> Path:
     """``$DISTLEARN_CACHE``, else ``$XDG_CACHE_HOME/distlearn``, else ``~/.cache/distlearn``."""
-    env = os.environ.get("DISTLEARN_CACHE")
+    env = env_str("DISTLEARN_CACHE")
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = env_str("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "distlearn"
 
 

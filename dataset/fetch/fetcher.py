@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 
 from ..errors import FetchError
-from ..options import DEFAULT_MAX_ITEM_BYTES, REDIRECT_POLICIES
+from ..options import FetchOptions
 from . import sources as src
 from .local import open_fsspec, open_local, read_blocking
 from .responses import content_range, payload_size, read_capped, retry_after, too_big
@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["Fetcher"]
+
+
+# The read policy's defaults: FetchOptions' (what Dataset() and open_index() pass on).
+_POLICY = FetchOptions()
 
 
 RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -108,24 +112,28 @@ class Fetcher:
     def __init__(
         self,
         pool_size: int = 64,
-        timeout: float | None = 30.0,
-        retries: int = 3,
-        backoff: float = 0.05,
-        max_backoff: float = 2.0,
+        timeout: float | None = _POLICY.timeout,
+        retries: int = _POLICY.retries,
+        backoff: float = _POLICY.backoff,
+        max_backoff: float = _POLICY.max_backoff,
         cache: Any = None,
         headers: dict[str, str] | None = None,
-        redirects: str = "same-host",
-        max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+        redirects: str = _POLICY.redirects,
+        max_item_bytes: int = _POLICY.max_item_bytes,
         idle_timeout: float | None = None,
     ):
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        if redirects not in REDIRECT_POLICIES:
-            raise ValueError(f"redirects must be one of {REDIRECT_POLICIES}, got {redirects!r}")
-        if max_item_bytes < 1:
-            raise ValueError(f"max_item_bytes must be >= 1, got {max_item_bytes}")
+        # the read policy's values, checked as Dataset() checks them
+        FetchOptions(
+            timeout=timeout,
+            retries=retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            headers=headers,
+            redirects=redirects,
+            max_item_bytes=max_item_bytes,
+        )
         self.pool_size, self.timeout, self.retries = pool_size, timeout, retries
         self.backoff, self.max_backoff = backoff, max_backoff
         self.cache, self.headers = cache, headers or {}

@@ -21,7 +21,6 @@ label's examples only, as torch-dataset's samplers did.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import itertools
 from collections import deque
@@ -29,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from distlearn.common.keywords import unknown
 
 __all__ = [
     "PART_SAMPLERS",
@@ -86,8 +87,9 @@ def get_sampler(sampler: str | SamplerFn) -> SamplerFn:
 
 
 def check_options(fn: SamplerFn, opt: Mapping[str, Any], name: str) -> None:
-    """Raise ValueError for a `sampler_opt` key the sampler does not take, naming the
-    closest one (a misspelt key failed at the first batch, with Python's TypeError)."""
+    """Raise TypeError for a `sampler_opt` key the sampler does not take, naming the
+    closest one, as a keyword argument the sampler does not take would (but here, when
+    the batcher is made, not at its first batch)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -97,12 +99,7 @@ def check_options(fn: SamplerFn, opt: Mapping[str, Any], name: str) -> None:
     known = [p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for key in opt:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"sampler {name!r} has no option {key!r}{hint} (its options: "
-                f"{', '.join(known) or 'none'})"
-            )
+            raise unknown(f"sampler {name!r}", key, known, noun="option")
 
 
 def sampler_names() -> list[str]:

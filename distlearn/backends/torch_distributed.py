@@ -10,6 +10,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ..common.envvars import env_int
 from ._flat import FlatCommunicator
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -155,7 +156,7 @@ class TorchDistributed(FlatCommunicator):
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(env_int("LOCAL_RANK", 0, low=0))
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
         comm = cls(**options)
         comm._owns_group = True

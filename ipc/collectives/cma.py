@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from distlearn.common.envvars import env_flag
+
 __all__ = ["Probe", "read", "usable"]
 
 
@@ -69,7 +71,7 @@ class Probe:
 
 def usable(pid: int, address: int, value: int) -> bool:
     """True when reading process `pid`'s probe word at `address` gives `value`."""
-    if _readv is None or os.environ.get("IPC_SHM_CMA", "1") == "0":
+    if _readv is None or not env_flag("IPC_SHM_CMA", True):
         return False
     out = ctypes.c_uint64(0)
     try:

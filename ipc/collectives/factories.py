@@ -5,10 +5,11 @@ Each picks a rendezvous handler for the launch it describes and returns a `Tree`
 
 from __future__ import annotations
 
-import os
+from distlearn.common.envvars import env_str
+from distlearn.common.keywords import check, keyword_names
+from distlearn.common.net import is_loopback
 
-from ..keywords import check, keyword_names
-from ..rendezvous import Localhost, Static, check_index, is_loopback
+from ..rendezvous import Localhost, Static, check_index
 from ..transport import TOKEN_ENV, TOKEN_FILE_ENV
 from .tree import Tree
 
@@ -118,7 +119,7 @@ def StaticTree(
 
 
 def _env_secret() -> bool:
-    return bool(os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV))
+    return env_str(TOKEN_ENV) is not None or env_str(TOKEN_FILE_ENV) is not None
 
 
 def from_env(**kwargs) -> Tree:

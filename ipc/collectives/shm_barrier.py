@@ -15,7 +15,8 @@ import contextlib
 import os
 import time
 
-from ..envvars import env_float
+from distlearn.common.envvars import env_float
+
 from ..errors import IPCTimeoutError
 from .shm_layout import ARRIVED, ASLEEP
 
@@ -27,7 +28,7 @@ __all__ = ["BarrierMixin"]
 # (a training step's skew is milliseconds of compute: spinning would only take
 # the core from data-loading workers, 4% of MNIST throughput measured) and
 # doubles back each time a spin succeeds.
-SPIN_S = env_float("IPC_SHM_SPIN_US", 1000.0) * 1e-6
+SPIN_S = env_float("IPC_SHM_SPIN_US", 1000.0, low=0) * 1e-6
 SPIN_MIN_S = min(SPIN_S, 20e-6)
 # A sleeper re-reads the counters this often even without a wake-up byte: the
 # backstop for a wake-up lost between its "sleeping" mark and the last arrival.

@@ -43,9 +43,10 @@ import weakref
 
 import torch
 
-from ..envvars import env_float
+from distlearn.common.envvars import env_float
+from distlearn.common.keywords import checked
+
 from ..errors import IPCError
-from ..keywords import checked
 from ..rendezvous import Localhost, Roster, Static
 from ..rendezvous import from_env as env_handler
 from ..transport import Endpoint, Limits, Link, Liveness, fdlimit, runtime_dir
@@ -62,9 +63,9 @@ __all__ = ["Tree"]
 log = logging.getLogger(__name__)
 
 
-DEFAULT_TIMEOUT = env_float("IPC_TIMEOUT", 300.0)
+DEFAULT_TIMEOUT = env_float("IPC_TIMEOUT", 300.0, low=0)
 DEFAULT_CHUNK = 1 << 20
-DEFAULT_STALL_WARNING = env_float("IPC_STALL_WARNING", 30.0)
+DEFAULT_STALL_WARNING = env_float("IPC_STALL_WARNING", 30.0, low=0)
 
 _TREES: weakref.WeakSet = weakref.WeakSet()
 

@@ -25,6 +25,6 @@ It knows nothing about trees or collectives.
 from .env import from_env
 from .exchange import Roster, check_index
 from .localhost import Localhost
-from .static import Static, is_loopback
+from .static import Static
 
-__all__ = ["Localhost", "Roster", "Static", "check_index", "from_env", "is_loopback"]
+__all__ = ["Localhost", "Roster", "Static", "check_index", "from_env"]

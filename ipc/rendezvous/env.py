@@ -10,34 +10,32 @@ from __future__ import annotations
 
 import logging
 import os
-import re
+
+from distlearn.common import launchers
+from distlearn.common.envvars import env_int, env_str
+from distlearn.common.net import is_loopback
 
 from ..errors import IPCError
 from .exchange import KEY_ENV
 from .localhost import Localhost
-from .static import Static, is_loopback
+from .static import Static
 
-__all__ = ["from_env"]
+__all__ = ["PORT_ENV", "from_env"]
+
+# Node 0's rendezvous port across hosts, where the default (beside torchrun's store,
+# or from the Slurm job id) does not suit.
+PORT_ENV = "IPC_PORT"
 
 log = logging.getLogger(__name__)
-
-
-def _first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm node list such as `gpu[03-05,07],cpu1`."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ValueError(f"cannot parse SLURM_NODELIST {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
 
 
 def from_env(
     *, token: str | None = None, token_file: str | None = None, insecure: bool = False
 ) -> Localhost | Static:
     """The handler for a job started by torchrun (or anything that sets RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) or by Slurm (SLURM_PROCID, SLURM_NTASKS, ...).
+    MASTER_ADDR, MASTER_PORT) or by Slurm's srun (SLURM_PROCID, SLURM_NTASKS, ...), as
+    :func:`distlearn.common.launchers.detect` reads them (a LaunchError, a ValueError,
+    for half a launch).
 
     All ranks on one host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE, a loopback
     MASTER_ADDR, or one Slurm node): `Localhost`, keyed by the launch (torchrun's
@@ -47,66 +45,41 @@ def from_env(
     MASTER_PORT; under Slurm without MASTER_ADDR, the first host of the node list and a
     port from the job id), and the secret from $IPC_TOKEN or $IPC_TOKEN_FILE. No launcher
     at all (plain `python`): a one-node `Localhost`, logged at INFO."""
-    env = os.environ
-
-    def num(name: str) -> int:
-        try:
-            return int(env[name])
-        except ValueError:
-            raise IPCError(f"Tree.from_env: ${name}={env[name]!r} is not an integer") from None
-
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = num("RANK"), num("WORLD_SIZE")
-        root = env.get("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in env and "IPC_PORT" not in env:
-            raise IPCError("Tree.from_env: set MASTER_PORT (or IPC_PORT) with RANK and WORLD_SIZE")
-        port = num("IPC_PORT") if "IPC_PORT" in env else num("MASTER_PORT") + 1
-        local = num("LOCAL_WORLD_SIZE") == world if "LOCAL_WORLD_SIZE" in env else is_loopback(root)
-        key = ":".join(
-            [
-                "torchrun",
-                root,
-                env.get("MASTER_PORT", ""),
-                env.get("TORCHELASTIC_RUN_ID", ""),
-                env.get("TORCHELASTIC_RESTART_COUNT", ""),
-            ]
-        )
-        lws = env.get("LOCAL_WORLD_SIZE", "unset")
-        where = f"RANK={rank}, WORLD_SIZE={world}, LOCAL_WORLD_SIZE={lws}"
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world = num("SLURM_PROCID"), num("SLURM_NTASKS")
-        nodes = (
-            env.get("SLURM_STEP_NUM_NODES")
-            or env.get("SLURM_JOB_NUM_NODES")
-            or env.get("SLURM_NNODES")
-        )
-        local = nodes == "1"
-        root = env.get("MASTER_ADDR") or _first_slurm_host(
-            env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
-        )
-        job = env.get("SLURM_JOB_ID", "0")
-        port = num("IPC_PORT") if "IPC_PORT" in env else 20000 + int(job) % 20000
-        key = f"slurm:{job}:{env.get('SLURM_STEP_ID', '')}"
-        where = f"the Slurm job's {nodes or '?'} nodes"
-    elif launched := [v for v in ("RANK", "WORLD_SIZE", "SLURM_PROCID") if v in env]:
-        # Half a launcher's variables is a broken launch, not a single process: running
-        # alone would silently train on 1/N of the job.
-        raise IPCError(
-            f"Tree.from_env: ${launched[0]} is set but not the rest: set RANK and WORLD_SIZE "
-            "(torchrun) or run under Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_NODELIST)"
-        )
-    else:
+    try:
+        launch = launchers.detect()
+    except launchers.LaunchError as err:
+        raise launchers.LaunchError(f"Tree.from_env: {err}") from None
+    if launch is None:
         # `python train.py`: no launcher. One node, collectives are identities, nothing
         # listens on TCP (a one-node Localhost binds only its Unix socket).
         log.info(
             "Tree.from_env: no RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS "
-            "(Slurm): running as a single process (rank 0 of 1)"
+            "(an srun step): running as a single process (rank 0 of 1)"
         )
         return Localhost(0, 1, key=f"single:{os.getpid()}", token=token, token_file=token_file)
+    rank, world = launch.rank, launch.world
+    root = launch.root or "127.0.0.1"
+    port = env_int(PORT_ENV, low=1, high=65535)
+    if launch.launcher == "slurm":
+        local = bool(launch.one_host)
+        if port is None:  # a port every task of the job computes alike
+            port = 20000 + env_int("SLURM_JOB_ID", 0, low=0) % 20000
+        nodes = env_str("SLURM_STEP_NUM_NODES", "unset")
+        where = f"SLURM_PROCID={rank}, SLURM_NTASKS={world}, SLURM_STEP_NUM_NODES={nodes}"
+    else:
+        local = launch.one_host if launch.one_host is not None else is_loopback(root)
+        if port is None:  # next to torchrun's store, which holds MASTER_PORT
+            master = env_int("MASTER_PORT", low=1, high=65534)
+            if master is None:
+                raise IPCError(
+                    "Tree.from_env: set MASTER_PORT (or IPC_PORT) with RANK and WORLD_SIZE"
+                )
+            port = master + 1
+        lws = env_str("LOCAL_WORLD_SIZE", "unset")
+        where = f"RANK={rank}, WORLD_SIZE={world}, LOCAL_WORLD_SIZE={lws}"
     if local:
-        return Localhost(
-            rank, world, key=env.get(KEY_ENV) or key, token=token, token_file=token_file
-        )
+        key = env_str(KEY_ENV) or launch.key
+        return Localhost(rank, world, key=key, token=token, token_file=token_file)
     return Static(
         rank,
         world,

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from distlearn.common.envvars import env_str
+
 from ..errors import IPCError
 from ..procs import start_ticks
 from ..transport import Endpoint, given_secret, random_secret, runtime
@@ -77,11 +79,9 @@ class Localhost(JoinerMixin):
         check_index(node_index, num_nodes)
         self.node_index, self.num_nodes = node_index, num_nodes
         self.port = port
-        self.explicit = key is not None or bool(os.environ.get(KEY_ENV))
+        self.explicit = key is not None or env_str(KEY_ENV) is not None
         if key is None:
-            key = os.environ.get(KEY_ENV) or (
-                f"port{port}" if port is not None else f"ppid{os.getppid()}"
-            )
+            key = env_str(KEY_ENV) or (f"port{port}" if port is not None else f"ppid{os.getppid()}")
         self.key = str(key)
         self.given = given_secret(token, token_file)
         digest = hashlib.sha256(f"{self.key}:{num_nodes}".encode()).hexdigest()[:16]

@@ -29,7 +29,7 @@ from .exchange import (
     serve,
 )
 
-__all__ = ["Static", "is_loopback"]
+__all__ = ["Static"]
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +49,6 @@ def _is_local_address(addr: str) -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((addr, 0))
         return True
-    except OSError:
-        return False
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return socket.gethostbyname(host).startswith("127.")
     except OSError:
         return False
 

@@ -19,6 +19,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+from distlearn.common.envvars import env_flag, env_int
+
 from ..procs import pid_alive
 from ..transport import WireError, runtime, wire
 
@@ -38,17 +40,11 @@ MEMFD_NAME = "distlearn-bulk"
 
 def enabled() -> bool:
     """$IPC_BULK=0 turns the shared-memory path off (everything goes over the wire)."""
-    return os.environ.get("IPC_BULK", "1") != "0"
+    return env_flag("IPC_BULK", True)
 
 
 def arena_bytes() -> int:
-    try:
-        mb = int(os.environ.get("IPC_BULK_ARENA_MB", "256"))
-    except ValueError:
-        raise ValueError(f"$IPC_BULK_ARENA_MB={os.environ['IPC_BULK_ARENA_MB']!r}") from None
-    if not 1 <= mb <= MAX_ARENA >> 20:
-        raise ValueError(f"$IPC_BULK_ARENA_MB must be in [1, {MAX_ARENA >> 20}], not {mb}")
-    return mb << 20
+    return env_int("IPC_BULK_ARENA_MB", 256, low=1, high=MAX_ARENA >> 20) << 20
 
 
 def _boot_id() -> str:

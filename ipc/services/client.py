@@ -12,11 +12,13 @@ import os
 import socket
 import time
 
+from distlearn.common.keywords import checked
+from distlearn.common.net import is_loopback
+
 from ..errors import IPCError, IPCTimeoutError, PeerError
-from ..keywords import checked
 from ..transport import Endpoint, Limits, Liveness, Secret, given_secret, missing_secret_error
 from . import bulk, direct, direct_setup
-from .common import _check_timeout, _deadline, _is_loopback, _local_record, _traffic, recv_value
+from .common import _check_timeout, _deadline, _local_record, _traffic, recv_value
 
 __all__ = ["Client"]
 
@@ -66,9 +68,9 @@ class Client:
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"Client: port must be an int in (0, 65536), not {port!r}")
         secret = given_secret(token, token_file)
-        record = _local_record(host, port) if _is_loopback(host) else {}
+        record = _local_record(host, port) if is_loopback(host) else {}
         if secret is None:
-            if not record and _is_loopback(host):
+            if not record and is_loopback(host):
                 # No server of ours there (a live one leaves a record even when it was
                 # given its token): most likely nobody listens; say that, not "set a token".
                 raise PeerError(

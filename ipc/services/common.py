@@ -73,15 +73,6 @@ def _still_serving(record: dict) -> bool:
     )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _check_timeout(timeout: float | None, what: str) -> float | None:
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"{what}: timeout must be None or >= 0, not {timeout!r}")

@@ -33,7 +33,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..envvars import env_float
+from distlearn.common.envvars import env_flag, env_float
+
 from ..transport import WireError, wire
 
 __all__ = [
@@ -57,7 +58,7 @@ SLICE = 0.05  # longest wait on a socket before the caller's `service` runs
 # A blocked reader polls without sleeping for this long first ($IPC_DIRECT_SPIN_US):
 # a reply that comes within a round trip is then read without a sleep and a wake-up,
 # which on an idle virtual machine (a halted vCPU to wake) cost more than the trip.
-SPIN_S = env_float("IPC_DIRECT_SPIN_US", 100.0) * 1e-6
+SPIN_S = env_float("IPC_DIRECT_SPIN_US", 100.0, low=0) * 1e-6
 FAST_MAX = 64 << 10  # tensors up to this size go as TENSOR (larger: FRAMES, maybe bulk)
 MAX_DIMS = 32
 BUF = 256 << 10
@@ -78,7 +79,7 @@ _FLAGS = socket.MSG_NOSIGNAL
 
 def enabled() -> bool:
     """$IPC_DIRECT=0 turns the direct path off (everything goes over ZeroMQ)."""
-    return os.environ.get("IPC_DIRECT", "1") != "0"
+    return env_flag("IPC_DIRECT", True)
 
 
 class DirectError(WireError):

@@ -35,11 +35,9 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
-import select
 import signal
 import threading
 import time
@@ -49,8 +47,11 @@ from collections.abc import Callable
 
 import torch
 
+from distlearn.common.errors import RemoteTraceback
+from distlearn.common.keywords import checked
+from distlearn.common.procs import die_with_parent
+
 from ..errors import IPCError, IPCTimeoutError, PeerError
-from ..keywords import checked
 from ..transport import Endpoint, Link, Secret, random_secret, wire
 from . import remote
 
@@ -58,7 +59,6 @@ __all__ = ["Map", "RemoteTraceback", "WorkerError", "map"]
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _MAX_TRACEBACK = 64 << 10
 
 
@@ -78,46 +78,11 @@ class WorkerError(IPCError):
         self.traceback = tb
 
 
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised in another process, as text."""
-
-    def __init__(self, tb: str):
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.tb}"""'
-
-
-def _die_with_parent(parent: int) -> None:
-    """End this worker (SIGKILL) when the parent process ends.
-
-    PR_SET_PDEATHSIG alone fires when the parent *thread* that forked the worker ends: a
-    map started from a thread pool's thread lost every worker as that thread finished.
-    So the parent process is watched through a pidfd (readable once it has exited); the
-    death signal stays as the fallback where there is no pidfd (Linux < 5.3)."""
-    try:
-        fd = os.pidfd_open(parent)
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os._exit(1)  # the parent died before we set the death signal
-        return
-
-    def watch() -> None:
-        select.select([fd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="ipc.map parent", daemon=True).start()
-
-
 def _worker(
     address: str, secret_text: str, fn: Callable, args: tuple, i: int, forked: bool, parent: int
 ) -> None:
     """One worker: dial the parent, run fn, send its result or its exception."""
-    _die_with_parent(parent)
+    die_with_parent(parent)  # (a pidfd: the parent *process*, not the forking thread)
     if forked:
         # torch's OpenMP pool does not survive fork(): a parallel op would wait forever on
         # the parent's threads. One thread, as DataLoader's forked workers run.

@@ -42,8 +42,10 @@ from collections import deque
 
 import zmq
 
+from distlearn.common.keywords import checked
+from distlearn.common.net import is_loopback
+
 from ..errors import IPCError, PeerError
-from ..keywords import checked
 from ..procs import start_ticks
 from ..transport import (
     Endpoint,
@@ -62,7 +64,6 @@ from .common import (
     _TRAFFIC,
     _check_timeout,
     _deadline,
-    _is_loopback,
     _local_name,
     _traffic,
     recv_value,
@@ -192,11 +193,11 @@ class Server(DirectSocketsMixin):
             raise ValueError(f"Server: port must be an int in [0, 65536), not {port!r}")
         secret = given_secret(token, token_file)
         if secret is None:
-            if not _is_loopback(host):
+            if not is_loopback(host):
                 raise missing_secret_error(f"Server({host!r}) listens beyond this host")
             secret = random_secret()
         self.host = host
-        local = _is_loopback(host)
+        local = is_loopback(host)
         fdlimit.raise_limit()  # each client takes files; see ipc.transport.fdlimit
         self._bulk = bulk.Bulk()  # large tensors to clients on this host: shared memory
         self._endpoint = Endpoint(

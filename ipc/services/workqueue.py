@@ -18,8 +18,9 @@ import re
 import time
 import weakref
 
+from distlearn.common.keywords import checked
+
 from ..errors import IPCError, IPCTimeoutError
-from ..keywords import checked
 from ..procs import pid_alive, start_ticks
 from ..transport import runtime
 from .broker import OPEN, _Broker

@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import struct
 from dataclasses import dataclass
 
 import zmq
 from zmq.utils import z85
+
+from distlearn.common.envvars import env_str
 
 from ..errors import IPCError
 from .runtime import read_secret_file
@@ -107,10 +108,9 @@ def given_secret(token: str | None = None, token_file: str | None = None) -> Sec
         return Secret(token, "token=")
     if token_file is not None:
         return Secret(read_secret_file(token_file), f"token_file={token_file}")
-    if os.environ.get(TOKEN_ENV):
-        return Secret(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
-    if os.environ.get(TOKEN_FILE_ENV):
-        path = os.environ[TOKEN_FILE_ENV]
+    if (text := env_str(TOKEN_ENV)) is not None:
+        return Secret(text, f"${TOKEN_ENV}")
+    if (path := env_str(TOKEN_FILE_ENV)) is not None:
         return Secret(read_secret_file(path), f"${TOKEN_FILE_ENV}={path}")
     return None
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..envvars import env_float
+from distlearn.common.envvars import env_float
+
 from ..errors import AuthError, PeerError
 from .wire import Kind
 
@@ -58,7 +59,8 @@ class Liveness:
             ValueError: A value that is not a finite number, naming the variable.
         """
         return Liveness(
-            env_float("IPC_HEARTBEAT_INTERVAL", 1.0), env_float("IPC_HEARTBEAT_TIMEOUT", 6.0)
+            env_float("IPC_HEARTBEAT_INTERVAL", 1.0, low=0),
+            env_float("IPC_HEARTBEAT_TIMEOUT", 6.0, low=0),
         )
 
     def __post_init__(self):
