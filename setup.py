@@ -26,7 +26,7 @@ install_requires = [
     "pyzmq>=25",
     "fsspec>=2023.6",
     "tqdm>=4.60",
-    # CSV indexes split by its C++ reader (dataset/csvarrow.py); without it, by numpy
+    # CSV indexes split by its C++ reader (dataset/index/csv/arrow.py): required
     "pyarrow>=14",
 ]
 

@@ -21,8 +21,9 @@ alike. Figures: median (min-max) of the repetitions; ratios are to
 
 Rows: ``pandas.read_csv`` (its C parser), ``pyarrow.csv.read_csv`` (threads
 on), a bare ``csv.reader`` pass (1M only); ``Dataset(path)`` (a plain file read
-by the C reader, ``dataset.csvlines``), the same with the C reader refused
-(pyarrow's split, ``dataset.csvarrow``: the choice of reader, measured; 1M),
+by the C reader, ``lines``), the same with the C reader left out through the readers'
+seam (``$DISTLEARN_CSV_READERS=arrow,csv``: pyarrow's split, the choice of reader,
+measured; 1M),
 ``Dataset(path, partition=0, partitions=8)``, ``Dataset(path,
 cache_index=True)`` with the parsed index already in the cache (memory-mapped),
 and the time from ``Dataset(path)`` to the first batch of 128 (``permutation``
@@ -171,11 +172,11 @@ def child(kind: str, path: str, cache_dir: str, rows: int) -> dict:
     else:
         from distlearn.dataset import Dataset, batcher  # noqa: F401 (not timed)
         from distlearn.dataset.index import kinds  # noqa: F401 (not timed)
-        from distlearn.dataset.index.csv import lines as csvlines
+        from distlearn.dataset.index.csv import reader
         from distlearn.dataset.processors import Raw
 
         if kind == "dataset-arrow":  # the reader the C one stands in front of
-            csvlines._lines = None
+            os.environ[reader.READERS_ENV] = "arrow,csv"
     before = _memory()
     t0 = time.perf_counter()
     out: dict = {}

@@ -1,4 +1,4 @@
-"""dataset.bytesort against Python's own order of bytes (sorted, set) on generated strings.
+"""dataset.bytesort against Python's own order of bytes (sorted) on generated strings.
 
 The sort skips the bytes each group of strings shares and packs the next ones
 beside the group's number, so the cases that matter are shared prefixes of
@@ -58,72 +58,12 @@ def test_order_is_pythons_order_of_bytes_within_major_then_minor_then_position(s
     assert got == sorted(range(len(vals)), key=lambda i: (major[by_major][i], vals[i], i))
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_unique_is_sorted_set_with_each_strings_index(seed):
-    values = strings(seed)
-    buf, start, length = packed(values)
-    first, ids = bytesort.unique(buf, start, length)
-    distinct = sorted(set(values))
-    assert [values[i] for i in first.tolist()] == distinct
-    assert [distinct[i] for i in ids.tolist()] == values
-
-
-@pytest.mark.parametrize("labels", [1, 7, 1000, 5000])
-def test_unique_labels_with_a_shared_prefix_hashed_or_sorted(labels):
-    """ImageNet-like labels (``n01440764``: 9 bytes, 2 shared), few or many values."""
-    rng = random.Random(labels)
-    names = [b"n%08d" % rng.randrange(10**8) for _ in range(labels)]
-    values = [rng.choice(names) for _ in range(20_000)]
-    buf, start, length = packed(values)
-    first, ids = bytesort.unique(buf, start, length)
-    distinct = sorted(set(values))
-    assert [values[i] for i in first.tolist()] == distinct
-    assert np.array_equal(ids, np.searchsorted(np.array(distinct), np.array(values)))
-
-
-def chunked(keys):
-    return lambda lo, hi: keys[lo:hi].copy()  # what words() gives: a fresh array
-
-
-def test_hash_factorize_resolves_keys_that_share_a_slot():
-    rng = np.random.default_rng(0)
-    for size in (1, 2, 9, 40):
-        keys = rng.integers(0, 2**63, size).astype(np.uint64)[rng.integers(0, size, 500)]
-        for bits in (2, 5, 16):  # 4 slots for 40 values: most keys collide
-            got = bytesort._factorize_words(chunked(keys), len(keys), bits=bits, chunk=37)
-            if got is None:
-                assert bits < 16
-                continue
-            first, ids = got
-            distinct, inverse = np.unique(keys, return_inverse=True)
-            assert np.array_equal(keys[first], distinct) and np.array_equal(ids, inverse)
-
-
-def test_hash_factorize_sorts_only_the_keys_that_lost_their_slot():
-    """Six values in 4 slots: the common value has a slot of its own, the rare ones share."""
-    bits = 2
-
-    def slot(k):
-        return ((k * 0x9E3779B97F4A7C15) % 2**64) >> (64 - bits)  # the same hash, in Python
-
-    common = 12345
-    rare = [k for k in range(1, 10_000) if slot(k) != slot(common)][:5]
-    keys = np.array(rare * 6 + [common] * 470, dtype=np.uint64)
-    np.random.default_rng(1).shuffle(keys)
-    first, ids = bytesort._factorize_words(chunked(keys), len(keys), bits=bits, chunk=100)
-    distinct, inverse = np.unique(keys, return_inverse=True)
-    assert np.array_equal(keys[first], distinct) and np.array_equal(ids, inverse)
-
-
 def test_empty_one_and_all_equal():
     for values in ([], [b"x"], [b"same"] * 5, [b""] * 3, [b"ab", b"ab\x00", b"ab"]):
         buf, start, length = packed(values)
         assert bytesort.order(buf, start, length).tolist() == sorted(
             range(len(values)), key=lambda i: (values[i], i)
         )
-        first, ids = bytesort.unique(buf, start, length)
-        assert [values[i] for i in first.tolist()] == sorted(set(values))
-        assert [values[first[i]] for i in ids.tolist()] == values
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -143,10 +83,6 @@ def test_order_of_long_names_whose_label_shares_a_prefix(seed):
     buf, start, length = packed(values)
     got = bytesort.order(buf, start, length, major).tolist()
     assert got == sorted(range(len(values)), key=lambda i: (major[i], values[i], i))
-    first, ids = bytesort.unique(buf, start, length)
-    distinct = sorted(set(values))
-    assert [values[i] for i in first.tolist()] == distinct
-    assert [distinct[i] for i in ids.tolist()] == values
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -1,14 +1,13 @@
-"""pyarrow's CSV split against the numpy scanner and the csv module: the same index.
+"""The reader ``arrow`` (pyarrow's split) against the csv module's reader: the same index.
 
-Index files are written by ``csv.writer`` (minimal and full quoting, LF and
-CRLF line ends, a byte order mark, no newline at the end, blank lines) from
-names and labels full of separators, quotes, newlines, whitespace (ASCII and
-not) and non-ASCII text, with empty labels and several label columns, then
-opened three ways: as :func:`dataset.csvindex.from_csv` chooses (pyarrow where
-it vouches for the result), with pyarrow refused (the numpy scanner), and with
-both refused (``csv.reader``). Ragged rows, lone CRs, NULs and quotes RFC 4180
-does not allow must reach the scanner or the csv module, and give their index
-or their error as before.
+Index files are written by ``csv.writer`` (minimal and full quoting, LF and CRLF
+line ends, a byte order mark, no newline at the end, blank lines) from names and
+labels full of separators, quotes, newlines, whitespace (ASCII and not) and non-ASCII
+text, with empty labels and several label columns, then opened through the readers'
+seam both ways: ``readers=("arrow", "csv")`` (pyarrow where it vouches for the
+result) and ``readers=("csv",)``. Ragged rows, lone CRs, NULs and quotes RFC 4180
+does not allow must be declined by pyarrow, and read (or refused) by the csv module
+as before. The C reader is compared with both in test_csvlines.py.
 """
 
 from __future__ import annotations
@@ -19,23 +18,13 @@ import time
 
 import numpy as np
 import pytest
-from test_csvscan import summary, write_rows
+from test_csvtext import summary, write_rows
 
-from distlearn.dataset import BadIndex, open_index
+from distlearn.dataset import BadIndex
 from distlearn.dataset.index import rows as index_rows
 from distlearn.dataset.index.csv import arrow as csvarrow
-from distlearn.dataset.index.csv import lines as csvlines
-from distlearn.dataset.index.csv import reader as csvindex
-
-pytestmark = pytest.mark.skipif(csvarrow.pa is None, reason="pyarrow is not installed")
-
-
-@pytest.fixture(autouse=True)
-def _pyarrow_first(monkeypatch):
-    """These are pyarrow's tests: the C reader of plain files stands aside (it is
-    compared with the readers here in test_csvlines.py)."""
-    monkeypatch.setattr(csvlines, "_lines", None)
-
+from distlearn.dataset.index.csv import contract
+from distlearn.dataset.index.csv.reader import from_csv
 
 NAME = ["a", "b", "/", ".", "é", "x y", ",", '"', "\n", "\r\n", "\t", " ", "\u00a0", "\u3000"]
 LABELS = ["cat", "dog", "10", "2", "a,b", 'say "hi"', "  x  ", "x", "\u00a0é\u00a0", ""]
@@ -67,29 +56,26 @@ class Routes:
         monkeypatch.setattr(csvarrow, "split", split)
 
 
-def opened_refusing(path, monkeypatch, ways, **kw):
-    """The index (or its error's text) as from_csv reads it with each tuple of `ways`'
-    readers refused: "lines" (the C reader), "arrow" (pyarrow), "scan" (the numpy
-    scanner; with all three refused, the csv module reads it)."""
+def opened(path, ways, **kw):
+    """The index (or its error's text) as from_csv reads it with each of `ways`, a tuple
+    of reader names each (None: every reader, as a user's open asks them)."""
     got = []
-    for refuse in ways:
-        with monkeypatch.context() as m:
-            if "lines" in refuse:
-                m.setattr(csvlines, "_lines", None)
-            if "arrow" in refuse:
-                m.setattr(csvarrow, "pa", None)
-            if "scan" in refuse:
-                m.setattr(csvindex, "scan", lambda data, sep: None)
-            try:
-                got.append(open_index(str(path), **kw))
-            except BadIndex as err:
-                got.append(str(err))
+    for readers in ways:
+        try:
+            got.append(from_csv(str(path), readers=readers, **kw))
+        except BadIndex as err:
+            got.append(str(err))
     return got
 
 
-def three_ways(path, monkeypatch, **kw):
-    """The index as from_csv reads it, by the numpy scanner, and by the csv module."""
-    return opened_refusing(path, monkeypatch, [(), ("arrow",), ("arrow", "scan")], **kw)
+# pyarrow where it vouches for the rows (else the csv module), then the csv module alone
+ARROW_WAYS = [("arrow", "csv"), ("csv",)]
+
+
+def both_ways(path, **kw):
+    """The index as pyarrow reads it (the csv module where pyarrow declines), and as the
+    csv module reads it."""
+    return opened(path, ARROW_WAYS, **kw)
 
 
 def same(indexes) -> None:
@@ -109,7 +95,9 @@ def same(indexes) -> None:
 @pytest.mark.parametrize("quoting", [csv.QUOTE_MINIMAL, csv.QUOTE_ALL])
 @pytest.mark.parametrize("terminator", ["\n", "\r\n"])
 @pytest.mark.parametrize("plain", [True, False])
-def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting, terminator, plain):
+def test_pyarrow_split_gives_the_csv_module_s_index(
+    tmp_path, monkeypatch, quoting, terminator, plain
+):
     rng = random.Random(f"{quoting}{terminator!r}{plain}")
     path = tmp_path / "index.csv"
     routes = Routes(monkeypatch)
@@ -126,7 +114,7 @@ def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting,
             data = data.replace(terminator.encode(), terminator.encode() * 2, 3)  # blank lines
         path.write_bytes(data)
         routes.taken.clear()
-        got = three_ways(path, monkeypatch)
+        got = both_ways(path)
         assert not isinstance(got[0], str), got[0]
         same(got)
         assert routes.taken == (["path"] if b'"' not in data else ["bytes"])
@@ -169,7 +157,7 @@ def test_pyarrow_split_gives_the_scanner_s_index(tmp_path, monkeypatch, quoting,
 def test_what_pyarrow_refuses_reads_as_before(tmp_path, monkeypatch, data):
     path = tmp_path / "i.csv"
     path.write_bytes(data)
-    same(three_ways(path, monkeypatch))
+    same(both_ways(path))
 
 
 @pytest.mark.parametrize(
@@ -186,12 +174,12 @@ def test_what_pyarrow_refuses_reads_as_before(tmp_path, monkeypatch, data):
     ],
 )  # fmt: skip
 def test_a_faulty_index_is_told_its_first_faulty_row_as_written(tmp_path, monkeypatch, data, fault):
-    """The scanner checks each fault over all rows in turn, on stripped values; the
-    error the user reads is the csv module's: the first faulty row in the file, its
-    values as written (found by the fuzzing of these three routes)."""
+    """The error the user reads is the csv module's: the first faulty row in the file, its
+    values as written (a reader that checked each kind of fault over all rows in turn, on
+    stripped values, told another row: found by fuzzing the readers)."""
     path = tmp_path / "i.csv"
     path.write_bytes(data)
-    got = three_ways(path, monkeypatch)
+    got = both_ways(path)
     assert isinstance(got[0], str) and got[0].endswith(fault), got
     same(got)
 
@@ -213,13 +201,13 @@ def test_empty_fields_past_the_header_are_no_error(tmp_path, monkeypatch, data, 
     kw = {"sep": "\t"} if b"\t" in data else {}
     path = tmp_path / "i.csv"
     path.write_bytes(data)
-    got = three_ways(path, monkeypatch, **kw)
+    got = both_ways(path, **kw)
     same(got)
     assert not isinstance(got[0], str), got[0]
     names = [got[0].table.raw(r) for r in range(got[0].num_rows)]
     assert names == (["x.png"] if kw else ["a.png", "b.png"])
     path.write_bytes(filled)
-    got = three_ways(path, monkeypatch, **kw)
+    got = both_ways(path, **kw)
     same(got)
     assert isinstance(got[0], str) and "for a header of" in got[0], got[0]
 
@@ -268,10 +256,10 @@ def _mutated_index(rng: random.Random) -> tuple[bytes, str]:
 
 def test_mutated_indexes_read_as_the_csv_module_reads_them(tmp_path, monkeypatch):
     """400 generated indexes with bytes inserted and deleted at random, over many blocks:
-    pyarrow's split, the scanner and the csv module give the same index or the same
+    pyarrow's split and the csv module give the same index or the same
     error (the first faulty row, as written)."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
-    errors = compared_on_mutated(tmp_path, 400, lambda path: three_ways(path, monkeypatch))
+    errors = compared_on_mutated(tmp_path, 400, lambda path: both_ways(path))
     assert 20 < errors < 200  # (both indexes and faults were compared)
 
 
@@ -296,7 +284,7 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
     path = tmp_path / "i.tsv"
     path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n", sep="\t"))
     routes = Routes(monkeypatch)
-    same(three_ways(path, monkeypatch))
+    same(both_ways(path))
     assert routes.taken[:1] == ["path"]
 
 
@@ -304,8 +292,8 @@ def test_tsv_and_many_rows_across_blocks(tmp_path, monkeypatch):
 def test_ragged_rows_are_pyarrow_s_lines_split_by_field(tmp_path, monkeypatch, sep):
     """Rows that stop before the header's last field (multi-label indexes), over many
     blocks, with blank and whitespace lines, CRLF and lone CR line ends: pyarrow reads
-    the lines, and the index is the scanner's and the csv module's; a row with more
-    fields than the header, or an empty name, is the scanner's (it names the line)."""
+    the lines, and the index is the csv module's; a row with more fields than the
+    header, or an empty name, is the csv module's (it names the line)."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 10)
     rng = random.Random(sep)
     routes = Routes(monkeypatch)
@@ -325,10 +313,10 @@ def test_ragged_rows_are_pyarrow_s_lines_split_by_field(tmp_path, monkeypatch, s
         path = tmp_path / "i.tsv"
         path.write_bytes(data)
         routes.taken.clear()
-        got = three_ways(path, monkeypatch, sep=sep)
+        got = both_ways(path, sep=sep)
         same(got)
         assert not isinstance(got[0], str), got[0]
-        if trial % 4 != 1:  # (a whitespace line is an empty name: the scanner's)
+        if trial % 4 != 1:  # (a whitespace line is an empty name: the csv module's)
             assert routes.taken == ["path"], trial
     # 0x1f, the byte that reads lines whole, in one line or in every line (the header's too)
     for data in (b"filename,label1,label2\nn0.png,a\x1fb\nn1.png\n",
@@ -336,23 +324,23 @@ def test_ragged_rows_are_pyarrow_s_lines_split_by_field(tmp_path, monkeypatch, s
         path = tmp_path / "unit.csv"
         path.write_bytes(data)
         routes.taken.clear()
-        got = three_ways(path, monkeypatch)
+        got = both_ways(path)
         same(got)
         assert routes.taken == [] and "a\x1fb" in got[0].labels
     for bad in (b"n1.png\n", b"n1.png,x,y,z,w\n", b",x\n"):  # too many fields, no name
         path = tmp_path / "bad.csv"
         path.write_bytes(b"filename,label1,label2\nn0.png,a\n" + bad)
         routes.taken.clear()
-        got = three_ways(path, monkeypatch)
+        got = both_ways(path)
         same(got)
         assert routes.taken == ([] if bad.count(b",") > 2 else ["path"])  # (an empty name:
-        # split by pyarrow, then refused by _from_arrow for the scanner)
+        # split by pyarrow, then declined for the csv module)
 
 
 def test_quoted_crs_and_mixed_line_ends_across_blocks(tmp_path, monkeypatch):
     """CRs in quoted values (alone, in CRLF, before a separator) and CRLF, LF and lone CR
-    line ends, over many small blocks: the index is the scanner's and the csv
-    module's, whichever route reads it."""
+    line ends, over many small blocks: the index is the csv module's, whichever reader
+    reads it."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 9)
     rng = random.Random(5)
     values = ["a", "b\r", "\rc", "d\r\ne", "f\ng", "h,i", 'j"k', "l\r,", " m "]
@@ -369,7 +357,7 @@ def test_quoted_crs_and_mixed_line_ends_across_blocks(tmp_path, monkeypatch):
         path = tmp_path / "i.csv"
         path.write_bytes(data)
         routes.taken.clear()
-        same(three_ways(path, monkeypatch))
+        same(both_ways(path))
         taken.update(routes.taken)
     assert "bytes" in taken  # quoted files with CRs are pyarrow's now
 
@@ -386,8 +374,8 @@ def test_quoted_crs_and_mixed_line_ends_across_blocks(tmp_path, monkeypatch):
 @pytest.mark.parametrize("at", [4000, 3700])  # in the last block, or the one before it
 def test_a_late_odd_value_among_many_blocks(tmp_path, monkeypatch, late, at):
     """Many blocks (their checks shared by two threads, alternate blocks each): one odd
-    value in one of the last blocks is found, and the index or error is the scanner's
-    and the csv module's."""
+    value in one of the last blocks is found, and the index or error is the csv
+    module's."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
     name, error = late
     rows = [b"n%06dz,c%d\n" % (i, i % 7) for i in range(4000)]
@@ -395,7 +383,7 @@ def test_a_late_odd_value_among_many_blocks(tmp_path, monkeypatch, late, at):
     path = tmp_path / "i.csv"
     path.write_bytes(b"filename,label\n" + b"".join(rows))
     routes = Routes(monkeypatch)
-    got = three_ways(path, monkeypatch)
+    got = both_ways(path)
     same(got)
     if error:
         assert isinstance(got[0], str) and error in got[0], got[0]
@@ -405,7 +393,7 @@ def test_a_late_odd_value_among_many_blocks(tmp_path, monkeypatch, late, at):
 
 def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
     """A file in label-then-name order keeps its names in pyarrow's chunks (no join, no
-    sort; names fall where the label changes) and reads as the scanner's; a name smaller
+    sort; names fall where the label changes) and reads as the csv module's; a name smaller
     than the one before it, at a chunk's first row or the next, is sorted."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
     rows = [["filename", "label"]] + [[f"n{i:06d}z", "a"] for i in range(3000, 6000, 2)]
@@ -414,16 +402,16 @@ def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
     path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, "\n"))
     with monkeypatch.context() as m:
         m.setattr(index_rows.NameRows, "order", None)  # no sort
-        got = open_index(str(path))
+        got = from_csv(str(path), readers=ARROW_WAYS[0])
     assert got.table._parts is not None and len(got.table._parts) > 5
-    same([got, *three_ways(path, monkeypatch)])
+    same([got, *both_ways(path)])
     assert got.rows.tolist() == list(range(len(rows) - 1))
     _, columns = csvarrow.split(str(path), ",")
     for at in (len(columns[0].chunks[0]), len(columns[0].chunks[0]) + 1):  # the chunk's first
         bent = [r[:] for r in rows]  # row, then the next: the same bytes in each block
         bent[at][0] = "n003001z"
         path.write_bytes(write_rows(bent, csv.QUOTE_MINIMAL, "\n"))
-        got = three_ways(path, monkeypatch)
+        got = both_ways(path)
         same(got)
         assert got[0].rows.tolist()[:2] == [0, at - 1]
 
@@ -431,8 +419,8 @@ def test_sorted_rows_across_blocks_keep_their_chunks(tmp_path, monkeypatch):
 @pytest.mark.parametrize("stripped", [False, True])
 def test_unsorted_rows_across_blocks_are_joined_for_their_sort(tmp_path, monkeypatch, stripped):
     """A file whose first block is out of order has its names stripped on two threads and
-    joined into one buffer there (its sort needs one): the index is the scanner's and the
-    csv module's, stripped names included, and no join is left for the sort to make."""
+    joined into one buffer there (its sort needs one): the index is the csv module's,
+    stripped names included, and no join is left for the sort to make."""
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)
     rng = random.Random(int(stripped))
     names = [f"n{rng.randrange(10**6):06d}z" for _ in range(3000)]
@@ -450,11 +438,11 @@ def test_unsorted_rows_across_blocks_are_joined_for_their_sort(tmp_path, monkeyp
 
     with monkeypatch.context() as m:
         m.setattr(index_rows.NameRows, "__init__", spy)
-        got = open_index(str(path))
+        got = from_csv(str(path), readers=ARROW_WAYS[0])
     assert joined == [True]
     _, columns = csvarrow.split(str(path), ",")
     assert len(columns[0].chunks) > 5
-    same([got, *three_ways(path, monkeypatch)])
+    same([got, *both_ways(path)])
 
 
 @pytest.mark.parametrize(
@@ -476,7 +464,7 @@ def test_blank_and_separator_lines(tmp_path, monkeypatch, data):
     csv module reads them."""
     path = tmp_path / "i.csv"
     path.write_bytes(data)
-    same(three_ways(path, monkeypatch, sep=chr(data[8])))
+    same(both_ways(path, sep=chr(data[8])))
 
 
 def test_a_path_is_a_path(tmp_path, monkeypatch):
@@ -486,7 +474,7 @@ def test_a_path_is_a_path(tmp_path, monkeypatch):
 
     plain = b"filename,label\na.png,cat\nb.png,dog\n"
     (tmp_path / "i.csv.gz").write_bytes(gzip.compress(plain))
-    same(three_ways(tmp_path / "i.csv.gz", monkeypatch, sep=","))
+    same(both_ways(tmp_path / "i.csv.gz", sep=","))
     home = tmp_path / "home"
     home.mkdir()
     (home / "i.csv").write_bytes(b"filename,label\nother.png,cat\n")
@@ -494,12 +482,13 @@ def test_a_path_is_a_path(tmp_path, monkeypatch):
     (tmp_path / "~" / "i.csv").write_bytes(plain)
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(tmp_path)
-    index = open_index("~/i.csv")
+    index = from_csv("~/i.csv", readers=ARROW_WAYS[0])
     assert sorted(index.table.raw(r) for r in range(index.num_rows)) == ["a.png", "b.png"]
 
 
 def test_an_open_imports_no_pandas(tmp_path):
     """pandas costs 0.2-0.4 s to import: some of pyarrow's conversions import it."""
+    import os
     import subprocess
     import sys
 
@@ -512,7 +501,8 @@ def test_an_open_imports_no_pandas(tmp_path):
         "csvarrow.BLOCK = 1 << 12; ix = Dataset(sys.argv[1]).index; "
         "assert len(ix) and 'pandas' not in sys.modules, sorted(sys.modules)"
     )
-    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+    env = {**os.environ, "DISTLEARN_CSV_READERS": "arrow,csv"}  # (pyarrow's split, measured)
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env)
 
 
 def test_a_fault_of_the_comparing_thread_reaches_the_caller(tmp_path, monkeypatch):
@@ -523,7 +513,7 @@ def test_a_fault_of_the_comparing_thread_reaches_the_caller(tmp_path, monkeypatc
     path = tmp_path / "i.csv"
     path.write_bytes(b"filename,label\na.png,x\nb.png,y\n")
     with pytest.raises(MemoryError, match="compare"):
-        open_index(str(path))
+        from_csv(str(path), readers=ARROW_WAYS[0])
 
 
 def test_a_quoted_file_is_split_from_its_pages_then_unmapped(tmp_path, monkeypatch):
@@ -537,7 +527,7 @@ def test_a_quoted_file_is_split_from_its_pages_then_unmapped(tmp_path, monkeypat
         "split",
         lambda source, sep: seen.append(type(source).__name__) or real(source, sep),
     )
-    got = open_index(str(path))
+    got = from_csv(str(path), readers=ARROW_WAYS[0])
     assert seen == ["str", "mmap"]  # refused by path, then mapped
     assert got.num_rows == 300 and got.labels == ["c0", "c1", "c2"]
     # nothing of the mapping outlives the open: it goes with the last reference, which
@@ -562,7 +552,7 @@ def test_ragged_rows_seen_early_skip_the_parse_that_would_fail(tmp_path, monkeyp
     real = csvarrow._parse
     monkeypatch.setattr(csvarrow, "_parse", lambda *a, **k: parses.append(a[1]) or real(*a, **k))
     routes = Routes(monkeypatch)
-    got = three_ways(path, monkeypatch)
+    got = both_ways(path)
     same(got)
     assert routes.taken == ["path"]
     # seen in the first PEEK bytes: the lines at once; else pyarrow's parse fails first
@@ -579,5 +569,5 @@ def test_a_label_repeated_in_a_row_is_dropped_before_packing(width):
     for row in ids.tolist():
         seen: set[int] = set()
         want.append([-1 if v in seen else (seen.add(v) or v) for v in row])
-    csvindex._drop_repeats(ids)
+    contract.drop_repeats(ids)
     assert ids.tolist() == want

@@ -1,11 +1,10 @@
-"""The C reader of plain CSV/TSV indexes (dataset/_lines.c, dataset/csvlines.py)
-against pyarrow's split, the numpy scanner and the csv module: the same index, or
-the same error, four ways.
+"""The reader ``lines`` (dataset/index/csv/_lines.c, lines.py) against pyarrow's split and
+the csv module's reader: the same index, or the same error, every way.
 
 Files are written by ``csv.writer`` or cut from generated lines, then mutated; a
 file the C reader must not read (a quote, NUL, a lone CR, non-ASCII bytes, a row
-with more fields than the header, an empty name) must reach the other readers
-and give their index or their error. The reader is also attacked directly: junk
+with more fields than the header, an empty name) must be declined, and read (or
+refused) by the other readers as before. The reader is also attacked directly: junk
 arguments, random bytes, a file cut short or rewritten while its index is open.
 """
 
@@ -18,22 +17,25 @@ import random
 
 import numpy as np
 import pytest
-from test_csvarrow import compared_on_mutated, opened_refusing, same
-from test_csvscan import write_rows
+from test_csvarrow import compared_on_mutated, opened, same
+from test_csvtext import write_rows
 
 from distlearn.dataset.index import table as index
 from distlearn.dataset.index.csv import lines as csvlines
 from distlearn.dataset.index.csv import reader as csvindex
+from distlearn.dataset.index.csv.contract import Source
 
 pytestmark = pytest.mark.skipif(csvlines._lines is None, reason="dataset._lines is not built")
 
 
-def four_ways(path, monkeypatch, **kw):
-    """The index as from_csv reads it (the C reader first), then with the C reader
-    refused (pyarrow), then pyarrow refused too (the scanner), then all but the csv
-    module refused; each an Index or its error's text."""
-    ways = [(), ("lines",), ("lines", "arrow"), ("lines", "arrow", "scan")]
-    return opened_refusing(path, monkeypatch, ways, **kw)
+# every reader (the C reader first), then pyarrow's split and the csv module, then the
+# csv module alone
+EVERY_WAY = [None, ("arrow", "csv"), ("csv",)]
+
+
+def every_way(path, **kw):
+    """The index (or its error's text) as from_csv reads it each of :data:`EVERY_WAY`."""
+    return opened(path, EVERY_WAY, **kw)
 
 
 def _plain_rows(rng: random.Random, n: int, width: int) -> list[list[str]]:
@@ -86,16 +88,16 @@ def test_plain_files_are_the_c_reader_s_and_read_as_the_others_read_them(
         path = tmp_path / "i.csv"
         path.write_bytes(data)
         before = taken.count
-        got = four_ways(path, monkeypatch, sep=sep)
+        got = every_way(path, sep=sep)
         assert not isinstance(got[0], str), got[0]
         same(got)
         assert taken.count == before + 1, trial  # (the first open only)
 
 
-def test_mutated_indexes_give_the_same_index_or_error_four_ways(tmp_path, monkeypatch):
+def test_mutated_indexes_give_the_same_index_or_error_every_way(tmp_path, monkeypatch):
     monkeypatch.setattr(csvlines, "HALVES", 256)
     taken = Taken(monkeypatch)
-    errors = compared_on_mutated(tmp_path, 300, lambda path: four_ways(path, monkeypatch))
+    errors = compared_on_mutated(tmp_path, 300, lambda path: every_way(path))
     assert 30 < errors < 200 and taken.count > 30  # (indexes, faults and the C reader's)
 
 
@@ -127,7 +129,7 @@ def test_what_the_c_reader_refuses_is_read_by_the_others(tmp_path, monkeypatch, 
     path = tmp_path / "i.csv"
     path.write_bytes(b"filename,label\n" + b"".join(rows))
     taken = Taken(monkeypatch)
-    same(four_ways(path, monkeypatch))
+    same(every_way(path))
     assert taken.count == 0
 
 
@@ -142,8 +144,8 @@ def test_more_labels_than_int16_codes_hold(tmp_path, monkeypatch, first):
     taken, splits = Taken(monkeypatch), []
     real = csvlines._split
     monkeypatch.setattr(csvlines, "_split", lambda *a: splits.append(a[-1]) or real(*a))
-    got = four_ways(path, monkeypatch)
-    same(got[:2])  # (the scanner and the csv module: as slow as they are, compared elsewhere)
+    got = every_way(path)
+    same(got)
     assert len(got[0].labels) == 40_000 and taken.count == 1
     assert splits[:2] == ([np.int32] if first == 0 else [np.int16, np.int32])
 
@@ -218,13 +220,15 @@ def test_a_file_read_while_mapped_is_the_one_on_disk(tmp_path):
     path = tmp_path / "i.csv"
     for data in (b"filename,label\na.png,x", b"filename\na.png\n", b"filename,label\n"):
         path.write_bytes(data)
-        pages = csvindex._plain_bytes(str(path))
+        pages = Source(str(path), ",", str(path)).pages(populate=True)
         assert pages[:] == data
         assert isinstance(pages, mmap.mmap)
         pages.close()
+    path.write_bytes(b"")  # (an empty file cannot be mapped: its read says what it holds)
+    assert Source(str(path), ",", str(path)).pages() is None
     os.chmod(path, 0)
     if os.geteuid() != 0:  # (root reads it anyway)
-        assert csvindex._plain_bytes(str(path)) is None
+        assert Source(str(path), ",", str(path)).pages() is None
 
 
 @pytest.mark.parametrize(
@@ -240,7 +244,7 @@ def test_odd_first_lines_are_read_as_the_others_read_them(tmp_path, monkeypatch,
     monkeypatch.setattr(csvlines, "HALVES", 64)
     path = tmp_path / "i.csv"
     path.write_bytes(data)
-    same(four_ways(path, monkeypatch))
+    same(every_way(path))
 
 
 @pytest.mark.parametrize(
@@ -256,7 +260,7 @@ def test_many_labels_sorted_by_numpy_as_sort_labels_sorts_them(tmp_path, monkeyp
     monkeypatch.setattr(csvlines, "HALVES", 32)
     path = tmp_path / "i.csv"
     path.write_text("filename,label\n" + "".join(f"n{i}.png,{x}\n" for i, x in enumerate(labels)))
-    got = four_ways(path, monkeypatch)
+    got = every_way(path)
     same(got)
     assert got[0].labels == index.sort_labels(labels)
 
@@ -280,7 +284,7 @@ def test_utf8_names_and_labels_are_the_c_reader_s(tmp_path, monkeypatch):
             rows[1:] = sorted(rows[1:])
         path = tmp_path / "u.csv"
         path.write_bytes(write_rows(rows, csv.QUOTE_MINIMAL, rng.choice(["\n", "\r\n"])))
-        got = four_ways(path, monkeypatch)
+        got = every_way(path)
         assert not isinstance(got[0], str), got[0]
         same(got)
     assert taken.count == 6

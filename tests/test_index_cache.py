@@ -117,12 +117,10 @@ def test_partition_positions_match_the_definition():
 
 def test_names_kept_in_pyarrow_s_chunks_are_cached_whole(tmp_path, monkeypatch):
     from distlearn.dataset.index.csv import arrow as csvarrow
-    from distlearn.dataset.index.csv import lines as csvlines
+    from distlearn.dataset.index.csv import reader
 
-    if csvarrow.pa is None:
-        pytest.skip("pyarrow is not installed")
     monkeypatch.setattr(csvarrow, "BLOCK", 1 << 12)  # many chunks, in label-then-name order
-    monkeypatch.setattr(csvlines, "_lines", None)  # (pyarrow's chunks, not the C reader's copy)
+    monkeypatch.setenv(reader.READERS_ENV, "arrow,csv")  # (pyarrow's chunks, not a C copy)
     rows = "".join(f"l{i // 700}/{i:05d}.png,l{i // 700}\n" for i in range(2000))
     (tmp_path / "i.csv").write_text("filename,label\n" + rows)
     opts = dict(cache_index=True, cache_dir=tmp_path / "cache")

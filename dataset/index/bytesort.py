@@ -12,8 +12,6 @@ into one ``uint64``, after skipping the bytes every tied group shares (the
 names of one label share a long prefix, ``n01440764/n01440764_``). A pass
 whose keys come already sorted (a sorted file) costs a comparison, no sort.
 
-:func:`unique` gives the distinct strings and each string's id; strings that
-all differ within one word (labels) are hashed, with no sort of every string.
 The first pass reads the strings a chunk at a time in buffer order: a large
 index pays more for fresh memory and for reading its buffer out of order than
 for the arithmetic.
@@ -25,7 +23,7 @@ import numpy as np
 
 from .cores import on_two_threads
 
-__all__ = ["order", "unique", "words"]
+__all__ = ["order", "words"]
 
 # _KEEP[k]: the k most significant bytes of a 64-bit word
 _KEEP = np.array([0] + [((1 << 64) - 1) ^ ((1 << (64 - 8 * k)) - 1) for k in range(1, 9)],
@@ -172,75 +170,6 @@ def order(
     """
     seq, head = _sort(buf, start, length, major)
     return _break_ties(seq, head, length, minor)
-
-
-def unique(buf: np.ndarray, start: np.ndarray, length: np.ndarray):
-    """``(first, ids)``: a string of each distinct value, in bytes order, and each string's
-    value (an index into `first`): ``np.unique(..., return_inverse=True)`` for strings."""
-    start, length = np.asarray(start), np.asarray(length)  # any integer type: no copies
-    if len(start) > 1:  # strings that differ within 8 bytes (labels): hashed, no sort
-        pos = _first_difference(buf, start, length, None, 0)
-        if pos is not None and int(length.max()) <= pos + 8:
-            got = _factorize_words(
-                lambda lo, hi: words(buf, start[lo:hi], length[lo:hi], pos), len(start), length
-            )
-            if got is not None:
-                return got
-    seq, head = _sort(buf, start, length, None)
-    size = length[seq]
-    if ((size[1:] != size[:-1]) & ~head[1:]).any():  # "ab" and "ab\0": equal words only
-        seq = _break_ties(seq, head, length, ())
-        size = length[seq]
-        head[1:] |= size[1:] != size[:-1]
-    ids = np.empty(len(seq), dtype=np.int64)
-    ids[seq] = np.cumsum(head) - 1
-    return seq[head], ids
-
-
-def _factorize_words(key_of, n: int, length=None, bits: int = 16, chunk: int = 1 << 18):
-    """``(first, ids)`` of `n` 64-bit keys with few distinct values (labels), by a hash
-    table of ``2 ** bits`` slots: no sort of every key, and nothing as large as the keys
-    but the ids (``key_of(lo, hi)`` gives keys ``lo:hi``, a chunk at a time). None: too
-    many distinct values for it, or keys of one value with different `length`."""
-    table = np.zeros(1 << bits, dtype=np.uint64)
-    used = np.zeros(1 << bits, dtype=bool)
-
-    def chunks():
-        for lo in range(0, n, chunk):
-            key = key_of(lo, min(n, lo + chunk))
-            slot = key * np.uint64(0x9E3779B97F4A7C15)
-            slot >>= np.uint64(64 - bits)
-            yield lo, key, slot.view(np.int64)  # < 2 ** bits: the same numbers, no copy
-
-    for _, key, slot in chunks():
-        table[slot] = key  # one key of each slot wins it
-        used[slot] = True
-    miss_at, miss_key = [], []  # keys that share a slot with another value
-    for lo, key, slot in chunks():
-        lost = np.flatnonzero(table[slot] != key)
-        miss_at.append(lost + lo)
-        miss_key.append(key[lost])
-    miss, missed = np.concatenate(miss_at), np.concatenate(miss_key)
-    if len(miss) > n // 8:
-        return None
-    won = np.flatnonzero(used)
-    distinct = np.sort(np.concatenate([table[won], missed]))  # (np.unique imports numpy.ma)
-    distinct = distinct[np.r_[True, distinct[1:] != distinct[:-1]]]
-    rank = np.zeros(1 << bits, dtype=np.int64)
-    rank[won] = np.searchsorted(distinct, table[won])
-    ids = np.empty(n, dtype=np.int32 if len(distinct) < 2**31 else np.int64)
-    first = np.zeros(len(distinct), dtype=np.int64)
-    for lo, _, slot in chunks():
-        ids[lo : lo + chunk] = rank[slot]
-    ids[miss] = np.searchsorted(distinct, missed)
-    for lo in range(0, n, chunk):  # a string of each value (whichever is written last)
-        first[ids[lo : lo + chunk]] = np.arange(lo, min(n, lo + chunk))
-    if length is not None:  # equal words, different lengths: "ab" and "ab\0"
-        size = length[first]
-        for lo in range(0, n, chunk):
-            if (size[ids[lo : lo + chunk]] != length[lo : lo + chunk]).any():
-                return None
-    return first, ids
 
 
 def _sort(buf, start, length, major):

@@ -20,7 +20,7 @@ from ..fetch import sources as src
 from ..fetch.sources import Joined
 from . import bytesort
 
-__all__ = ["NameRows", "Resolver", "RowLabels", "TensorRows", "fixed_width", "small_int"]
+__all__ = ["NameRows", "Resolver", "RowLabels", "TensorRows", "small_int"]
 
 
 def small_int(top: int, signed: bool = True) -> np.dtype:
@@ -29,36 +29,6 @@ def small_int(top: int, signed: bool = True) -> np.dtype:
         if top <= np.iinfo(dt).max:
             return np.dtype(dt)
     return np.dtype(np.int64)
-
-
-def fixed_width(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """The byte strings ``buf[start:start + length]`` as one fixed-width bytes array.
-
-    numpy compares, sorts and finds unique values of those without a Python
-    object per string (a string is padded with NUL bytes, which no name holds).
-    Each string is copied as a row of a strided window over `buf`: no index
-    array per byte.
-    """
-    n = len(start)
-    w = max(1, int(length.max()) if n else 1)
-    start = start.astype(np.int64, copy=False)
-    fits = start <= len(buf) - w
-    if n and len(buf) >= w and fits.all():
-        window = np.lib.stride_tricks.as_strided(
-            buf, (len(buf) - w + 1, w), (1, 1), writeable=False
-        )
-        out = window[start]
-    else:  # the last strings of the buffer, or a buffer shorter than one string
-        j = np.arange(w)
-        out = (
-            buf[np.minimum(start[:, None] + j, len(buf) - 1)]
-            if len(buf)
-            else np.zeros((n, w), np.uint8)
-        )
-    short = np.flatnonzero(length < w)
-    if len(short):  # NUL after each string's end
-        out[short] *= np.arange(w) < length[short, None]
-    return out.view(f"S{w}").ravel()
 
 
 class Resolver:

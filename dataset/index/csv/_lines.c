@@ -1,5 +1,5 @@
-/* distlearn.dataset._lines: one pass over a plain CSV/TSV index (no quotes, UTF-8),
- * in C. See dataset/csvlines.py, its only caller, for the contract; in short:
+/* distlearn.dataset.index.csv._lines: one pass over a plain CSV/TSV index (no quotes, UTF-8),
+ * in C. See dataset/index/csv/lines.py, its only caller, for the contract; in short:
  *
  *   count(buf, lo, hi) -> the number of "\n" bytes in buf[lo:hi]
  *   split(buf, lo, hi, sep, roles, names, at, start, length, codes, descents)
@@ -470,7 +470,7 @@ static PyMethodDef methods[] = {
     {"count", py_count, METH_VARARGS, "count(buf, lo, hi): the \"\\n\" bytes in buf[lo:hi]."},
     {"split", py_split, METH_VARARGS,
      "split(buf, lo, hi, sep, roles, names, at, start, length, codes, descents): see "
-     "dataset/csvlines.py."},
+     "dataset/index/csv/lines.py."},
     {NULL, NULL, 0, NULL},
 };
 

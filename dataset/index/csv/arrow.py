@@ -1,28 +1,31 @@
-"""CSV/TSV text split by pyarrow's CSV reader, where it gives ``csv.reader(strict=True)``'s rows.
+"""The reader ``arrow``: CSV/TSV text split by pyarrow's CSV reader, where it gives
+``csv.reader(strict=True)``'s rows.
 
-pyarrow's reader (C++, both cores) splits a file several times faster than the
-numpy passes of :mod:`dataset.index.csv.scan`, and hands each column over as one
-buffer of values and an array of offsets into it, a chunk per block: the
-layout of :class:`dataset.index.rows.NameRows`, which keeps the chunks
-(:class:`Names`). It is used only where its rows are provably the csv module's.
-A file without quotes is split with quotes off (a local one read by pyarrow a
-block at a time): NUL, lone ``\\r`` line ends and blank lines are then read as
-the csv module reads them. A file with quotes is split as
-quoted only when its quotes are RFC 4180's (:func:`dataset.index.csv.scan.quotes_ok`)
-and it holds no NUL; a ``\\r`` is then read as the csv module reads it.
-Otherwise, and for rows with fewer or more fields than the header (ragged
-rows, which pyarrow refuses) or text that is not UTF-8, :func:`split` returns
-None and the caller falls back to :func:`dataset.index.csv.scan.scan`.
+pyarrow's reader (C++, both cores) hands each column over as one buffer of values and
+an array of offsets into it, a chunk per block: the layout of
+:class:`dataset.index.rows.NameRows`, which keeps the chunks (:class:`Names`). It
+reads a file only where its rows are provably the csv module's
+(:mod:`dataset.index.csv.contract`). A file without quotes is split with quotes off
+(a local one read by pyarrow a block at a time): NUL, lone ``\\r`` line ends and
+blank lines are then read as the csv module reads them. A file with quotes is split
+as quoted only when its quotes are RFC 4180's (:func:`dataset.index.csv.text.quotes_ok`)
+and it holds no NUL; a ``\\r`` is then read as the csv module reads it; a local one
+is mapped, not read. Rows with fewer fields than the header (ragged rows, which
+pyarrow's parse refuses) are split again from pyarrow's lines when the file holds no
+quote. ``offset``/``length`` columns are read as integers by pyarrow's cast, where
+every value is one (decimal digits, an optional sign, ASCII spaces around).
+:func:`read` declines (None) the rest: ragged rows in a quoted file, more fields
+than the header, text that is not UTF-8, an empty name, offsets that are not
+non-negative integers, a separator that is not one ASCII byte; the csv module's
+reader reads those or names their fault.
 
-Values come unquoted, their ``""`` escapes undone, NOT stripped: the caller
-strips them (:func:`dataset.index.csv.scan.strip`; :class:`Names` does for a column of
-names). No pyarrow: :func:`split` is always None.
+:func:`split`'s values come unquoted, their ``""`` escapes undone, NOT stripped:
+:func:`read` strips them (:func:`dataset.index.csv.text.strip`; :class:`Names` does for
+the column of names). pyarrow is a requirement of the package (setup.py).
 """
 
 from __future__ import annotations
 
-import csv
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -31,32 +34,28 @@ from typing import NamedTuple
 import numpy as np
 
 from ..cores import in_order, on_two_threads
-from ..rows import small_int
-from .scan import QUOTE, edges_clean, quotes_ok, strip
+from ..rows import NameRows, small_int
+from ..table import sort_labels
+from .contract import Buffer, Columns, Rows, Source, packed_labels
+from .csvmodule import header_names, line_of_row
+from .text import QUOTE, edges_clean, quotes_ok, strip
 
 __all__ = [
     "BLOCK",
     "LINE",
     "PEEK",
-    "Buffer",
     "Column",
     "Names",
     "flags",
-    "header_names",
     "int32s",
     "pool",
+    "read",
     "split",
 ]
 
-try:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.csv as pcsv
-except ImportError:  # pragma: no cover - pyarrow is optional; csvscan does the work
-    pa = pc = None
-
-# A whole file's bytes: read, or mapped.
-Buffer = bytes | mmap.mmap
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
 
 # pyarrow parses the file a block of this many bytes at a time (in parallel), a
 # column comes back as a chunk per block. Small blocks reuse the parser's buffers
@@ -65,6 +64,136 @@ Buffer = bytes | mmap.mmap
 BLOCK = 1 << 20
 # A local file whose first bytes after the header hold a quote is handed back at once.
 PEEK = 1 << 16
+
+
+# The bytes of an offset/length value pyarrow's cast reads as Python's int() does: its
+# cast also reads "0x10" (int() refuses it), so a value holding any other byte is the csv
+# module's to read or refuse.
+_INTEGER_BYTES = np.zeros(256, dtype=bool)
+_INTEGER_BYTES[list(b"0123456789+- \t\n\x0b\x0c\r")] = True
+
+
+def read(source: Source) -> Rows | None:
+    """The rows of `source` as pyarrow splits it, the names left in pyarrow's chunks; None
+    where they are not provably the csv module's (see the module's text)."""
+    if source.path is None:
+        return _rows(split(source.data(), source.sep), source)
+    got = _rows(split(source.path, source.sep), source)  # a block at a time, no copy
+    if got is not None:
+        return got
+    # a local file refused for its quotes: split from its pages, mapped rather than read
+    # (a copy that cost a sixth of a 1M-row open). Nothing of the mapping outlives the
+    # split (pyarrow copies the values): it goes with its last reference, ours at
+    # return or, a moment later, that of pyarrow's reader, which its own threads drop.
+    pages = source.pages()
+    if pages is None or pages.find(b'"') < 0:  # (no quote: refused for another reason)
+        return None
+    return _rows(split(pages, source.sep), source)
+
+
+def _rows(got: tuple[list[str], list[Column]] | None, source: Source) -> Rows | None:
+    """:func:`read`'s result from :func:`split`'s."""
+    if got is None:
+        return None
+    header, columns = got
+    n = sum(len(c) for c in columns[0].chunks)
+    if not n:
+        return None  # (no rows: the csv module's reader says so)
+    cols = Columns(header, source.index)
+    ranges = None
+    if cols.offset is not None:
+        ranges = _ranges(columns[cols.offset].chunks, columns[cols.length].chunks)
+        if ranges is None:
+            return None
+    ptr, ids, labels = _labels([columns[c].chunks for c in cols.labels], n)
+    # rows in label order descend (by name) only where the label changes
+    names = Names(columns[cols.file].chunks, most=len(labels))
+    if names.empty:
+        return None
+    table = NameRows(names.parts, names.start, names.length, source.resolver, ranges)
+    descents = names.descents
+    del columns, names
+    pool().release_unused()  # what the split held, back to the system
+    sep = source.sep
+    return Rows(table, ptr, ids, labels, lambda r: line_of_row(source.data(), sep, r),
+                descents)  # fmt: skip
+
+
+def _ranges(offsets: list, lengths: list) -> tuple[np.ndarray, np.ndarray] | None:
+    """The offset and length columns as int64 arrays, where every value is a
+    non-negative integer as Python's int() reads it; else None."""
+    out = []
+    for chunks in (offsets, lengths):
+        values = [np.empty(0, dtype=np.int64)]
+        for c in chunks:
+            if not len(c):
+                continue
+            off = int32s(c, extra=1)  # (the values' bytes: a slice's, not its neighbours')
+            buf = c.buffers()[2]
+            data = np.frombuffer(buf if buf is not None else b"", dtype=np.uint8)
+            if not _INTEGER_BYTES[data[off[0] : off[-1]]].all():
+                return None
+            try:
+                trimmed = pc.ascii_trim_whitespace(c, memory_pool=pool())
+                ints = pc.cast(trimmed, pa.int64(), memory_pool=pool())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                return None
+            got = np.frombuffer(ints.buffers()[1], dtype=np.int64,
+                                count=ints.offset + len(ints))[ints.offset :]  # fmt: skip
+            if len(got) and int(got.min()) < 0:
+                return None
+            values.append(got)
+        out.append(np.concatenate(values))
+    return out[0], out[1]
+
+
+def _labels(columns: list[list], n: int):
+    """``(ptr, ids, names)`` for :class:`Rows`, from the chunks of pyarrow's label columns:
+    the distinct values of every chunk's dictionary stripped in Python (a few, where the
+    chunks' dictionaries hold thousands of strings) and looked up in the sorted label
+    names; each chunk's indices mapped through that small table straight into the ids
+    (no unified dictionary, no remap of every id after)."""
+    if not columns:
+        return packed_labels(np.empty((n, 0), dtype=np.int16), [])
+    coded = []  # (column, chunk, its indices)
+    for k, col in enumerate(columns):
+        for c in col:
+            if len(c):
+                if not pa.types.is_dictionary(c.type):  # (a header with a quote: read as text)
+                    c = pc.dictionary_encode(c, memory_pool=pool())
+                coded.append((k, c, int32s(c.indices)))
+    every = pa.chunked_array([c.dictionary for _, c, _ in coded], type=pa.string())
+    distinct = pc.unique(every, memory_pool=pool())
+    value = [v.strip() for v in distinct.to_pylist()]
+    maps = pc.index_in(every, value_set=distinct, memory_pool=pool())  # -> distinct, no nulls
+    maps = np.concatenate([int32s(m) for m in maps.chunks] or [np.empty(0, np.int32)])
+    used = np.zeros(len(value), dtype=bool)
+    edges = np.cumsum([0] + [len(c.dictionary) for _, c, _ in coded])
+    for (_, c, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
+        if c.offset:  # a slice after the header: the header's value is in its dictionary
+            used[maps[lo:hi][np.bincount(at, minlength=hi - lo) > 0]] = True
+        else:
+            used[maps[lo:hi]] = True
+    found = {v for v, u in zip(value, used.tolist(), strict=True) if u}
+    names = sort_labels(found - {""})
+    dt = small_int(len(names) + 1)
+    where = {name: i for i, name in enumerate(names)}  # "" (no label) and unused: -1
+    table = np.asarray([where.get(v, -1) for v in value], dtype=dt)[maps]  # dictionary -> id
+    ids = np.empty((n, len(columns)) if len(columns) > 1 else n, dtype=dt)
+    jobs, pos = [], [0] * len(columns)  # (column, its rows, the chunk's ids and table)
+    for (k, _, at), lo, hi in zip(coded, edges[:-1], edges[1:], strict=True):
+        jobs.append((k, slice(pos[k], pos[k] + len(at)), at, table[lo:hi]))
+        pos[k] += len(at)
+
+    def fill(part) -> None:  # the chunks shared by two threads (numpy lets go of the GIL)
+        for k, rows, at, small in part:
+            if len(columns) == 1:
+                np.take(small, at, out=ids[rows], mode="clip")  # (unbuffered)
+            else:
+                ids[rows, k] = small[at]
+
+    on_two_threads(fill, jobs)
+    return packed_labels(ids, names, missing="" in found)
 
 
 def pool():
@@ -82,7 +211,7 @@ class Column:
 
 
 class Names:
-    """The values of a column, stripped (:func:`dataset.index.csv.scan.strip`), as
+    """The values of a column, stripped (:func:`dataset.index.csv.text.strip`), as
     :class:`dataset.index.rows.NameRows` holds them.
 
     Value r is ``start[r]:start[r] + length[r]`` of the bytes of ``parts`` one after
@@ -209,7 +338,7 @@ def _descents(chunks: list, most: int) -> np.ndarray | None:
 
 def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | None:
     """``(header, columns)``: the header's values and each column of the rows after it
-    (blank lines left out), or None where :func:`dataset.index.csv.scan.scan` must decide.
+    (blank lines left out), or None where the csv module's reader must decide.
 
     `source`: a local file's path (pyarrow reads it a block at a time: no copy of
     the whole file) or the file's bytes (``bytes``, or an ``mmap`` of the file:
@@ -218,7 +347,7 @@ def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | No
     :data:`PEEK` bytes hold one); the caller then hands over its bytes, whose
     quotes are checked before pyarrow reads them as quotes.
     """
-    if pa is None or len(sep) != 1 or ord(sep) > 127 or sep in '"\r\n':
+    if len(sep) != 1 or ord(sep) > 127 or sep in '"\r\n':
         return None
     if isinstance(source, str):
         try:
@@ -253,7 +382,7 @@ def split(source: str | Buffer, sep: str) -> tuple[list[str], list[Column]] | No
 
 
 def _quotes_ok(source: Buffer, sep: str) -> bool:
-    """Whether the quotes of `source` are RFC 4180's (:func:`dataset.index.csv.scan.quotes_ok`)."""
+    """Whether the quotes of `source` are RFC 4180's (:func:`dataset.index.csv.text.quotes_ok`)."""
     body = 3 if source[:3] == b"\xef\xbb\xbf" else 0
     return quotes_ok(np.frombuffer(source, dtype=np.uint8), body, ord(sep))
 
@@ -270,12 +399,14 @@ def _read(opener, sep: str, first: bytes, quotes: bool, refuse_quotes: bool = Fa
             types[f"f{k}"] = pa.dictionary(pa.int32(), pa.string())
     try:
         table = _ragged(opener, sep, types) if ragged else _parse(opener, sep, types, quotes)
-    except pa.ArrowException:  # a row with fewer fields than the header (or more)
-        table = None if quotes else _ragged(opener, sep, types)
+    except pa.ArrowException:  # a row with fewer fields than the header (or more), or
+        # one longer than a block ("straddles two block boundaries"): without quotes
+        # _ragged reads both, with quotes a parse in one block reads the long row
+        table = _parse_whole(opener, sep, types) if quotes else _ragged(opener, sep, types)
     # `refuse_quotes`: a file read with quotes off whose bytes were not looked at; a
-    # value holding a quote is the scanner's (the csv module reads it as a quote).
-    # Not UTF-8: the scanner's check names the file. Ragged rows in a file with quotes,
-    # more fields than the header: the scanner reads them, or names the fault.
+    # value holding a quote is the csv module's (it reads it as a quote). Not UTF-8: the
+    # csv module's reader names the line. Ragged rows in a file with quotes, more fields
+    # than the header: the csv module reads them, or names the fault.
     if table is None or table.num_rows == 0 or not _values_ok(table, refuse_quotes):
         return None
     header = [str(v).strip() for v in table.slice(0, 1).to_pylist()[0].values()]
@@ -295,24 +426,17 @@ def _uneven(first: bytes, head: bytes, sep: str) -> bool:
     return any(line.count(sep_b) != fields for line in lines if line)
 
 
-def header_names(first: bytes, sep: str) -> list[str]:
-    """The header's names as the csv module reads its first line; [] where it cannot
-    tell (not UTF-8, or a quoted newline: the header goes on below)."""
-    try:
-        text = first.decode("utf-8-sig")
-        return next(csv.reader([text.rstrip("\r\n")], delimiter=sep, strict=True), [])
-    except (UnicodeDecodeError, csv.Error):
-        return []
-
-
-def _parse(opener, sep: str, types: dict, quotes: bool):
-    """pyarrow's read of what ``opener()`` opens, columns ``f0, f1...`` of `types`."""
+def _parse(opener, sep: str, types: dict, quotes: bool, block: int | None = None):
+    """pyarrow's read of what ``opener()`` opens, columns ``f0, f1...`` of `types`, in
+    blocks of `block` bytes (:data:`BLOCK`)."""
     source = opener()
     try:
         return pcsv.read_csv(
             source,
             memory_pool=pool(),
-            read_options=pcsv.ReadOptions(autogenerate_column_names=True, block_size=BLOCK),
+            read_options=pcsv.ReadOptions(
+                autogenerate_column_names=True, block_size=block or BLOCK
+            ),
             parse_options=pcsv.ParseOptions(
                 delimiter=sep, quote_char='"' if quotes else False, newlines_in_values=quotes
             ),
@@ -324,8 +448,27 @@ def _parse(opener, sep: str, types: dict, quotes: bool):
             source.close()
 
 
+def _parse_whole(opener, sep: str, types: dict, quotes: bool = True):
+    """:func:`_parse` in one block, for a file larger than a block (else None): a row
+    longer than a block fails the parse in blocks, and is read in one (pyarrow says only
+    "straddling object" for it: this is the parse after any failed one, so it runs for
+    ragged quoted files too, which fail it again and are the csv module's)."""
+    source = opener()
+    try:
+        size = source.size() if isinstance(source, pa.NativeFile) else len(source)
+    finally:
+        if isinstance(source, pa.NativeFile):
+            source.close()
+    if size <= BLOCK:
+        return None
+    try:
+        return _parse(opener, sep, types, quotes, block=min(size + 1, 2**31 - 1))
+    except pa.ArrowException:
+        return None
+
+
 # The delimiter that reads a file's lines whole: a byte no index line holds (a line
-# that does holds two fields, which pyarrow refuses: the scanner's then).
+# that does holds two fields, which pyarrow refuses: the csv module's then).
 LINE = "\x1f"
 
 
@@ -333,16 +476,18 @@ def _ragged(opener, sep: str, types: dict):
     """The table of a file without quotes whose rows may stop before the header's last
     field (ragged rows: the csv module reads them, pyarrow's reader refuses them), as
     pyarrow would give it with the missing fields empty (an empty label is no label; an
-    empty name is the scanner's, which names its line); None for a row with more fields
+    empty name is the csv module's, which names its line); None for a row with more fields
     than the header. pyarrow reads the lines whole (one column, with its line ends,
     blank lines and blocks, both cores), then ``split_pattern`` splits each line and
-    ``take`` gathers each column, a block per task on both cores (10x the scanner)."""
+    ``take`` gathers each column, a block per task on both cores."""
     if sep == LINE:
         return None
     try:
         lines = _parse(opener, LINE, {"f0": pa.string()}, quotes=False)
-    except pa.ArrowException:
-        return None
+    except pa.ArrowException:  # a line longer than a block, or one that holds LINE
+        lines = _parse_whole(opener, LINE, {"f0": pa.string()}, quotes=False)
+        if lines is None:
+            return None
     if lines.num_columns != 1:  # every line holds LINE (the header decides the columns)
         return None
     lines = lines.column(0)

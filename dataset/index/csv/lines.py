@@ -1,4 +1,5 @@
-"""Plain CSV/TSV text (no quotes, UTF-8) read in one pass of C, on two threads.
+"""The reader ``lines``: plain CSV/TSV text (no quotes, UTF-8) read in one pass of C, on
+two threads.
 
 Most index files are this plain: ``filename,label`` lines of paths and label
 names. :mod:`dataset.index.csv._lines` (C) reads such a file's bytes (a local file's
@@ -13,13 +14,12 @@ looked up, ragged rows split again).
 The rows are the csv module's (``csv.reader(strict=True)``): a file that holds no
 quote, no NUL, no ``\\r`` but in ``\\r\\n`` and is UTF-8 is split at each
 separator and line end, as the csv module splits it; blank lines are no rows;
-fields are stripped as ``str.strip`` strips them. :func:`split` returns None for
+fields are stripped as ``str.strip`` strips them. :func:`read` declines (None)
 anything else (a quote, bytes that are not UTF-8, a space that is not ASCII at a
 field's edge, a name missing or empty, a row with more fields than the header, a
-header with ``offset``/``length``),
-and the other readers (:mod:`dataset.index.csv.arrow`, :mod:`dataset.index.csv.scan`) read the
-file or name its fault. Without the compiled module (a build without a C
-compiler), :func:`split` is always None.
+header with ``offset``/``length``), and the next reader reads the file or names its
+fault. Without the compiled module (a build without a C compiler) it declines every
+file.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ..cores import fresh, on_two_threads
-from ..rows import small_int
+from ..rows import NameRows, small_int
 from ..table import sort_labels
+from .contract import Columns, Rows, Source, packed_labels
+from .csvmodule import header_names, line_of_row
 
 __all__ = [
     "BLOCK",
@@ -41,9 +43,11 @@ __all__ = [
     "MANY_LABELS",
     "MOST_DESCENTS",
     "NO_ROLE",
+    "PEEK",
     "WIDE_CODES",
     "Split",
     "built",
+    "read",
     "roles",
     "split",
 ]
@@ -64,11 +68,39 @@ WIDE_CODES = 1000
 # Descents (a name > the next one's) past this many: the file is not in order.
 MOST_DESCENTS = 1 << 16
 NO_ROLE = 255
+# A local file whose first bytes hold a quote is declined at once (before it is mapped).
+PEEK = 1 << 16
 
 
 def built() -> bool:
     """Whether the C reader was built (else :func:`split` is always None)."""
     return _lines is not None
+
+
+def read(source: Source) -> Rows | None:
+    """The rows of a plain file, its names copied into one buffer; None where it is not
+    plain (see the module's text)."""
+    if _lines is None:
+        return None
+    if source.path is not None:  # mapped and read in at once: no copy of the file
+        head = source.head(PEEK)
+        if not head or b'"' in head or (source.size() or 0) >= 1 << 32:  # (uint32 offsets)
+            return None
+        data = source.pages(populate=True)
+    else:
+        data = source.data()
+    if data is None or (end := data.find(b"\n")) < 0:
+        return None
+    header = [v.strip() for v in header_names(data[:end], source.sep)]
+    got = split(data, header, end + 1, source.sep)
+    if got is None:
+        return None
+    Columns(header, source.index)  # (its checks passed: it logs the unknown columns)
+    ptr, ids, labels = packed_labels(got.ids, got.labels)
+    table = NameRows(got.buf, got.start, got.length, source.resolver)
+    sep = source.sep
+    return Rows(table, ptr, ids, labels, lambda r: line_of_row(source.data(), sep, r),
+                got.descents)  # fmt: skip
 
 
 class Split(NamedTuple):
