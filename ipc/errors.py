@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["AuthError", "IPCError", "IPCTimeoutError", "MismatchError", "PeerError"]
+__all__ = [
+    "AuthError",
+    "EndpointRefused",
+    "IPCError",
+    "IPCTimeoutError",
+    "MismatchError",
+    "PeerError",
+]
 
 
 class IPCError(RuntimeError):
@@ -28,6 +35,23 @@ class IPCTimeoutError(IPCError, TimeoutError):
 
 class AuthError(IPCError):
     """A connection did not present the job's token (or we were refused)."""
+
+
+class EndpointRefused(AuthError):
+    """The endpoint we dialed took our handshake and refused the link, saying why.
+
+    Past the handshake, so by an endpoint of our secret: its reason holds for whoever
+    comes (out of files, another version), except `closing` (it takes no more links, a
+    moment before it goes away).
+
+    Attributes:
+        reason: What the endpoint said.
+        closing: The endpoint is closing: another one (of the same key) may take us.
+    """
+
+    def __init__(self, message: str, reason: str, closing: bool = False, node: int | None = None):
+        super().__init__(message, node)
+        self.reason, self.closing = reason, closing
 
 
 class MismatchError(IPCError):

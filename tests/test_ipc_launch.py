@@ -152,3 +152,63 @@ def test_a_twin_launch_is_counted_among_the_parents_processes():
     assert after(others) == ["False", "False"]
     twins = f"\"{sys.executable}\" -c '{probe}' 4 {ipc_dir} > /dev/null"
     assert after(twins) == ["True", "False"]
+
+
+# ---- the joiner's policy after a failed join -----------------------------------------
+
+
+def test_the_joiner_s_policy_reads_types_and_fields_not_words():
+    """The joiner decided whether to give up by matching "refused by the endpoint" in
+    str(err), and read attributes set on exceptions after they were made: a reworded
+    message changed the policy. Each case here, under three wordings, decides alike;
+    the old words on a plain error decide nothing."""
+    from distlearn.ipc.errors import AuthError, EndpointRefused, IPCError, IPCTimeoutError
+    from distlearn.ipc.rendezvous.exchange import JoinRefused, RootLeft
+    from distlearn.ipc.rendezvous.localhost_joiner import Next, after_failed_join
+
+    cases = [  # (make(message), we hold a token, node 0 runs, what the joiner does)
+        (lambda m: EndpointRefused(m, "out of files"), False, True, Next.RAISE),
+        (lambda m: EndpointRefused(m, "x", closing=True), False, True, Next.PASS_OVER),
+        (lambda m: EndpointRefused(m, "x", closing=True), True, True, Next.PASS_OVER),
+        (lambda m: RootLeft(m, had_its_nodes=True), False, False, Next.PASS_OVER),
+        (lambda m: RootLeft(m), False, True, Next.PASS_OVER),
+        (lambda m: RootLeft(m), False, False, Next.RAISE),
+        (lambda m: RootLeft(m, gave_up=True), False, True, Next.RAISE),
+        (lambda m: JoinRefused(m, "another launch"), False, True, Next.PASS_OVER),
+        (lambda m: AuthError(m), True, True, Next.RAISE),
+        (lambda m: AuthError(m), False, True, Next.AGAIN),
+        (lambda m: IPCTimeoutError(m), False, True, Next.LATER),
+        (lambda m: OSError(m), False, True, Next.AGAIN),
+    ]
+    wordings = ["refused by the endpoint at tcp://x: y", "refused by node 0: z", "reworded"]
+    for make, given, runs, want in cases:
+        for words in wordings:
+            got = after_failed_join(make(words), given, lambda runs=runs: runs)
+            assert got is want, (make(words), given, runs)
+    for words in wordings:
+        assert after_failed_join(IPCError(words), False, lambda: True) is Next.AGAIN
+
+
+def test_a_closing_endpoint_says_so_in_a_field_of_its_refusal():
+    """The refusal of a closing endpoint carries `closing` on the wire: the dialer's
+    EndpointRefused says so whatever its reason's words."""
+    from distlearn.ipc.errors import EndpointRefused
+    from distlearn.ipc.transport import Endpoint, random_secret
+
+    secret = random_secret()
+    server = Endpoint(secret, "server", bind=["tcp://127.0.0.1:*"])
+    address = server.addresses[0]
+    server._closed = True  # (as close() marks it, before its sockets go)
+    client = Endpoint(secret, "client")
+    try:
+        link = client.dial(address, reconnect=False)
+        deadline = time.monotonic() + 20
+        while link.failure is None and time.monotonic() < deadline:
+            server.recv(time.monotonic() + 0.05)
+            client.recv(time.monotonic() + 0.05)
+        assert isinstance(link.failure, EndpointRefused), link.failure
+        assert link.failure.closing and "closing" in link.failure.reason
+    finally:
+        client.close(linger=0)
+        server._closed = False
+        server.close(linger=0)

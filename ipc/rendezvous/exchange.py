@@ -28,7 +28,9 @@ __all__ = [
     "RENDEZVOUS_LIMITS",
     "UNABLE_S",
     "FileBudget",
+    "JoinRefused",
     "Listen",
+    "RootLeft",
     "Roster",
     "check_index",
     "files_for_joins",
@@ -41,6 +43,35 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class JoinRefused(IPCError):
+    """Node 0 took our link and refused our JOIN (another launch, other tree options...).
+
+    Attributes:
+        reason: What node 0 said.
+    """
+
+    def __init__(self, message: str, reason: str, node: int | None = 0):
+        super().__init__(message, node)
+        self.reason = reason
+
+
+class RootLeft(PeerError):
+    """Node 0 left the rendezvous after it had taken our JOIN, with no roster for us.
+
+    Attributes:
+        had_its_nodes: It finished its rendezvous (its goodbye said so): it had its nodes
+            before ours came, so it was another launch's node 0, whether or not it runs on.
+        gave_up: It gave the rendezvous up, saying so to the nodes it had taken: ours,
+            and gone; no other node 0 will come for us.
+    """
+
+    def __init__(self, message: str, had_its_nodes: bool = False, gave_up: bool = False,
+                 node: int | None = 0):  # fmt: skip
+        super().__init__(message, node)
+        self.had_its_nodes, self.gave_up = had_its_nodes, gave_up
+
 
 KEY_ENV = "IPC_KEY"
 # Node 0's rendezvous endpoint takes only small JSON messages.
@@ -298,8 +329,9 @@ def join_root(
 ) -> dict:
     """Nodes 1..n-1: send our JOIN on `link` (to node 0) and wait for the roster.
 
-    Returns the ROSTER body; raises IPCError if refused, PeerError if node 0 left,
-    IPCTimeoutError if the link is not up by `link_deadline` (default `deadline`)."""
+    Returns the ROSTER body; raises JoinRefused if refused, RootLeft if node 0 left after
+    taking our JOIN, IPCTimeoutError if the link is not up by `link_deadline` (default
+    `deadline`)."""
     rv.wait_up([link], min(deadline, link_deadline or deadline), "the link to node 0")
     link.send_control(Kind.JOIN, join)
     while True:
@@ -311,16 +343,11 @@ def join_root(
                     # It had our JOIN: our node 0 gone (killed, or frozen past the
                     # heartbeats) in the middle of the rendezvous, or one of another launch
                     # that had its nodes as ours came (the caller tells them apart).
-                    err = PeerError(
+                    raise RootLeft(
                         f"node {join['node']}: node 0 (at {link.address}) left the rendezvous "
                         f"after taking our join ({link.dead or 'it said goodbye'})",
-                        node=0,
+                        had_its_nodes=bool(link.bye and link.bye.get("done")),
                     )
-                    err.after_join = True
-                    # It finished its rendezvous without sending us a roster: it had its
-                    # nodes (another launch's node 0), whether or not it still runs.
-                    err.had_its_nodes = bool(link.bye and link.bye.get("done"))
-                    raise err
             rv.events.clear()
             if time.monotonic() > deadline:
                 raise IPCTimeoutError(
@@ -335,16 +362,14 @@ def join_root(
         except (WireError, IndexError):
             continue
         if "refused" in body:
-            raise IPCError(f"node {join['node']}: refused by node 0: {body['refused']}", node=0)
+            reason = str(body["refused"])
+            raise JoinRefused(f"node {join['node']}: refused by node 0: {reason}", reason)
         if "abort" in body:
-            err = IPCError(
+            raise RootLeft(
                 f"node {join['node']}: node 0 gave up the rendezvous after taking our join: "
                 f"{body['abort']}",
-                node=0,
+                gave_up=True,
             )
-            err.after_join = True  # ours, and gone: no other node 0 will come for us
-            err.gave_up = True
-            raise err
         n = join["num_nodes"]
         body = _roster_of(frames, n)
         hosts, addresses = body.get("hosts"), body.get("addresses")

@@ -10,24 +10,80 @@ after taking our join, ends the rendezvous with its reason.
 
 from __future__ import annotations
 
+import enum
+import functools
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
-from ..errors import AuthError, IPCError, IPCTimeoutError
+from ..errors import AuthError, EndpointRefused, IPCError, IPCTimeoutError
 from ..procs import pid_alive, running
 from ..transport import Endpoint, Secret, runtime
-from .exchange import KEY_ENV, Listen, Roster, _Note, join_root, joiner_limits, roster
+from .exchange import (
+    KEY_ENV,
+    JoinRefused,
+    Listen,
+    RootLeft,
+    Roster,
+    _Note,
+    join_root,
+    joiner_limits,
+    roster,
+)
 from .launches import LAUNCH_WINDOW_S
 from .records import _unable_record
 
-__all__ = ["JoinerMixin"]
+__all__ = ["JoinerMixin", "Next", "after_failed_join"]
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 5.0  # how long a joiner gives a node 0 found in the runtime directory to answer
 SILENT_RETRY_S = 30.0  # ... and how long it then tries the other candidates before that one
+
+
+class Next(enum.Enum):
+    """What a joiner does after a failed join of one node 0 it found."""
+
+    RAISE = "end the rendezvous with the error"
+    PASS_OVER = "pass this node 0 over for good (another launch's)"
+    LATER = "try the others first, this one again later"
+    AGAIN = "look again"
+
+
+def after_failed_join(err: BaseException, given: bool, alive: Callable[[], bool]) -> Next:
+    """The joiner's policy after a failed join, read from the error's type and fields
+    alone: a message may be reworded without changing it.
+
+    Args:
+        err: What the join raised.
+        given: We hold a token of our own (not the node 0's record's).
+        alive: Whether that node 0's process still runs (asked only where it matters).
+    """
+    if (isinstance(err, EndpointRefused) and err.closing) or (
+        isinstance(err, RootLeft) and err.had_its_nodes
+    ):
+        return Next.PASS_OVER  # a node 0 that had its nodes as we came
+    if isinstance(err, AuthError) and given:
+        return Next.RAISE  # our token is not node 0's: waiting will not change that
+    if isinstance(err, RootLeft):
+        if err.gave_up or not alive():
+            return Next.RAISE  # our node 0 died or froze mid-rendezvous: no other will come
+        # Alive and running, it closed its rendezvous without us: a node 0 of another
+        # launch that had its nodes a moment after taking our join.
+        return Next.PASS_OVER
+    if isinstance(err, EndpointRefused):
+        # Past the handshake, so by a node 0 of our key and secret, and for what holds
+        # whoever comes (out of files, another version): final.
+        return Next.RAISE
+    if isinstance(err, JoinRefused):
+        return Next.PASS_OVER  # (another launch's node 0, by its own check)
+    if isinstance(err, IPCTimeoutError):
+        # Its socket does not answer (gone, or frozen): try the others first, or we
+        # would knock on it forever while the real node 0 waits.
+        return Next.LATER
+    return Next.AGAIN
 
 
 class JoinerMixin:
@@ -147,31 +203,17 @@ class JoinerMixin:
                 )
             except (IPCError, OSError) as err:
                 rv.close(linger=0)
-                if getattr(err, "closing", False) or getattr(err, "had_its_nodes", False):
-                    refused.add(name)  # a node 0 that had its nodes as we came
-                    continue
-                if isinstance(err, AuthError) and self.given is not None:
-                    raise  # our token is not node 0's: waiting will not change that
-                if getattr(err, "after_join", False):
-                    if getattr(err, "gave_up", False) or not running(
-                        rec.get("pid"), rec.get("start")
-                    ):
-                        raise  # our node 0 died or froze mid-rendezvous: no other will come
-                    # Alive and running, it closed its rendezvous without us: a node 0 of
-                    # another launch that had its nodes a moment after taking our join.
-                    refused.add(name)
-                    continue
-                if isinstance(err, IPCError) and "refused by the endpoint" in str(err):
-                    # Past the handshake, so by a node 0 of our key and secret, and for
-                    # what holds whoever comes (out of files, another version): final.
+                alive = functools.partial(running, rec.get("pid"), rec.get("start"))
+                step = after_failed_join(err, self.given is not None, alive)
+                if step is Next.RAISE:
                     raise
-                log.info("ipc node %d: %s", self.node_index, err)
-                if isinstance(err, IPCError) and "refused by node 0" in str(err):
+                if step is not Next.PASS_OVER or isinstance(err, JoinRefused):
+                    log.info("ipc node %d: %s", self.node_index, err)
+                if step is Next.PASS_OVER:
                     refused.add(name)
-                    why_refused = str(err).split("refused by node 0: ", 1)[-1]
-                elif isinstance(err, IPCTimeoutError):
-                    # Its socket does not answer (gone, or frozen): try the others first,
-                    # or we would knock on it forever while the real node 0 waits.
+                    if isinstance(err, JoinRefused):
+                        why_refused = err.reason
+                elif step is Next.LATER:
                     silent[name] = time.monotonic() + SILENT_RETRY_S
                 continue
             rv.close(linger=2.0)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.utils import z85
 
-from ..errors import AuthError, IPCError
+from ..errors import AuthError, EndpointRefused, IPCError
 from . import wire
 from .auth import nonce
 from .wire import Kind, WireError
@@ -182,7 +182,7 @@ class HandshakeMixin:
         if self._closed:
             # Closing: a link taken now would get neither our BYE nor anything else before
             # its connection ends (the peer would take that for our death).
-            self._reply(rid, wire.control(Kind.REFUSED, {"reason": CLOSING}))
+            self._reply(rid, wire.control(Kind.REFUSED, {"reason": CLOSING, "closing": True}))
             return
         reason = _other_version(p.info, p.name, self.name)
         if reason is None and self.accept is not None:
@@ -239,11 +239,13 @@ class HandshakeMixin:
             elif kind == Kind.REFUSED and link.state == "auth" and _again(header):
                 self._hello_again(link)
             elif kind == Kind.REFUSED:
-                reason = wire.parse_control(header).get("reason", "?")
-                link.failure = AuthError(
-                    f"{self.name}: refused by the endpoint at {link.address}: {str(reason)[:200]}"
+                body = wire.parse_control(header)
+                reason = str(body.get("reason", "?"))[:200]
+                link.failure = EndpointRefused(
+                    f"{self.name}: refused by the endpoint at {link.address}: {reason}",
+                    reason,
+                    closing=body.get("closing") is True,  # (a field, not the reason's words)
                 )
-                link.failure.closing = reason == CLOSING
             else:
                 raise WireError(f"kind {kind} during the handshake")
         except WireError as err:
