@@ -40,7 +40,7 @@ def test_peers_never_see_a_control_word_half_written(tmp_path):
     control = shm.create_control(prefix, os.getpid(), 1)
     flag = mmap.mmap(-1, mmap.PAGESIZE)
     # node 0's arrival line, in words
-    at = (0 * shm_layout.LINES + 2) * shm_layout.CONTROL_SLOT // 8
+    at = shm_layout.arrival(0)
     ctx = mp.get_context("fork")  # the child shares both mappings
     ready, results = ctx.Event(), ctx.Queue()
     watcher = ctx.Process(target=_watch, args=(control, at, flag, ready, results))
@@ -62,3 +62,51 @@ def test_peers_never_see_a_control_word_half_written(tmp_path):
     assert last == BARRIERS
     assert reads > BARRIERS  # it really watched while the barriers ran
     assert (backwards, bad_pid) == (0, 0), f"{backwards} counters went back, {bad_pid} bad pids"
+
+
+def test_the_control_page_is_its_named_structure():
+    """The offsets the group packs at (struct, and single words for the arrival line)
+    are the fields of shm_layout's ctypes structures: a page written through the named
+    structure reads back through the group's accessors, for every node and parity."""
+    import ctypes
+
+    from distlearn.ipc.collectives.shm_layout import NodeLines
+
+    n = 3
+    page = bytearray(shm_layout.page_bytes(n))
+    nodes = (NodeLines * n).from_buffer(page)
+    for j in range(n):
+        for parity in (0, 1):
+            c = nodes[j].control[parity]
+            c.seq, c.contributes, c.signature = 100 * j + parity, 1, b"sig%d-%d" % (j, parity)
+            c.nbytes, c.offered = 4096 + j, 2 + parity
+            for k in range(shm_layout.MAX_GROUPS):
+                nodes[j].addresses[parity][k] = (j << 32) | (parity << 16) | k
+            nodes[j].signatures[parity].value = b"%d/%d" % (j, parity) * 8
+        a = nodes[j].arrival
+        a.arrived, a.asleep, a.pid, a.probe_address = 7 + j, 3 + j, 1000 + j, 0xABC0 + j
+        a.probe_value, a.can_read, a.grow_gen, a.grow_ok = 99 + j, 1, 5 + j, j % 2
+    words = memoryview(page).cast("Q")
+    for j in range(n):
+        for parity in (0, 1):
+            got = shm_layout.CONTROL.unpack_from(page, shm_layout.control(j, parity))
+            sig = (b"sig%d-%d" % (j, parity)).ljust(8, b"\0")
+            assert got == (100 * j + parity, 1, sig, 4096 + j, 2 + parity)
+            got = shm_layout.ADDRESSES.unpack_from(page, shm_layout.addresses(j, parity))
+            assert got == tuple((j << 32) | (parity << 16) | k for k in range(8))
+            sig = shm_layout.SIGNATURES.unpack_from(page, shm_layout.signatures(j, parity))[0]
+            assert sig == (b"%d/%d" % (j, parity) * 8).ljust(shm_layout.SIGNATURES.size, b"\0")
+        at = shm_layout.arrival(j)
+        assert [words[at + k] for k in (shm_layout.ARRIVED, shm_layout.ASLEEP, shm_layout.PID,
+                shm_layout.PROBE_ADDRESS, shm_layout.PROBE_VALUE, shm_layout.CAN_READ,
+                shm_layout.GROW_GEN, shm_layout.GROW_OK)] == [
+            7 + j, 3 + j, 1000 + j, 0xABC0 + j, 99 + j, 1, 5 + j, j % 2]  # fmt: skip
+    # every line of every node starts its own cache line: nodes never share one
+    starts = [shm_layout.control(j, p) for j in range(n) for p in (0, 1)]
+    starts += [shm_layout.arrival(j) * 8 for j in range(n)]
+    starts += [f(j, p) for f in (shm_layout.addresses, shm_layout.signatures)
+               for j in range(n) for p in (0, 1)]  # fmt: skip
+    assert len(set(starts)) == len(starts) == 7 * n
+    assert all(s % shm_layout.LINE == 0 for s in starts)
+    assert ctypes.sizeof(NodeLines) * n == len(page)
+    del words, nodes

@@ -53,15 +53,14 @@ import torch
 
 from ..errors import MismatchError
 from . import cma
+from . import shm_layout as layout
 from .shm_barrier import SPIN_S, BarrierMixin
 from .shm_layout import (
     ADDRESSES,
     CAN_READ,
     CONTROL,
-    CONTROL_SLOT,
     GROW_GEN,
     GROW_OK,
-    LINES,
     MAX_GROUPS,
     PID,
     PROBE_ADDRESS,
@@ -150,7 +149,7 @@ def _map(path: Path, size: int, create: bool) -> mmap.mmap:
 
 def create_control(prefix: str, pid: int, n: int) -> mmap.mmap:
     """Node 0's control page for a group of n nodes (raises ShmFull if there is no room)."""
-    return _map(_segment(prefix, "ctl", pid), n * LINES * CONTROL_SLOT, create=True)
+    return _map(_segment(prefix, "ctl", pid), layout.page_bytes(n), create=True)
 
 
 class SharedMemoryGroup(BarrierMixin, ReduceMixin):
@@ -188,8 +187,8 @@ class SharedMemoryGroup(BarrierMixin, ReduceMixin):
         self._spin = SPIN_S  # the current spin budget, in seconds (see SPIN_S)
         self._fence = threading.Lock()  # a memory barrier (see barrier)
         # where each node's arrival line starts, in 64-bit words
-        self._arrivals = [self._line(j, 2) // 8 for j in range(n)]
-        self._controls = [[self._line(j, p) for j in range(n)] for p in (0, 1)]  # by parity
+        self._arrivals = [layout.arrival(j) for j in range(n)]
+        self._controls = [[layout.control(j, p) for j in range(n)] for p in (0, 1)]  # parity
         # collectives run here, their bytes, and how many read peers' tensors directly
         # (and "fused": all-reduces that ran inside another one's collective)
         self.stats = {"collectives": 0, "bytes": 0, "direct": 0, "fused": 0}
@@ -205,7 +204,7 @@ class SharedMemoryGroup(BarrierMixin, ReduceMixin):
         os.mkfifo(fifo, 0o600)
         # O_RDWR keeps the pipe open (no EOF between writers); O_NONBLOCK: we poll it.
         self._rfd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-        ctl_size = n * LINES * CONTROL_SLOT
+        ctl_size = layout.page_bytes(n)
         self._wfd: dict[int, int] = {}
         try:
             if node == 0:
@@ -240,11 +239,6 @@ class SharedMemoryGroup(BarrierMixin, ReduceMixin):
             if node == 0:
                 with contextlib.suppress(OSError):
                     os.unlink(ctl_path)
-
-    def _line(self, j: int, k: int) -> int:
-        """Offset of node j's line k: 0, 1 control, 3, 4 addresses and 5, 6 offered
-        signatures for that parity, 2 arrival."""
-        return (j * LINES + k) * CONTROL_SLOT
 
     # ---- slots -------------------------------------------------------------
 
@@ -373,7 +367,7 @@ class SharedMemoryGroup(BarrierMixin, ReduceMixin):
             return None, 1
         self._seq += 1
         seq, parity = self._seq, self._seq & 1
-        me, ctl, line = self.node, self._ctl, self._line
+        me, ctl = self.node, self._ctl
         controls = self._controls[parity]
         writes = contribute and (not scatter or me == 0)
         CONTROL.pack_into(ctl, controls[me], seq, int(writes), sig, head_bytes, offered)
@@ -382,10 +376,11 @@ class SharedMemoryGroup(BarrierMixin, ReduceMixin):
         direct = sliced and self.cma and len(head_groups) <= MAX_GROUPS
         if offered > 1:  # only fusable jobs are offered: direct, whatever k turns out
             sigs = b"".join(s for _, s in jobs)
-            SIGNATURES.pack_into(ctl, line(me, 5 + parity), sigs)
+            SIGNATURES.pack_into(ctl, layout.signatures(me, parity), sigs)
         if direct:
             ptrs = [g.data_ptr() for gs, _ in jobs for g in gs]
-            ADDRESSES.pack_into(ctl, line(me, 3 + parity), *ptrs, *[0] * (MAX_GROUPS - len(ptrs)))
+            zeros = [0] * (MAX_GROUPS - len(ptrs))
+            ADDRESSES.pack_into(ctl, layout.addresses(me, parity), *ptrs, *zeros)
         groups = head_groups
         if 0 < head_bytes <= self.capacity and writes and not direct:
             self._copy_in(groups, offsets, parity, sliced)
@@ -408,9 +403,9 @@ class SharedMemoryGroup(BarrierMixin, ReduceMixin):
         if fused > 1:
             # The longest run every node offered alike (a job whose signatures differ runs
             # on its own later, and raises there as its own call would).
-            mine = SIGNATURES.unpack_from(ctl, line(me, 5 + parity))[0]
+            mine = SIGNATURES.unpack_from(ctl, layout.signatures(me, parity))[0]
             for j in range(self.n):
-                theirs = SIGNATURES.unpack_from(ctl, line(j, 5 + parity))[0]
+                theirs = SIGNATURES.unpack_from(ctl, layout.signatures(j, parity))[0]
                 while fused > 1 and theirs[: 8 * fused] != mine[: 8 * fused]:
                     fused -= 1
             count, nbytes = ends[fused - 1]

@@ -14,7 +14,7 @@ import torch
 from ..errors import PeerError
 from . import cma
 from .hostops import copy
-from .shm_layout import ADDRESSES
+from .shm_layout import ADDRESSES, addresses
 
 __all__ = ["ReduceMixin"]
 
@@ -32,7 +32,7 @@ GATHER_BYTES = 4 << 20
 
 class ReduceMixin:
     """`SharedMemoryGroup`'s copies into the slots and its reductions. It reads the
-    group's `node`, `n`, `capacity`, `_slots`, `_ctl`, `_pids` and `_line()`; it keeps
+    group's `node`, `n`, `capacity`, `_slots`, `_ctl` and `_pids`; it keeps
     `_views_cache` and `_scratches`, and calls the group's `barrier` between the
     reduction and the gather of each run of groups."""
 
@@ -84,8 +84,8 @@ class ReduceMixin:
         # into a scratch buffer that stays in cache.
         me = self.node
         if direct:
-            line = self._line
-            addrs = [ADDRESSES.unpack_from(self._ctl, line(j, 3 + parity)) for j in range(self.n)]
+            ctl = self._ctl
+            addrs = [ADDRESSES.unpack_from(ctl, addresses(j, parity)) for j in range(self.n)]
         peers = [j for j in contributors if j != me]
         reduced, reduced_bytes = [], 0  # groups reduced but not yet gathered
         for gi, (g, off) in enumerate(zip(groups, offsets, strict=True)):
