@@ -526,7 +526,8 @@ exchange.UNABLE_S = 2.0  # (10 s: how long node 0 tells the waiting nodes why)
 held = []
 
 def open_files_on_a_line():  # the user's own files, opened during the rendezvous:
-    sys.stdin.readline()  # past node 0's budget, within its margin (JOIN_MARGIN // 4)
+    if not sys.stdin.readline():  # past node 0's budget, within its margin (JOIN_MARGIN // 4)
+        return  # (not asked to: stdin closed at once)
     while fdlimit.open_files() < fdlimit.limit() - exchange.JOIN_MARGIN // 4 + 1:
         held.append(open(os.devnull))
     print("full", flush=True)
