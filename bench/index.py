@@ -252,9 +252,11 @@ def share_child(path: str, cache_dir: str, rank: int, world: int, sync: str, map
         time.sleep(0.05)
 
 
-def run_child(args: list[str], timeout: float = 900) -> dict:
-    res = subprocess.run([sys.executable, "-m", "bench.index", *args], capture_output=True,
-                         text=True, timeout=timeout, cwd=REPO)  # fmt: skip
+def run_child(args: list[str], timeout: float = 900, tree: Path | None = None) -> dict:
+    """One child of this checkout, or of the checkout `tree` (with its own .venv)."""
+    python = sys.executable if tree is None else str(tree / ".venv" / "bin" / "python")
+    res = subprocess.run([python, "-m", "bench.index", *args], capture_output=True,
+                         text=True, timeout=timeout, cwd=tree or REPO)  # fmt: skip
     if res.returncode:
         raise RuntimeError(f"bench.index {args}: {res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samplers", nargs=2, metavar=("CSV", "CACHE"))
     p.add_argument("--share", nargs=6)
     p.add_argument("--serve")
+    p.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                   help="also run every distlearn row from this checkout (its own .venv), "
+                   "interleaved with ours, and add a before/after table")  # fmt: skip
     a = p.parse_args(argv)
     if a.serve:
         asyncio.run(_serve(a.serve))
@@ -320,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
 
     server, port = start_server()
     cache_dir = tempfile.mkdtemp(prefix="bench-index-cache-")
+    base_cache = tempfile.mkdtemp(prefix="bench-index-cache-base-")
+    compared: list[str] = []  # the before/after table's lines
     lines = [
         "# Opening a CSV index: distlearn against pandas and pyarrow",
         "",
@@ -349,12 +356,31 @@ def main(argv: list[str] | None = None) -> int:
                 if rows <= 1_000_000:
                     kinds.insert(2, "csv")
                 run_child(["--child", "mapped", str(path), cache_dir, str(rows)])  # warm
+                if a.baseline:
+                    run_child(["--child", "mapped", str(path), base_cache, str(rows)],
+                              tree=a.baseline)  # fmt: skip
             got: dict[str, list[dict]] = {k: [] for k in kinds}
+            ours = [k for k in kinds if k in BASELINE_KINDS] if a.baseline else []
+            base: dict[str, list[dict]] = {k: [] for k in ours}
             for rep in range(a.reps):
                 order = kinds if rep % 2 == 0 else kinds[::-1]
                 for kind in order:
-                    got[kind].append(run_child(["--child", kind, str(path), cache_dir, str(rows)]))
+                    args = ["--child", kind, str(path), cache_dir, str(rows)]
+                    if kind not in base:
+                        got[kind].append(run_child(args))
+                        continue
+                    runs = [(got, args, None), (base, [*args[:3], base_cache, args[4]], a.baseline)]
+                    for into, child_args, tree in runs if rep % 2 == 0 else runs[::-1]:
+                        into[kind].append(run_child(child_args, tree=tree))  # (turn about)
             results[(rows, variant)] = got
+            for kind in ours:
+                before = statistics.median(r["seconds"] for r in base[kind])
+                after = statistics.median(r["seconds"] for r in got[kind])
+                compared.append(
+                    f"| {rows:,} | {ROW_LABELS[kind] + VARIANTS[variant]} | "
+                    f"{_fmt([r['seconds'] for r in base[kind]])} | "
+                    f"{_fmt([r['seconds'] for r in got[kind]])} | {before / after:.2f}x |"
+                )
             pandas_med = statistics.median(r["seconds"] for r in got["pandas"])
             for kind in kinds:
                 secs = [r["seconds"] for r in got[kind]]
@@ -399,16 +425,25 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {what} | {statistics.median(rss):.1f} | "
                          f"{statistics.median(pss):.1f} | {sum(pss):.1f} |")  # fmt: skip
         print("\n".join(lines[-4:]), flush=True)
+        if compared:
+            lines += ["", f"## Against the checkout {a.baseline} (same run, turn about)", "",
+                      "| rows | row | baseline s | this checkout s | speed vs baseline |",
+                      "|---:|---|---:|---:|---:|", *compared]  # fmt: skip
+            print("\n".join(lines[-len(compared) - 4 :]), flush=True)
     finally:
         server.kill()
         server.wait()
         shutil.rmtree(cache_dir, ignore_errors=True)
+        shutil.rmtree(base_cache, ignore_errors=True)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "RESULTS-index.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'RESULTS-index.md'}")
     return 0
 
+
+# The rows that run distlearn: the ones a --baseline checkout runs too.
+BASELINE_KINDS = ("dataset", "dataset-arrow", "partition", "mapped", "first-batch")
 
 ROW_LABELS = {
     "pandas": "`pandas.read_csv`",
