@@ -89,6 +89,54 @@ def test_offset_and_length_columns_read_as_the_csv_module_reads_them(tmp_path, v
         assert reader_of(path, ("arrow", "csv")) == by
 
 
+def test_rows_of_one_name_are_in_offset_order_every_way(tmp_path):
+    """Examples go by label, name, then offset and length: rows of one name whose
+    offsets descend are sorted, though their names never descend (pyarrow's reader gave
+    the names' descents, and the file was taken for one in order)."""
+    path = tmp_path / "r.csv"
+    rows = ["a.bin,10,1", "a.bin,5,1", "b.bin,30,2", "b.bin,30,1", "c.bin,0,1"]
+    path.write_text("filename,offset,length\n" + "\n".join(rows) + "\n")
+    got = opened(path, WAYS)
+    same(got)
+    spans = [got[0].source(i)[1:] for i in range(len(got[0]))]
+    assert spans == [(5, 1), (10, 1), (30, 1), (30, 2), (0, 1)]
+    assert reader_of(path) == "arrow"
+
+
+def test_generated_offset_length_indexes_read_alike_every_way(tmp_path):
+    """Whole rows (the mutated indexes of test_csvarrow cut some short, which sends
+    nearly every offset/length file to the csv module): names repeated with offsets in
+    any order, labels or none, sorted or not, quoted or not."""
+    import csv
+    import random
+
+    from test_csvtext import write_rows
+
+    taken = set()
+    for seed in range(30):
+        rng = random.Random(seed)
+        header = ["filename", "offset", "length"] + ["label"] * (seed % 2)
+        rows = [
+            [
+                f"n{rng.randrange(8)}.bin",
+                str(rng.randrange(50)),
+                str(rng.randrange(1, 9)),
+                rng.choice(["a", "b", ""]),
+            ][: len(header)]
+            for _ in range(rng.randrange(1, 200))
+        ]
+        if seed % 3 == 0:
+            rows.sort()
+        quoting = csv.QUOTE_ALL if seed % 4 == 1 else csv.QUOTE_MINIMAL
+        path = tmp_path / f"g{seed}.csv"
+        path.write_bytes(write_rows([header, *rows], quoting, "\n"))
+        got = opened(path, WAYS)
+        assert not isinstance(got[0], str), got[0]
+        same(got)
+        taken.add(reader_of(path))
+    assert taken == {"arrow"}
+
+
 def test_a_reader_name_is_checked_naming_the_closest(tmp_path):
     with pytest.raises(ValueError, match=r"no CSV reader 'arow'; did you mean 'arrow'\?"):
         reader.choose(["arow"])

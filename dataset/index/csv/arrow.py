@@ -111,7 +111,8 @@ def _rows(got: tuple[list[str], list[Column]] | None, source: Source) -> Rows | 
     if names.empty:
         return None
     table = NameRows(names.parts, names.start, names.length, source.resolver, ranges)
-    descents = names.descents
+    # (the names' descents say nothing of the offsets under one name: sorted, then)
+    descents = names.descents if ranges is None else None
     del columns, names
     pool().release_unused()  # what the split held, back to the system
     sep = source.sep
