@@ -95,7 +95,11 @@ class Group:
 @dataclass(frozen=True)
 class FetchOptions(Group):
     """Every read: ``timeout`` per attempt, ``retries`` with exponential ``backoff`` up to
-    ``max_backoff``, extra ``headers``, which ``redirects`` to follow, ``max_item_bytes``."""
+    ``max_backoff``, extra ``headers``, which ``redirects`` to follow, ``max_item_bytes``.
+
+    ``headers`` go only to the origins the user named: an http(s) index's own, and
+    those in ``credential_origins`` (``["https://host[:port]"]``); see
+    :mod:`dataset.fetch.scope`."""
 
     timeout: float | None = 30.0
     retries: int = 3
@@ -104,8 +108,11 @@ class FetchOptions(Group):
     headers: Mapping[str, str] | None = None
     redirects: str = "same-host"
     max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
+    credential_origins: Sequence[str] = ()
 
     def __post_init__(self) -> None:
+        from .fetch.scope import check_origins
+
         _positive("timeout", self.timeout, allow_none=True)
         _positive("retries", self.retries, zero=True)
         _positive("backoff", self.backoff, zero=True)
@@ -117,9 +124,11 @@ class FetchOptions(Group):
             )
         if self.headers is not None and not isinstance(self.headers, Mapping):
             raise TypeError(f"headers must be a dict, got {self.headers!r}")
+        object.__setattr__(self, "credential_origins", check_origins(self.credential_origins))
 
     def fetcher_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`dataset.fetch.fetcher.Fetcher`."""
+        """Keyword arguments for :class:`dataset.fetch.fetcher.Fetcher` (its ``scope``,
+        which ``credential_origins`` goes into, is the caller's to add)."""
         return {
             "timeout": self.timeout,
             "retries": self.retries,
@@ -134,21 +143,26 @@ class FetchOptions(Group):
 @dataclass(frozen=True)
 class IndexOptions(Group):
     """CSV/TSV indexes: ``sep``, ``meta`` file, ``url_params``, ``multi_hot`` targets,
-    ``allow_schemes`` a remote index may name; ``cache_index`` keeps index files on disk."""
+    ``allow_schemes`` and ``allow_networks`` (non-public addresses) a remote index may
+    name; ``cache_index`` keeps index files on disk."""
 
     sep: str | None = None
     meta: str | None = None
     url_params: str | Mapping | None = None
     multi_hot: bool = False
     allow_schemes: Sequence[str] = ()
+    allow_networks: Sequence[str] = ()
     cache_index: bool = False
 
     def __post_init__(self) -> None:
+        from .fetch.scope import check_networks
+
         if self.sep is not None and (not isinstance(self.sep, str) or len(self.sep) != 1):
             raise ValueError(f"sep must be one character, got {self.sep!r}")
         if isinstance(self.allow_schemes, str):
             raise TypeError(f"allow_schemes is a list of schemes, got {self.allow_schemes!r}")
         object.__setattr__(self, "allow_schemes", tuple(s.lower() for s in self.allow_schemes))
+        object.__setattr__(self, "allow_networks", check_networks(self.allow_networks))
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from ..fetch import sources as src
 from ..fetch.cache import Cache, disk_cache
 from ..fetch.fetcher import Fetcher
 from ..fetch.retry import with_retries
+from ..fetch.scope import scope_for
 from ..formats import ReadStats, TooLarge, read_part
 from ..items import Record
 from ..options import CacheOptions, FetchOptions, Options, PartOptions
@@ -257,7 +258,9 @@ class PartIndex:
                 # a part is large: the fetch timeout bounds each wait for data (idle),
                 # part_timeout a whole download
                 policy.update(timeout=self.part_timeout, idle_timeout=self.fetch.timeout)
-                self._own_fetcher = Fetcher(pool_size=self.resident_parts, **policy)
+                # the parts are in the folder (or pattern) the user named: theirs
+                scope = scope_for(self.parts, None, self.fetch.credential_origins, guard=False)
+                self._own_fetcher = Fetcher(pool_size=self.resident_parts, scope=scope, **policy)
                 weakref.finalize(self, self._own_fetcher.close)
             return self._own_fetcher
 
