@@ -312,8 +312,13 @@ class Fetcher:
             stats["fetched"] += 1
             stats["bytes"] += len(data)
         if cached:
-            # off the loop: a put writes and syncs a file
-            await asyncio.get_running_loop().run_in_executor(None, self.cache.put, key, data)
+            # off the loop: a put writes and syncs a file. A cache that cannot take it (a
+            # full disk) costs the entry, not the item fetched (dataset's Cache says so
+            # itself and returns False; another cache object may raise)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.cache.put, key, data)
+            except OSError as err:
+                log.warning("cache: %s not stored (%s); the item is used all the same", url, err)
         return data
 
     async def _fetch_with_retries(self, url, offset, length, stats) -> bytes:

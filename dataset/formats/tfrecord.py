@@ -163,8 +163,6 @@ def _length_tables() -> tuple[list, list, int]:
     for i in range(8):
         row = [crc32c(bytes(i) + bytes([b]) + bytes(7 - i)) ^ zero for b in range(256)]
         singles.append(np.asarray(row, dtype=np.uint32))
-    pairs = [
-        (singles[i][np.arange(65536) & 255] ^ singles[i + 1][np.arange(65536) >> 8])
-        for i in (0, 2)
-    ]
+    word = np.arange(65536)
+    pairs = [singles[i][word & 255] ^ singles[i + 1][word >> 8] for i in (0, 2)]
     return pairs, singles, zero
