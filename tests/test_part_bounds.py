@@ -166,3 +166,37 @@ def test_a_remote_part_too_large_is_refused_before_it_is_read(tmp_path, caplog):
             # (the S3 client's models, loaded per client, are 10-20 MiB of it; the part
             # is 48 MiB)
             assert peak < 32 << 20, f"{peak >> 20} MiB held for a part refused by its size"
+
+
+@pytest.mark.timeout(120)
+def test_item_bodies_held_by_a_worker_are_bounded_by_pool_size(tmp_path):
+    """Every fetched body of every batch in flight waited for a slow processor: 48
+    items of 4 MiB, pool_size=4, peaked at ~33 bodies. A worker holds at most pool_size
+    now (from fetch to decoded), each twice for the moment its chunks are joined."""
+    from distlearn.dataset import Dataset
+    from tests.recording_server import recording
+
+    size, n, pool = 4 << 20, 48, 4
+    (tmp_path / "items").mkdir()
+    for i in range(n):
+        (tmp_path / "items" / f"{i}.bin").write_bytes(bytes([i]) * size)
+    (tmp_path / "train.csv").write_text(
+        "filename\n" + "".join(f"items/{i}.bin\n" for i in range(n))
+    )
+
+    def slow(data, opt, out):
+        time.sleep(0.02)
+        out[0] = data[0]
+
+    with recording(tmp_path) as srv:
+        ds = Dataset(srv.url + "train.csv")
+        tracemalloc.start()
+        try:
+            with ds.sampled_batcher(batch_size=16, input_dims=(1,), processor=slow,
+                                    workers="thread", pool_size=pool, prefetch=3) as b:  # fmt: skip
+                got = sorted(int(x[0]) for batch in b for x in batch.input)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert got == list(range(n))
+    assert peak <= (2 * pool + 2) * size, f"{peak / size:.1f} bodies of {size >> 20} MiB at peak"

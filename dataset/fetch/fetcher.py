@@ -138,6 +138,7 @@ class Fetcher:
         self._session: aiohttp.ClientSession | None = None
         self._own_headers: dict[str, str] = {}  # self.headers but Accept-Encoding (per request)
         self._sem: asyncio.Semaphore | None = None
+        self._hands: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._no_range_hosts: set[str] = set()
@@ -175,6 +176,14 @@ class Fetcher:
                     )
                 self._loop = loop
         return self._loop
+
+    def hands(self) -> asyncio.Semaphore:
+        """``pool_size`` slots for items held from their fetch to the end of their
+        decoding (see :func:`dataset.workers.fill.fill`); on the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._hands is None or self._hands[0] is not loop:
+            self._hands = (loop, asyncio.Semaphore(self.pool_size))
+        return self._hands[1]
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         """Run `coro` on the fetcher's loop, from any thread.
