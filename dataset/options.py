@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import operator
 import os
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -49,6 +51,10 @@ __all__ = [
     "WorkerOptions",
     "check",
     "check_batcher_args",
+    "check_networks",
+    "check_origins",
+    "origin_of",
+    "spell_origin",
     "split",
 ]
 
@@ -67,6 +73,81 @@ def _positive(name: str, value: Any, allow_none: bool = False, zero: bool = Fals
         raise TypeError(f"{name} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not zero):
         raise ValueError(f"{name} must be {'>= 0' if zero else '> 0'}, got {value!r}")
+
+
+# -- options naming origins and networks (dataset.fetch.scope uses them) --------------
+
+_DEFAULT_PORT = {"http": 80, "https": 443}
+
+
+def origin_of(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL (host lower-cased, port spelled out); None
+    for anything else."""
+    if not url.startswith(("http://", "https://", "HTTP://", "HTTPS://")):
+        return None
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    return scheme, parts.hostname, port or _DEFAULT_PORT[scheme]
+
+
+def check_origins(values: Any, name: str = "credential_origins") -> tuple[str, ...]:
+    """``credential_origins`` checked where given: each an http(s) origin such as
+    ``"https://data.example.com"`` or ``"http://10.0.0.5:8080"`` (no path, query or
+    user name); returned as written, normalised (``scheme://host:port``)."""
+    if values is None:
+        return ()
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} is a list of origins such as ['https://host'], got {values!r}")
+    out = []
+    for value in values:
+        if not isinstance(value, str):
+            raise TypeError(f"{name}: {value!r} is not a string")
+        parts = urllib.parse.urlsplit(value)
+        origin = origin_of(value)
+        if (
+            origin is None
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+            or parts.username is not None
+        ):
+            raise ValueError(
+                f"{name}: {value!r} is not an origin: write scheme://host[:port] with "
+                "http or https and nothing after the host, such as 'https://data.example.com'"
+            )
+        out.append(spell_origin(origin))
+    return tuple(out)
+
+
+def check_networks(values: Any, name: str = "allow_networks") -> tuple[str, ...]:
+    """``allow_networks`` checked where given: addresses or CIDR networks (``"10.0.0.0/8"``,
+    ``"127.0.0.1"``, ``"fd00::/8"``); returned normalised."""
+    if values is None:
+        return ()
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} is a list of networks such as ['10.0.0.0/8'], got {values!r}")
+    out = []
+    for value in values:
+        try:
+            out.append(str(ipaddress.ip_network(value, strict=False)))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{name}: {value!r} is not an address or network such as '10.0.0.0/8' "
+                "or '127.0.0.1'"
+            ) from None
+    return tuple(out)
+
+
+def spell_origin(origin: tuple[str, str, int]) -> str:
+    """An origin as ``scheme://host:port`` (an IPv6 host in brackets)."""
+    scheme, host, port = origin
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 class Group:
@@ -111,8 +192,6 @@ class FetchOptions(Group):
     credential_origins: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        from .fetch.scope import check_origins
-
         _positive("timeout", self.timeout, allow_none=True)
         _positive("retries", self.retries, zero=True)
         _positive("backoff", self.backoff, zero=True)
@@ -155,8 +234,6 @@ class IndexOptions(Group):
     cache_index: bool = False
 
     def __post_init__(self) -> None:
-        from .fetch.scope import check_networks
-
         if self.sep is not None and (not isinstance(self.sep, str) or len(self.sep) != 1):
             raise ValueError(f"sep must be one character, got {self.sep!r}")
         if isinstance(self.allow_schemes, str):

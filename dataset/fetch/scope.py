@@ -31,14 +31,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..options import check_networks, check_origins, origin_of, spell_origin
+
 __all__ = [
     "Scope",
     "TargetRefused",
     "address_kind",
-    "check_networks",
-    "check_origins",
     "locations_of",
-    "origin_of",
     "origins_in",
     "resolver",
     "scope_for",
@@ -47,75 +46,6 @@ __all__ = [
 Origin = tuple[str, str, int]  # (scheme, host, port), the port spelled out
 
 _DEFAULT_PORT = {"http": 80, "https": 443}
-
-
-def origin_of(url: str) -> Origin | None:
-    """(scheme, host, port) of an http(s) URL (host lower-cased, port spelled out); None
-    for anything else."""
-    if not url.startswith(("http://", "https://", "HTTP://", "HTTPS://")):
-        return None
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    try:
-        port = parts.port
-    except ValueError:
-        return None
-    if not parts.hostname:
-        return None
-    return scheme, parts.hostname, port or _DEFAULT_PORT[scheme]
-
-
-def check_origins(values: Any, name: str = "credential_origins") -> tuple[str, ...]:
-    """``credential_origins`` checked where given: each an http(s) origin such as
-    ``"https://data.example.com"`` or ``"http://10.0.0.5:8080"`` (no path, query or
-    user name); returned as written, normalised (``scheme://host:port``)."""
-    if values is None:
-        return ()
-    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} is a list of origins such as ['https://host'], got {values!r}")
-    out = []
-    for value in values:
-        if not isinstance(value, str):
-            raise TypeError(f"{name}: {value!r} is not a string")
-        parts = urllib.parse.urlsplit(value)
-        origin = origin_of(value)
-        if (
-            origin is None
-            or parts.path not in ("", "/")
-            or parts.query
-            or parts.fragment
-            or parts.username is not None
-        ):
-            raise ValueError(
-                f"{name}: {value!r} is not an origin: write scheme://host[:port] with "
-                "http or https and nothing after the host, such as 'https://data.example.com'"
-            )
-        out.append(_spell(origin))
-    return tuple(out)
-
-
-def check_networks(values: Any, name: str = "allow_networks") -> tuple[str, ...]:
-    """``allow_networks`` checked where given: addresses or CIDR networks (``"10.0.0.0/8"``,
-    ``"127.0.0.1"``, ``"fd00::/8"``); returned normalised."""
-    if values is None:
-        return ()
-    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} is a list of networks such as ['10.0.0.0/8'], got {values!r}")
-    out = []
-    for value in values:
-        try:
-            out.append(str(ipaddress.ip_network(value, strict=False)))
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"{name}: {value!r} is not an address or network such as '10.0.0.0/8' "
-                "or '127.0.0.1'"
-            ) from None
-    return tuple(out)
-
-
-def _spell(origin: Origin) -> str:
-    scheme, host, port = origin
-    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def _parse_spelled(origin: str) -> Origin:
@@ -284,7 +214,7 @@ def scope_for(
     ``credential_origins`` names none), so the mistake shows where it is made.
     """
     named = origins_in(locations)
-    creds = frozenset({_spell(o) for o in named} | set(check_origins(credential_origins)))
+    creds = frozenset({spell_origin(o) for o in named} | set(check_origins(credential_origins)))
     sent = [k for k in headers or {} if k.lower() != "accept-encoding"]
     if sent and not creds:
         where = ", ".join(repr(loc) for loc in locations[:3]) or "the index"
