@@ -99,6 +99,7 @@ class Scope:
     networks: tuple[str, ...] = ()
     _nets: tuple = field(default=(), compare=False, repr=False)
     _creds: frozenset = field(default=frozenset(), compare=False, repr=False)
+    _hosts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         nets = tuple(ipaddress.ip_network(n) for n in self.networks)
@@ -109,30 +110,53 @@ class Scope:
     def __reduce__(self):  # (the parsed caches are rebuilt, not pickled)
         return (Scope, (self.credentials, self.guard, self.index, self.trusted, self.networks))
 
+    def _host(self, url: str) -> tuple[Origin | None, str | None]:
+        """(origin, why a request may not go there, or None) of `url`, worked out once per
+        ``scheme://host:port`` (parsing a URL costs ~10 us; a request to the same host
+        ~0.3 us for this lookup)."""
+        cut = url.find("/", url.find("://") + 3)
+        head = url if cut < 0 else url[:cut]
+        known = self._hosts.get(head)
+        if known is None:
+            if len(self._hosts) > 4096:  # (an index naming a million hosts: bounded)
+                self._hosts.clear()
+            known = self._hosts[head] = (origin_of(head), self._literal_refusal(head))
+        return known
+
     def sends_credentials(self, url: str, asked: str) -> bool:
         """Whether the headers go with a request for `url` (`asked`: the URL first asked
         for, before any redirect)."""
-        here = origin_of(url)
+        here = self._host(url)[0]
         if self.credentials is None:
-            return here is not None and here == origin_of(asked)
+            return here is not None and here == self._host(asked)[0]
         return here in self._creds
 
     def refuse_literal(self, url: str) -> None:
         """TargetRefused when `url` names an address literally that it may not reach
         (names are checked by :meth:`allowed` once resolved)."""
+        if self.guard:
+            why = self._host(url)[1]
+            if why is not None:
+                raise TargetRefused(why)
+
+    def _literal_refusal(self, head: str) -> str | None:
         if not self.guard:
-            return
-        parts = urllib.parse.urlsplit(url)
+            return None
+        parts = urllib.parse.urlsplit(head)
         host = parts.hostname or ""
         try:
             ip = ipaddress.ip_address(host.split("%", 1)[0])
         except ValueError:
-            return
+            return None  # a name: checked where it is resolved
         try:
             port = parts.port or _DEFAULT_PORT.get(parts.scheme.lower(), 0)
         except ValueError:
             port = 0
-        self._check(host, port, [ip])
+        try:
+            self._check(host, port, [ip])
+        except TargetRefused as err:
+            return str(err)
+        return None
 
     def allowed(self, host: str, port: int, infos: list[dict]) -> list[dict]:
         """The resolved addresses of (host, port) this scope may connect to (aiohttp's
