@@ -170,13 +170,14 @@ def test_a_remote_part_too_large_is_refused_before_it_is_read(tmp_path, caplog):
 
 @pytest.mark.timeout(120)
 def test_item_bodies_held_by_a_worker_are_bounded_by_pool_size(tmp_path):
-    """Every fetched body of every batch in flight waited for a slow processor: 48
-    items of 4 MiB, pool_size=4, peaked at ~33 bodies. A worker holds at most pool_size
-    now (from fetch to decoded), each twice for the moment its chunks are joined."""
+    """Every fetched body of every batch in flight waited for a slow processor (32
+    items of 4 MiB, pool_size=4: all 32 held at the peak). A worker holds at most
+    pool_size now (from fetch to decoded), each twice for the moment its chunks are
+    joined."""
     from distlearn.dataset import Dataset
     from tests.recording_server import recording
 
-    size, n, pool = 4 << 20, 48, 4
+    size, n, pool = 4 << 20, 32, 4
     (tmp_path / "items").mkdir()
     for i in range(n):
         (tmp_path / "items" / f"{i}.bin").write_bytes(bytes([i]) * size)
@@ -185,7 +186,7 @@ def test_item_bodies_held_by_a_worker_are_bounded_by_pool_size(tmp_path):
     )
 
     def slow(data, opt, out):
-        time.sleep(0.02)
+        time.sleep(0.1)  # (slower than the fetches: they would run ahead)
         out[0] = data[0]
 
     with recording(tmp_path) as srv:
@@ -193,7 +194,7 @@ def test_item_bodies_held_by_a_worker_are_bounded_by_pool_size(tmp_path):
         tracemalloc.start()
         try:
             with ds.sampled_batcher(batch_size=16, input_dims=(1,), processor=slow,
-                                    workers="thread", pool_size=pool, prefetch=3) as b:  # fmt: skip
+                                    workers="thread", pool_size=pool, prefetch=2) as b:  # fmt: skip
                 got = sorted(int(x[0]) for batch in b for x in batch.input)
             _, peak = tracemalloc.get_traced_memory()
         finally:

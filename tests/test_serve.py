@@ -487,11 +487,14 @@ def test_a_client_that_does_not_read_is_cut_at_the_send_deadline(tree, what):
     """A connection whose answer was not read (a large file, or small answers
     pipelined until the socket buffer filled) was exempt from every timeout: the
     slow reader held it, and its file, for ever."""
-    (tree / "bigger.bin").write_bytes(bytes(24 << 20))  # more than socket buffers hold
+    (tree / "bigger.bin").write_bytes(bytes(48 << 20))  # more than socket buffers hold
     with server_process(tree, "--send-timeout", "1") as (proc, base):
         alone = len(sockets_of(proc.pid))  # (its listening socket, the loop's self-pipe)
-        s = connect(base)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        host, port = base.split("//")[1].rstrip("/").split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connect: the window)
+        s.settimeout(10)
+        s.connect((host, int(port)))
         try:
             if what == "large-file":
                 s.sendall(b"GET /bigger.bin HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -500,8 +503,9 @@ def test_a_client_that_does_not_read_is_cut_at_the_send_deadline(tree, what):
                     s.settimeout(2)
                     for _ in range(20000):  # until the server stops reading
                         s.sendall(b"GET /sub/a.bin HTTP/1.1\r\nHost: x\r\n\r\n" * 64)
-            # (its deadline: 1 s, and 1 s for each 8 MiB of the answer)
-            deadline = time.monotonic() + 15
+            assert s.recv(12) == b"HTTP/1.1 200"  # the server has the connection (and no
+            # more is read). Its deadline: 1 s, and 1 s for each 8 MiB of the answer
+            deadline = time.monotonic() + 20
             while len(sockets_of(proc.pid)) > alone and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert len(sockets_of(proc.pid)) == alone, "a client that reads nothing kept its conn."
