@@ -19,7 +19,8 @@ made once from what the *user* named (:func:`scope_for`), rules every request:
   trainer at the services of its own network. Names are checked at the addresses
   they resolve to, for every connection and every redirect (a name that resolves
   to a private address is refused, not only a literal one). A local index is the
-  user's own file: what it names is fetched as named.
+  user's own file: what it names is fetched as named (but a list joining it with a
+  remote index is guarded whole: one Scope serves the list's fetches).
 """
 
 from __future__ import annotations
