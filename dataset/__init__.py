@@ -229,8 +229,12 @@ class Dataset:
         for name in ("pool_size", "prefetch"):  # the batcher's own arguments
             if name in opts:
                 raise TypeError(f"Dataset() got {name!r}: pass it to sampled_batcher()")
+        from .fetch.scope import locations_of
+
         self.options = _options.split("Dataset()", opts)
         self.partition, self.partitions, source = choose_partition(partition, partitions)
+        # what the user named: whom credentials go to, whether targets are guarded
+        self._named = locations_of(index, self.options.index.meta)
         try:
             whole = open_index(index, options=self.options)
         except FetchError as err:
@@ -324,6 +328,7 @@ class Dataset:
                 sampler or `sampler_opt` key), naming it.
         """
         from .batcher import SampledBatcher
+        from .fetch.scope import scope_for
 
         _options.check_batcher_args(batch_size, seed, input_dims)
         groups = ("fetch", "cache", "workers", "sampling", "device")
@@ -331,6 +336,9 @@ class Dataset:
                        _options.BATCHER_ARGS)  # fmt: skip
         opts.update(pool_size=pool_size, prefetch=prefetch)
         options = self.options.update("sampled_batcher()", opts, groups)
+        fetch = options.fetch
+        scope = scope_for(self._named, fetch.headers, fetch.credential_origins,
+                          self.options.index.allow_networks)  # fmt: skip
         return SampledBatcher(
             self.index,
             batch_size=batch_size,
@@ -341,4 +349,5 @@ class Dataset:
             seed=seed,
             partition=self.partition,
             options=options,
+            scope=scope,
         )

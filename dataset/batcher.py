@@ -28,6 +28,7 @@ import torch
 from .device import DeviceCopy, check_device
 from .errors import AllFailed
 from .fetch.cache import item_cache
+from .fetch.scope import Scope, locations_of, scope_for
 from .fetch.stats import Stats
 from .items import Batch, Record
 from .options import DEFAULT_WORKER_TIMEOUT, Options
@@ -75,11 +76,14 @@ class SampledBatcher:
         seed: int = 0,
         partition: int = 0,
         options: Options | None = None,
+        scope: Scope | None = None,
         **flat: Any,
     ):
         groups = ("fetch", "cache", "workers", "sampling", "device")
         o = (options or Options()).update("SampledBatcher()", flat, groups)
         self.index = index
+        if scope is None:  # (Dataset passes what the user named; else the index's origin)
+            scope = scope_for(locations_of(index), o.fetch.headers, o.fetch.credential_origins)
         self.stream = ItemStream(
             index,
             sampler=for_index(index, sampler),
@@ -102,6 +106,7 @@ class SampledBatcher:
             fetch=o.fetch,
             cache=item_cache(o.cache),
             pin_memory=o.device.pin_memory or target is not None,
+            scope=scope,  # whom credentials go to, what a remote index may reach
         )
         self._device = DeviceCopy(target) if target is not None else None
         self._ahead: tuple[Any, int] | None = None  # (copy in flight, items it accounts for)

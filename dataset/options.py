@@ -18,8 +18,10 @@ the option), before any file is read or any worker started.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import operator
 import os
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -50,6 +52,10 @@ __all__ = [
     "WorkerOptions",
     "check",
     "check_batcher_args",
+    "check_networks",
+    "check_origins",
+    "origin_of",
+    "spell_origin",
     "split",
 ]
 
@@ -68,6 +74,81 @@ def _positive(name: str, value: Any, allow_none: bool = False, zero: bool = Fals
         raise TypeError(f"{name} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not zero):
         raise ValueError(f"{name} must be {'>= 0' if zero else '> 0'}, got {value!r}")
+
+
+# -- options naming origins and networks (dataset.fetch.scope uses them) --------------
+
+_DEFAULT_PORT = {"http": 80, "https": 443}
+
+
+def origin_of(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL (host lower-cased, port spelled out); None
+    for anything else."""
+    if not url.startswith(("http://", "https://", "HTTP://", "HTTPS://")):
+        return None
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    return scheme, parts.hostname, port or _DEFAULT_PORT[scheme]
+
+
+def check_origins(values: Any, name: str = "credential_origins") -> tuple[str, ...]:
+    """``credential_origins`` checked where given: each an http(s) origin such as
+    ``"https://data.example.com"`` or ``"http://10.0.0.5:8080"`` (no path, query or
+    user name); returned as written, normalised (``scheme://host:port``)."""
+    if values is None:
+        return ()
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} is a list of origins such as ['https://host'], got {values!r}")
+    out = []
+    for value in values:
+        if not isinstance(value, str):
+            raise TypeError(f"{name}: {value!r} is not a string")
+        parts = urllib.parse.urlsplit(value)
+        origin = origin_of(value)
+        if (
+            origin is None
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+            or parts.username is not None
+        ):
+            raise ValueError(
+                f"{name}: {value!r} is not an origin: write scheme://host[:port] with "
+                "http or https and nothing after the host, such as 'https://data.example.com'"
+            )
+        out.append(spell_origin(origin))
+    return tuple(out)
+
+
+def check_networks(values: Any, name: str = "allow_networks") -> tuple[str, ...]:
+    """``allow_networks`` checked where given: addresses or CIDR networks (``"10.0.0.0/8"``,
+    ``"127.0.0.1"``, ``"fd00::/8"``); returned normalised."""
+    if values is None:
+        return ()
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} is a list of networks such as ['10.0.0.0/8'], got {values!r}")
+    out = []
+    for value in values:
+        try:
+            out.append(str(ipaddress.ip_network(value, strict=False)))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{name}: {value!r} is not an address or network such as '10.0.0.0/8' "
+                "or '127.0.0.1'"
+            ) from None
+    return tuple(out)
+
+
+def spell_origin(origin: tuple[str, str, int]) -> str:
+    """An origin as ``scheme://host:port`` (an IPv6 host in brackets)."""
+    scheme, host, port = origin
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 class Group:
@@ -96,7 +177,11 @@ class Group:
 @dataclass(frozen=True)
 class FetchOptions(Group):
     """Every read: ``timeout`` per attempt, ``retries`` with exponential ``backoff`` up to
-    ``max_backoff``, extra ``headers``, which ``redirects`` to follow, ``max_item_bytes``."""
+    ``max_backoff``, extra ``headers``, which ``redirects`` to follow, ``max_item_bytes``.
+
+    ``headers`` go only to the origins the user named: an http(s) index's own, and
+    those in ``credential_origins`` (``["https://host[:port]"]``); see
+    :mod:`dataset.fetch.scope`."""
 
     timeout: float | None = 30.0
     retries: int = 3
@@ -105,6 +190,7 @@ class FetchOptions(Group):
     headers: Mapping[str, str] | None = None
     redirects: str = "same-host"
     max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
+    credential_origins: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         _positive("timeout", self.timeout, allow_none=True)
@@ -118,9 +204,11 @@ class FetchOptions(Group):
             )
         if self.headers is not None and not isinstance(self.headers, Mapping):
             raise TypeError(f"headers must be a dict, got {self.headers!r}")
+        object.__setattr__(self, "credential_origins", check_origins(self.credential_origins))
 
     def fetcher_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`dataset.fetch.fetcher.Fetcher`."""
+        """Keyword arguments for :class:`dataset.fetch.fetcher.Fetcher` (its ``scope``,
+        which ``credential_origins`` goes into, is the caller's to add)."""
         return {
             "timeout": self.timeout,
             "retries": self.retries,
@@ -135,13 +223,15 @@ class FetchOptions(Group):
 @dataclass(frozen=True)
 class IndexOptions(Group):
     """CSV/TSV indexes: ``sep``, ``meta`` file, ``url_params``, ``multi_hot`` targets,
-    ``allow_schemes`` a remote index may name; ``cache_index`` keeps index files on disk."""
+    ``allow_schemes`` and ``allow_networks`` (non-public addresses) a remote index may
+    name; ``cache_index`` keeps index files on disk."""
 
     sep: str | None = None
     meta: str | None = None
     url_params: str | Mapping | None = None
     multi_hot: bool = False
     allow_schemes: Sequence[str] = ()
+    allow_networks: Sequence[str] = ()
     cache_index: bool = False
 
     def __post_init__(self) -> None:
@@ -150,6 +240,7 @@ class IndexOptions(Group):
         if isinstance(self.allow_schemes, str):
             raise TypeError(f"allow_schemes is a list of schemes, got {self.allow_schemes!r}")
         object.__setattr__(self, "allow_schemes", tuple(s.lower() for s in self.allow_schemes))
+        object.__setattr__(self, "allow_networks", check_networks(self.allow_networks))
 
 
 @dataclass(frozen=True)

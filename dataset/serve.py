@@ -27,9 +27,19 @@ the supervisor.
 What it refuses: anything not below DIR and any symbolic link on the way
 (opened with openat2's RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, or a component
 walk with O_NOFOLLOW where the kernel lacks openat2), directories (no
-listings), request bodies, headers over 16 KiB, and clients that stall: a
-request head must arrive within 20 s and an idle keep-alive connection closes
-after 75 s.
+listings), request bodies, headers over 16 KiB, and clients that stall. Every
+phase of a connection has a deadline that trickling bytes cannot move: a
+request head must be whole within 20 s of its first byte (or of the
+connection), an answer must be taken by the client within 60 s plus a second
+for every 8 MiB of it, and an idle keep-alive connection closes after 75 s.
+
+What it never does: hold a file past its request (every path closes it, an
+error's included), or answer 404 for want of resources. It raises its soft
+limit on open files to the hard one (as ipc's servers do: the default 1024
+exists for select(), not used here), takes at most as many connections as its
+files allow (beyond, a 503 and a close), and answers 503 when it cannot open a
+file for want of files or memory: a client retries a 503, but takes a 404 for
+"no such file".
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import errno
 import logging
 import mimetypes
 import os
+import resource
 import signal
 import socket
 import stat
@@ -60,7 +71,9 @@ __all__ = [
     "IDLE_TIMEOUT_S",
     "MAX_CONNECTIONS",
     "MAX_HEAD",
+    "MIN_SEND_RATE",
     "REASONS",
+    "SEND_TIMEOUT_S",
     "SMALL_FILE",
     "BadRequest",
     "Files",
@@ -69,8 +82,10 @@ __all__ = [
     "bind",
     "bind_group",
     "main",
+    "max_connections",
     "parse_head",
     "parse_range",
+    "raise_file_limit",
     "serve_in_processes",
     "write_port_file",
 ]
@@ -80,9 +95,11 @@ log = logging.getLogger(__name__)
 MAX_HEAD = 16 * 1024  # request line and headers together
 SMALL_FILE = 256 * 1024  # files up to this size are answered from memory
 CACHE_BYTES = 256 * 1024 * 1024  # total bytes of small files kept
-HEAD_TIMEOUT_S = 20.0  # a started request head must be complete within this
+HEAD_TIMEOUT_S = 20.0  # a request head must be whole within this of its first byte
 IDLE_TIMEOUT_S = 75.0  # keep-alive connections with no request
-MAX_CONNECTIONS = 4096  # beyond this, new connections get 503 and are closed
+SEND_TIMEOUT_S = 60.0  # an answer must be taken within this, plus the time below
+MIN_SEND_RATE = 8 << 20  # bytes a second the slowest reader is given (loopback clients)
+MAX_CONNECTIONS = 4096  # at most (fewer where the file limit is lower: max_connections())
 
 REASONS = {
     200: "OK",
@@ -93,6 +110,7 @@ REASONS = {
     413: "Content Too Large",
     416: "Range Not Satisfiable",
     431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
     503: "Service Unavailable",
     505: "HTTP Version Not Supported",
 }
@@ -108,6 +126,7 @@ class _OpenHow(ctypes.Structure):
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
 _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x04, 0x08
 _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 class Files:
@@ -162,7 +181,10 @@ class Files:
                 os.close(fd)
 
     def open(self, path: bytes) -> tuple[int, os.stat_result] | None:
-        """The regular file at URL path `path` (percent-encoded, '/'-rooted), or None."""
+        """The regular file at URL path `path` (percent-encoded, '/'-rooted), or None.
+
+        BadRequest(503) when it cannot be opened for want of files or memory: that
+        is not "no such file", and a client must not take it for one."""
         try:
             raw = unquote_to_bytes(path)
         except (TypeError, ValueError):
@@ -172,9 +194,15 @@ class Files:
             return None
         try:
             fd = self._open_fd(parts)
-        except OSError:
+        except OSError as err:
+            if err.errno in _OUT_OF:
+                raise BadRequest(503, f"out of resources ({os.strerror(err.errno)})") from None
             return None
-        st = os.fstat(fd)
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             return None
@@ -249,25 +277,40 @@ def parse_head(head: bytes) -> tuple[bytes, bytes, bool, dict[bytes, bytes]]:
     return method.upper(), path, keep_alive, headers
 
 
+_HUGE = 1 << 63  # any position past every file
+
+
+def _position(digits: bytes) -> int:
+    """A byte position of a Range header: ASCII digits, any number of them (more than
+    18 is past any file; int() would refuse over 4300, and cost time before that)."""
+    digits = digits.lstrip(b"0") or b"0"
+    return int(digits) if len(digits) <= 18 else _HUGE
+
+
 def parse_range(value: bytes, size: int) -> tuple[int, int] | bool | None:
     """(start, end exclusive) of a single `bytes=` range; None to send the whole
     file (no range, several ranges, or a syntax we ignore, as RFC 9110 allows);
-    False when the range cannot be satisfied."""
+    False when the range cannot be satisfied. Total: it never raises."""
     if not value.startswith(b"bytes=") or b"," in value:
         return None
     first, dash, last = value[6:].strip().partition(b"-")
-    if not dash or not (first.isdigit() or not first) or not (last.isdigit() or not last):
+    if not dash or not _digits(first) or not _digits(last):
         return None
     if not first:  # suffix: the last n bytes
         if not last:
             return None
-        n = int(last)
+        n = _position(last)
         return (max(0, size - n), size) if n > 0 and size > 0 else False
-    start = int(first)
-    end = min(size, int(last) + 1) if last else size
-    if last and int(last) < start:
+    start = _position(first)
+    end = min(size, _position(last) + 1) if last else size
+    if last and _position(last) < start:
         return None
     return (start, end) if start < size else False
+
+
+def _digits(field: bytes) -> bool:
+    """Empty, or ASCII digits only (bytes.isdigit() is ASCII-only; str's is not)."""
+    return not field or field.isdigit()
 
 
 # ----------------------------------------------------------------------------- the protocol
@@ -302,6 +345,14 @@ class HttpConnection(asyncio.Protocol):
     Backpressure: while the kernel buffer is full (`pause_writing`) or a large
     file is being sent, the connection stops reading, so a client that pipelines
     requests without reading the answers costs one socket buffer, not memory.
+
+    Deadlines: the connection is always in one phase, whose deadline is set when
+    the phase begins and never moved by the bytes that arrive in it: ``head``
+    (from the first byte of a request, or from the connection), ``send`` (an
+    answer the client has not taken: sendfile, or a full socket buffer) and
+    ``idle`` (keep-alive between requests). The server's sweep aborts a
+    connection past its deadline, so a client that trickles a byte at a time, or
+    reads nothing, holds its connection and file for a bounded time.
     """
 
     def __init__(self, server: Server) -> None:
@@ -312,11 +363,12 @@ class HttpConnection(asyncio.Protocol):
         self.sending_file = False  # a large file is on its way (sendfile)
         self.send_task: asyncio.Future | None = None  # held: the loop keeps weak refs
         self.closing = False
-        self.last_active = time.monotonic()
+        self.phase, self.deadline = "head", 0.0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        if len(self.server.connections) >= MAX_CONNECTIONS:
+        self._phase("head")
+        if len(self.server.connections) >= self.server.max_connections:
             self._error(BadRequest(503, "too many connections"), keep_alive=False)
             return
         self.server.connections.add(self)
@@ -325,6 +377,23 @@ class HttpConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.closing = True
 
+    def _phase(self, phase: str, nbytes: int = 0) -> None:
+        """Enter `phase`; its deadline counts from now (``send``: for `nbytes` more)."""
+        server = self.server
+        if phase == "head":
+            limit = server.head_timeout
+        elif phase == "idle":
+            limit = server.idle_timeout
+        else:
+            limit = server.send_timeout + nbytes / MIN_SEND_RATE
+        self.phase, self.deadline = phase, time.monotonic() + limit
+
+    def _settle(self) -> None:
+        """The phase after an answer went out: sending, a next head begun, or idle."""
+        if self.blocked:
+            return
+        self._phase("head" if self.buf else "idle")
+
     @property
     def blocked(self) -> bool:
         return self.write_paused or self.sending_file
@@ -332,25 +401,43 @@ class HttpConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         self.write_paused = True
         self.transport.pause_reading()
+        if not self.sending_file:  # (sendfile's phase counts its own bytes)
+            self._phase("send", self.transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._settle()
         self._process()
 
     def data_received(self, data: bytes) -> None:
+        if self.phase == "idle":  # a new request begins: its head has head_timeout
+            self._phase("head")
         self.buf += data
-        self.last_active = time.monotonic()
         self._process()
 
-    def idle_for(self, now: float) -> float | None:
-        """Seconds past this connection's deadline, or None while within it."""
-        if self.blocked or self.closing:
-            return None
-        limit = self.server.head_timeout if self.buf else self.server.idle_timeout
-        over = now - self.last_active - limit
-        return over if over > 0 else None
+    def past_deadline(self, now: float) -> bool:
+        return not self.closing and now > self.deadline
+
+    def abort(self) -> None:
+        """Drop the connection now. A sendfile in flight is cancelled and aborts it once it
+        has let go of the socket: a transport aborted under asyncio's sendfile left the
+        socket's number registered with epoll, and the next connection to get that number
+        was never answered."""
+        self.closing = True
+        if self.sending_file and self.send_task is not None and not self.send_task.done():
+            self.send_task.cancel()
+        else:
+            self.transport.abort()
 
     def _process(self) -> None:
+        try:
+            self._process_requests()
+        except Exception:  # a bug here must cost this connection, never a file or the server
+            log.exception("internal error; closing the connection")
+            self.closing = True
+            self.transport.abort()
+
+    def _process_requests(self) -> None:
         while not self.blocked and not self.closing:
             end = self.buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
             if end < 0:
@@ -367,7 +454,7 @@ class HttpConnection(asyncio.Protocol):
                 self._error(err, keep_alive=False)
                 return
             self._answer(method, path, keep_alive, headers)
-            self.last_active = time.monotonic()
+            self._settle()
 
     def _answer(self, method: bytes, path: bytes, keep_alive: bool, headers: dict) -> None:
         if method not in (b"GET", b"HEAD"):
@@ -375,43 +462,53 @@ class HttpConnection(asyncio.Protocol):
                 BadRequest(405, f"{method!r} not allowed"), keep_alive, b"Allow: GET, HEAD\r\n"
             )
             return
-        opened = self.server.files.open(path)
+        try:
+            opened = self.server.files.open(path)
+        except BadRequest as err:  # out of files or memory: 503, which a client retries
+            self._error(err, keep_alive=False)
+            return
         if opened is None:
             self._error(BadRequest(404, "not found"), keep_alive)
             return
         fd, st = opened
+        try:  # the file is closed on every way out, unless sendfile took it
+            fd = self._answer_with(fd, st, method, path, keep_alive, headers)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _answer_with(self, fd: int, st: os.stat_result, method: bytes, path: bytes,
+                     keep_alive: bool, headers: dict) -> int | None:  # fmt: skip
+        """Answer from the open file `fd`; returns it if it is still the caller's to close
+        (None once a send task owns it)."""
         size = st.st_size
         status, start, end, extra = 200, 0, size, b""
         if b"range" in headers:
             span = parse_range(headers[b"range"], size)
             if span is False:
-                os.close(fd)
                 self._error(
                     BadRequest(416, "range not satisfiable"),
                     keep_alive,
                     b"Content-Range: bytes */%d\r\n" % size,
                 )
-                return
+                return fd
             if span is not None:
                 status, (start, end) = 206, span
                 extra = b"Content-Range: bytes %d-%d/%d\r\n" % (start, end - 1, size)
         head = self._head(status, end - start, keep_alive, _content_type(path), extra)
         if method == b"HEAD":
-            os.close(fd)
             self._send(head, keep_alive)
-        elif size <= SMALL_FILE:
-            try:
-                data = self.server.files.small(path, fd, st)
-            finally:
-                os.close(fd)
+            return fd
+        if size <= SMALL_FILE:
+            data = self.server.files.small(path, fd, st)
             self._send(head + data[start:end] if status == 206 else head + data, keep_alive)
-        else:
-            self.transport.write(head)
-            self.sending_file = True
-            self.transport.pause_reading()
-            self.send_task = asyncio.ensure_future(
-                self._send_file(fd, start, end - start, keep_alive)
-            )
+            return fd
+        self.transport.write(head)
+        self.sending_file = True
+        self._phase("send", len(head) + end - start)
+        self.transport.pause_reading()
+        self.send_task = asyncio.ensure_future(self._send_file(fd, start, end - start, keep_alive))
+        return None
 
     async def _send_file(self, fd: int, offset: int, count: int, keep_alive: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -422,10 +519,14 @@ class HttpConnection(asyncio.Protocol):
             log.debug("sendfile: %s", err)
             self.transport.abort()
             return
+        except asyncio.CancelledError:  # past its deadline (see abort): sendfile let go of
+            self.transport.abort()  # the socket first, so its file number can be reused
+            return
         if not keep_alive:
             self.transport.close()
             return
         self.sending_file = False
+        self._settle()
         self._process()
 
     @staticmethod
@@ -460,6 +561,27 @@ class HttpConnection(asyncio.Protocol):
 # ----------------------------------------------------------------------------- the server
 
 
+def raise_file_limit() -> None:
+    """Raise the soft limit on open files to the hard one, as ipc's servers do
+    (distlearn.ipc.fdlimit): the default soft limit of 1024 exists for select(),
+    which asyncio's epoll loop does not use, and each connection holds a file."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as err:
+            log.warning("could not raise the open-file limit from %d: %s", soft, err)
+
+
+def max_connections() -> int:
+    """Connections taken at once: each may hold two files (its socket, and a file being
+    sent), and an eighth of the limit (at least 32) stays free for the rest."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+    return max(1, min(MAX_CONNECTIONS, (limit - max(32, limit // 8)) // 2))
+
+
 class Server:
     """Serves `root` on a bound socket; `await serve()` runs until `stop()`.
 
@@ -479,12 +601,15 @@ class Server:
         sock: socket.socket,
         head_timeout: float = HEAD_TIMEOUT_S,
         idle_timeout: float = IDLE_TIMEOUT_S,
+        send_timeout: float = SEND_TIMEOUT_S,
     ) -> None:
-        if head_timeout <= 0 or idle_timeout <= 0:
+        if head_timeout <= 0 or idle_timeout <= 0 or send_timeout <= 0:
             raise ValueError("timeouts must be positive")
         self.files = Files(root)
         self.sock = sock
         self.head_timeout, self.idle_timeout = head_timeout, idle_timeout
+        self.send_timeout = send_timeout
+        self.max_connections = max_connections()
         self.connections: set[HttpConnection] = set()
         self._stop: asyncio.Event | None = None
 
@@ -505,7 +630,7 @@ class Server:
             sweeper.cancel()
             server.close()
             for conn in list(self.connections):
-                conn.transport.abort()
+                conn.abort()
             self.files.close()
 
     def stop(self) -> None:
@@ -514,13 +639,15 @@ class Server:
             self._stop.set()
 
     async def _sweep(self) -> None:
-        """Close connections past their deadline (slow heads, idle keep-alives)."""
+        """Abort connections past their phase's deadline (see HttpConnection)."""
+        tick = min(1.0, self.head_timeout / 4, self.send_timeout / 4, self.idle_timeout / 4)
         while True:
-            await asyncio.sleep(min(1.0, self.head_timeout / 4))
+            await asyncio.sleep(tick)
             now = time.monotonic()
             for conn in list(self.connections):
-                if conn.idle_for(now) is not None:
-                    conn.transport.abort()
+                if conn.past_deadline(now):
+                    log.debug("closing a connection past its %s deadline", conn.phase)
+                    conn.abort()
 
 
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -590,7 +717,7 @@ def write_port_file(path: str, port: int) -> None:
 
 
 async def _run(args: argparse.Namespace, sock: socket.socket, worker: bool = False) -> None:
-    server = Server(args.root, sock, args.head_timeout, args.idle_timeout)
+    server = Server(args.root, sock, args.head_timeout, args.idle_timeout, args.send_timeout)
     loop = asyncio.get_running_loop()
     # A worker stops on its supervisor's SIGTERM only: Ctrl-C reaches the whole
     # process group, and the supervisor must not mistake a worker that ended on it
@@ -723,19 +850,27 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds an idle keep-alive connection stays open (default %(default)s)",
     )
     p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=SEND_TIMEOUT_S,
+        help="seconds a client may take to read an answer, plus one per 8 MiB of it "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--workers",
         type=int,
         default=1,
         help="processes serving the port (Linux, SO_REUSEPORT; default %(default)s)",
     )
     args = p.parse_args(argv)
-    if args.head_timeout <= 0 or args.idle_timeout <= 0:
+    if args.head_timeout <= 0 or args.idle_timeout <= 0 or args.send_timeout <= 0:
         p.error("timeouts must be positive")
     if args.workers < 1:
         p.error(f"--workers must be at least 1, not {args.workers}")
     if args.workers > 1 and not (sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")):
         p.error("--workers above 1 needs Linux (SO_REUSEPORT)")
     logging.basicConfig(level=logging.INFO, format="serve: %(message)s")
+    raise_file_limit()  # before the workers fork: they inherit it
     if not os.path.isdir(args.root):
         print(f"serve: not a directory: {args.root}", file=sys.stderr)
         return 2

@@ -88,10 +88,13 @@ def test_flat_keywords_reach_their_group_and_batchers_override_them():
 
 
 def test_headers_and_backoff_reach_every_fetcher():
-    ds = Dataset({"x": torch.zeros(4, 2)}, headers={"X-Token": "t"}, max_backoff=0.25)
+    # (headers with a local index go to the origins named: credential_origins)
+    ds = Dataset({"x": torch.zeros(4, 2)}, headers={"X-Token": "t"}, max_backoff=0.25,
+                 credential_origins=["https://data.example.com"])  # fmt: skip
     b = ds.sampled_batcher(batch_size=2, input_dims=(2,), workers="thread")
     fetcher = b.engine.workers.fetcher
     assert fetcher.headers == {"X-Token": "t"} and fetcher.max_backoff == 0.25
+    assert fetcher.scope.credentials == {"https://data.example.com:443"}
     b.close()
 
 

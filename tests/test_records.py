@@ -137,6 +137,35 @@ def test_tar_bad_header_checksum_drops_the_sample_and_resyncs(tmp_path, caplog):
     assert stats.corrupt == 1 and f"byte {victim}" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "sample, member, name, dropped",
+    [(4, 0, "intact", {4}), (4, 2, "intact", {4}), (9, 0, "intact", {9}),
+     (9, 2, "intact", {9}), (0, 0, "intact", {0}), (4, 0, "unreadable", {3, 4})],
+)  # fmt: skip
+def test_a_damaged_tar_header_loses_its_own_sample_only(tmp_path, sample, member, name, dropped):
+    """A damaged header of a sample's first member dropped the sample *before* it, and
+    delivered its own sample without that member (its label, say). Now the name in the
+    header tells whose member was lost; an unreadable one drops both neighbours, never
+    delivering a sample without a member."""
+    path = tmp_path / "s.tar"
+    write_shard(path, 10)
+    full, _ = ours(path)
+    with tarfile.open(path) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(f"s{sample:06d}.")]
+    header = members[member].offset_data - 512
+    data = bytearray(path.read_bytes())
+    if name == "intact":
+        data[header + 136] ^= 0x01  # (its mtime: the checksum fails, the name reads)
+    else:
+        data[header : header + 100] = b"\x01" * 100
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(bytes(data))
+    got, stats = ours(bad)
+    assert [s for _, s in got] == [s for i, (_, s) in enumerate(full) if i not in dropped]
+    assert all(set(s) == {"__key__", "png", "cls", "json"} for _, s in got)
+    assert stats.corrupt == 1
+
+
 def test_tar_gz_transparent_and_cut_off(tmp_path):
     path = tmp_path / "s.tar"
     write_shard(path, 30)

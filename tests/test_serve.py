@@ -396,3 +396,160 @@ def test_workers_die_with_a_killed_supervisor(workers):
     proc.kill()
     proc.wait(timeout=10)
     assert wait_gone(pids) == []
+
+
+# ----------------------------------------------------------------------------- under attack
+
+
+@contextlib.contextmanager
+def server_process(root, *args: str, nofile: tuple[int, int] | None = None):
+    """One server process over `root` (its open-file limits `nofile`, if given):
+    (Popen, base URL), stopped afterwards. Its log goes to a file, read by nobody: a
+    pipe nobody reads would stop a server that logs much."""
+    import resource
+    import tempfile
+    from pathlib import Path
+
+    def limits() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "log", "w") as log:
+        port_file = Path(tmp) / "port"
+        proc = subprocess.Popen(serve_cmd(root, "--port-file", str(port_file), *args),
+                                env=repo_env(), stderr=log, preexec_fn=limits)  # fmt: skip
+        try:
+            yield proc, f"http://127.0.0.1:{wait_for_file(port_file, proc)}/"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def connect(base: str, timeout: float = 10.0) -> socket.socket:
+    host, port = base.split("//")[1].rstrip("/").split(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def test_no_request_leaks_a_file(tree):
+    """A Range of 5000 digits raised after the file was opened (int() refuses more
+    than 4300 digits): 300 such requests held 300 files, and a server out of files
+    answered 404 to everything, which a trainer takes for "no such item"."""
+    digits = b"9" * 5000
+    bad = [b"bytes=" + digits + b"-", b"bytes=0-" + digits, b"bytes=-" + digits,
+           b"bytes=" + digits + b"-" + digits]  # fmt: skip
+    with server_process(tree) as (proc, base):
+        assert get(base + "sub/a.bin")[0] == 200
+        before = open_files(proc.pid)
+        answers = []
+        for i in range(300):
+            path = (b"/sub/a.bin", b"/big.bin")[i % 2]
+            request = b"GET %s HTTP/1.1\r\nHost: x\r\nRange: %s\r\nConnection: close\r\n\r\n"
+            answers += statuses(raw(base, request % (path, bad[i // 2 % len(bad)])))
+        time.sleep(0.5)
+        after = open_files(proc.pid)
+        assert after - before <= 2, f"{after - before} files leaked by 300 requests"
+        assert set(answers) <= {200, 206, 416} and len(answers) == 300
+        assert get(base + "sub/a.bin") == (200, bytes(range(256)))
+        assert (
+            get(base + "big.bin", {"Range": "bytes=-5"})[1] == (tree / "big.bin").read_bytes()[-5:]
+        )
+
+
+def test_a_slow_drip_head_is_cut_at_the_head_deadline(tree):
+    """The head timeout ran between bytes: a byte every 0.3 s kept a connection (and a
+    file) forever. It is a deadline on the whole head now."""
+    with server_process(tree, "--head-timeout", "1") as (_proc, base), connect(base) as s:
+        t0 = time.monotonic()
+        closed = None
+        for byte in b"GET /sub/a.bin HTTP/1.1\r\nHost: x\r\nX-Drip: " + b"a" * 200:
+            try:
+                s.sendall(bytes([byte]))
+                time.sleep(0.3)
+                if time.monotonic() - t0 > 8:
+                    break
+            except (BrokenPipeError, ConnectionResetError):
+                closed = time.monotonic() - t0
+                break
+        assert closed is not None, "a dripping client kept its connection 8 s"
+        assert closed < 3.5
+
+
+@pytest.mark.parametrize("what", ["large-file", "pipelined-small-files"])
+def test_a_client_that_does_not_read_is_cut_at_the_send_deadline(tree, what):
+    """A connection whose answer was not read (a large file, or small answers
+    pipelined until the socket buffer filled) was exempt from every timeout: the
+    slow reader held it, and its file, for ever."""
+    (tree / "bigger.bin").write_bytes(bytes(48 << 20))  # more than socket buffers hold
+    with server_process(tree, "--send-timeout", "1") as (proc, base):
+        alone = len(sockets_of(proc.pid))  # (its listening socket, the loop's self-pipe)
+        host, port = base.split("//")[1].rstrip("/").split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connect: the window)
+        s.settimeout(10)
+        s.connect((host, int(port)))
+        try:
+            if what == "large-file":
+                s.sendall(b"GET /bigger.bin HTTP/1.1\r\nHost: x\r\n\r\n")
+            else:
+                with contextlib.suppress(OSError):
+                    s.settimeout(2)
+                    for _ in range(20000):  # until the server stops reading
+                        s.sendall(b"GET /sub/a.bin HTTP/1.1\r\nHost: x\r\n\r\n" * 64)
+            assert s.recv(12) == b"HTTP/1.1 200"  # the server has the connection (and no
+            # more is read). Its deadline: 1 s, and 1 s for each 8 MiB of the answer
+            deadline = time.monotonic() + 20
+            while len(sockets_of(proc.pid)) > alone and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(sockets_of(proc.pid)) == alone, "a client that reads nothing kept its conn."
+        finally:
+            s.close()
+        assert get(base + "sub/a.bin") == (200, bytes(range(256)))
+
+
+def test_connections_are_capped_below_the_file_limit_and_answers_stay_honest(tree):
+    """Out of files, the server answered 404 ("no such file") to every request, and the
+    trainer dropped the items as missing. Connections are capped below the file limit
+    now: one over the cap gets 503 (retried by the fetcher), never 404."""
+    with server_process(tree, nofile=(96, 96)) as (proc, base):
+        conns, answers = [], []
+        try:
+            for _ in range(150):
+                try:
+                    conns.append(connect(base, timeout=3))
+                except OSError:
+                    answers.append("refused")
+            for c in conns:
+                with contextlib.suppress(OSError):
+                    c.sendall(b"GET /sub/a.bin HTTP/1.1\r\nHost: x\r\n\r\n")
+            for c in conns:
+                try:
+                    c.settimeout(5)
+                    head = c.recv(65536)
+                    answers.append(statuses(head.split(b"\r\n\r\n")[0] + b"\r\n\r\n")[0]
+                                   if head else "closed")  # fmt: skip
+                except OSError:
+                    answers.append("timeout")
+        finally:
+            for c in conns:
+                c.close()
+        assert 404 not in answers, answers
+        assert answers.count(200) >= 20 and 503 in answers, answers
+        assert proc.poll() is None
+        time.sleep(0.5)
+        assert get(base + "sub/a.bin") == (200, bytes(range(256)))
+
+
+def test_the_file_limit_is_raised_to_the_hard_one(tree):
+    with server_process(tree, nofile=(256, 4096)) as (proc, base):
+        assert get(base + "sub/a.bin")[0] == 200
+        with open(f"/proc/{proc.pid}/limits") as f:
+            line = next(x for x in f if x.startswith("Max open files"))
+        assert line.split()[3:5] == ["4096", "4096"], line

@@ -23,6 +23,9 @@ What it guarantees, with several processes reading, writing and evicting:
   an entry larger than the whole cache is not stored at all.
 - The directory must be ours: owned by this user and not writable by others,
   since whoever can write it chooses what the trainer reads.
+- A cache that cannot be written (a full disk, a quota, a read-only mount) costs
+  its entries, never the data: a ``put`` that fails is logged and returns False,
+  and ``fill`` and ``map_fill`` hand out what was fetched or made all the same.
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ class Cache:
         self.hits = 0
         self.misses = 0
         self.corrupt = 0
+        self.unwritten = 0  # entries that could not be stored (a full disk...)
+        self._write_errors: set[int | None] = set()
 
     def __repr__(self) -> str:
         return f"Cache({str(self.root)!r}, max_cache_bytes={self.max_bytes})"
@@ -224,13 +229,27 @@ class Cache:
     # ------------------------------------------------------------ writing
 
     def put(self, url: str | tuple, data: bytes | bytearray | memoryview) -> bool:
-        """Store ``data`` as the entry for ``url`` (atomically); False when it is too large."""
+        """Store ``data`` as the entry for ``url`` (atomically); False when it is too large
+        or cannot be written (a full disk: logged, the caller keeps its data)."""
         if len(data) + _TRAILER.size > self.max_bytes:
             log.debug("cache %s: %s (%d bytes) is larger than the cache; not stored",
                       self.root, url, len(data))  # fmt: skip
             return False
-        self._write(url, data)
-        return True
+        return self._try_write(url, data)
+
+    def _try_write(self, url: str | tuple, data: Any) -> bool:
+        try:
+            self._write(url, data)
+            return True
+        except OSError as err:
+            self.unwritten += 1
+            if err.errno not in self._write_errors:  # once per kind of failure
+                self._write_errors.add(err.errno)
+                log.warning(
+                    "cache %s: cannot store entries (%s); reading on without caching them "
+                    "(%s was fetched and is used)", self.root, err.strerror or err, url
+                )  # fmt: skip
+            return False
 
     def mapped(self, url: str | tuple) -> memoryview | None:
         """The entry of ``url`` memory-mapped read-only (its payload), or None on a miss.
@@ -275,7 +294,9 @@ class Cache:
         with self._entry_lock(url):  # (not held: its holder is stopped; made here too)
             view = self.mapped(url)
             if view is None:
-                self._write(url, produce())
+                made = produce()
+                if not self._try_write(url, made):  # (a full disk: this process's own copy)
+                    return memoryview(b"".join(made))
                 view = self.mapped(url)
         if view is None:
             raise DatasetError(f"cache {self.root}: cannot map the entry just written for {url}")

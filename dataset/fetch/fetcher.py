@@ -14,6 +14,11 @@ is refused (by its Content-Length, or once that many bytes arrived); a server
 that ignores Range is read only up to the record's end, never to the file's;
 redirects are followed only to the same host unless ``redirects="any"``.
 
+Whom credentials go to, and which hosts a remote index may send it to, is its
+:class:`dataset.fetch.scope.Scope`: headers only to the origins the user named (a
+redirect elsewhere drops them), and, for a remote index, no loopback, link-local or
+private address outside its own origin (checked at the addresses a name resolves to).
+
 A cache plugs in with ``Fetcher(cache=obj)``: ``obj.get(key) -> bytes | None``
 before fetching and ``obj.put(key, data)`` after (on a thread: a put syncs to
 disk), where key is the source (a URL, or a ``(url, offset, length)`` tuple).
@@ -34,6 +39,7 @@ import aiohttp
 
 from ..errors import FetchError
 from ..options import FetchOptions
+from . import scope as scopes
 from . import sources as src
 from .local import open_fsspec, open_local, read_blocking
 from .responses import content_range, payload_size, read_capped, retry_after, too_big
@@ -66,17 +72,6 @@ MAX_REDIRECTS = 10
 MAX_RETRY_AFTER = 60.0
 
 
-def _origin(url: str) -> tuple[str, str | None, int | None]:
-    """(scheme, host, port) of an http(s) URL, the port spelled out."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
-    return parts.scheme.lower(), parts.hostname, port or default
-
-
 class Fetcher:
     """Fetches sources concurrently on its own event loop thread (started lazily).
 
@@ -88,8 +83,10 @@ class Fetcher:
     wait for each chunk instead, for large files); ``retries``/``backoff``/
     ``max_backoff`` the retry policy; ``max_item_bytes`` the size of one body;
     ``redirects``: ``"same-host"`` (default: the same host name, never from https to
-    http), ``"any"`` or ``"none"``. ``headers`` go to the origin (scheme, host, port)
-    of the URL asked for, not to another one a redirect leads to.
+    http), ``"any"`` or ``"none"``. ``headers`` go to the origins `scope` names
+    (:class:`dataset.fetch.scope.Scope`; by default the origin (scheme, host, port)
+    of each URL asked for), never to another one a redirect leads to; a scope that
+    guards (a remote index) also refuses hosts at addresses it may not reach.
 
     Args:
         pool_size: Fetches in flight at once.
@@ -98,11 +95,14 @@ class Fetcher:
         backoff: The first retry's wait in seconds; it doubles, with jitter.
         max_backoff: The longest wait between retries.
         cache: A cache with `get`/`put` for fetched remote items, or None.
-        headers: HTTP headers for the origin of each URL asked for.
+        headers: HTTP headers, for the origins of `scope`.
         redirects: Which redirects to follow.
         max_item_bytes: A larger body is refused.
         idle_timeout: Seconds to wait for each chunk of a body, instead of `timeout`
             for the whole attempt.
+        scope: Whom the headers go to and which addresses may be reached (a
+            Dataset's: what its user named); None: the origin of each URL asked
+            for, any address.
 
     Raises:
         ValueError: A `pool_size` or `max_item_bytes` below 1, negative `retries`, or
@@ -121,6 +121,7 @@ class Fetcher:
         redirects: str = _POLICY.redirects,
         max_item_bytes: int = _POLICY.max_item_bytes,
         idle_timeout: float | None = None,
+        scope: scopes.Scope | None = None,
     ):
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
@@ -139,11 +140,13 @@ class Fetcher:
         self.cache, self.headers = cache, headers or {}
         self.redirects, self.max_item_bytes = redirects, max_item_bytes
         self.idle_timeout = idle_timeout
+        self.scope = scope if scope is not None else scopes.Scope()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._session: aiohttp.ClientSession | None = None
         self._own_headers: dict[str, str] = {}  # self.headers but Accept-Encoding (per request)
         self._sem: asyncio.Semaphore | None = None
+        self._hands: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._no_range_hosts: set[str] = set()
@@ -181,6 +184,14 @@ class Fetcher:
                     )
                 self._loop = loop
         return self._loop
+
+    def hands(self) -> asyncio.Semaphore:
+        """``pool_size`` slots for items held from their fetch to the end of their
+        decoding (see :func:`dataset.workers.fill.fill`); on the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._hands is None or self._hands[0] is not loop:
+            self._hands = (loop, asyncio.Semaphore(self.pool_size))
+        return self._hands[1]
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         """Run `coro` on the fetcher's loop, from any thread.
@@ -250,11 +261,16 @@ class Fetcher:
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._sem = asyncio.Semaphore(self.pool_size)
-            connector = aiohttp.TCPConnector(limit=self.pool_size, ttl_dns_cache=300)
+            # (a guarding scope resolves names through itself: it connects only to
+            # addresses it may reach, whatever a name resolves to, redirects included)
+            guard = scopes.resolver(self.scope) if self.scope.guard else None
+            connector = aiohttp.TCPConnector(
+                limit=self.pool_size, ttl_dns_cache=300, resolver=guard
+            )
             # bytes as stored: aiohttp's default "Accept-Encoding: gzip, deflate" let a server
             # (nginx's gzip, a CDN) compress them on the way, and they came back compressed
             # The user's other headers (credentials, often) go per request, to the
-            # origin of the URL asked for only: never to where a redirect leads.
+            # origins of the scope only: never to where an index or a redirect leads.
             headers, self._own_headers = {}, {}
             for k, v in self.headers.items():
                 (headers if k.lower() == "accept-encoding" else self._own_headers)[k] = v
@@ -313,8 +329,13 @@ class Fetcher:
             stats["fetched"] += 1
             stats["bytes"] += len(data)
         if cached:
-            # off the loop: a put writes and syncs a file
-            await asyncio.get_running_loop().run_in_executor(None, self.cache.put, key, data)
+            # off the loop: a put writes and syncs a file. A cache that cannot take it (a
+            # full disk) costs the entry, not the item fetched (dataset's Cache says so
+            # itself and returns False; another cache object may raise)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.cache.put, key, data)
+            except OSError as err:
+                log.warning("cache: %s not stored (%s); the item is used all the same", url, err)
         return data
 
     async def _fetch_with_retries(self, url, offset, length, stats) -> bytes:
@@ -359,20 +380,21 @@ class Fetcher:
             if length == 0:
                 return b""
             ranged = {"Range": f"bytes={offset}-{offset + length - 1}"}
-        headers = {**self._own_headers, **ranged}
+        scope = self.scope
         current = url
         try:
             for _ in range(MAX_REDIRECTS + 1):
+                # Authorization, cookies, API keys: for the origins the user named only
+                # (as requests and browsers do), not one an index or a redirect names.
+                own = self._own_headers if scope.sends_credentials(current, url) else None
+                headers = {**own, **ranged} if own else ranged
+                scope.refuse_literal(current)
                 async with (
                     self._sem,
                     session.get(current, headers=headers or None, allow_redirects=False) as resp,
                 ):
                     if resp.status in REDIRECT_STATUS:
                         current = self._redirect(url, current, resp)
-                        # Authorization, cookies, API keys: for the origin the URL names
-                        # only (as requests and browsers do), not one a redirect names.
-                        same = _origin(current) == _origin(url)
-                        headers = {**self._own_headers, **ranged} if same else ranged
                         continue
                     if resp.status >= 400:
                         retry = resp.status in RETRY_STATUS
@@ -388,6 +410,12 @@ class Fetcher:
             raise FetchError(url, f"more than {MAX_REDIRECTS} redirects")
         except FetchError:
             raise
+        except scopes.TargetRefused as err:  # a literal address, or a name resolved
+            raise FetchError(url, str(err)) from None
+        except aiohttp.ClientConnectorDNSError as err:
+            if isinstance(err.os_error, scopes.TargetRefused):
+                raise FetchError(url, str(err.os_error)) from None
+            raise FetchError(url, f"{type(err).__name__}: {err}", True) from None
         except asyncio.TimeoutError:
             raise FetchError(
                 url, f"timed out after {self.timeout}s", True, unanswered=True

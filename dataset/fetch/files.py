@@ -46,17 +46,25 @@ def read_bytes(
     with ``missing_ok``; any other failure is a :class:`FetchError` naming the
     URL. With a :class:`dataset.fetch.cache.Cache`, a remote file is read from it
     when present and kept in it once read (local files are never copied).
+
+    An optional file (``missing_ok``: a meta file) found absent is remembered as
+    absent only for when the store cannot be reached: while it can, it is asked
+    again, so a 404 that passes (a server starting, a CDN's hiccup) is not kept
+    for ever, and a file added later is found.
     """
     path = src.local_path(location)
     if cache is not None and path is None:
         data = cache.get(location)
         if data is None:
-            # An optional file (a meta file) that was absent is remembered as absent,
-            # so a cached index opens with the store out of reach.
             absent = (location, "absent")
-            if missing_ok and cache.get(absent) is not None:
-                return None
-            data = read_bytes(location, missing_ok, None, fetcher, **policy)
+            try:
+                data = read_bytes(location, missing_ok, None, fetcher, **policy)
+            except FetchError:
+                # the store is out of reach: a cached index opens all the same, with
+                # the meta file as it was last seen (absent)
+                if missing_ok and cache.get(absent) is not None:
+                    return None
+                raise
             cache.put(absent if data is None else location, b"" if data is None else data)
         return data
     try:

@@ -18,6 +18,7 @@ long, is waited for, and named every :data:`REPORT_EVERY` seconds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -31,6 +32,8 @@ log = logging.getLogger("distlearn.dataset.fetch.cache")
 STOPPED_GRACE = 2.0
 # A waiter says whom it waits for this often.
 REPORT_EVERY = 60.0
+# A lock file that cannot be made for these is gone on without (it only saves work).
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class HostLock:
@@ -46,7 +49,14 @@ class HostLock:
         self._fd: int | None = None
 
     def __enter__(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            if err.errno not in _NO_ROOM:
+                raise
+            # a full disk: the lock only saves repeated work, so go on without it
+            log.debug("%s: no lock file (%s); going on without it", self.what, err.strerror)
+            return False
         try:
             held = self._wait(fd)
         except BaseException:
@@ -56,8 +66,9 @@ class HostLock:
             os.close(fd)
             return False
         self._fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # (the pid is advisory: a full disk refuses it)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return True
 
     def __exit__(self, *exc: object) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import FetchError
 
-__all__ = ["NotRegular", "open_fsspec", "open_local", "read_blocking"]
+__all__ = ["NotRegular", "open_fsspec", "open_local", "read_at_most", "read_blocking"]
 
 
 def read_blocking(
@@ -28,7 +28,7 @@ def read_blocking(
     try:
         with opener(name) as f:
             if offset is None:
-                return f.read(cap + 1)
+                return read_at_most(f, cap)
             f.seek(offset)
             data = f.read(length)
     except FileNotFoundError:
@@ -46,6 +46,29 @@ def read_blocking(
             name, f"short read: {len(data)} of {length} bytes at offset {offset}", remote
         )
     return data
+
+
+def read_at_most(f: Any, cap: int) -> bytes:
+    """The rest of file `f`, but no more than ``cap + 1`` bytes (the caller refuses more
+    than `cap`). ``f.read(cap + 1)`` would do, but CPython allocates the whole ``cap + 1``
+    up front for it: 1 GiB per item (max_item_bytes), 4 GiB per part. The file's size
+    says how much to ask for; a file that grew past it is read on in bounded steps."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):  # (not an OS file: its read is bounded)
+        return f.read(cap + 1)
+    want = min(size, cap) + 1
+    data = f.read(want)
+    if len(data) < want or len(data) > cap:
+        return data
+    chunks, total = [data], len(data)
+    while total <= cap:
+        chunk = f.read(min(1 << 20, cap + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def open_local(path: str) -> Any:

@@ -6,13 +6,14 @@ each reader drops, counts and logs a damaged record and reads on. Thrift records
 (:mod:`dataset.formats.thrift`) are decoded by processors, not here.
 """
 
-from .damage import ReadStats
+from .damage import OutOfTime, ReadStats
 from .gunzip import TooLarge
 from .reader import FORMATS, part_format, read_part
 from .tfrecord import masked_crc32c, write_tfrecord
 
 __all__ = [
     "FORMATS",
+    "OutOfTime",
     "ReadStats",
     "TooLarge",
     "masked_crc32c",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
-__all__ = ["Damage", "ReadStats"]
+__all__ = ["Damage", "OutOfTime", "ReadStats"]
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,24 @@ class ReadStats:
             self.reasons[k] = self.reasons.get(k, 0) + v
 
 
-class Damage:
-    """Counts and logs corrupt records of one part file (rate-limited)."""
+class OutOfTime(TimeoutError):
+    """Reading a part ran past its deadline (``part_timeout``)."""
 
-    def __init__(self, source: str, stats: ReadStats):
+
+class Damage:
+    """Counts and logs corrupt records of one part file (rate-limited), and keeps its
+    reading to a deadline: readers call :meth:`check` between records and scan windows."""
+
+    def __init__(self, source: str, stats: ReadStats, deadline: float | None = None):
         self.source = source
         self.stats = stats
         self.logged = 0
+        self.deadline = deadline
+
+    def check(self) -> None:
+        """OutOfTime once the deadline (a ``time.monotonic()`` value) has passed."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise OutOfTime(f"{self.source}: reading it ran past its deadline")
 
     def record(self, offset: int, reason: str) -> None:
         self.stats.corrupt += 1

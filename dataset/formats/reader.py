@@ -58,11 +58,15 @@ def read_part(
     stats: ReadStats | None = None,
     check_crc: bool = True,
     max_bytes: int = DEFAULT_MAX_PART_BYTES,
+    deadline: float | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """Yield ``(offset, record)`` for every intact record of the part file ``name``.
 
     A ``.gz`` part that decompresses to more than ``max_bytes`` raises
     :class:`TooLarge` before any record is yielded.
+
+    ``deadline`` (a ``time.monotonic()`` value): past it, reading raises
+    :class:`OutOfTime` (checked between records and between scan windows).
 
     ``offset`` is the record's byte offset in the (decompressed) file. Tar
     records are WebDataset samples: a dict of lower-cased extension to bytes
@@ -70,7 +74,7 @@ def read_part(
     """
     stats = stats if stats is not None else ReadStats()
     fmt, gz = part_format(name, record_format)
-    damage = Damage(name, stats)
+    damage = Damage(name, stats, deadline)
     stats.parts += 1
     truncated = False
     if gz:
@@ -78,16 +82,20 @@ def read_part(
     stats.bytes += len(data)
     try:
         if fmt == "tar":
-            yield from _count(read_tar(data, damage), stats)
+            yield from _count(read_tar(data, damage), stats, damage)
         elif fmt == "tfrecord":
-            yield from _count(read_tfrecord(data, damage, check_crc=check_crc), stats)
+            yield from _count(read_tfrecord(data, damage, check_crc=check_crc), stats, damage)
         else:
-            yield from _count(read_lines(data, damage, truncated=truncated), stats)
+            yield from _count(read_lines(data, damage, truncated=truncated), stats, damage)
     finally:
         damage.close()
 
 
-def _count(records: Iterator[tuple[int, Any]], stats: ReadStats) -> Iterator[tuple[int, Any]]:
+def _count(
+    records: Iterator[tuple[int, Any]], stats: ReadStats, damage: Damage
+) -> Iterator[tuple[int, Any]]:
     for rec in records:
         stats.records += 1
         yield rec
+        if damage.deadline is not None and not stats.records & 255:
+            damage.check()

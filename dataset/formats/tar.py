@@ -62,11 +62,13 @@ def _cstr(data: bytes, start: int, stop: int) -> str:
     return (field if nul < 0 else field[:nul]).decode("utf-8", "replace")
 
 
-def _tar_members(data: bytes, damage: Damage) -> Iterator[tuple[int, str | None, bytes | None]]:
+def _tar_members(data: bytes, damage: Damage) -> Iterator[tuple[int, str | None, Any]]:
     """(header offset, name, content) of regular members.
 
     content None: the member is cut off by the end of the file (name "" when
-    its header is); name None too: a damaged header, already counted.
+    its header is). name None: a damaged member, already counted; its content is
+    then the name its header holds, as best read (None when there is none), so
+    the reader can tell whose member was lost.
     """
     end = len(data)
     off = 0
@@ -78,8 +80,8 @@ def _tar_members(data: bytes, damage: Damage) -> Iterator[tuple[int, str | None,
             if _zero_block(data, off):
                 return  # the end-of-archive marker
             damage.record(off, "bad tar header checksum")
-            yield off, None, None  # tells read_tar that a member was lost here
-            off = first = _resync_tar(data, off + _BLOCK)
+            yield off, None, _guess_name(data, off)  # tells read_tar a member was lost here
+            off = first = _resync_tar(data, off + _BLOCK, damage)
             long_name = pax_path = None
             continue
         size = _tar_number(data[off + 124 : off + 136])
@@ -87,23 +89,19 @@ def _tar_members(data: bytes, damage: Damage) -> Iterator[tuple[int, str | None,
         start = off + _BLOCK
         stop = start + (size or 0)
         if size is None or stop > end:
-            later = _resync_tar(data, off + _BLOCK)
+            later = _resync_tar(data, off + _BLOCK, damage)
             if size is not None and later >= end:  # a member cut off by the end of the file
                 yield first, long_name or pax_path or _cstr(data, off, off + 100), None
                 return
             # a size that is not a size, or that runs past a header further on: drop
             # this member and go on from the next header
             damage.record(off, "bad tar size field" if size is None else "tar size past a header")
-            yield off, None, None
+            yield off, None, _guess_name(data, off)
             off = first = later
             long_name = pax_path = None
             continue
         if kind == b"0" or kind == b"\0" or kind == b"7":
-            name = long_name or pax_path
-            if name is None:
-                name = _cstr(data, off, off + 100)
-                if data[off + 257 : off + 262] == b"ustar" and data[off + 345] != 0:
-                    name = _cstr(data, off + 345, off + 500) + "/" + name
+            name = long_name or pax_path or _member_name(data, off)
             yield first, name, data[start:stop]
             long_name = pax_path = None
         elif kind == b"L":  # GNU long name for the next member
@@ -119,6 +117,19 @@ def _tar_members(data: bytes, damage: Damage) -> Iterator[tuple[int, str | None,
             first = off
     if off < end and data[off:].strip(b"\0"):
         yield first, "", None  # a header cut off: whose member it was is unknown
+
+
+def _member_name(data: bytes, off: int) -> str:
+    name = _cstr(data, off, off + 100)
+    if data[off + 257 : off + 262] == b"ustar" and data[off + 345] != 0:
+        name = _cstr(data, off + 345, off + 500) + "/" + name
+    return name
+
+
+def _guess_name(data: bytes, off: int) -> str | None:
+    """The name in a damaged header, if it reads as one (a damaged name field may not)."""
+    name = _member_name(data, off)
+    return name if name and name.isprintable() and len(name) <= _MAX_NAME else None
 
 
 def key_ext(name: str) -> tuple[str, str] | None:
@@ -161,13 +172,18 @@ def _pax_path(block: bytes) -> str | None:
     return path
 
 
-def _resync_tar(data: bytes, off: int) -> int:
-    """The offset of the next 512-byte block that is a valid tar header (or the end)."""
+def _resync_tar(data: bytes, off: int, damage: Damage) -> int:
+    """The offset of the next 512-byte block that is a valid tar header (or the end);
+    `damage` is asked every 4 MiB whether the part's time is up."""
     end = len(data)
+    n = 0
     while off + _BLOCK <= end:
         if _header_ok(data, off) and not _zero_block(data, off):
             return off
         off += _BLOCK
+        n += 1
+        if not n & 8191:
+            damage.check()
     return end
 
 
@@ -177,16 +193,24 @@ def read_tar(data: bytes | memoryview, damage: Damage) -> Iterator[tuple[int, di
     Grouping matches webdataset (key = path up to the first dot of the file
     name, lower-cased extensions, ``__meta__`` members skipped). A sample with
     a cut-off or duplicated member is dropped whole.
+
+    A damaged header loses its own sample only, whole: the one its name (as best
+    read) belongs to, which is the sample before it or the one after. Where the
+    name cannot be read, either may have lost a member, and both are dropped
+    rather than one delivered without it.
     """
     data = bytes(data)
     sample: dict[str, Any] | None = None
     sample_off = 0
     bad = False
     lost_key = None  # the sample a damaged header hit: its other members are dropped too
+    lost: list[str | None] | None = None  # a damaged member whose sample is not yet known
     for off, name, content in _tar_members(data, damage):
         if name is None:
-            if sample is not None:
-                lost_key, sample = sample["__key__"], None
+            if lost is not None:  # two in a row: the first one's owner is decided now
+                sample, lost_key = _owner(sample, lost[0], None, lost_key)
+            guess = key_ext(content) if content else None
+            lost = [guess[0] if guess else None]
             continue
         if content is None:
             # The sample this member belongs to is incomplete: drop it (one count).
@@ -207,6 +231,9 @@ def read_tar(data: bytes | memoryview, damage: Damage) -> Iterator[tuple[int, di
         if ke is None:
             continue
         key, ext = ke[0], ke[1].lower()
+        if lost is not None:  # now the member after the damage is known: whose was it?
+            sample, lost_key = _owner(sample, lost[0], key, lost_key)
+            lost = None
         if key == lost_key:
             continue
         if sample is None or key != sample["__key__"]:
@@ -221,5 +248,27 @@ def read_tar(data: bytes | memoryview, damage: Damage) -> Iterator[tuple[int, di
             bad = True
             continue
         sample[ext] = content
+    if lost is not None:  # damage at the end: the last sample's, unless named otherwise
+        sample, lost_key = _owner(sample, lost[0], None, lost_key)
     if sample is not None and not bad:
         yield sample_off, sample
+
+
+def _owner(
+    sample: dict[str, Any] | None, damaged: str | None, after: str | None, lost_key: str | None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """(the sample to go on with, the key whose members are dropped) once a damaged
+    member's neighbours are known: `sample` before it, key `after` after it (None at the
+    end of the part), `damaged` the key its header names (None when unreadable).
+
+    Members of one sample are consecutive, so the damaged one belongs to the sample
+    before it or to the one after it: the sample before is dropped when it is the one
+    (its key continues after the damage, or the header names it), the sample after
+    when the header names that; an unreadable name drops both.
+    """
+    before = sample["__key__"] if sample is not None else None
+    if before is not None and (after == before or damaged == before):
+        return None, before  # the sample before lost a member
+    if damaged is not None and (damaged == after or after is None):
+        return sample, damaged  # the sample after (or one wholly lost): the one before is whole
+    return None, after  # whose it was cannot be told: neither is delivered

@@ -33,6 +33,7 @@ from ..fetch import sources as src
 from ..fetch.cache import disk_cache
 from ..fetch.fetcher import Fetcher
 from ..fetch.files import read_bytes
+from ..fetch.scope import locations_of, scope_for
 from ..options import Options, split
 from .csv.meta import read_meta
 from .csv.reader import from_csv, local_identity
@@ -134,7 +135,11 @@ def open_index(index: Any, *, options: Options | None = None, **flat: Any) -> An
     elif flat:
         options = options.update("open_index()", flat, ("index", "fetch", "cache", "parts"))
     cache = disk_cache(options.cache) if options.index.cache_index else None
-    with Fetcher(pool_size=4, **options.fetch.fetcher_kwargs()) as fetcher:
+    # (the index, meta and .pt files are the ones the user named: not guarded)
+    fetch = options.fetch
+    named = locations_of(index, options.index.meta)
+    scope = scope_for(named, fetch.headers, fetch.credential_origins, guard=False)
+    with Fetcher(pool_size=4, scope=scope, **fetch.fetcher_kwargs()) as fetcher:
         return Opening(options, fetcher, cache).open(index)
 
 

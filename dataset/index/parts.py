@@ -45,6 +45,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -57,8 +58,10 @@ from ..errors import FetchError, PartError
 from ..fetch import sources as src
 from ..fetch.cache import Cache, disk_cache
 from ..fetch.fetcher import Fetcher
+from ..fetch.local import NotRegular, open_local, read_at_most
 from ..fetch.retry import with_retries
-from ..formats import ReadStats, TooLarge, read_part
+from ..fetch.scope import scope_for
+from ..formats import OutOfTime, ReadStats, TooLarge, read_part
 from ..items import Record
 from ..options import CacheOptions, FetchOptions, Options, PartOptions
 from .part_files import (
@@ -71,17 +74,66 @@ from .part_files import (
 log = logging.getLogger(__name__)
 
 
-__all__ = ["PartIndex", "SampleMember", "open_parts"]
+__all__ = ["MAX_CLASS_IDS", "PartIndex", "SampleMember", "open_parts"]
+
+# Integer class ids (label_key values, no labels= given) read at most: ids 0..id are
+# named by their number as they appear, so one record's id sets how many names are
+# made. ImageNet-21k has 21,841 classes; more than this needs labels=[...].
+MAX_CLASS_IDS = 1 << 16
 
 
-def _read_local(path: str, url: str) -> bytes:
+def _read_local(path: str, url: str, cap: int) -> bytes:
+    """A local part, if it is a regular file of at most `cap` bytes: a FIFO would block
+    the loader for ever, a device such as /dev/zero would be read until memory ran out."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        with open_local(path) as f:
+            data = read_at_most(f, cap)
     except FileNotFoundError:
         raise FetchError(url, "no such file", missing=True) from None
+    except NotRegular:
+        raise FetchError(url, "not a regular file (a FIFO or a device)") from None
     except OSError as err:
         raise FetchError(url, f"{type(err).__name__}: {err}") from None
+    if len(data) > cap:
+        raise FetchError(url, f"larger than max_part_bytes={cap}")
+    return data
+
+
+def _read_fsspec(url: str, storage_options: dict, cap: int, size: int | None) -> bytes:
+    """A part on an fsspec store, refused by its size before it is read when the store
+    says it is too large, and read at most `cap` + 1 bytes whatever it says."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    if getattr(fs, "local_file", False):  # local://, or a scheme chained onto a local path
+        return _read_local(path, url, cap)
+    try:
+        if size is None:
+            size = fs.size(path)
+        if size is not None and size > cap:
+            raise FetchError(url, f"{size} bytes exceed max_part_bytes={cap}")
+        with fs.open(path, "rb") as f:
+            data = f.read(cap + 1)
+    except FileNotFoundError:
+        raise FetchError(url, "no such file", missing=True) from None
+    if len(data) > cap:
+        raise FetchError(url, f"larger than max_part_bytes={cap}")
+    return data
+
+
+class _Deadline:
+    """When one part's loading must be done (``part_timeout`` from its start)."""
+
+    def __init__(self, seconds: float | None):
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        return None if self.at is None else self.at - time.monotonic()
+
+    def check(self, url: str) -> None:
+        left = self.left()
+        if left is not None and left <= 0:
+            raise OutOfTime(f"{url}: loading it ran past part_timeout")
 
 
 class PartIndex:
@@ -222,31 +274,29 @@ class PartIndex:
 
     # ------------------------------------------------------------ loading
 
-    def _read_remote(self, url: str) -> bytes:
-        """One part file, whole, retried with the fetch policy; FetchError when it fails."""
+    def _read_remote(self, url: str, number: int, deadline: _Deadline) -> bytes:
+        """One part file, whole, retried with the fetch policy; FetchError when it fails,
+        OutOfTime when its deadline passes (a download in flight is cancelled)."""
+        cap = self.max_part_bytes
         if src.is_http(url):
-            return self._fetcher().read(url)
+            fetcher = self._fetcher()
+            job = fetcher.submit(fetcher.fetch(url))
+            try:
+                return job.result(timeout=deadline.left())
+            except concurrent.futures.TimeoutError:
+                job.cancel()  # the request is dropped on the fetcher's loop, retries too
+                raise OutOfTime(f"{url}: its download ran past part_timeout") from None
         path = src.local_path(url)
         if path is not None:  # read here, in the loader's thread: a large file must not
-            data = _read_local(path, url)  # hold the fetcher's loop
-            if len(data) > self.max_part_bytes:
-                raise FetchError(url, f"{len(data)} bytes exceed max_part_bytes")
-            return data
-        import fsspec
+            return _read_local(path, url, cap)  # hold the fetcher's loop
 
         def read() -> bytes:
-            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
-            try:
-                data = fs.cat_file(path)
-            except FileNotFoundError:
-                raise FetchError(url, "no such file", missing=True) from None
-            if len(data) > self.max_part_bytes:
-                raise FetchError(url, f"{len(data)} bytes exceed max_part_bytes")
-            return data
+            deadline.check(url)  # (a store's read cannot be stopped: none starts late)
+            return _read_fsspec(url, self.storage_options, cap, self.sizes[number])
 
         policy = retry_policy(self.fetch)
         policy["retries"] = self.retries
-        return with_retries(read, url, **policy)
+        return with_retries(read, url, final=(FileNotFoundError, OutOfTime), **policy)
 
     def _fetcher(self) -> Fetcher:
         """This index's Fetcher for http(s) parts: one session, kept alive."""
@@ -257,26 +307,34 @@ class PartIndex:
                 # a part is large: the fetch timeout bounds each wait for data (idle),
                 # part_timeout a whole download
                 policy.update(timeout=self.part_timeout, idle_timeout=self.fetch.timeout)
-                self._own_fetcher = Fetcher(pool_size=self.resident_parts, **policy)
+                # the parts are in the folder (or pattern) the user named: theirs
+                scope = scope_for(self.parts, None, self.fetch.credential_origins, guard=False)
+                self._own_fetcher = Fetcher(pool_size=self.resident_parts, scope=scope, **policy)
                 weakref.finalize(self, self._own_fetcher.close)
             return self._own_fetcher
 
-    def _download(self, url: str) -> bytes:
+    def _download(self, url: str, number: int, deadline: _Deadline) -> bytes:
+        def read() -> bytes:
+            return self._read_remote(url, number, deadline)
+
         if self.cache is None or not has_scheme(url) or url.startswith(("file://", "memory://")):
-            return self._read_remote(url)
-        return self.cache.fill(url, lambda: self._read_remote(url))
+            return read()
+        return self.cache.fill(url, read)
 
     def load_part(self, number: int) -> list[tuple[int, Any]]:
         """Download and parse part ``number`` of this partition: ``[(offset, record)]``.
 
         Download errors are retried with the fetch policy; a part that still
         fails, is missing or is too large is logged, counted in
-        ``failed_parts`` and read as empty.
+        ``failed_parts`` and read as empty. Loading stops at ``part_timeout``
+        from its start, download and parse alike, with PartError: the loader
+        does not go on in the background once its waiter has given up.
         """
         url = self.parts[number]
         stats = ReadStats()
+        deadline = _Deadline(self.part_timeout)
         try:
-            data = self._download(url)
+            data = self._download(url, number, deadline)
             records = read_part(
                 data,
                 url,
@@ -284,8 +342,14 @@ class PartIndex:
                 stats=stats,
                 check_crc=self.check_crc,
                 max_bytes=self.max_part_bytes,
+                deadline=deadline.at,
             )
             recs = list(records)
+        except OutOfTime as err:
+            raise PartError(
+                f"{url}: the part loader finished nothing in part_timeout={self.part_timeout}s "
+                f"(a stuck download or parse: {err})"
+            ) from None
         except (FetchError, TooLarge) as err:
             log.error("%s: skipping this part file: %s", url, err)
             with self._lock:
@@ -374,6 +438,11 @@ class PartIndex:
             ) from None
         if lab < 0:
             raise PartError(f"{where}: negative class id {lab}")
+        if lab >= MAX_CLASS_IDS:  # one record must not make the reader name 3e9 labels
+            raise PartError(
+                f"{where}: class id {lab} is beyond the {MAX_CLASS_IDS:,} class ids read "
+                "without names; pass labels=[...] to name the classes"
+            )
         while len(self.labels) <= lab:  # class ids 0..lab, named by their number
             self._label_ids[str(len(self.labels))] = len(self.labels)
             self.labels.append(str(len(self.labels)))

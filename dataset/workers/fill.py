@@ -118,12 +118,24 @@ async def fill(
 
     With `ctx`, item i is decoded as item ``ctx[3] + i`` of its epoch (what
     :func:`dataset.seeding.item_rng` derives its generator from).
+
+    Memory: an item holds one of the fetcher's ``pool_size`` hands from the start of
+    its fetch until its processor returns, so a worker holds at most ``pool_size``
+    item bodies at once, whatever the batches in flight (each at most
+    ``max_item_bytes``, and twice that for the moment its last chunk is joined). A
+    slow processor used to leave every fetched body of every batch in flight waiting.
     """
     res = BatchResult(ok=[False] * len(sources))
     stats = res.stats
     seed, partition, epoch, first = ctx if ctx is not None else (0, 0, 0, 0)
 
+    hands = fetcher.hands()
+
     async def one(i: int, source: Any) -> None:
+        async with hands:
+            await item(i, source)
+
+    async def item(i: int, source: Any) -> None:
         try:
             data = await fetcher.fetch(source, stats)
         except FetchError as err:

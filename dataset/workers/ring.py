@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..fetch.scope import Scope
 from ..fetch.stats import Stats
 from ..items import Batch
 from ..options import FetchOptions, WorkerOptions
@@ -98,6 +99,7 @@ class SlotEngine:
         fetch: FetchOptions,
         cache: Any = None,
         pin_memory: bool = False,
+        scope: Scope | None = None,
     ):
         self.pin_memory = pin_memory
         self.input_dims = tuple(int(d) for d in input_dims)
@@ -110,7 +112,8 @@ class SlotEngine:
             if self.kind == "thread"
             else max(workers.prefetch, 2 * self.num_workers)
         )
-        fetch_kw = dict(fetch.fetcher_kwargs(), pool_size=workers.pool_size or 64, cache=cache)
+        fetch_kw = dict(fetch.fetcher_kwargs(), pool_size=workers.pool_size or 64, cache=cache,
+                        scope=scope)  # fmt: skip
         # the slots the workers fill, and SPARE_SLOTS more that batches are lent in
         shape = (self.inflight + SPARE_SLOTS, batch_size, *self.input_dims)
         if self.kind == "process":
