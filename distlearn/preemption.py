@@ -1,0 +1,142 @@
+"""Preemption: a stop signal that every rank learns in the same step, for 4 bytes.
+
+A scheduler stops a job with a signal: SIGTERM (torchrun's agent, Slurm at a
+preemption, a time limit or `scancel`, Kubernetes), or one the user asked for
+(`sbatch --signal=USR1@120`). It reaches the ranks at different moments, and a rank
+that stopped on its own would leave the others waiting in their next collective. So the
+signal only raises this process's flag (:func:`install`; a handler does nothing else),
+and the flag travels with the step's gradient all-reduce: AllReduceSGD carries, beside
+its per-parameter marks, the number of nodes whose flag is up, and AllReduceEA carries
+it in each average. Every node reads the same sum from the same collective, so every
+node sees :func:`agreed` turn true after the same step, saves (``Checkpoint.step``) and
+exits 0. On the tree, gloo, NCCL and XLA alike it costs one element in a collective that
+runs anyway.
+
+The protocol for a collective that carries the flag (a *rider*): put
+:func:`local_flag` (0 or 1) in an element that is summed, and after the collective pass
+the summed element to :func:`observe`. A node that contributes nothing (``finished``)
+carries nothing: its flag rides its next contributing step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+
+__all__ = [
+    "agreed",
+    "exchanges",
+    "install",
+    "local_flag",
+    "observe",
+    "request",
+    "requested",
+    "reset",
+    "uninstall",
+]
+
+log = logging.getLogger(__name__)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.requested: str | None = None  # why this process was asked to stop
+        self.at = 0.0  # when (time.monotonic())
+        self.agreed = False  # every node knows that some node was asked
+        self.exchanges = 0  # collectives that carried the flag so far
+        self.previous: dict[int, object] = {}  # signal -> the handler ours replaced
+
+
+_state = _State()
+
+
+def _handler(signum: int, frame: object) -> None:
+    if _state.requested is not None:
+        # a second one: the user insists (a second Ctrl-C); the signal's own action now
+        previous = _state.previous.get(signum, signal.SIG_DFL)
+        signal.signal(signum, previous if callable(previous) else signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _state.requested = signal.Signals(signum).name
+    _state.at = time.monotonic()
+
+
+def install(signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> list[int]:
+    """Make `signals` raise the stop flag instead of ending the process; returns those
+    installed. Only the main thread can install handlers: elsewhere nothing is installed
+    and a warning says so (the process then stops at the signal as before)."""
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("preemption: handlers are installed from the main thread only; %s will "
+                    "end this process without a save", ", ".join(_names(signals)))  # fmt: skip
+        return []
+    done = []
+    for sig in signals:
+        current = signal.getsignal(sig)
+        if current is not _handler:
+            _state.previous[int(sig)] = current
+            signal.signal(sig, _handler)
+        done.append(int(sig))
+    return done
+
+
+def uninstall() -> None:
+    """Give the signals back the handlers ours replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, previous in _state.previous.items():
+        if signal.getsignal(sig) is _handler:
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+    _state.previous.clear()
+
+
+def request(reason: str = "request()") -> None:
+    """Raise the flag from code (a health check, a test), as a signal would."""
+    if _state.requested is None:
+        _state.requested, _state.at = reason, time.monotonic()
+
+
+def requested() -> str | None:
+    """Why this process was asked to stop (the signal's name), or None."""
+    return _state.requested
+
+
+def local_flag() -> int:
+    """What a rider puts in its summed element: 1 when this process was asked to stop."""
+    return 0 if _state.requested is None else 1
+
+
+def observe(count: float | int, rider: bool = True) -> bool:
+    """A rider's summed element, read back; returns whether a stop is agreed (now or
+    before). Every node sees the same sum, so every node agrees in the same collective.
+    `rider=False`: a collective run only to carry the flag (not counted in exchanges)."""
+    _state.exchanges += rider
+    if round(float(count)) > 0 and not _state.agreed:
+        _state.agreed = True
+        log.warning("preemption: %d node(s) were asked to stop%s; stopping after this step",
+                    round(float(count)), f" ({_state.requested} here)"
+                    if _state.requested else "")  # fmt: skip
+    return _state.agreed
+
+
+def agreed() -> bool:
+    """Whether every node knows a stop was asked for (true on all after the same step)."""
+    return _state.agreed
+
+
+def exchanges() -> int:
+    """How many collectives carried the flag so far (Checkpoint.step runs one of its own
+    only where none does)."""
+    return _state.exchanges
+
+
+def reset() -> None:
+    """Forget any request and agreement (a job that goes on after a save, tests)."""
+    _state.requested, _state.agreed, _state.at = None, False, 0.0
+
+
+def _names(signals: Iterable[int]) -> list[str]:
+    return [signal.Signals(s).name for s in signals]
