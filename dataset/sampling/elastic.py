@@ -52,7 +52,7 @@ __all__ = [
 
 FORMAT = 2
 # What the order depends on: a state that differs in one of these is refused.
-IDENTITY = ("seed", "sampler", "index", "items")
+IDENTITY = ("seed", "sampler", "items", "index")
 
 
 @dataclass(frozen=True, order=True)
