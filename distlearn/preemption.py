@@ -26,6 +26,9 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 __all__ = [
     "agreed",
@@ -47,6 +50,7 @@ class _State:
         self.requested: str | None = None  # why this process was asked to stop
         self.at = 0.0  # when (time.monotonic())
         self.agreed = False  # every node knows that some node was asked
+        self.pending: Any = None  # summed flags on a device, not read yet (see observe)
         self.exchanges = 0  # collectives that carried the flag so far
         self.previous: dict[int, object] = {}  # signal -> the handler ours replaced
 
@@ -109,21 +113,41 @@ def local_flag() -> int:
     return 0 if _state.requested is None else 1
 
 
-def observe(count: float | int, rider: bool = True) -> bool:
-    """A rider's summed element, read back; returns whether a stop is agreed (now or
-    before). Every node sees the same sum, so every node agrees in the same collective.
+def observe(count: Any, rider: bool = True) -> None:
+    """A rider's summed element after its collective: a number, or a tensor (a 1-element
+    view; it is copied on its device and read only when :func:`agreed` is asked, so a
+    rider adds no read back to the host, which on CUDA is a sync). Every node sees the
+    same sums from the same collectives, so every node agrees after the same one.
     `rider=False`: a collective run only to carry the flag (not counted in exchanges)."""
     _state.exchanges += rider
-    if round(float(count)) > 0 and not _state.agreed:
+    if isinstance(count, torch.Tensor):
+        value = count.detach().reshape(-1)[:1].real.to(torch.float64, copy=True)
+        pending = _state.pending
+        if pending is not None and pending.device != value.device:
+            _resolve()
+            pending = None
+        _state.pending = value if pending is None else pending + value
+        return
+    _agree(float(count))
+
+
+def _agree(count: float) -> None:
+    if round(count) > 0 and not _state.agreed:
         _state.agreed = True
+        here = f" ({_state.requested} here)" if _state.requested else ""
         log.warning("preemption: %d node(s) were asked to stop%s; stopping after this step",
-                    round(float(count)), f" ({_state.requested} here)"
-                    if _state.requested else "")  # fmt: skip
-    return _state.agreed
+                    round(count), here)  # fmt: skip
+
+
+def _resolve() -> None:
+    pending, _state.pending = _state.pending, None
+    if pending is not None:
+        _agree(float(pending.item()))
 
 
 def agreed() -> bool:
     """Whether every node knows a stop was asked for (true on all after the same step)."""
+    _resolve()
     return _state.agreed
 
 
@@ -135,7 +159,7 @@ def exchanges() -> int:
 
 def reset() -> None:
     """Forget any request and agreement (a job that goes on after a save, tests)."""
-    _state.requested, _state.agreed, _state.at = None, False, 0.0
+    _state.requested, _state.agreed, _state.at, _state.pending = None, False, 0.0, None
 
 
 def _names(signals: Iterable[int]) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import preemption
 from .buckets import GradientBuckets, _zero_at, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, check_same_layout, supports_async
 from .tensors import grad_or_zeros, gradient_holders, gradients_of, leaves, reusable, state_of
@@ -285,12 +286,16 @@ class AllReduceSGD:
                 for t, g, s in zip(sent, grads, scales, strict=True):
                     torch.mul(g, s, out=t)
             if owners:  # in the first tensor's dtype and device: the same collective
-                # Made on the device, not copied from the host (on CUDA, a sync).
-                flags = torch.ones(len(owners), dtype=wires[0], device=grads[0].device)
+                # Made on the device, not copied from the host (on CUDA, a sync); one
+                # more element: the nodes asked to stop (distlearn.preemption).
+                flags = torch.ones(len(owners) + 1, dtype=wires[0], device=grads[0].device)
+                flags[-1].fill_(preemption.local_flag())
                 if not all(had):
                     _zero_at(flags, [j for j, mine in enumerate(had) if not mine])
                 sent.append(flags)
             n = self.comm.all_reduce(sent)
+            if owners:
+                preemption.observe(flags[-1:])
             divisor = n if normalize and n > 1 else 1
             if aliased:
                 if divisor > 1:
@@ -299,7 +304,7 @@ class AllReduceSGD:
                 for g, t, s in zip(grads, sent, scales, strict=False):  # (sent: + flags)
                     g.copy_(t).mul_(1.0 / s / divisor)
         if not all(had):  # only a parameter this node had no .grad for can stay None
-            for t, mine, total in zip(owners, had, sent[-1].tolist(), strict=True):
+            for t, mine, total in zip(owners, had, sent[-1].tolist()[:-1], strict=True):
                 if not mine and total == 0:
                     t.grad = None
         self._layout = [(t.dtype, t.device, t.shape) for t in sent]
@@ -361,13 +366,14 @@ class AllReduceSGD:
             like = gradient_holders(x)
             layout = [(self._wire(t.dtype), t.device, t.shape) for t in like]
             owners = sum(t.requires_grad for t in like)
-            if owners:
-                layout.append((layout[0][0], layout[0][1], torch.Size([owners])))
+            if owners:  # (and the stop flag)
+                layout.append((layout[0][0], layout[0][1], torch.Size([owners + 1])))
         else:
             layout = self._layout
         if not layout:
             return  # nothing to send (a frozen module): no node can be stepping it
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for dtype, device, shape in layout]
         while self.comm.all_reduce(zeros, finished=True) > 0:
+            preemption.observe(zeros[-1][-1:])  # the others' stop flags
             for z in zeros:
                 z.zero_()

@@ -129,6 +129,31 @@ def main() -> None:
         except SystemExit as stop:
             got["exit"] = stop.code
             got["stopped_at"] = step
+    elif scenario in ("preempt-sgd", "preempt-ea"):
+        from distlearn import AllReduceEA, AllReduceSGD, preemption
+
+        (out / f"pid-{rank}").write_text(str(os.getpid()))
+        algo = AllReduceSGD(comm) if scenario == "preempt-sgd" else AllReduceEA(comm, tau=3)
+        algo.synchronize_parameters(model)
+        step = 0
+        try:
+            while step < 100_000:
+                loss = model(torch.randn(4, 6)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                if scenario == "preempt-sgd":
+                    algo.sum_and_normalize_gradients(model)
+                opt.step()
+                if scenario == "preempt-ea":
+                    algo.average_parameters(model)
+                step += 1
+                got["last"] = step
+                ckpt.step(step, objects)
+                time.sleep(0.02)
+        except SystemExit as stop:
+            got["exit"] = stop.code
+            got["stopped_at"] = step
+            got["rides"] = preemption.exchanges()  # the flag rode the algorithm's collectives
     got["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     got["optim"] = opt.state_dict()
     comm.close()

@@ -218,3 +218,36 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     (step,) = steps
     manifest = json.loads((d / folders(d)[-1] / "MANIFEST.json").read_text())
     assert manifest["step"] == step
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algo", ["sgd", pytest.param("ea", marks=pytest.mark.slow)])
+def test_the_stop_flag_rides_the_algorithms_all_reduce(algo, tmp_path):
+    """With AllReduceSGD (every step) or AllReduceEA (every tau steps) the flag travels in
+    their all-reduce: Checkpoint.step adds no collective of its own."""
+    d = tmp_path / "ckpt"
+    got = launch("ipc", 3, {"scenario": f"preempt-{algo}", "dir": str(d)}, tmp_path,
+                 signal_rank=(2, 2.0))  # fmt: skip
+    assert len({g["stopped_at"] for g in got}) == 1 and {g["exit"] for g in got} == {0}
+    assert all(g["rides"] > 0 for g in got)
+    if algo == "ea":
+        assert got[0]["stopped_at"] % 3 == 0  # learned at an average
+
+
+def test_the_marks_carry_the_stop_count(tree):
+    """One node: a request() rides the next step's last bucket (and the plain path's
+    flags), and is agreed after it."""
+    from distlearn import AllReduceSGD, preemption
+
+    model = torch.nn.Linear(3, 2)
+    for overlap in (True, False):
+        preemption.reset()
+        sgd = AllReduceSGD(tree, overlap=overlap)
+        model(torch.randn(2, 3)).sum().backward()
+        sgd.sum_and_normalize_gradients(model)
+        assert not preemption.agreed()
+        preemption.request("test")
+        model(torch.randn(2, 3)).sum().backward()
+        sgd.sum_and_normalize_gradients(model)
+        assert preemption.agreed() and preemption.requested() == "test"
+    preemption.reset()
