@@ -534,7 +534,7 @@ class GradientBuckets:
         self.late_nodes = round(tail[at])
         if count is None:
             count = round(tail[-1]) if last.handle.count_in_slot else last.handle.wait()
-        preemption.observe(tail[at + 2])
+        preemption.observe(tail[at + 2], count, self.comm.num_nodes)
         return count, round(tail[at + 1])
 
     def _frozen_means(self, count: int | None) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -133,8 +133,11 @@ class Checkpoint:
         self.device = torch.device(device) if device is not None else _device_of(comm)
         self.rank, self.world = comm.node_index, comm.num_nodes
         self.signals = preemption.install(signals) if signals else []
-        self._last_saved: int | None = None
-        self._seen_exchanges = 0
+        self._saved_step: int | None = None
+        self.restored_from: str | None = None  # the folder restore() read, if any
+        self.last_saved: str | None = None  # the folder the last save() completed
+        self._saved_round = 0  # the round (preemption.exchanges) of the last save by step()
+        self._own_rounds = 0  # step()'s own collectives, where no rider carries the flag
         if grace is not None and self.signals:
             threading.Thread(target=self._watchdog, name="checkpoint-grace", daemon=True).start()
 
@@ -149,19 +152,21 @@ class Checkpoint:
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int, objects: Mapping[str, Any]) -> str:
-        """Save `objects` as checkpoint `step` (every rank calls it, at the same step).
-        Returns the checkpoint's folder once it is complete on every rank."""
+        """Save `objects` as checkpoint `step` (every rank calls it, at the same point of
+        its loop; ranks whose steps differ save as the highest). Returns the checkpoint's
+        folder once it is complete on every rank."""
         if not _is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         kinds = _kinds(objects)
-        # Every rank at the same step (else each raises alike), and rank 0's nonce.
+        # The step (ranks of uneven epochs count different steps: the highest is the
+        # job's, and every rank resumes from it) and rank 0's nonce.
         nonce = secrets.randbits(32) if self.rank == 0 else 0
         agree = self._tensor([step, -step, nonce])
         self.comm.all_reduce(agree, op="max")
-        lo, hi, nonce = -int(agree[1]), int(agree[0]), int(agree[2])
-        if lo != hi:
-            raise CheckpointError(f"the ranks save different steps ({lo} to {hi}): every rank "
-                                  "must call save() at the same step")  # fmt: skip
+        lo, step, nonce = -int(agree[1]), int(agree[0]), int(agree[2])
+        if lo != step:
+            log.info("checkpoint: the ranks are at steps %d to %d; saving as step %d",
+                     lo, step, step)  # fmt: skip
         folder = f"{self.root}/step-{step:012d}-{nonce:08x}"
         mine: dict[str, Any] = {"files": {}, "data": {}}
         try:
@@ -201,10 +206,11 @@ class Checkpoint:
         if int(ok[0]) != 1:
             raise CheckpointError(f"checkpoint step {step} not saved: rank 0 could not "
                                   f"publish its manifest (see rank 0's log)")  # fmt: skip
-        self._last_saved = step
+        self._saved_step = step
+        self.last_saved = self._url(folder)
         if self.rank == 0:
             self._prune(folder)
-        return self._url(folder)
+        return self.last_saved
 
     def _put(self, folder: str, name: str, obj: Any) -> list:
         buf = io.BytesIO()
@@ -353,8 +359,9 @@ class Checkpoint:
             _seed_rngs(manifest["step"], self.rank)
             log.info("checkpoint: saved by %d ranks, restored by %d: RNG states seeded from "
                      "(step, rank), not restored", manifest["world_size"], self.world)  # fmt: skip
-        self._last_saved = manifest["step"]
-        log.info("checkpoint: restored step %d from %s", manifest["step"], self._url(folder))
+        self._saved_step = manifest["step"]
+        self.restored_from = self._url(folder)
+        log.info("checkpoint: restored step %d from %s", manifest["step"], self.restored_from)
         return int(manifest["step"])
 
     def _next_candidate(self, candidates, tried) -> tuple[dict | None, str]:
@@ -428,19 +435,31 @@ class Checkpoint:
         a preemption is agreed (all ranks learn it in the same step), saves and exits 0
         (returns True with ``exit=False``). Returns False otherwise.
 
-        The flag rides AllReduceSGD's and AllReduceEA's all-reduces; a loop with neither
-        pays one small all-reduce here for it."""
+        The flag rides AllReduceSGD's and AllReduceEA's all-reduces, and so does the
+        count of steps (their rounds, the same on every rank) that `every` counts. In the
+        steps where some rank has finished its epoch and waits for the others (uneven
+        partitions), nothing is saved: that rank is not calling this; the save comes at
+        the first step every rank takes again. A loop with neither AllReduceSGD nor
+        AllReduceEA pays one small all-reduce here for the flag, and must call this
+        where every rank does."""
         if preemption.exchanges() == 0:  # nothing carries the flag: carry it ourselves
             flag = self._tensor([preemption.local_flag()])
             self.comm.all_reduce(flag)
             preemption.observe(int(flag[0]), rider=False)
+            self._own_rounds += 1
+            rounds = self._own_rounds
+        else:
+            rounds = preemption.exchanges()
+            if not preemption.full():
+                return False  # a rank is draining an uneven epoch: no collective now
         stop = preemption.agreed()
-        due = self.every is not None and step % self.every == 0
-        if (stop or due) and step != self._last_saved:
+        due = self.every is not None and rounds // self.every > self._saved_round // self.every
+        if stop or due:
             self.save(step, objects)
+            self._saved_round = rounds
         if not stop:
             return False
-        log.warning("preemption: saved step %d; stopping", step)
+        log.warning("preemption: saved step %d; stopping", self._saved_step)
         if self.exit:
             raise SystemExit(0)
         return True

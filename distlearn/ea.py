@@ -103,7 +103,8 @@ class AllReduceEA:
         handle.wait()
         with torch.no_grad():
             torch._foreach_add_(self._center, self._delta)
-        preemption.observe(self._active[1:])  # (read when asked: no sync here)
+        # (read when asked, not here: no sync)
+        preemption.observe(self._active[1:], self._active[:1], self.comm.num_nodes)
         return ask_active and bool(self._active[0].real.item() > 0)
 
     def center_model(self, model: nn.Module) -> nn.Module:

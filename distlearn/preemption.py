@@ -33,6 +33,7 @@ import torch
 __all__ = [
     "agreed",
     "exchanges",
+    "full",
     "install",
     "local_flag",
     "observe",
@@ -51,6 +52,8 @@ class _State:
         self.at = 0.0  # when (time.monotonic())
         self.agreed = False  # every node knows that some node was asked
         self.pending: Any = None  # summed flags on a device, not read yet (see observe)
+        self.full = True  # every node contributed to the last round
+        self.pending_full: Any = None  # (count on a device, nodes), not read yet
         self.exchanges = 0  # collectives that carried the flag so far
         self.previous: dict[int, object] = {}  # signal -> the handler ours replaced
 
@@ -113,22 +116,34 @@ def local_flag() -> int:
     return 0 if _state.requested is None else 1
 
 
-def observe(count: Any, rider: bool = True) -> None:
-    """A rider's summed element after its collective: a number, or a tensor (a 1-element
-    view; it is copied on its device and read only when :func:`agreed` is asked, so a
-    rider adds no read back to the host, which on CUDA is a sync). Every node sees the
-    same sums from the same collectives, so every node agrees after the same one.
-    `rider=False`: a collective run only to carry the flag (not counted in exchanges)."""
+def observe(stop: Any, count: Any = None, nodes: int | None = None, rider: bool = True) -> None:
+    """A rider's summed stop flag after its collective, and how many of `nodes` nodes
+    contributed to it (`count`). Numbers, or tensors (1-element views, copied on their
+    device and read only when :func:`agreed` or :func:`full` is asked, so a rider adds
+    no read back to the host, which on CUDA is a sync). Every node sees the same sums
+    from the same collectives, so every node agrees after the same one.
+    `rider=False`: a collective run only to carry the flag (not counted as a round)."""
     _state.exchanges += rider
-    if isinstance(count, torch.Tensor):
-        value = count.detach().reshape(-1)[:1].real.to(torch.float64, copy=True)
+    _state.pending_full = None
+    _state.full = True
+    if count is not None and nodes is not None:
+        if isinstance(count, torch.Tensor):
+            _state.pending_full = (_copy(count), nodes)
+        else:
+            _state.full = round(float(count)) >= nodes
+    if isinstance(stop, torch.Tensor):
+        value = _copy(stop)
         pending = _state.pending
         if pending is not None and pending.device != value.device:
             _resolve()
             pending = None
         _state.pending = value if pending is None else pending + value
         return
-    _agree(float(count))
+    _agree(float(stop))
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1)[:1].real.to(torch.float64, copy=True)
 
 
 def _agree(count: float) -> None:
@@ -143,6 +158,17 @@ def _resolve() -> None:
     pending, _state.pending = _state.pending, None
     if pending is not None:
         _agree(float(pending.item()))
+    if _state.pending_full is not None:
+        (count, nodes), _state.pending_full = _state.pending_full, None
+        _state.full = round(float(count.item())) >= nodes
+
+
+def full() -> bool:
+    """Whether every node contributed to the last collective that carried the flag: the
+    nodes are in step (none is draining the end of an uneven epoch), so a collective
+    that all of them start now, such as a save, meets every node."""
+    _resolve()
+    return _state.full
 
 
 def agreed() -> bool:
@@ -152,14 +178,16 @@ def agreed() -> bool:
 
 
 def exchanges() -> int:
-    """How many collectives carried the flag so far (Checkpoint.step runs one of its own
-    only where none does)."""
+    """How many collectives carried the flag so far: the rounds of gradient all-reduces
+    (the same number on every node, contributing or draining). Checkpoint.step counts its
+    saves in these, and runs a collective of its own only where none carries the flag."""
     return _state.exchanges
 
 
 def reset() -> None:
     """Forget any request and agreement (a job that goes on after a save, tests)."""
     _state.requested, _state.agreed, _state.at, _state.pending = None, False, 0.0, None
+    _state.full, _state.pending_full = True, None
 
 
 def _names(signals: Iterable[int]) -> list[str]:

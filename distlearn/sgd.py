@@ -295,7 +295,7 @@ class AllReduceSGD:
                 sent.append(flags)
             n = self.comm.all_reduce(sent)
             if owners:
-                preemption.observe(flags[-1:])
+                preemption.observe(flags[-1:], n, nodes)
             divisor = n if normalize and n > 1 else 1
             if aliased:
                 if divisor > 1:
@@ -373,7 +373,7 @@ class AllReduceSGD:
         if not layout:
             return  # nothing to send (a frozen module): no node can be stepping it
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for dtype, device, shape in layout]
-        while self.comm.all_reduce(zeros, finished=True) > 0:
-            preemption.observe(zeros[-1][-1:])  # the others' stop flags
+        while (n := self.comm.all_reduce(zeros, finished=True)) > 0:
+            preemption.observe(zeros[-1][-1:], n, self.comm.num_nodes)  # the others' flags
             for z in zeros:
                 z.zero_()
