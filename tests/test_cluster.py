@@ -57,12 +57,8 @@ def test_srun_runs_a_tree_all_reduce(slurm, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_srun_runs_a_gloo_all_reduce(slurm, tmp_path):
-    """TorchDistributed.from_env reads torchrun's variables only: under srun they are
-    set from Slurm's, as a user's sbatch script does."""
-    port = slurm.free_port()
-    script = (f"RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS MASTER_ADDR=127.0.0.1 "
-              f"MASTER_PORT={port} exec {PYTHON} {WORKERS} gloo {tmp_path}")  # fmt: skip
-    slurm.srun("-n", "4", "bash", "-c", script)
+    """TorchDistributed.from_env reads Slurm's variables under srun, as the tree does."""
+    slurm.srun("-n", "4", PYTHON, str(WORKERS), "gloo", str(tmp_path))
     got = records(tmp_path)
     assert sorted(r["rank"] for r in got) == [0, 1, 2, 3]
     assert {(r["nodes"], r["count"], r["sum"]) for r in got} == {(4, 4, 10.0)}
