@@ -384,6 +384,21 @@ class SampledBatcher:
         self._resume = resume
         self._run += 1
 
+    def take_over(self, position: Position) -> None:
+        """Go on from `position` (see :func:`dataset.sampling.elastic.take_over`) without
+        ending the iteration under way: a `for` loop over the batcher hands out the
+        position's pieces next, and ends with them. Batches in flight are discarded and
+        come again in their turn (distlearn.survivors: a rank's share of a dead rank's
+        rest, after its own)."""
+        self.engine.drain()
+        self.stream.resume(position)
+        self.index, self.partition = self.stream.index, self.stream.partition
+
+    @property
+    def handed_out(self) -> int:
+        """Items handed out (or dropped) over this batcher's life."""
+        return self.stream.handed_out
+
     # -- adapters and lifetime ---------------------------------------------------------
 
     def as_torch(self) -> torch.utils.data.IterableDataset:

@@ -253,8 +253,12 @@ class GradientBuckets:
         bucket_bytes: int,
         first_bucket_bytes: int,
         wire_dtype: torch.dtype | None,
+        rider: Any = None,
     ) -> None:
         self.module = module
+        # More elements after the marks: `rider.size` of them, filled by `rider.fill(view)`
+        # and read by `rider.read(values)` (distlearn.survivors: every rank's position).
+        self.rider = rider
         self.comm = comm
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
@@ -305,6 +309,10 @@ class GradientBuckets:
                 return True
         return False
 
+    @property
+    def _rider_size(self) -> int:
+        return self.rider.size if self.rider is not None else 0
+
     def _build(self) -> None:
         self._signature = self._trainable()
         # backward order, each parameter once (a shared one where the tree first holds it);
@@ -319,8 +327,8 @@ class GradientBuckets:
             )
         last = len(groups) - 1
         self.params = params
-        # a count a parameter, the late count, the changed count, the stop count
-        marks = len(params) + 3
+        # a count a parameter, the late count, the changed count, the stop count, a rider's
+        marks = len(params) + 3 + self._rider_size
         self.buckets = [
             _Bucket(members, self._wire(members[0].dtype), marks * (i == last) + self.counted)
             for i, members in enumerate(groups)
@@ -329,7 +337,7 @@ class GradientBuckets:
         # on the bucket's device: a copy from host memory would sync with CUDA.
         flat = self.buckets[-1].flat
         self._marks = torch.ones(marks, dtype=flat.dtype, device=flat.device)
-        self._marks[-3:] = 0
+        self._marks[len(params) :] = 0
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         place = {id(p): j for j, p in enumerate(params)}
         for b in self.buckets:
@@ -535,6 +543,8 @@ class GradientBuckets:
         if count is None:
             count = round(tail[-1]) if last.handle.count_in_slot else last.handle.wait()
         preemption.observe(tail[at + 2], count, self.comm.num_nodes)
+        if self._rider_size:
+            self.rider.read(tail[at + 3 : at + 3 + self._rider_size])
         return count, round(tail[at + 1])
 
     def _frozen_means(self, count: int | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -559,7 +569,7 @@ class GradientBuckets:
         changed, 1 if it was asked to stop (0s from a finished node: a communicator may
         leave its values out)."""
         had = len(self.params)
-        marks = last.flat[last.numel : last.numel + had + 3]
+        marks = last.flat[last.numel : last.numel + had + 3 + self._rider_size]
         if not contribute:
             marks.zero_()
             return
@@ -572,6 +582,8 @@ class GradientBuckets:
             marks[had + 1].fill_(1)
         if preemption.local_flag():
             marks[had + 2].fill_(1)
+        if self._rider_size:
+            self.rider.fill(marks[had + 3 :])
 
     def _reset(self) -> None:
         self._due = self._hold = False

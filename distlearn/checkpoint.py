@@ -60,7 +60,7 @@ import torch
 
 from . import preemption
 from .comm import Communicator, check_communicator
-from .state import broadcast_state_dict
+from .state import broadcast_state_dict, gather_bytes, share_bytes
 
 __all__ = ["Checkpoint", "CheckpointError"]
 
@@ -481,29 +481,10 @@ class Checkpoint:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _gather(self, data: bytes) -> list[bytes]:
-        """Every rank's bytes, on every rank: rows of a sum all-reduce (the protocol has
-        no gather)."""
-        n = self._tensor([len(data)])
-        self.comm.all_reduce(n, op="max")
-        rows = torch.zeros(self.world, int(n[0]) + 1, dtype=torch.int32, device=self.device)
-        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32)
-        rows[self.rank, 0] = len(data)
-        rows[self.rank, 1 : 1 + len(data)] = mine.to(self.device)
-        self.comm.all_reduce(rows)
-        host = rows.cpu()
-        return [bytes(host[r, 1 : 1 + int(host[r, 0])].to(torch.uint8).numpy())
-                for r in range(self.world)]  # fmt: skip
+        return gather_bytes(self.comm, data, self.device)
 
     def _share(self, data: bytes | None) -> bytes:
-        """Rank 0's bytes on every rank."""
-        n = self._tensor([len(data) if self.rank == 0 else 0])
-        self.comm.scatter(n)
-        blob = torch.zeros(int(n[0]), dtype=torch.uint8, device=self.device)
-        if self.rank == 0 and len(data):
-            blob.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        if len(blob):
-            self.comm.scatter(blob)
-        return bytes(blob.cpu().numpy())
+        return share_bytes(self.comm, data, self.device)
 
     def _url(self, path: str) -> str:
         return path if self.local else self.fs.unstrip_protocol(path)

@@ -50,8 +50,18 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-s", type=float, default=0.0)
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--die-rank", type=int, default=0)
+    p.add_argument(
+        "--die-in-drain",
+        action="store_true",
+        help="--die-rank dies as it ends its first epoch (the others may still step)",
+    )
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument(
+        "--survive",
+        action="store_true",
+        help="no restart: the survivors of a death go on (distlearn.survivors)",
+    )
     return p.parse_args(argv)
 
 
@@ -117,6 +127,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if args.survive:
+        return survive(args, comm, batcher, model, opt, Ledger(Path(args.ledger), rank))
     sgd = AllReduceSGD(comm)
     storage = json.loads(args.storage) if args.storage else None
     ckpt = Checkpoint(args.ckpt, comm, keep=3, every=args.every, storage_options=storage)
@@ -164,6 +176,43 @@ def main(argv=None) -> int:
     finally:
         batcher.close()
     comm.close()
+    return 0
+
+
+def survive(args, comm, batcher, model, opt, ledger) -> int:
+    """The loop without restarts: a death is survived in place (distlearn.survivors)."""
+    from distlearn.survivors import Survivors
+
+    job = Survivors(comm, model, opt, batcher)
+    ledger.write(start=True, world=comm.num_nodes, restored=None, step=0)
+    step, first = 0, comm.node_index
+    while True:
+        position = batcher.state_dict()
+        if position["epoch"] >= args.epochs and not position["rest"]:
+            break
+        for batch in batcher:
+
+            def closure(batch=batch):
+                opt.zero_grad()
+                x = batch.input / 100.0
+                loss = (model(x) - x.sin()).square().mean()
+                loss.backward()
+                return loss
+
+            loss = job.step(closure)
+            step += 1
+            ledger.write(step=step, ids=ids_of(batch), loss=None if loss is None else loss.item(),
+                         world=job.comm.num_nodes)  # fmt: skip
+            if args.die_at == step and first == args.die_rank and not job.deaths:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.sleep:
+                time.sleep(args.sleep)
+        if args.die_in_drain and first == args.die_rank and not job.deaths:
+            os.kill(os.getpid(), signal.SIGKILL)
+        job.end_epoch()
+    ledger.write(done=True, step=step, deaths=job.deaths)
+    batcher.close()
+    job.comm.close()
     return 0
 
 

@@ -19,6 +19,7 @@ import pytest
 from distlearn.dataset.sampling.elastic import (
     Piece,
     Position,
+    advance,
     check_states,
     pool,
     resume,
@@ -253,3 +254,16 @@ def test_survivors_take_over_the_dead_ranks_rest(seed):
     last = max(p.epoch for p in new) + 1
     finish(new, geo, out, last)
     check_epochs(out, n, last, False)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_advance_is_where_handing_out_n_items_leads(seed):
+    rnd = random.Random(seed)
+    geo = Sized(rnd.randint(30, 60))
+    pos = Position(3, 1, 2, rnd.randint(0, 3), geo.length(3, 1, 2))
+    if seed % 2:  # with pieces first
+        pos = Position(3, 1, 4, rest=[Piece(2, 0, 3, -1, 2, 9), Piece(5, 4, 3, -1, 0, 4)])
+    for n in (0, 1, 7, 40, 123):
+        want = run(pos, n, geo, [])
+        got = advance(pos, n, geo)
+        assert (got.epoch, got.consumed, got.rest) == (want.epoch, want.consumed, want.rest)

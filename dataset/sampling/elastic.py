@@ -44,10 +44,12 @@ __all__ = [
     "Geometry",
     "Piece",
     "Position",
+    "advance",
     "check_states",
     "pool",
     "resume",
     "split",
+    "take_over",
 ]
 
 FORMAT = 2
@@ -372,14 +374,17 @@ def take_over(
     batch_size: int,
     geometry: Geometry,
     weight: Callable[[Piece], float] | None = None,
+    share: tuple[int, int] | None = None,
 ) -> Position:
-    """A survivor's new position when the ranks of `dead` died (item 5: no restart).
+    """A survivor's new position when the ranks of `dead` died (no restart).
 
     The survivor keeps its own rest and the remainder of its epoch (in its old
     partitioning, as pieces: nothing it prefetched changes), then takes its share of
     what the dead had not handed out, and goes on with ordinary epochs of the new
     partitioning (`partition` of `partitions`) after the newest epoch anyone had begun.
     `everyone`: every old rank's position (the dead's included), which sets that epoch.
+    `share`: (i, n): this survivor is sharer i of n (default: `partition` of
+    `partitions`); (0, 0): it takes no share (it has left its epoch already).
     """
     newest = max((p.epoch if p.begun else p.epoch - 1) for p in everyone)
     theirs: list[Piece] = []
@@ -390,8 +395,44 @@ def take_over(
     mine = list(own.rest)
     for e in range(own.epoch, newest + 1):
         mine += _unread(own, e, geometry)
-    share = split(theirs, partitions, batch_size, weight)[partition]
-    return Position(partitions, partition, newest + 1, rest=mine + share)
+    i, n = share if share is not None else (partition, partitions)
+    taken = split(theirs, n, batch_size, weight)[i] if n else []
+    return Position(partitions, partition, newest + 1, rest=mine + taken)
+
+
+def advance(pos: Position, n: int, geometry: Geometry) -> Position:
+    """Where `pos` stands after `n` more items are handed out (what another rank reached,
+    from its position at a known time and its count since): through its pieces, then its
+    ordinary epochs. Orders of unknown length (part files, streams) cannot be advanced by
+    count: ValueError."""
+    rest, epoch, consumed = list(pos.rest), pos.epoch, pos.consumed
+    while n > 0 and rest:
+        piece = rest[0]
+        if not piece.known:
+            raise ValueError(f"{piece}: a piece of unknown length cannot be advanced by count")
+        take = min(n, len(piece))
+        n -= take
+        if take == len(piece):
+            rest.pop(0)
+        else:
+            rest[0] = replace(piece, lo=piece.lo + take)
+    if rest:
+        return replace(pos, rest=rest)
+    if pos.part or pos.record:
+        raise ValueError("a part-file position cannot be advanced by count")
+    P, p = pos.partitions, pos.partition
+    length = pos.length if pos.length >= 0 and not pos.rest else geometry.length(P, p, epoch)
+    while True:
+        if length < 0:
+            raise ValueError(f"the order of partition {p} of {P} in epoch {epoch} has no "
+                             "known length: it cannot be advanced by count")  # fmt: skip
+        if consumed + n < length:
+            return Position(P, p, epoch, consumed + n, length)
+        n -= length - consumed
+        epoch, consumed = epoch + 1, 0
+        length = geometry.length(P, p, epoch)
+        if n == 0:
+            return Position(P, p, epoch, 0, length)
 
 
 # ----------------------------------------------------------------------------- helpers

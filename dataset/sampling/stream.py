@@ -127,7 +127,8 @@ class ItemStream:
         self._batches: Iterator[Work] | None = None
         self._rest: list[Piece] = []  # the pieces being handed out (see resume)
         self._cursor: tuple = ("o", 0, 0)  # where the items handed out end (see Work.end)
-        self._dispatched: deque[tuple] = deque()  # the `end` of each batch in flight
+        self._dispatched: deque[tuple] = deque()  # (`end`, items) of each batch in flight
+        self.handed_out = 0  # items handed out over this stream's life (never reset)
         self._last_end: tuple = self._cursor  # the `end` of the last batch dispatched
         self._orders: dict[tuple[int, int, int], Any] = {}  # (P, p, e) -> its order
         self._indexes: dict[tuple[int, int], Any] = {}  # (P, p) -> that partition's index
@@ -207,6 +208,10 @@ class ItemStream:
         1), else its ordinary epoch after what it had handed out."""
         self.ended = False
         self._dispatched.clear()
+        if (pos.partitions, pos.partition) != (self.partitions, self.partition):
+            # another partitioning from now on (survivors taking over a dead rank's rest)
+            self.index = self.index_of(pos.partitions, pos.partition)
+            self.partitions, self.partition = pos.partitions, pos.partition
         if pos.rest:
             self.epoch = pos.epoch - 1
             self._rest = list(pos.rest)
@@ -245,14 +250,15 @@ class ItemStream:
         if work is None:
             self._batches, self.ended = None, True
             raise StopIteration
-        self._dispatched.append(work.end)
+        self._dispatched.append((work.end, len(work)))
         self._last_end = work.end
         return work
 
     def consumed(self, n: int | None = None) -> None:
         """The oldest batch dispatched was handed out (or dropped): the position moves to
         its end. (`n`: its length, for callers that count; the batch says where it ends.)"""
-        self._cursor = self._dispatched.popleft()
+        self._cursor, count = self._dispatched.popleft()
+        self.handed_out += count
 
     # -- batches of an ordinary epoch ----------------------------------------------------
 
