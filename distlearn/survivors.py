@@ -128,6 +128,7 @@ class Survivors:
             dead = self._dead(err)
             if dead is None:
                 raise
+            log.warning("survivors: %s", err)
             return self._recover(dead, closure, in_step=True, fallback=loss)
         self.steps += 1
         self.optimizer.step()
@@ -162,6 +163,16 @@ class Survivors:
         log.warning("survivors: node %d died; re-forming the tree without it", dead)
         self.comm = self.comm.reform({dead})
         comm, w = self.comm, self.comm.num_nodes
+        # Who died is who is not here (a survivor may have blamed another node: the error
+        # it saw first can name a peer that left the failed collective for the new tree).
+        here = torch.zeros(old_world, dtype=torch.int64)
+        here[me_before] = 1
+        comm.all_reduce(here)
+        missing = [r for r in range(old_world) if not here[r]]
+        if len(missing) != 1:
+            raise RuntimeError(f"survivors: after re-forming, old ranks {missing} are missing "
+                               "(one death at a time is survived)")  # fmt: skip
+        dead = missing[0]
         # 1. who completed what: the steps each completed, every rank's last known count,
         # and which survivors are still in their epoch (the others take no share)
         done = self.steps

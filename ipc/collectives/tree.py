@@ -449,13 +449,18 @@ class Tree(RunningMixin):
             host = root[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
             handler = Static(index, n, host, old.root_port + g, token=old.secret.text)
         handler.generation = g
+        # The new tree first, the old one released after: a survivor still inside the
+        # failed collective must not see this node leave it (it would take this node for
+        # the dead one); by the time every survivor has joined the new tree, each has seen
+        # the real failure.
+        tree = Tree(handler, **self._tree_options)
         with contextlib.suppress(Exception):  # a broken tree: release what is left of it
             self._release(linger=0)
         self._closed = True
         _TREES.discard(self)
         if self._comm is not None:
             self._comm.stop()
-        return Tree(handler, **self._tree_options)
+        return tree
 
     def close(self) -> None:
         """Leave the tree.
