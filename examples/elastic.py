@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             position = train.state_dict()
             if position["epoch"] >= args.epochs and not position["rest"]:
                 break
-            epoch, t0, seen = train.epoch + 1, time.perf_counter(), 0
+            epoch, t0 = position["epoch"] + 1, time.perf_counter()
             for batch in train:
                 for group in optimizer.param_groups:
                     group["lr"] = schedule(step)
@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
                 ledger.write("".join(f"{train.epoch} {url}\n" for url in batch.urls))
                 ledger.flush()
                 step += 1
-                seen += len(batch.urls)
                 if step == args.kill_at and first_rank == args.kill_rank:
                     os.kill(os.getpid(), signal.SIGKILL)  # the fault: no goodbye
             job.end_epoch()
