@@ -255,10 +255,17 @@ class ItemStream:
         return work
 
     def consumed(self, n: int | None = None) -> None:
-        """The oldest batch dispatched was handed out (or dropped): the position moves to
-        its end. (`n`: its length, for callers that count; the batch says where it ends.)"""
-        self._cursor, count = self._dispatched.popleft()
-        self.handed_out += count
+        """The oldest batches dispatched were handed out (or dropped: every item failed):
+        `n` items of them (None: one batch). The position moves to the end of the last."""
+        if n == 0:
+            return
+        left = n
+        while True:
+            self._cursor, count = self._dispatched.popleft()
+            self.handed_out += count
+            left = 0 if left is None else left - count
+            if left <= 0 or not self._dispatched:
+                return
 
     # -- batches of an ordinary epoch ----------------------------------------------------
 
