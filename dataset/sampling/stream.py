@@ -183,6 +183,8 @@ class ItemStream:
         return self._kept(len(items))
 
     def part_order(self, partitions: int, partition: int, epoch: int) -> list[int] | None:
+        if not hasattr(self.whole, "parts"):  # (not part files: no order made to say so)
+            return None
         items = self.order(partitions, partition, epoch)
         return items.order if hasattr(items, "walk") else None
 
@@ -359,7 +361,7 @@ class ItemStream:
         """A piece's items in runs: (sources, targets, labels, names, keys)."""
         P, p, e = piece.partitions, piece.partition, piece.epoch
         index, items = self.index_of(P, p), self.order(P, p, e)
-        step = max(self.batch_size, 1024)
+        step = self.batch_size  # (a batch at a time, as an ordinary epoch is described)
         if piece.part >= 0:
             if not hasattr(items, "part"):
                 raise ValueError(f"{piece} names a part file, and {self.whole.origin!r} is "
