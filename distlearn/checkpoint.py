@@ -49,6 +49,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import threading
 import time
@@ -117,8 +118,6 @@ class Checkpoint:
         storage_options: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
     ):
-        import fsspec
-
         self.comm = check_communicator(comm)
         for name, value in (("keep", keep), ("every", every)):
             if value is not None and not (_is_int(value) and value >= 1):
@@ -127,9 +126,17 @@ class Checkpoint:
             raise ValueError(f"grace must be a positive number of seconds or None, got {grace!r}")
         self.keep, self.every, self.grace, self.exit = keep, every, grace, exit
         self.directory = os.fspath(directory)
-        self.fs, self.root = fsspec.core.url_to_fs(self.directory, **dict(storage_options or {}))
-        self.root = self.root.rstrip("/")
-        self.local = "file" in _protocols(self.fs)
+        self.local = "://" not in self.directory or self.directory.startswith("file://")
+        if self.local:  # (no fsspec needed: plain files, synced and renamed)
+            self.fs = None
+            self.root = os.path.abspath(self.directory.removeprefix("file://"))
+        else:
+            import fsspec
+
+            self.fs, self.root = fsspec.core.url_to_fs(
+                self.directory, **dict(storage_options or {})
+            )
+            self.root = self.root.rstrip("/")
         self.device = torch.device(device) if device is not None else _device_of(comm)
         self.rank, self.world = comm.node_index, comm.num_nodes
         self.signals = preemption.install(signals) if signals else []
@@ -214,7 +221,7 @@ class Checkpoint:
 
     def _put(self, folder: str, name: str, obj: Any) -> list:
         buf = io.BytesIO()
-        torch.save(obj, buf)
+        torch.save(_on_cpu(obj), buf)
         data = buf.getvalue()
         self._write(f"{folder}/{name}", data)
         return [len(data), hashlib.sha256(data).hexdigest()]
@@ -291,7 +298,10 @@ class Checkpoint:
                 if folder in kept:
                     continue
                 if done or step <= newest_step:
-                    self.fs.rm(folder, recursive=True)
+                    if self.local:
+                        shutil.rmtree(folder)
+                    else:
+                        self.fs.rm(folder, recursive=True)
         except Exception:  # a failed clean-up costs space, not data
             log.warning("checkpoint: pruning %s failed", self.directory, exc_info=True)
 
@@ -381,7 +391,8 @@ class Checkpoint:
                     raise ValueError(f"format {manifest.get('format')!r}, step "
                                      f"{manifest.get('step')!r}")  # fmt: skip
                 for name, (size, _) in manifest["files"].items():
-                    got = self.fs.size(f"{folder}/{name}")
+                    path = f"{folder}/{name}"
+                    got = os.path.getsize(path) if self.local else self.fs.size(path)
                     if got != size:
                         raise ValueError(f"{name} has {got} bytes, the manifest says {size}")
             except Exception as err:
@@ -520,16 +531,23 @@ def _kinds(objects: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def _on_cpu(x: Any) -> Any:
+    """`x` with its tensors on the CPU (an XLA tensor cannot be saved where it is; a CUDA
+    one would be loaded back onto its device, which a restore on another host may lack)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu() if x.device.type != "cpu" else x
+    if isinstance(x, dict):
+        return type(x)((k, _on_cpu(v)) for k, v in x.items())
+    if isinstance(x, list | tuple):
+        return type(x)(_on_cpu(v) for v in x)
+    return x
+
+
 def _json_able(state: Any, where: str) -> Any:
     try:
         return json.loads(json.dumps(state))
     except TypeError as err:
         raise TypeError(f"{where} must be JSON (ints, strings, lists, dicts): {err}") from None
-
-
-def _protocols(fs: Any) -> set[str]:
-    p = fs.protocol
-    return {p} if isinstance(p, str) else set(p)
 
 
 def _device_of(comm: Any) -> torch.device:

@@ -253,3 +253,42 @@ def test_the_marks_carry_the_stop_count(tree):
         sgd.sum_and_normalize_gradients(model)
         assert preemption.agreed() and preemption.requested() == "test"
     preemption.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+def test_on_nccl_with_cuda_tensors(tmp_path):
+    """One NCCL rank: Checkpoint's collectives go on the GPU (NCCL reduces CUDA tensors
+    only), the model and optimizer on it are saved from the CPU copies and restored
+    onto it, and the stop flag rides the CUDA buckets."""
+    import torch.distributed as dist
+
+    from distlearn import AllReduceSGD, preemption
+    from distlearn.backends import TorchDistributed
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        comm = TorchDistributed()
+        model = torch.nn.Linear(8, 4).cuda()
+        opt = torch.optim.Adam(model.parameters())
+        sgd = AllReduceSGD(comm)
+        preemption.reset()
+        preemption.request("test")
+        model(torch.randn(2, 8, device="cuda")).sum().backward()
+        sgd.sum_and_normalize_gradients(model)
+        opt.step()
+        assert preemption.agreed()
+        ckpt = Checkpoint(tmp_path / "c", comm, signals=())
+        assert ckpt.device.type == "cuda"
+        ckpt.save(3, {"model": model, "optim": opt, "box": Box(3)})
+        fresh = torch.nn.Linear(8, 4).cuda()
+        fresh_opt = torch.optim.Adam(fresh.parameters())
+        box = Box(0)
+        assert ckpt.restore({"model": fresh, "optim": fresh_opt, "box": box}) == 3
+        assert torch.equal(fresh.weight, model.weight) and fresh.weight.is_cuda
+        assert box.value == 3
+        state = fresh_opt.state_dict()["state"]
+        assert torch.equal(state[0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    finally:
+        preemption.reset()
+        dist.destroy_process_group()
