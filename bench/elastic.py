@@ -1,21 +1,27 @@
-"""`python -m bench.elastic`: what surviving costs: resuming mid-epoch, and saving.
+"""`python -m bench.elastic`: what surviving costs: resuming mid-epoch, saving, a lost rank.
 
     python -m bench.elastic                    # -> bench/RESULTS-elastic.md
     python -m bench.elastic --reps 3 --quick --out-dir bench/out   # smoke
 
-Two measurements, each against its own baseline in the same run:
+Three measurements, each against its own baseline in the same run:
 
 - **Time to the first batch after a resume** at 90% of an epoch against at its start
   (goal: at most 1.1x, since the position is computed, never fast-forwarded): a 2M-item
   tensor index (``permutation``), the same resumed from 8 ranks' states by 3 (pooling and
   splitting included), 24 part files of 20,000 lines each (``part-permutation-permutation``:
-  at 90% the resume reads one part), and a joined index whose second member is drawn by
-  ``uniform``. A measurement makes a batcher on an open Dataset, loads the state, and
-  takes the first batch; 0% and 90% alternate, repetition after repetition.
+  at 90% the resume reads one part), and a joined index (two tensor files) whose second
+  member is drawn by ``uniform``. A measurement makes a batcher on an open Dataset,
+  loads the state, and takes the first batch; 0% and 90% alternate, repetition after
+  repetition.
 - **The cost of one save** of the 9.5M-parameter conv net of bench/step_time.py with its
   Adam state and a batcher, by ``Checkpoint.save`` on one node, to a local folder and to
   S3 (moto's server on 127.0.0.1: what the S3 protocol costs, not a network), with the
   restore of the same.
+- **Steps lost to a kill**: 4 ranks of tests/elastic_train.py, rank 1 SIGKILLed at step
+  35; with a restart (torchrun ``--max-restarts=1`` restores the checkpoint of step 20:
+  the steps since are taken again) against without (distlearn.survivors: the failed step
+  is redone, at most), and the seconds from the kill to the next step taken (the
+  restart: processes, imports, rendezvous, restore; without: re-forming the tree).
 
 Figures are medians (min-max) of the repetitions on this machine, shared with other
 work: compare the ratios, taken side by side, not the absolute times.
@@ -57,10 +63,11 @@ def _resume_rows(tmp: Path, quick: bool) -> list[dict]:
     for p in range(nparts):
         lines = "".join(f"part{p}-line{i}\n" for i in range(per))
         (parts / f"part-{p:03d}.txt").write_text(lines)
-    csv_a, csv_b = tmp / "a.csv", tmp / "b.csv"
+    pt_a, pt_b = tmp / "a.pt", tmp / "b.pt"
     m = n // 10
-    csv_a.write_text("filename,label\n" + "".join(f"a/{i}.png,{i % 10}\n" for i in range(m)))
-    csv_b.write_text("filename\n" + "".join(f"b/{i}.png\n" for i in range(1000)))
+    torch.save({"x": torch.arange(m, dtype=torch.float32).view(m, 1), "y": torch.arange(m) % 10},
+               pt_a)  # fmt: skip
+    torch.save({"x": torch.zeros(1000, 1), "y": torch.zeros(1000, dtype=torch.long)}, pt_b)
 
     def nothing(data, opt, out):
         return True
@@ -75,8 +82,8 @@ def _resume_rows(tmp: Path, quick: bool) -> list[dict]:
         dict(name=f"{nparts} part files x {per:,} lines, `part-permutation-permutation`",
              data=str(parts), parts=1, open=dict(record_format="lines", cache_parts=False),
              kw=dict(base, input_dims=(), sampler="part-permutation-permutation")),
-        dict(name=f"joined CSV, {m:,} items + a member drawn by `uniform`",
-             data=[str(csv_a), str(csv_b)], parts=1,
+        dict(name=f"joined index, {m:,} items + a member drawn by `uniform`",
+             data=[str(pt_a), str(pt_b)], parts=1,
              kw=dict(base, input_dims=(), sampler=["permutation", "uniform"])),
     ]  # fmt: skip
     for row in rows:
@@ -179,6 +186,80 @@ def bench_save(reps: int) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------- lost steps
+
+
+def _job(folder: Path, world: int, survive: bool, die_at: int, every: int) -> list[list[dict]]:
+    """One job of tests/elastic_train.py (4 ranks, rank 1 SIGKILLed at step `die_at`):
+    with a restart (torchrun --max-restarts=1, a checkpoint every `every` steps) or
+    without (the survivors go on). Its ledgers."""
+    import json
+    import random
+    import subprocess
+
+    import torch
+
+    n = 2000
+    data = folder / "data.pt"
+    torch.save({"x": torch.arange(n, dtype=torch.float32).view(n, 1), "y": torch.arange(n) % 3},
+               data)  # fmt: skip
+    train = REPO / "tests" / "elastic_train.py"
+    args = [str(train), "--data", str(data), "--ckpt", str(folder / "ckpt"), "--ledger",
+            str(folder / "ledger"), "--epochs", "1", "--batch", "8", "--every", str(every),
+            "--die-at", str(die_at), "--die-rank", "1", "--sleep", "0.02"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    if survive:
+        port = random.randint(20000, 40000)
+        procs = [subprocess.Popen([sys.executable, *args, "--survive"],
+                                  env=dict(env, RANK=str(r), WORLD_SIZE=str(world),
+                                           LOCAL_WORLD_SIZE=str(world),
+                                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                                  stderr=subprocess.DEVNULL)
+                 for r in range(world)]  # fmt: skip
+        for p in procs:
+            p.wait(timeout=600)
+    else:
+        port = random.randint(20000, 40000)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                        f"--nproc-per-node={world}", "--max-restarts=1", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{port}", "--monitor-interval=0.2", *args],
+                       env=env, stderr=subprocess.DEVNULL, check=True, timeout=600)  # fmt: skip
+    return [[json.loads(x) for x in f.open()] for f in (folder / "ledger").glob("*.jsonl")]
+
+
+def _lost(ledgers: list[list[dict]], die_at: int) -> tuple[int, float]:
+    """(steps taken twice, seconds from the kill to the next step anyone took)."""
+    steps = [x for p in ledgers for x in p if "ids" in x]
+    victim = max((x for x in steps if x["rank"] == 1 and x["step"] == die_at),
+                 key=lambda x: x["t"])  # fmt: skip
+    # the next step anyone took: the survivors' step after it, or the restart's first
+    after = min(x["t"] for x in steps if x["t"] > victim["t"] and x["step"] != die_at)
+    ranks = {x["rank"] for x in steps}
+    taken = sum(1 for x in steps if x["rank"] == min(ranks))  # one rank's steps, all attempts
+    unique = len({x["step"] for x in steps if x["rank"] == min(ranks)})
+    return taken - unique, after - victim["t"]
+
+
+def bench_lost(reps: int) -> list[str]:
+    rows = {"with a restart (torchrun --max-restarts=1, a checkpoint every 20 steps)": False,
+            "without (distlearn.survivors)": True}  # fmt: skip
+    out: dict[str, list] = {name: [] for name in rows}
+    with tempfile.TemporaryDirectory(prefix="bench-lost-") as tmp:
+        for rep in range(reps):
+            for i, (name, survive) in enumerate(rows.items()):
+                folder = Path(tmp) / f"{rep}-{i}"
+                folder.mkdir()
+                out[name].append(_lost(_job(folder, 4, survive, 35, 20), 35))
+    lines = ["| a rank killed at step 35 of 4 | steps taken again | seconds to the next step |",
+             "|---|---:|---:|"]  # fmt: skip
+    for name, got in out.items():
+        lost = [float(a) for a, _ in got]
+        secs = [b for _, b in got]
+        lines.append(f"| {name} | {statistics.median(lost):.0f} ({min(lost):.0f}-"
+                     f"{max(lost):.0f}) | {_median(secs)} |")  # fmt: skip
+    return lines
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -186,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="smaller indexes")
-    p.add_argument("--only", choices=("resume", "save"), default=None)
+    p.add_argument("--only", choices=("resume", "save", "lost"), default=None)
     p.add_argument("--out-dir", default=str(BENCH))
     args = p.parse_args(argv)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -200,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "save"):
         lines += ["## One save (and restore) with Checkpoint, one node", "",
                   *bench_save(args.reps), ""]  # fmt: skip
+    if args.only in (None, "lost"):
+        lines += ["## Steps lost to a killed rank, with a restart and without", "",
+                  *bench_lost(min(args.reps, 3)), ""]  # fmt: skip
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "RESULTS-elastic.md" if args.only is None else f"RESULTS-elastic-{args.only}.md"
