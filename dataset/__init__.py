@@ -248,6 +248,7 @@ class Dataset:
         if parts_given and not isinstance(whole, PartIndex):
             raise TypeError(f"{sorted(parts_given)} apply to part files only, not to {index!r}")
         self.index: Index = whole.partition(self.partition, self.partitions)
+        self.whole = whole  # (a batcher regenerates other partitions' orders from it)
         # (part files: a partition has at least one part; len() would read one to count)
         if not isinstance(self.index, PartIndex) and len(self.index) == 0:
             raise BadIndex(
@@ -348,6 +349,8 @@ class Dataset:
             processor_opt=processor_opt,
             seed=seed,
             partition=self.partition,
+            partitions=self.partitions,
+            whole=self.whole,
             options=options,
             scope=scope,
         )

@@ -13,6 +13,12 @@ It composes two stages:
 The batcher keeps the engine's free slots filled from the stream, counts what
 the user got (for ``state_dict``) and adds the user-facing parts: epochs as
 ``for`` loops, ``next_batch``, a progress bar, the torch adapter.
+
+Its position does not depend on the world size: ``load_state_dict`` takes this
+rank's state, or the list of every rank's states of a job of any size, and then
+hands out this rank's share of what that job had not handed out (see
+:mod:`dataset.sampling.elastic`). ``elastic_state`` says so to
+``distlearn.Checkpoint``, which gathers every rank's state into its manifest.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from .fetch.scope import Scope, locations_of, scope_for
 from .fetch.stats import Stats
 from .items import Batch, Record
 from .options import DEFAULT_WORKER_TIMEOUT, Options
+from .sampling.elastic import Position
 from .sampling.samplers import for_index
 from .sampling.stream import ItemStream
 from .workers.ring import SlotEngine
@@ -56,6 +63,10 @@ class SampledBatcher:
         processor_opt: Passed to the processor as `opt`.
         seed: Seeds the sampler and `item_rng()`.
         partition: The partition, for the seeds.
+        partitions: How many partitions the whole index was cut into.
+        whole: The index before partitioning (default `index`): the batcher
+            regenerates other partitions' orders from it to resume the position of a
+            job of another world size.
         options: The typed option groups (fetch, cache, workers, sampling).
         **flat (Any): Flat options laid over `options`, checked here.
 
@@ -63,6 +74,8 @@ class SampledBatcher:
         TypeError: A misspelt option, naming the closest.
         ValueError: A bad option value or an unknown sampler.
     """
+
+    elastic_state = True  # load_state_dict takes every rank's states (distlearn.Checkpoint)
 
     def __init__(
         self,
@@ -75,6 +88,8 @@ class SampledBatcher:
         processor_opt: Any = None,
         seed: int = 0,
         partition: int = 0,
+        partitions: int = 1,
+        whole: Any = None,
         options: Options | None = None,
         scope: Scope | None = None,
         **flat: Any,
@@ -91,6 +106,8 @@ class SampledBatcher:
             batch_size=batch_size,
             seed=seed,
             partition=partition,
+            partitions=partitions,
+            whole=whole,
             drop_last=o.sampling.drop_last,
         )
         target = check_device(o.device.device, o.device.pin_memory)
@@ -115,7 +132,7 @@ class SampledBatcher:
         self.sampler_name = self.stream.sampler_name
         self.workers_kind, self.num_workers = self.engine.kind, self.engine.num_workers
         self.progress = o.workers.progress
-        self._resume: tuple[int, int] | None = None
+        self._resume: Position | None = None
         self._closed = False
         self._pid = os.getpid()
         self._run = 0  # bumped by every new start of the pipeline (see __iter__)
@@ -181,10 +198,13 @@ class SampledBatcher:
         self._run += 1
 
     def _start_next(self) -> None:
-        """Begin the epoch being resumed, else the next one."""
+        """Begin where a resume says, else the next epoch."""
         if self._resume is not None:
-            (epoch, consumed), self._resume = self._resume, None
-            self._start(epoch, consumed)
+            pos, self._resume = self._resume, None
+            self._ahead = None
+            self.engine.drain()
+            self.stream.resume(pos)
+            self._run += 1
         else:
             self._start(self.stream.epoch + 1)
 
@@ -330,34 +350,59 @@ class SampledBatcher:
     # -- resume ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Where this batcher stands: the epoch and how many of its items were handed out.
+        """Where this batcher stands: a few integers, whatever the epoch's size.
 
-        A few integers, whatever the epoch's size: the order is regenerated from
-        (seed, partition, epoch) on resume. Items in flight but not yet handed
-        out are not counted, so a job resumed with `load_state_dict` sees
-        exactly the items it had not seen.
+        The order is regenerated from (seed, partition, epoch) on resume. Items in
+        flight but not yet handed out are not counted, so a job resumed with
+        `load_state_dict` sees exactly the items it had not seen. The position does
+        not depend on the world size (the format: `dataset.sampling.elastic`).
 
         Returns:
-            A small dict of ints.
+            A small dict of ints and strings.
         """
+        if self._resume is not None:  # loaded, not started yet: where it will start
+            return self.stream.state_of(self._resume)
         return self.stream.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`: the next batch is the first item not yet seen then.
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Continue from this rank's state, or from every rank's states of any job.
+
+        This rank's own state: the next batch is the first item it had not handed
+        out, bit for bit as if never stopped. The list of every rank's states of a
+        job of any world size, in any order: this rank hands out its share of what
+        that job had not handed out (the rest of that epoch holds every example
+        exactly once), then ordinary epochs of its own partitioning.
 
         Args:
-            state: What `state_dict()` returned.
+            state: What `state_dict()` returned, or the list of what every rank's did.
 
         Raises:
-            TypeError: `state` is not a dict.
-            ValueError: `state` was saved for another order (another sampler, seed,
-                partition, or an index that gained or lost items), naming what differs.
+            TypeError: `state` is not a dict or a list.
+            ValueError: `state` cannot be honoured (another sampler, seed or index;
+                another partition without the list; a rank's state missing from the
+                list), naming what differs.
         """
-        resume = self.stream.check_state(state)
+        resume = self.stream.resume_position(state)
+        self._ahead = None
         self.engine.drain()
         self.stream.stop()
         self._resume = resume
         self._run += 1
+
+    def take_over(self, position: Position) -> None:
+        """Go on from `position` (see :func:`dataset.sampling.elastic.take_over`) without
+        ending the iteration under way: a `for` loop over the batcher hands out the
+        position's pieces next, and ends with them. Batches in flight are discarded and
+        come again in their turn (distlearn.survivors: a rank's share of a dead rank's
+        rest, after its own)."""
+        self.engine.drain()
+        self.stream.resume(position)
+        self.index, self.partition = self.stream.index, self.stream.partition
+
+    @property
+    def handed_out(self) -> int:
+        """Items handed out (or dropped) over this batcher's life."""
+        return self.stream.handed_out
 
     # -- adapters and lifetime ---------------------------------------------------------
 

@@ -4,6 +4,9 @@ One import namespace: `distlearn.dataset` (loading), `distlearn.ipc` (the proces
 tree), `distlearn.common` (the helpers both share) and this package. The
 communicator is the `ipc` tree (the default), `torch.distributed` through
 `distlearn.backends.TorchDistributed`, or XLA through `distlearn.backends.XLA`.
+`Checkpoint` saves and restores a job (model, optimizer, loader position) at any
+world size; `distlearn.preemption` turns SIGTERM into a stop that every rank takes
+after the same step.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -13,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllReduceEA",
     "AllReduceSGD",
+    "Checkpoint",
     "Communicator",
     "broadcast_state_dict",
     "synchronize_optimizer",
@@ -21,6 +25,7 @@ __all__ = [
 # Imported on first use (PEP 562): `distlearn.common`, `distlearn.dataset.serve` and
 # `distlearn.ipc` below this package start without importing torch for it.
 _LAZY = {
+    "Checkpoint": "checkpoint",
     "Communicator": "comm",
     "AllReduceEA": "ea",
     "AllReduceSGD": "sgd",
@@ -29,6 +34,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
     from .comm import Communicator
     from .ea import AllReduceEA
     from .sgd import AllReduceSGD

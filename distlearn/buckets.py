@@ -16,7 +16,9 @@ exactly once, in bucket order, the last one always by `finish_step`. The last bu
 carries more elements ("marks"): for each parameter the number of nodes that had a
 `.grad` for it, then the number of nodes whose gradients changed after their bucket
 had left ("late": a second backward before the step ended), then the number of nodes
-whose trainable parameters changed since the buckets were built. If any node was late,
+whose trainable parameters changed since the buckets were built, then the number of
+nodes asked to stop (distlearn.preemption: a SIGTERM rides here, for every node to
+learn in the same step). If any node was late,
 or every contributing node's trainable parameters changed, every node all-reduces its
 gradients once more (after rebuilding the buckets and checking that all nodes' new
 sets match), so the result is always the sum of what each node holds when it ends the
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import preemption
 from .comm import Communicator, Completed, check_same_layout, start_all_reduce
 from .tensors import check_dense
 
@@ -250,8 +253,12 @@ class GradientBuckets:
         bucket_bytes: int,
         first_bucket_bytes: int,
         wire_dtype: torch.dtype | None,
+        rider: Any = None,
     ) -> None:
         self.module = module
+        # More elements after the marks: `rider.size` of them, filled by `rider.fill(view)`
+        # and read by `rider.read(values)` (distlearn.survivors: every rank's position).
+        self.rider = rider
         self.comm = comm
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
@@ -302,6 +309,10 @@ class GradientBuckets:
                 return True
         return False
 
+    @property
+    def _rider_size(self) -> int:
+        return self.rider.size if self.rider is not None else 0
+
     def _build(self) -> None:
         self._signature = self._trainable()
         # backward order, each parameter once (a shared one where the tree first holds it);
@@ -316,7 +327,8 @@ class GradientBuckets:
             )
         last = len(groups) - 1
         self.params = params
-        marks = len(params) + 2  # a count a parameter, the late count, the changed count
+        # a count a parameter, the late count, the changed count, the stop count, a rider's
+        marks = len(params) + 3 + self._rider_size
         self.buckets = [
             _Bucket(members, self._wire(members[0].dtype), marks * (i == last) + self.counted)
             for i, members in enumerate(groups)
@@ -325,7 +337,7 @@ class GradientBuckets:
         # on the bucket's device: a copy from host memory would sync with CUDA.
         flat = self.buckets[-1].flat
         self._marks = torch.ones(marks, dtype=flat.dtype, device=flat.device)
-        self._marks[-2:] = 0
+        self._marks[len(params) :] = 0
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         place = {id(p): j for j, p in enumerate(params)}
         for b in self.buckets:
@@ -530,6 +542,9 @@ class GradientBuckets:
         self.late_nodes = round(tail[at])
         if count is None:
             count = round(tail[-1]) if last.handle.count_in_slot else last.handle.wait()
+        preemption.observe(tail[at + 2], count, self.comm.num_nodes)
+        if self._rider_size:
+            self.rider.read(tail[at + 3 : at + 3 + self._rider_size])
         return count, round(tail[at + 1])
 
     def _frozen_means(self, count: int | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -551,9 +566,10 @@ class GradientBuckets:
     def _mark(self, last: _Bucket, late: bool, contribute: bool, changed: bool) -> None:
         """This node's marks into the last bucket, after its gradients: 1 for each
         parameter it has a .grad for, 1 if it was late, 1 if its trainable parameters
-        changed (0s from a finished node: a communicator may leave its values out)."""
+        changed, 1 if it was asked to stop (0s from a finished node: a communicator may
+        leave its values out)."""
         had = len(self.params)
-        marks = last.flat[last.numel : last.numel + had + 2]
+        marks = last.flat[last.numel : last.numel + had + 3 + self._rider_size]
         if not contribute:
             marks.zero_()
             return
@@ -564,6 +580,10 @@ class GradientBuckets:
             marks[had].fill_(1)
         if changed:
             marks[had + 1].fill_(1)
+        if preemption.local_flag():
+            marks[had + 2].fill_(1)
+        if self._rider_size:
+            self.rider.fill(marks[had + 3 :])
 
     def _reset(self) -> None:
         self._due = self._hold = False

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import preemption
 from .comm import (
     Communicator,
     check_communicator,
@@ -94,14 +95,17 @@ class AllReduceEA:
     def _land(self, ask_active: bool = False) -> bool:
         """Wait for the average in flight, if any, and move the center by its sum;
         with `ask_active`, returns whether any node was still active in it (a read
-        back to the host: on CUDA a sync, which only the end of an epoch needs)."""
+        back to the host: on CUDA a sync, which only the end of an epoch needs). The
+        stop flag (distlearn.preemption) is handed on unread."""
         if self._pending is None:
             return False
         handle, self._pending = self._pending, None
         handle.wait()
         with torch.no_grad():
             torch._foreach_add_(self._center, self._delta)
-        return ask_active and bool(self._active.real.item() > 0)
+        # (read when asked, not here: no sync)
+        preemption.observe(self._active[1:], self._active[:1], self.comm.num_nodes)
+        return ask_active and bool(self._active[0].real.item() > 0)
 
     def center_model(self, model: nn.Module) -> nn.Module:
         """A copy of `model` whose parameters are the center.
@@ -162,9 +166,10 @@ class AllReduceEA:
             with torch.no_grad():
                 self._center = [p.detach().clone() for p in params]
                 self._delta = [torch.zeros_like(p) for p in params]
-            # 0/1: is this node still in its epoch? It rides in the delta all-reduce (same
-            # dtype as the first parameter, so a packing communicator sends one buffer).
-            self._active = torch.zeros(1, dtype=params[0].dtype, device=params[0].device)
+            # 0/1: is this node still in its epoch? And was it asked to stop
+            # (distlearn.preemption)? They ride in the delta all-reduce (same dtype as the
+            # first parameter, so a packing communicator sends one buffer).
+            self._active = torch.zeros(2, dtype=params[0].dtype, device=params[0].device)
         elif len(params) != len(self._center) or any(
             p.shape != c.shape for p, c in zip(params, self._center, strict=True)
         ):
@@ -180,7 +185,8 @@ class AllReduceEA:
             torch._foreach_sub_(delta, center)
             torch._foreach_mul_(delta, self.alpha)
             torch._foreach_sub_(params, delta)
-            self._active.fill_(1 if active else 0)
+            self._active[0].fill_(1 if active else 0)
+            self._active[1].fill_(preemption.local_flag())
         # The flag rides with the deltas: a node that finished its epoch still sends
         # its real delta (it keeps averaging) but does not count as active.
         self._pending = start_all_reduce(self.comm, [*delta, self._active])

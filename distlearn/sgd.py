@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import preemption
 from .buckets import GradientBuckets, _zero_at, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, check_same_layout, supports_async
 from .tensors import grad_or_zeros, gradient_holders, gradients_of, leaves, reusable, state_of
@@ -125,6 +126,10 @@ class AllReduceSGD:
         )
         self._no_sync = 0
         self._layout_checked = False
+        # Elements that ride every step's gradient all-reduce after the flags (set before
+        # the first step): `rider.size` of them, `rider.fill(view)`, `rider.read(values)`.
+        # distlearn.survivors keeps every rank's data position in them.
+        self.rider: Any = None
 
     def _check_layout(self, x: Any) -> None:
         """The first collective of this AllReduceSGD on every node, whichever call makes
@@ -224,8 +229,9 @@ class AllReduceSGD:
             if previous is not None:
                 previous.remove_hooks()
             buckets = GradientBuckets(
-                x, self.comm, self.bucket_bytes, self.first_bucket_bytes, self.grad_dtype
-            )
+                x, self.comm, self.bucket_bytes, self.first_bucket_bytes, self.grad_dtype,
+                self.rider,
+            )  # fmt: skip
             buckets.syncing = self._no_sync == 0
             self._buckets[x] = buckets
             _OWNERS[x] = weakref.ref(buckets)
@@ -284,13 +290,24 @@ class AllReduceSGD:
                 sent = [torch.empty_like(g, dtype=w) for g, w in zip(grads, wires, strict=True)]
                 for t, g, s in zip(sent, grads, scales, strict=True):
                     torch.mul(g, s, out=t)
+            extra = self.rider.size if self.rider is not None else 0
+            k = len(owners)
             if owners:  # in the first tensor's dtype and device: the same collective
-                # Made on the device, not copied from the host (on CUDA, a sync).
-                flags = torch.ones(len(owners), dtype=wires[0], device=grads[0].device)
+                # Made on the device, not copied from the host (on CUDA, a sync); more
+                # elements: the nodes asked to stop (distlearn.preemption), a rider's.
+                flags = torch.ones(k + 1 + extra, dtype=wires[0], device=grads[0].device)
+                flags[k:].zero_()
+                flags[k].fill_(preemption.local_flag())
+                if extra:
+                    self.rider.fill(flags[k + 1 :])
                 if not all(had):
                     _zero_at(flags, [j for j, mine in enumerate(had) if not mine])
                 sent.append(flags)
             n = self.comm.all_reduce(sent)
+            if owners:
+                preemption.observe(flags[k : k + 1], n, nodes)
+                if extra:
+                    self.rider.read(flags[k + 1 :].tolist())
             divisor = n if normalize and n > 1 else 1
             if aliased:
                 if divisor > 1:
@@ -299,7 +316,7 @@ class AllReduceSGD:
                 for g, t, s in zip(grads, sent, scales, strict=False):  # (sent: + flags)
                     g.copy_(t).mul_(1.0 / s / divisor)
         if not all(had):  # only a parameter this node had no .grad for can stay None
-            for t, mine, total in zip(owners, had, sent[-1].tolist(), strict=True):
+            for t, mine, total in zip(owners, had, sent[-1].tolist()[:k], strict=True):
                 if not mine and total == 0:
                     t.grad = None
         self._layout = [(t.dtype, t.device, t.shape) for t in sent]
@@ -361,13 +378,20 @@ class AllReduceSGD:
             like = gradient_holders(x)
             layout = [(self._wire(t.dtype), t.device, t.shape) for t in like]
             owners = sum(t.requires_grad for t in like)
-            if owners:
-                layout.append((layout[0][0], layout[0][1], torch.Size([owners])))
+            extra = self.rider.size if self.rider is not None else 0
+            if owners:  # (and the stop flag, a rider's elements)
+                layout.append((layout[0][0], layout[0][1], torch.Size([owners + 1 + extra])))
         else:
             layout = self._layout
         if not layout:
             return  # nothing to send (a frozen module): no node can be stepping it
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for dtype, device, shape in layout]
-        while self.comm.all_reduce(zeros, finished=True) > 0:
+        extra = self.rider.size if self.rider is not None else 0
+        flags = zeros[-1]
+        k = len(flags) - 1 - extra  # (the per-parameter counts, then the stop flag)
+        while (n := self.comm.all_reduce(zeros, finished=True)) > 0:
+            preemption.observe(flags[k : k + 1], n, self.comm.num_nodes)  # the others' flags
+            if extra:
+                self.rider.read(flags[k + 1 :].tolist())
             for z in zeros:
                 z.zero_()

@@ -14,7 +14,7 @@ import torch
 
 from .comm import Communicator, check_communicator
 
-__all__ = ["broadcast_state_dict", "synchronize_optimizer"]
+__all__ = ["broadcast_state_dict", "gather_bytes", "share_bytes", "synchronize_optimizer"]
 
 
 def _encode(x: Any, tensors: list[torch.Tensor], path: str) -> Any:
@@ -133,3 +133,35 @@ def synchronize_optimizer(comm: Communicator, optimizer: torch.optim.Optimizer) 
     state = broadcast_state_dict(comm, optimizer.state_dict() if comm.node_index == 0 else None)
     if comm.node_index != 0:
         optimizer.load_state_dict(state)
+
+
+def gather_bytes(comm: Communicator, data: bytes, device: Any = None) -> list[bytes]:
+    """Every node's `data`, on every node, in node order: rows of one sum all-reduce (the
+    protocol has no gather), after a max all-reduce of the lengths. For small things
+    (positions, checksums): W x the longest, in int32s."""
+    dev = device or torch.device("cpu")
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    comm.all_reduce(n, op="max")
+    rows = torch.zeros(comm.num_nodes, int(n[0]) + 1, dtype=torch.int32, device=dev)
+    if data:
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32)
+        rows[comm.node_index, 1 : 1 + len(data)] = mine.to(dev)
+    rows[comm.node_index, 0] = len(data)
+    comm.all_reduce(rows)
+    host = rows.cpu()
+    return [bytes(host[r, 1 : 1 + int(host[r, 0])].to(torch.uint8).numpy())
+            for r in range(comm.num_nodes)]  # fmt: skip
+
+
+def share_bytes(comm: Communicator, data: bytes | None, device: Any = None) -> bytes:
+    """The root's `data` on every node (the others pass None)."""
+    dev = device or torch.device("cpu")
+    root = comm.node_index == 0
+    n = torch.tensor([len(data) if root else 0], dtype=torch.int64, device=dev)
+    comm.scatter(n)
+    blob = torch.zeros(int(n[0]), dtype=torch.uint8, device=dev)
+    if root and len(data):
+        blob.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if len(blob):
+        comm.scatter(blob)
+    return bytes(blob.cpu().numpy())

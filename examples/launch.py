@@ -270,8 +270,11 @@ def _raise_interrupted(signum: int, _frame) -> None:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def run_job(script: Path, nodes: int, url: str, args: list[str]) -> int:
-    """Start `nodes` processes of `script`; wait for all, or stop all at the first failure."""
+def run_job(script: Path, nodes: int, url: str, args: list[str], survive: bool = False) -> int:
+    """Start `nodes` processes of `script`; wait for all, or stop all at the first failure.
+
+    With `survive` (examples/elastic.sh), a process killed by SIGKILL is the fault the
+    job is there to survive: the others go on, and the job succeeds if they all do."""
     master_port, ipc_port = free_port(), free_port()  # ipc would otherwise take MASTER_PORT+1
     token = secrets.token_hex(16)  # the ipc tree admits only processes of this job
     procs: list[subprocess.Popen] = []
@@ -291,8 +294,20 @@ def run_job(script: Path, nodes: int, url: str, args: list[str]) -> int:
             cmd = [sys.executable, str(script), "--data-url", url, *args]
             procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
         log.info("started %d processes of %s: pids %s", nodes, script.name, [p.pid for p in procs])
+        killed: set[int] = set()
         while True:
             codes = [p.poll() for p in procs]
+            if survive:
+                for rank, c in enumerate(codes):
+                    if c == -signal.SIGKILL and rank not in killed:
+                        killed.add(rank)
+                        log.warning("node %d (pid %d) was killed; the others go on", rank,
+                                    procs[rank].pid)  # fmt: skip
+                if len(killed) == len(procs):
+                    return 128 + signal.SIGKILL
+                codes = [None if r in killed else c for r, c in enumerate(codes)]
+                if all(c == 0 for r, c in enumerate(codes) if r not in killed):
+                    return 0
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
@@ -338,6 +353,8 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     # mnist.sh and mnist-ea.sh pass these two; a user never needs to.
     p.add_argument("--script", type=Path, required=True, help=argparse.SUPPRESS)
     p.add_argument("--prog", help=argparse.SUPPRESS)
+    # elastic.sh: a process killed by SIGKILL is the fault the job survives, not a failure
+    p.add_argument("--survive", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     p.add_argument("--nodes", type=int, default=4, help="processes to start (default %(default)s)")
     p.add_argument("--data", type=Path, help="MNIST folder (default examples/data/mnist[-quick])")
@@ -389,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare_mnist.prepare(data, limit=QUICK_ITEMS if a.quick else None)
         url = server.start()
-        code = run_job(a.script.resolve(), a.nodes, url, args)
+        code = run_job(a.script.resolve(), a.nodes, url, args, a.survive)
     except Interrupted as sig:
         log.error("%s: stopping every process and the server", sig)
         code = 128 + sig.signum

@@ -138,3 +138,31 @@ def test_several_devices(tmp_path):
         state = torch.load(f)
         for name, value in state.items():
             torch.testing.assert_close(value, reference[name], atol=1e-5, rtol=1e-4)
+
+
+def test_checkpoint_and_the_stop_flag_on_xla(comm, tmp_path):
+    """Checkpoint's collectives on the XLA device, its files written from CPU copies of
+    the XLA tensors, and the stop flag riding AllReduceSGD's all-reduce (the plain path)."""
+    from distlearn import AllReduceSGD, Checkpoint, preemption
+
+    dev = comm.device
+    model = sim.make_model(seed=3).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sgd = AllReduceSGD(comm)
+    preemption.reset()
+    try:
+        preemption.request("test")
+        x, y = sim.batch(0, 8)
+        nn.functional.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
+        sgd.sum_and_normalize_gradients(model)
+        opt.step()
+        assert preemption.agreed()
+        ckpt = Checkpoint(tmp_path, comm, signals=())
+        ckpt.save(1, {"model": model, "optim": opt})
+        fresh = sim.make_model(seed=4).to(dev)
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        assert ckpt.restore({"model": fresh, "optim": fresh_opt}) == 1
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True):
+            assert torch.equal(a.cpu(), b.cpu())
+    finally:
+        preemption.reset()

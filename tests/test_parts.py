@@ -126,7 +126,7 @@ def test_len_is_an_estimate_until_parts_are_read(tmp_path):
                 sink.write({"__key__": f"p{p}i{i:03d}", "bin": bytes(2000), "cls": "1"})
     idx = open_parts(tmp_path, cache_parts=False, resident_parts=2)
     assert 90 <= len(idx) <= 110 and not idx.exact  # part 0 read, its records per byte scaled
-    stream = SAMPLERS["part-linear"](idx, 0, np.random.default_rng(0))
+    stream = iter(SAMPLERS["part-linear"](idx, 0, np.random.default_rng(0)))
     next(stream)
     assert 90 <= len(idx) <= 110
     list(stream)

@@ -100,7 +100,8 @@ def test_millions_of_items_stay_numpy_and_the_state_stays_small(n):
             s.consumed(len(next(s)))
         assert time.process_time() - t0 < 5  # three batches, not a pass over every item
         state = s.state_dict()
-        assert len(json.dumps(state)) < 200 and state["consumed"] == 3 * 256
+        # integers whatever the epoch's size (the format: dataset.sampling.elastic)
+        assert len(json.dumps(state)) < 300 and state["consumed"] == 3 * 256
         # resuming slices the epoch's array: the next batch is item 768 of the same order
         order = s.items(0)
         s.start(*s.check_state(state))

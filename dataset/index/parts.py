@@ -33,8 +33,11 @@ contract, all the batcher and the ``part-*`` samplers of
   ``multi_hot`` (False);
 - ``partition(p, n)``: the part source of one partition (file i to ``i % n``);
 - ``len()``: records, an estimate until ``exact``;
-- ``stream(rng, parts, items)``: one epoch of :class:`dataset.items.Record`
-  objects, parts and records each ``"linear"`` or ``"permutation"``;
+- ``epoch(rng, parts, items)``: one epoch (a :class:`PartEpoch`, an iterable of
+  :class:`dataset.items.Record`), parts and records each ``"linear"`` or
+  ``"permutation"``, readable from any (part, record) place without reading the
+  parts before it; ``stream(rng, parts, items)``: the same as a plain iterator;
+- ``numbers``: each part's number in the whole listing (``partition`` keeps them);
 - ``read_counters()``: what reading produced, for ``batcher.stats``.
 """
 
@@ -74,7 +77,7 @@ from .part_files import (
 log = logging.getLogger(__name__)
 
 
-__all__ = ["MAX_CLASS_IDS", "PartIndex", "SampleMember", "open_parts"]
+__all__ = ["MAX_CLASS_IDS", "PartEpoch", "PartIndex", "SampleMember", "open_parts"]
 
 # Integer class ids (label_key values, no labels= given) read at most: ids 0..id are
 # named by their number as they appear, so one record's id sets how many names are
@@ -163,9 +166,13 @@ class PartIndex:
         partition: int = 0,
         partitions: int = 1,
         sizes: Sequence[int | None] | None = None,
+        numbers: Sequence[int] | None = None,
+        labels: tuple[list[str], dict[str, int]] | None = None,
     ):
         self.options = options = options or PartOptions()
         self.parts = list(parts)
+        # each part's number in the whole listing: what a position names across world sizes
+        self.numbers = list(numbers) if numbers is not None else list(range(len(self.parts)))
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.parts)
         self.origin = origin
         self.max_part_bytes, self.part_timeout = options.max_part_bytes, options.part_timeout
@@ -176,8 +183,11 @@ class PartIndex:
         self.cache = cache
         self.label_key = options.label_key
         self._fixed_labels = options.labels is not None
-        self.labels: list[str] = list(options.labels) if options.labels is not None else []
-        self._label_ids = {name: i for i, name in enumerate(self.labels)}
+        if labels is not None:  # a partition's: the whole's, growing together (the same ids)
+            self.labels, self._label_ids = labels
+        else:
+            self.labels: list[str] = list(options.labels) if options.labels is not None else []
+            self._label_ids = {name: i for i, name in enumerate(self.labels)}
         self.check_crc = options.check_crc
         self.storage_options = dict(options.storage_options or {})
         self.retries = options.part_retries
@@ -270,6 +280,8 @@ class PartIndex:
             partition=partition,
             partitions=partitions,
             sizes=self.sizes[partition::partitions],
+            numbers=self.numbers[partition::partitions],
+            labels=(self.labels, self._label_ids),
         )
 
     # ------------------------------------------------------------ loading
@@ -448,8 +460,23 @@ class PartIndex:
             self.labels.append(str(len(self.labels)))
         return (lab,)
 
+    def epoch(
+        self, rng: np.random.Generator | None, parts: str = "linear", items: str = "linear"
+    ) -> PartEpoch:
+        """One epoch: parts and the records of each in order or permuted (by ``rng``).
+
+        Args:
+            rng: The epoch's generator (None: both in order).
+            parts: `"linear"` or `"permutation"`: the order of the parts.
+            items: `"linear"` or `"permutation"`: the order within each part.
+
+        Returns:
+            A `PartEpoch`: iterable, and readable from any (part, record) place.
+        """
+        return PartEpoch(self, rng, parts, items)
+
     def stream(
-        self, rng: np.random.Generator, parts: str = "linear", items: str = "linear"
+        self, rng: np.random.Generator | None, parts: str = "linear", items: str = "linear"
     ) -> Iterator[Record]:
         """One epoch of records: parts and items each in order or permuted by ``rng``.
 
@@ -458,19 +485,81 @@ class PartIndex:
             parts: `"linear"` or `"permutation"`: the order of the parts.
             items: `"linear"` or `"permutation"`: the order within each part.
 
-        Yields:
-            Each `Record`, its payload in memory.
+        Returns:
+            An iterator of each `Record`, its payload in memory (see `epoch`).
         """
-        order = list(range(len(self.parts)))
+        return iter(self.epoch(rng, parts, items))
+
+    def record(self, url: str, off: int, rec: Any) -> Record:
+        """The `Record` of a parsed record at byte `off` of part `url`, its labels read."""
+        name = f"{url}#{off}"
+        return Record(rec, self._labels_of(rec, name), name)
+
+
+class PartEpoch:
+    """One epoch of a part source: the order of its parts, and its records from any place.
+
+    The part order is drawn from the epoch's generator; each part's record permutation
+    from a generator of its own, keyed by the part's number in the whole listing (one
+    draw of the epoch's generator, then the number), so where part k's records go does
+    not depend on how many records the parts before it hold: a position (k parts done, j
+    records of the next) is resumed by reading part k alone, and a part is read the same
+    from any partitioning. Iterating gives every record of the epoch in order.
+    """
+
+    def __init__(self, index: PartIndex, rng: np.random.Generator | None, parts: str,
+                 items: str):  # fmt: skip
+        for what, mode in (("parts", parts), ("items", items)):
+            if mode not in ("linear", "permutation"):
+                raise ValueError(f"{what} must be 'linear' or 'permutation', got {mode!r}")
+        if rng is None and "permutation" in (parts, items):
+            raise ValueError("a permuted part epoch needs a generator")
+        self.index, self.items = index, items
+        self.local = list(range(len(index.parts)))  # this partition's parts, in epoch order
         if parts == "permutation":
-            order = [int(i) for i in rng.permutation(len(order))]
-        for n, recs in self.iter_parts(order):
-            url = self.parts[n]
-            idx = rng.permutation(len(recs)) if items == "permutation" else range(len(recs))
-            for i in idx:
-                off, rec = recs[i]
-                name = f"{url}#{off}"
-                yield Record(rec, self._labels_of(rec, name), name)
+            self.local = [int(i) for i in rng.permutation(len(self.local))]
+        self._base = int(rng.integers(0, 2**63)) if items == "permutation" else 0
+
+    @property
+    def order(self) -> list[int]:
+        """The parts of this epoch in their order, by number in the whole listing."""
+        return [self.index.numbers[i] for i in self.local]
+
+    def permutation(self, number: int, n: int) -> Any:
+        """The order of the `n` records of part `number` (in the whole listing)."""
+        if self.items == "linear":
+            return range(n)
+        return np.random.default_rng([self._base, number]).permutation(n)
+
+    def __iter__(self) -> Iterator[Record]:
+        for rec, _, _ in self.walk(0, 0):
+            yield rec
+
+    def walk(self, k: int = 0, j: int = 0) -> Iterator[tuple[Record, tuple[int, int], int]]:
+        """``(record, (k', j') after it, its key)`` from record j of the k-th part on; the
+        key (``number << 32 | place``) names the record whatever the partitioning."""
+        index = self.index
+        for ordinal, (n, recs) in enumerate(index.iter_parts(self.local[k:]), start=k):
+            number, url = index.numbers[n], index.parts[n]
+            perm = self.permutation(number, len(recs))
+            for place in range(j if ordinal == k else 0, len(recs)):
+                off, rec = recs[perm[place]]
+                after = (ordinal, place + 1) if place + 1 < len(recs) else (ordinal + 1, 0)
+                yield index.record(url, off, rec), after, number << 32 | place
+
+    def part(self, number: int, j: int = 0) -> Iterator[tuple[Record, int]]:
+        """``(record, key)`` of part `number` (in the whole listing) from its j-th on."""
+        index = self.index
+        try:
+            n = index.numbers.index(number)
+        except ValueError:
+            raise PartError(f"{index.origin}: part {number} is not one of this partition's "
+                            f"{index.numbers[:8]}...") from None  # fmt: skip
+        for _, recs in index.iter_parts([n]):
+            perm = self.permutation(number, len(recs))
+            for place in range(j, len(recs)):
+                off, rec = recs[perm[place]]
+                yield index.record(index.parts[n], off, rec), number << 32 | place
 
 
 def open_parts(

@@ -119,9 +119,15 @@ def epoch_rng(seed: int, partition: int, epoch: int, stream: int = 0) -> np.rand
 
 
 def endless(
-    sampler: SamplerFn, index, rng: np.random.Generator, opt: Mapping[str, Any] | None = None
+    sampler: SamplerFn,
+    index,
+    rng: np.random.Generator,
+    opt: Mapping[str, Any] | None = None,
+    skip: int = 0,
 ) -> Iterator[Any]:
-    """`sampler`'s epochs of `index` end to end, forever, all drawn from one generator.
+    """`sampler`'s epochs of `index` end to end, forever, all drawn from one generator,
+    after the first `skip` items (whole epochs of arrays skipped by their length, the
+    rest sliced: computed, not walked item by item).
 
     This is how a joined index that does not drive the epoch is drawn from: any
     sampler works, ``linear``/``permutation`` wrap around and ``uniform`` never
@@ -133,7 +139,16 @@ def endless(
         empty = True
         items = sampler(index, epoch, rng, **opt)
         if isinstance(items, np.ndarray):
-            items = items.tolist()  # python ints iterate and index far faster
+            empty = len(items) == 0
+            if skip >= len(items) and not empty:
+                skip -= len(items)
+                continue
+            items, skip = items[skip:].tolist(), 0  # python ints iterate far faster
+        elif skip:
+            items = iter(items)
+            for _ in itertools.islice(items, skip):
+                empty = False
+                skip -= 1
         for item in items:
             empty = False
             yield item
@@ -322,33 +337,33 @@ register_sampler("label-distribution", label_distribution)
 # ----------------------------------------------------------------------------- part sources
 
 
-def _stream_of(index: Any, kind: str) -> Callable[..., Iterator[Any]]:
-    stream = getattr(index, "stream", None)
-    if stream is None:
+def _epoch_of(index: Any, kind: str) -> Callable[..., Any]:
+    epoch = getattr(index, "epoch", None)
+    if epoch is None or not hasattr(index, "stream"):
         raise TypeError(
             f"sampler {kind!r} reads part files; the index {getattr(index, 'origin', index)!r} "
             "is not a folder of part files"
         )
-    return stream
+    return epoch
 
 
-def part_linear(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Any]:
+def part_linear(index: Any, epoch: int, rng: np.random.Generator) -> Iterable[Any]:
     """Parts in order, records of each part in order."""
-    return _stream_of(index, "part-linear")(rng, "linear", "linear")
+    return _epoch_of(index, "part-linear")(rng, "linear", "linear")
 
 
-def part_linear_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Any]:
+def part_linear_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterable[Any]:
     """Parts in order, records of each part in a new random order each epoch."""
-    return _stream_of(index, "part-linear-permutation")(rng, "linear", "permutation")
+    return _epoch_of(index, "part-linear-permutation")(rng, "linear", "permutation")
 
 
-def part_permutation_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterator[Any]:
+def part_permutation_permutation(index: Any, epoch: int, rng: np.random.Generator) -> Iterable[Any]:
     """Parts in a new random order each epoch, records of each part permuted too."""
-    return _stream_of(index, "part-permutation-permutation")(rng, "permutation", "permutation")
+    return _epoch_of(index, "part-permutation-permutation")(rng, "permutation", "permutation")
 
 
-# The samplers of part sources (dataset.index.parts): records read as a stream, by the
-# part source's ``stream(rng, parts, items)``.
+# The samplers of part sources (dataset.index.parts): one epoch of records, the part
+# source's ``epoch(rng, parts, items)`` (a PartEpoch: iterable, and readable from any place).
 PART_SAMPLERS = {
     "part-linear": part_linear,
     "part-linear-permutation": part_linear_permutation,

@@ -9,20 +9,30 @@ items and nothing else:
   generator seeded by (seed, partition, epoch);
 - joined indexes: aligned members (item i of the first fetches item i of each)
   and drawn ones (each with its own sampler, seeded by the member's position);
-- the epoch and the position in it, so ``state_dict()`` is a few integers (the
-  order itself is regenerated on resume, never stored).
+- the position, a few integers (:class:`dataset.sampling.elastic.Position`): the
+  epoch and how much of it was handed out, and after a resume at another world size
+  the *pieces* of an interrupted epoch still to hand out first. Orders are regenerated
+  from (seed, partition, epoch), never stored; a piece names another partitioning's
+  order, which the stream regenerates from the whole index it is given.
 
 A sampler's epoch that is a numpy array of positions is cut into batches by
-slicing: 10M items cost no Python object until their batch is dispatched.
+slicing: 10M items cost no Python object until their batch is dispatched, and a
+resume anywhere in it is a slice. Part files (a :class:`dataset.index.parts.PartEpoch`)
+resume at (part, record) reading only that part.
+
+Each :class:`Work` carries where the stream stands once it is handed out (``end``);
+``consumed()`` moves the position there, so items dispatched but not handed out are
+never counted, whatever the workers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
-import numbers
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +41,8 @@ from ..errors import BadIndex
 from ..fetch.sources import Joined
 from ..index.joined import JoinedIndex
 from ..items import Record
+from . import elastic
+from .elastic import Piece, Position
 from .samplers import check_options, endless, epoch_rng, get_sampler
 
 __all__ = ["ItemStream", "Work"]
@@ -38,7 +50,12 @@ __all__ = ["ItemStream", "Work"]
 
 @dataclass
 class Work:
-    """One batch of items, in sampler order: ``first`` is the first item's place in its epoch."""
+    """One batch of items, in sampler order: ``first`` is the first item's place in its epoch.
+
+    ``keys``: per item, ``(partition, epoch, place)`` that its per-item generator is keyed
+    by, where that is not this stream's (partition, epoch, first + i): items of another
+    partitioning's order, part-file records. ``end``: the stream's cursor once this batch
+    is handed out."""
 
     sources: list[Any]
     targets: list[int]
@@ -46,6 +63,8 @@ class Work:
     names: list[str]
     epoch: int
     first: int
+    keys: list[tuple[int, int, int]] | None = None
+    end: tuple = field(default=(), repr=False)
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -64,9 +83,15 @@ class ItemStream:
     """Batches of `index`'s items in `sampler` order; ``next()`` ends with each epoch.
 
     ``start(epoch, skip)`` begins an epoch (skipping its first `skip` items);
-    ``consumed(n)`` records items the user got (or that failed), which is
-    what :meth:`state_dict` saves: an item dispatched but not handed out is
-    seen again after a resume.
+    ``resume(position)`` begins where a :class:`Position` says (pieces of an
+    interrupted epoch first, then its ordinary epoch); ``consumed()`` records that the
+    oldest dispatched batch was handed out (or failed), which is what
+    :meth:`state_dict` saves: an item dispatched but not handed out is seen again after
+    a resume.
+
+    `whole` (default `index`) is the index before partitioning and `partitions` the
+    count it was cut into: the stream regenerates other partitions' orders from it when
+    it resumes the position of a job of another world size.
     """
 
     def __init__(
@@ -78,13 +103,18 @@ class ItemStream:
         batch_size: int = 32,
         seed: int = 0,
         partition: int = 0,
+        partitions: int = 1,
+        whole: Any = None,
         drop_last: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.index = index
+        self.whole = whole if whole is not None else index
         self.batch_size, self.drop_last = batch_size, drop_last
-        self.seed, self.partition = int(seed), int(partition)
+        self.seed, self.partition, self.partitions = int(seed), int(partition), int(partitions)
+        if not 0 <= self.partition < self.partitions:
+            raise ValueError(f"partition {partition} is not in [0, partitions={partitions})")
         sampler, opt, self.draws = split_samplers(index, sampler, sampler_opt)
         self.sampler_name = (
             sampler if isinstance(sampler, str) else getattr(sampler, "__name__", "")
@@ -93,43 +123,124 @@ class ItemStream:
         check_options(self.sampler, opt, self.sampler_name)
         self.sampler_opt = opt
         self.epoch = -1  # the epoch being read; -1 before the first
-        self.done = 0  # items of this epoch handed out (or dropped)
-        self.position = 0  # items of this epoch dispatched
         self.ended = False  # the epoch has no more items to dispatch
         self._batches: Iterator[Work] | None = None
-        self._sized: tuple[int, Any] | None = None  # (epoch, its items) when they have a length
+        self._rest: list[Piece] = []  # the pieces being handed out (see resume)
+        self._cursor: tuple = ("o", 0, 0)  # where the items handed out end (see Work.end)
+        self._dispatched: deque[tuple] = deque()  # (`end`, items) of each batch in flight
+        self.handed_out = 0  # items handed out over this stream's life (never reset)
+        self._last_end: tuple = self._cursor  # the `end` of the last batch dispatched
+        self._orders: dict[tuple[int, int, int], Any] = {}  # (P, p, e) -> its order
+        self._indexes: dict[tuple[int, int], Any] = {}  # (P, p) -> that partition's index
+        self._identity: dict | None = None
 
-    # -- one epoch -------------------------------------------------------------------
+    # -- orders --------------------------------------------------------------------------
 
     def items(self, epoch: int) -> Any:
         """The sampler's items for `epoch`: positions (best a numpy array) or records."""
-        if self._sized is not None and self._sized[0] == epoch:
-            return self._sized[1]
-        rng = epoch_rng(self.seed, self.partition, epoch)
-        items = self.sampler(self.index, epoch, rng, **self.sampler_opt)
+        return self.order(self.partitions, self.partition, epoch)
+
+    def index_of(self, partitions: int, partition: int) -> Any:
+        """The index of `partition` of `partitions` (this stream's own, or cut from `whole`)."""
+        if (partitions, partition) == (self.partitions, self.partition):
+            return self.index
+        key = (partitions, partition)
+        if key not in self._indexes:
+            self._indexes[key] = self.whole.partition(partition, partitions)
+        return self._indexes[key]
+
+    def order(self, partitions: int, partition: int, epoch: int) -> Any:
+        """The order partition `partition` of `partitions` gets in `epoch`: what the sampler
+        gives with the generator of (seed, partition, epoch). Sized orders are kept while
+        they are read (a few: this epoch's, and the pieces' of a resume)."""
+        key = (partitions, partition, epoch)
+        if key in self._orders:
+            return self._orders[key]
+        index = self.index_of(partitions, partition)
+        rng = epoch_rng(self.seed, partition, epoch)
+        items = self.sampler(index, epoch, rng, **self.sampler_opt)
         if self.draws:
             sized = hasattr(items, "__len__")
-            items = (SizedDrawnJoin if sized else DrawnJoin)(self, epoch, items)
-        if hasattr(items, "__len__"):
-            self._sized = (epoch, items)
+            items = (SizedDrawnJoin if sized else DrawnJoin)(self, epoch, items, index, partition)
+        if hasattr(items, "__len__") or hasattr(items, "walk"):
+            if len(self._orders) >= 3:  # (10M positions are 80 MB: keep few)
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = items
         return items
+
+    def _known_length(self, partitions: int, partition: int, epoch: int) -> int:
+        """`length` if that order was made already, else -1 (pooling asks for it then)."""
+        return self.length(partitions, partition, epoch) if (
+            partitions, partition, epoch) in self._orders else -1  # fmt: skip
+
+    # -- the elastic.Geometry protocol: what pooling needs of an order -------------------
+
+    def length(self, partitions: int, partition: int, epoch: int) -> int:
+        """Items of that order handed out in an epoch (its kept length); -1: unknown."""
+        items = self.order(partitions, partition, epoch)
+        if hasattr(items, "walk") or not hasattr(items, "__len__"):
+            return -1
+        return self._kept(len(items))
+
+    def part_order(self, partitions: int, partition: int, epoch: int) -> list[int] | None:
+        if not hasattr(self.whole, "parts"):  # (not part files: no order made to say so)
+            return None
+        items = self.order(partitions, partition, epoch)
+        return items.order if hasattr(items, "walk") else None
+
+    def piece_weight(self, piece: Piece) -> float | None:
+        """What a piece of unknown length weighs when pieces are dealt: a part file's
+        bytes (by the listing), else None (its length, or the mean)."""
+        sizes = getattr(self.whole, "sizes", None)
+        if piece.part >= 0 and sizes is not None and sizes[piece.part] is not None:
+            return float(sizes[piece.part])
+        return None
+
+    def _kept(self, n: int) -> int:
+        return n - n % self.batch_size if self.drop_last else n
+
+    # -- starting ------------------------------------------------------------------------
 
     def start(self, epoch: int, skip: int = 0) -> None:
         """Begin `epoch` after its first `skip` items."""
-        self.epoch, self.done, self.position = epoch, skip, skip
+        self.resume(Position(self.partitions, self.partition, epoch, consumed=skip))
+
+    def resume(self, pos: Position) -> None:
+        """Begin at `pos`: its pieces first (an epoch of their own, numbered `pos.epoch` -
+        1), else its ordinary epoch after what it had handed out."""
         self.ended = False
-        items = self.items(epoch)
-        if isinstance(items, np.ndarray):
-            self._batches = self._slices(items, skip)
+        self._dispatched.clear()
+        if (pos.partitions, pos.partition) != (self.partitions, self.partition):
+            # another partitioning from now on (survivors taking over a dead rank's rest)
+            self.index = self.index_of(pos.partitions, pos.partition)
+            self.partitions, self.partition = pos.partitions, pos.partition
+        if pos.rest:
+            self.epoch = pos.epoch - 1
+            self._rest = list(pos.rest)
+            self._cursor = self._last_end = ("r", 0, 0)
+            self._batches = self._pieces(self._rest)
+            return
+        self.epoch, self._rest = pos.epoch, []
+        items = self.items(pos.epoch)
+        if hasattr(items, "walk"):
+            c = pos.consumed
+            self._cursor = self._last_end = ("p", pos.epoch, c, pos.part, pos.record)
+            self._batches = self._parts(items, c, pos.part, pos.record)
+        elif isinstance(items, np.ndarray):
+            self._cursor = self._last_end = ("o", pos.epoch, pos.consumed)
+            self._batches = self._slices(items, pos.consumed)
         else:
-            it = iter(items)
-            if skip:
-                it = itertools.islice(it, skip, None)
-            self._batches = self._chunks(it)
+            self._cursor = self._last_end = ("o", pos.epoch, pos.consumed)
+            if isinstance(items, DrawnJoin):
+                it = items.iterate(pos.consumed)
+            else:
+                it = itertools.islice(iter(items), pos.consumed, None)
+            self._batches = self._chunks(it, pos.consumed)
 
     def stop(self) -> None:
         """Forget the rest of this epoch (``next()`` ends it)."""
         self._batches = None
+        self._dispatched.clear()
 
     def __iter__(self) -> ItemStream:
         return self
@@ -141,33 +252,64 @@ class ItemStream:
         if work is None:
             self._batches, self.ended = None, True
             raise StopIteration
-        self.position += len(work)
+        self._dispatched.append((work.end, len(work)))
+        self._last_end = work.end
         return work
 
-    def consumed(self, n: int) -> None:
-        self.done += n
+    def consumed(self, n: int | None = None) -> None:
+        """The oldest batches dispatched were handed out (or dropped: every item failed):
+        `n` items of them (None: one batch). The position moves to the end of the last."""
+        if n == 0:
+            return
+        left = n
+        while True:
+            self._cursor, count = self._dispatched.popleft()
+            self.handed_out += count
+            left = 0 if left is None else left - count
+            if left <= 0 or not self._dispatched:
+                return
+
+    # -- batches of an ordinary epoch ----------------------------------------------------
 
     def _slices(self, items: np.ndarray, skip: int) -> Iterator[Work]:
         """Batches of positions, sliced out of the epoch's array."""
-        n, bs = len(items), self.batch_size
+        n, bs, epoch = len(items), self.batch_size, self.epoch
         for lo in range(skip, n, bs):
             chunk = items[lo : lo + bs]
             if self.drop_last and len(chunk) < bs:
                 return
             sources, names, labels, targets = self.index.describe(chunk.astype(np.int64))
-            yield Work(sources, targets, labels, names, self.epoch, lo)
+            end = ("o", epoch, lo + len(chunk))
+            yield Work(sources, targets, labels, names, epoch, lo, end=end)
 
-    def _chunks(self, it: Iterator[Any]) -> Iterator[Work]:
+    def _chunks(self, it: Iterator[Any], at: int) -> Iterator[Work]:
         """Batches of a stream of positions and records."""
         while True:
             chunk = list(itertools.islice(it, self.batch_size))
             if not chunk or (self.drop_last and len(chunk) < self.batch_size):
                 return
-            yield self._work(chunk)
+            work = self._work(chunk, self.index, at)
+            at += len(chunk)
+            work.end = ("o", self.epoch, at)
+            yield work
 
-    def _work(self, chunk: list) -> Work:
+    def _parts(self, items: Any, at: int, k: int, j: int) -> Iterator[Work]:
+        """Batches of a part-file epoch from its k-th part's j-th record; each record is
+        keyed by its part and place (the same in any partitioning)."""
+        walk = items.walk(k, j)
+        p, epoch = self.partition, self.epoch
+        while True:
+            chunk = list(itertools.islice(walk, self.batch_size))
+            if not chunk or (self.drop_last and len(chunk) < self.batch_size):
+                return
+            work = self._work([rec for rec, _, _ in chunk], self.index, at)
+            work.keys = [(p, epoch, key) for _, _, key in chunk]
+            at += len(chunk)
+            work.end = ("p", epoch, at, *chunk[-1][1])
+            yield work
+
+    def _work(self, chunk: list, index: Any, first: int) -> Work:
         sources, targets, labels, names = [], [], [], []
-        index = self.index
         for item in chunk:
             if isinstance(item, Record):
                 labs = tuple(item.labels)
@@ -182,7 +324,75 @@ class ItemStream:
                 target = index.target(i)
             labels.append(labs)
             targets.append(target)
-        return Work(sources, targets, labels, names, self.epoch, self.position)
+        return Work(sources, targets, labels, names, self.epoch, first)
+
+    # -- batches of pieces ---------------------------------------------------------------
+
+    def _pieces(self, pieces: list[Piece]) -> Iterator[Work]:
+        """Batches of the pieces of an interrupted epoch, in order, `batch_size` items each
+        whatever the pieces' bounds (the last may be short); every item keyed as it was
+        in the order it comes from. A batch ends at ("r", i, n): n items of piece i."""
+        bs = self.batch_size
+        buf: list[list] = [[], [], [], [], []]  # sources, targets, labels, names, keys
+        at = 0  # items of the pieces dispatched
+        for i, piece in enumerate(pieces):
+            done = 0  # items of piece i in batches so far
+            for run in self._piece_items(piece):
+                start = 0
+                while start < len(run[0]):
+                    take = min(bs - len(buf[0]), len(run[0]) - start)
+                    for b, x in zip(buf, run, strict=True):
+                        b += x[start : start + take]
+                    start += take
+                    done += take
+                    if len(buf[0]) == bs:
+                        yield self._piece_work(buf, at, ("r", i, done))
+                        at += bs
+                        buf = [[], [], [], [], []]
+            # (a piece's last items wait in `buf` for the next piece's first)
+        if buf[0]:
+            yield self._piece_work(buf, at, ("r", len(pieces), 0))
+
+    def _piece_work(self, buf: list[list], at: int, end: tuple) -> Work:
+        sources, targets, labels, names, keys = buf
+        return Work(sources, targets, labels, names, self.epoch, at, keys=keys, end=end)
+
+    def _piece_items(self, piece: Piece) -> Iterator[tuple[list, ...]]:
+        """A piece's items in runs: (sources, targets, labels, names, keys)."""
+        P, p, e = piece.partitions, piece.partition, piece.epoch
+        index, items = self.index_of(P, p), self.order(P, p, e)
+        step = self.batch_size  # (a batch at a time, as an ordinary epoch is described)
+        if piece.part >= 0:
+            if not hasattr(items, "part"):
+                raise ValueError(f"{piece} names a part file, and {self.whole.origin!r} is "
+                                 "not a folder of part files")  # fmt: skip
+            recs = items.part(piece.part, piece.lo)
+            while chunk := list(itertools.islice(recs, step)):
+                work = self._work([r for r, _ in chunk], index, 0)
+                yield (work.sources, work.targets, work.labels, work.names,
+                       [(p, e, key) for _, key in chunk])  # fmt: skip
+            return
+        if isinstance(items, np.ndarray):
+            hi = piece.hi if piece.hi >= 0 else len(items)
+            for lo in range(piece.lo, hi, step):
+                chunk = items[lo : min(hi, lo + step)].astype(np.int64)
+                sources, names, labels, targets = index.describe(chunk)
+                yield sources, targets, labels, names, [(p, e, lo + i) for i in range(len(chunk))]
+            return
+        it = items.iterate(piece.lo) if isinstance(items, DrawnJoin) else itertools.islice(
+            iter(items), piece.lo, None)  # fmt: skip
+        at, left = piece.lo, (piece.hi - piece.lo if piece.hi >= 0 else None)
+        while left is None or left > 0:
+            n = step if left is None else min(step, left)
+            chunk = list(itertools.islice(it, n))
+            if not chunk:
+                return
+            work = self._work(chunk, index, at)
+            yield (work.sources, work.targets, work.labels, work.names,
+                   [(p, e, at + i) for i in range(len(chunk))])  # fmt: skip
+            at += len(chunk)
+            if left is not None:
+                left -= len(chunk)
 
     # -- sizes -----------------------------------------------------------------------
 
@@ -201,41 +411,90 @@ class ItemStream:
 
     # -- resume ----------------------------------------------------------------------
 
+    @property
+    def identity(self) -> dict:
+        """What the order depends on, beside the partitioning: a state saved with other
+        values is refused (seed, sampler, the index's digest and size)."""
+        if self._identity is None:
+            whole = self.whole
+            parts = getattr(whole, "parts", None)
+            if parts is not None:  # part files: the listing (len() would read parts)
+                what = ["parts", [str(p).rsplit("/", 1)[-1] for p in parts]]
+                items = len(parts)
+            else:
+                members = getattr(whole, "members", None) or [whole]
+                what = ["index", [len(m) for m in members], [m.num_rows for m in members]]
+                items = len(whole)
+            what.append(list(getattr(whole, "labels", []) if parts is None else []))
+            digest = hashlib.blake2b(repr(what).encode(), digest_size=8).digest()
+            self._identity = {
+                "seed": self.seed,
+                "sampler": self.sampler_name,
+                "index": int.from_bytes(digest, "little") >> 1,
+                "items": items,
+            }
+        return self._identity
+
+    def position(self) -> Position:
+        """Where the items handed out end (see the module docstring)."""
+        P, p, cur = self.partitions, self.partition, self._cursor
+        if self.epoch < 0:
+            return Position(P, p, 0, length=self._known_length(P, p, 0))
+        if cur[0] == "r":  # in the pieces: those not finished, then the ordinary epoch
+            _, i, done = cur
+            rest = list(self._rest[i:])
+            if rest and done:
+                rest[0] = _advance(rest[0], done)
+                if rest[0].known and rest[0].lo >= rest[0].hi:
+                    rest.pop(0)
+            after = self.epoch + 1
+            return Position(P, p, after, length=self._known_length(P, p, after), rest=rest)
+        epoch, consumed = cur[1], cur[2]
+        part, record = (cur[3], cur[4]) if cur[0] == "p" else (0, 0)
+        length = self._known_length(P, p, epoch)
+        drained = self.ended and cur == self._last_end and not self._dispatched
+        if (length >= 0 and consumed >= length) or (drained and epoch == self.epoch):
+            # every item handed out: where it stands is the start of the next epoch
+            return Position(P, p, epoch + 1, length=self._known_length(P, p, epoch + 1))
+        return Position(P, p, epoch, consumed, length, part, record)
+
     def state_dict(self) -> dict:
-        """The epoch, how many of its items were handed out, and what the order depends on.
+        """The position and what the order depends on (see
+        :mod:`dataset.sampling.elastic` for the format): a few integers.
 
         Once every item of an epoch is handed out, where it stands is the start of the
         next one: a job resumed from there trains on, rather than over an empty epoch."""
-        over = self.ended and self.done == self.position
-        state = {
-            "epoch": max(self.epoch + over, 0),
-            "consumed": self.done if self.epoch >= 0 and not over else 0,
-            "seed": self.seed,
-            "partition": self.partition,
-            "sampler": self.sampler_name,
-            "batch_size": self.batch_size,
-        }
-        if hasattr(self.index, "__len__"):
-            state["items"] = len(self.index)  # (an index that changed makes another order)
-        return state
+        return self.state_of(self.position())
+
+    def state_of(self, pos: Position) -> dict:
+        return {"format": elastic.FORMAT, **self.identity, "batch_size": self.batch_size,
+                **pos.state()}  # fmt: skip
 
     def check_state(self, state: Any) -> tuple[int, int]:
-        """``(epoch, consumed)`` of a saved state, refused if it was saved for another order
-        (seed, partition, sampler or number of items) or does not say where it was."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state_dict must be a dict, got {type(state).__name__}")
-        for key in ("epoch", "consumed"):
-            value = state.get(key)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"state_dict[{key!r}] must be an int >= 0, got {value!r}")
-        now = self.state_dict()
-        for key in ("seed", "partition", "sampler", "items"):
-            if key in state and key in now and state[key] != now[key]:
-                raise ValueError(
-                    f"state_dict was saved with {key}={state[key]!r}, this batcher has "
-                    f"{key}={now[key]!r}: its order would not be the one resumed"
-                )
-        return int(state["epoch"]), int(state["consumed"])
+        """``(epoch, consumed)`` of this partition's saved state (no pieces), refused if it
+        was saved for another order; see :meth:`resume_position` for the general case."""
+        pos = self.resume_position(state)
+        if pos.rest:
+            raise ValueError("this state has pieces of an interrupted epoch: use resume_position")
+        return pos.epoch, pos.consumed
+
+    def resume_position(self, state: Any) -> Position:
+        """The position to resume from `state` (this partition's own) or from the list of
+        every old rank's states (any world size): see :func:`dataset.sampling.elastic.resume`.
+        A format-1 state (epoch and consumed only) is checked as it was saved: its
+        ``items`` counted this partition's examples."""
+        identity = self.identity
+        if isinstance(state, Mapping) and state.get("format", 1) == 1 and "items" in state:
+            n = getattr(self.index, "parts", None)
+            here = len(n) if n is not None else len(self.index)
+            identity = {**identity, "items": here, "index": state.get("index")}
+        return elastic.resume(state, self.partition, self.partitions, self.batch_size, self,
+                              identity, self.piece_weight)  # fmt: skip
+
+
+def _advance(piece: Piece, n: int) -> Piece:
+    return Piece(piece.partitions, piece.partition, piece.epoch, piece.part, piece.lo + n,
+                 piece.hi)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- joined indexes
@@ -307,19 +566,32 @@ class DrawnJoin:
     exactly what it drew before.
     """
 
-    def __init__(self, stream: ItemStream, epoch: int, items: Iterable[Any]):
-        self.index, self.draws = stream.index, stream.draws
-        self.seed, self.partition, self.name = stream.seed, stream.partition, stream.sampler_name
+    def __init__(
+        self, stream: ItemStream, epoch: int, items: Iterable[Any], index: Any, partition: int
+    ):
+        self.index, self.draws = index, stream.draws
+        self.seed, self.partition, self.name = stream.seed, partition, stream.sampler_name
         self.epoch, self.items = epoch, items
 
     def __iter__(self) -> Iterator[Record]:
+        return self.iterate(0)
+
+    def iterate(self, skip: int = 0) -> Iterator[Record]:
+        """The epoch's records after its first `skip`: the driver's items sliced, each
+        drawn member's draws skipped by whole epochs of its sampler (no walk)."""
         index = self.index
         members = index.members
         streams: list[Iterator[Any] | None] = [None] * len(members)
         for d in self.draws:
             rng = epoch_rng(self.seed, self.partition, self.epoch, stream=d.k)
-            streams[d.k] = endless(d.sampler, members[d.k], rng, d.opt)
-        for item in _flat(self.items):
+            streams[d.k] = endless(d.sampler, members[d.k], rng, d.opt, skip=skip)
+        items = self.items
+        if skip:
+            if isinstance(items, np.ndarray):
+                items = items[skip:]
+            else:
+                items = itertools.islice(iter(items), skip, None)
+        for item in _flat(items):
             if isinstance(item, Record):
                 if any(s is None for s in streams[1:]):
                     raise ValueError(

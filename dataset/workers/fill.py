@@ -39,8 +39,10 @@ class BatchResult:
     stats: dict = field(default_factory=Stats)
 
 
-# What a batch is decoded under: (seed, partition, epoch, position of its first item)
-Context = tuple[int, int, int, int]
+# What a batch is decoded under: (seed, partition, epoch, position of its first item),
+# and optionally each item's own (partition, epoch, position) where the batch holds items
+# of other orders (the pieces of an interrupted epoch, part-file records).
+Context = tuple[int, int, int, int] | tuple[int, int, int, int, list | None]
 
 
 def _verdict(ret: Any) -> tuple[bool, Any]:
@@ -116,8 +118,9 @@ async def fill(
 ) -> BatchResult:
     """Fetch every source and let `processor` decode item i into ``out[i]``, concurrently.
 
-    With `ctx`, item i is decoded as item ``ctx[3] + i`` of its epoch (what
-    :func:`dataset.seeding.item_rng` derives its generator from).
+    With `ctx`, item i is decoded as item ``ctx[3] + i`` of its epoch, or as ``ctx[4][i]``
+    when the batch gives each item's key (what :func:`dataset.seeding.item_rng` derives
+    its generator from).
 
     Memory: an item holds one of the fetcher's ``pool_size`` hands from the start of
     its fetch until its processor returns, so a worker holds at most ``pool_size``
@@ -127,7 +130,8 @@ async def fill(
     """
     res = BatchResult(ok=[False] * len(sources))
     stats = res.stats
-    seed, partition, epoch, first = ctx if ctx is not None else (0, 0, 0, 0)
+    seed, partition, epoch, first = ctx[:4] if ctx is not None else (0, 0, 0, 0)
+    keys = ctx[4] if ctx is not None and len(ctx) > 4 else None
 
     hands = fetcher.hands()
 
@@ -149,7 +153,7 @@ async def fill(
                 ItemFailure(i, FETCH, f"{kind}: {err}", kind, err, traceback.format_exc())
             )
             return
-        key = (seed, partition, epoch, first + i)
+        key = (seed, *keys[i]) if keys is not None else (seed, partition, epoch, first + i)
         row = out[i]
         try:
             if handoff is None:

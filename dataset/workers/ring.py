@@ -146,7 +146,8 @@ class SlotEngine:
     def submit(self, work: Work, seed: int, partition: int) -> None:
         """Hand `work` to the workers, into a free slot (``has_room`` must be true)."""
         slot = self._free.pop()
-        ctx = (seed, partition, work.epoch, work.first)  # what item_rng() derives from
+        # what item_rng() derives from: the batch's place, or each item's own key
+        ctx = (seed, partition, work.epoch, work.first, work.keys)
         try:
             job = self.workers.submit(slot, work.sources, ctx)
         except BaseException:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import os
 import socket
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from ..common.envvars import env_int
 from ._flat import FlatCommunicator
+
+log = logging.getLogger(__name__)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _MiB = 1 << 20
@@ -49,6 +52,36 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def _from_slurm(env) -> None:
+    """Under `srun` without torchrun's variables: set them from Slurm's (see from_env)."""
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return
+    from ..ipc.rendezvous.env import _first_slurm_host
+
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or "1"
+    if "MASTER_ADDR" not in env:
+        hosts = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
+        env["MASTER_ADDR"] = "127.0.0.1" if nodes == "1" else _first_slurm_host(hosts)
+    if "MASTER_PORT" not in env:
+        env["MASTER_PORT"] = str(30000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+
+
+def _warn_shared_store(env) -> None:
+    """A worker torchrun restarted, with the agent's store shared (torch's default): its
+    init_process_group may read the key of the worker it replaces and dial a dead
+    address (pytorch#135712; gloo: "connectFullMesh failed ... Connection refused")."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get(
+        "TORCHELASTIC_RESTART_COUNT", "0"
+    ) not in ("", "0"):
+        log.warning(
+            "TorchDistributed.from_env: a restarted torchrun worker on the agent's shared "
+            "store; if init_process_group fails to connect, launch torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712)"
+        )
 
 
 class TorchDistributed(FlatCommunicator):
@@ -125,7 +158,10 @@ class TorchDistributed(FlatCommunicator):
         **options,
     ) -> TorchDistributed:
         """Initialise the default process group from torchrun's environment
-        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and wrap it; `close()` destroys it.
+        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or Slurm's (under `srun`: the task's
+        SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; the first host of the step's node
+        list, or 127.0.0.1 on one node, at port 30000 + the job id mod 20000, unless
+        MASTER_ADDR/MASTER_PORT say otherwise) and wrap it; `close()` destroys it.
 
         `backend` defaults to NCCL when CUDA is available, else gloo. `timeout` (seconds,
         or a timedelta) is how long a collective waits for the other nodes before it
@@ -146,13 +182,16 @@ class TorchDistributed(FlatCommunicator):
             ValueError: `timeout` is not a positive number of seconds or a timedelta.
         """
         kwargs = {} if timeout is None else {"timeout": _check_timeout(timeout)}
+        _from_slurm(os.environ)
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
         ]
         if missing:
             raise RuntimeError(
-                f"TorchDistributed.from_env: {', '.join(missing)} not set (launch with torchrun)"
+                f"TorchDistributed.from_env: {', '.join(missing)} not set (launch with "
+                "torchrun, or srun)"
             )
+        _warn_shared_store(os.environ)
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

@@ -40,6 +40,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 
 import torch
 
@@ -129,6 +130,14 @@ class Tree(RunningMixin):
             raise ValueError(f"stall_warning must be a positive number, got {stall_warning!r}")
         self.node_index = rendezvous.node_index
         self.num_nodes = rendezvous.num_nodes
+        # What reform() needs to make the survivors' tree: the handler, the options,
+        # where each node listened, and how many times this job's tree was re-formed.
+        self._rendezvous = rendezvous
+        self._tree_options = {"base": base, "timeout": timeout, "chunk_bytes": chunk_bytes,
+                              "shm": shm, "encrypt": encrypt, "heartbeat": heartbeat,
+                              "stall_warning": stall_warning}  # fmt: skip
+        self._addresses: tuple = ()
+        self.generation = getattr(rendezvous, "generation", 0)
         self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes
         self._pid = os.getpid()
@@ -177,6 +186,7 @@ class Tree(RunningMixin):
         try:
             roster = rendezvous.rendezvous(listen, options, self.timeout)
             self.where = roster.where
+            self._addresses = roster.addresses
             self._connect(roster, base, stall_warning)
             if shm and self.num_nodes > 1 and len(set(roster.hosts)) == 1 and SHM_DIR.is_dir():
                 self._shm = self._setup_shm(stall_warning)
@@ -416,6 +426,42 @@ class Tree(RunningMixin):
             # same-host collectives that went through shared memory instead of the links
             "shm": None if self._shm is None else {**self._shm.stats, "cma": self._shm.cma},
         }
+
+    def reform(self, dead: Iterable[int]) -> Tree:
+        """The tree of this tree's nodes but `dead`, which every survivor calls with the
+        same set (a PeerError's `node` names a dead one), numbered in their old order.
+
+        The survivors meet again as they met first, under a new generation: on one host
+        by the rendezvous key plus ``/gen<g>``; across hosts at the lowest survivor's
+        address, on the root port plus g, with the same secret. This tree is closed. A
+        survivor whose peers see another set does not meet them and raises after the
+        timeout (IPCError), rather than join a tree of the wrong size."""
+        dead = set(dead)
+        if self.node_index in dead:
+            raise ValueError(f"node {self.node_index} cannot re-form a tree it is dead in")
+        survivors = [i for i in range(self.num_nodes) if i not in dead]
+        index, n, g = survivors.index(self.node_index), len(survivors), self.generation + 1
+        old = self._rendezvous
+        if isinstance(old, Localhost):
+            token = old.given.text if old.given is not None else None
+            handler: Localhost | Static = Localhost(index, n, key=f"{old.key}/gen{g}", token=token)
+        else:
+            root = next((a for a in self._addresses[survivors[0]] if a.startswith("tcp://")), "")
+            host = root[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+            handler = Static(index, n, host, old.root_port + g, token=old.secret.text)
+        handler.generation = g
+        # The new tree first, the old one released after: a survivor still inside the
+        # failed collective must not see this node leave it (it would take this node for
+        # the dead one); by the time every survivor has joined the new tree, each has seen
+        # the real failure.
+        tree = Tree(handler, **self._tree_options)
+        with contextlib.suppress(Exception):  # a broken tree: release what is left of it
+            self._release(linger=0)
+        self._closed = True
+        _TREES.discard(self)
+        if self._comm is not None:
+            self._comm.stop()
+        return tree
 
     def close(self) -> None:
         """Leave the tree.

@@ -1,0 +1,247 @@
+"""Survivors: when a rank dies, the others go on from the same step, and still see every
+example exactly once. No process restarts, no checkpoint is read.
+
+    tree = ipc.Tree.from_env()
+    job = Survivors(tree, model, optimizer, batcher)   # instead of AllReduceSGD(tree)
+    for epoch in range(epochs):
+        for batch in batcher:
+            def closure():
+                optimizer.zero_grad()
+                loss = loss_fn(model(batch.input), batch.target)
+                loss.backward()
+                return loss
+            job.step(closure)          # the gradient all-reduce and the optimizer step
+        job.end_epoch()                # AllReduceSGD.synchronize_parameters, and survives
+
+How (see /work/notes/elastic-design.md, item 5):
+
+- Every rank's data position is known to all: each keeps the states every rank had when
+  the tree was (re)formed, and every step's gradient all-reduce carries, for each rank,
+  the items its batcher handed out since (AllReduceSGD's ``rider``: two float32 elements
+  a rank), so a rank's position is computed, never asked of it.
+- A death: the step's all-reduce raises PeerError naming the dead rank (the tree notices
+  in well under a second). The survivors re-form the tree among themselves
+  (``Tree.reform``), agree on how many steps each completed (an all-reduce is not all or
+  nothing: the root sums only once every share arrived, so if any survivor got the
+  failed step's sum, it held the dead rank's share too, and the others take that
+  survivor's parameters and optimizer state instead of redoing the step; else everyone
+  redoes it, the dead rank's batch going back to the pool), work out the dead rank's
+  position, split what it had not handed out over themselves (after their own epoch:
+  ``batcher.take_over``), and redo the step on the new tree, running the closure again on
+  the same batch (a failed all-reduce of ``.grad`` in place leaves nothing to reuse).
+  The next epoch is an ordinary epoch of the new world size.
+
+The tree only: torch.distributed cannot make a group without the dead rank's part in
+it (``new_group`` needs every rank of the world), and the default store lives in rank
+0's process; gloo and NCCL jobs survive through a restart instead (Checkpoint, torchrun
+``--max-restarts``, ``sbatch --requeue``). Under torchrun's agent nothing survives a
+death either way: the agent stops every worker; launch with srun (its default keeps the
+other tasks running), ``examples/launch.py --survive`` or your own launcher. A rank
+that comes back cannot join (yet): the job finishes on the survivors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .sgd import AllReduceSGD
+from .state import gather_bytes
+
+__all__ = ["Survivors"]
+
+log = logging.getLogger(__name__)
+
+_LOW = 1 << 20  # a count travels as (high, low) float32s: exact up to 2**44 items
+
+
+class _Positions:
+    """The rider: each rank's items handed out since the tree was formed, + 1 (0: the rank
+    did not contribute to that round, its last known count stands)."""
+
+    def __init__(self, owner: Survivors):
+        self.owner = owner
+        self.size = 2 * owner.comm.num_nodes
+
+    def fill(self, view: torch.Tensor) -> None:
+        me = self.owner.comm.node_index
+        value = self.owner.batcher.handed_out - self.owner.base + 1
+        view.zero_()
+        view[2 * me].fill_(value // _LOW)
+        view[2 * me + 1].fill_(value % _LOW)
+
+    def read(self, values: list[float]) -> None:
+        known = self.owner.known
+        for r in range(len(known)):
+            v = round(values[2 * r]) * _LOW + round(values[2 * r + 1])
+            if v > 0:
+                known[r] = v - 1
+
+
+class Survivors:
+    """AllReduceSGD over an ipc tree that survives the death of ranks (see the module
+    docstring). `sgd_options` go to AllReduceSGD (not ``grad_dtype``: the positions
+    ride in the gradients' dtype and need float32's exact integers)."""
+
+    def __init__(self, tree: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 batcher: Any, **sgd_options: Any):  # fmt: skip
+        if not hasattr(tree, "reform"):
+            raise TypeError(
+                f"Survivors needs an ipc tree (it re-forms it without the dead), got "
+                f"{type(tree).__name__}; torch.distributed jobs survive through a restart "
+                "(distlearn.Checkpoint)"
+            )
+        if sgd_options.get("grad_dtype") is not None:
+            raise ValueError("Survivors: grad_dtype cannot carry the ranks' positions exactly")
+        self.comm, self.model, self.optimizer, self.batcher = tree, model, optimizer, batcher
+        self.sgd_options = sgd_options
+        self.deaths: list[dict] = []  # what happened at each death (for logs and tests)
+        self.steps = 0  # steps whose all-reduce this rank completed, over the whole job
+        self._form()
+        self.sgd.synchronize_parameters(model)
+
+    def _form(self) -> None:
+        """After the tree is (re)formed: every rank's state, and counts from zero."""
+        mine = json.dumps(self.batcher.state_dict()).encode()
+        self.states = [json.loads(b) for b in gather_bytes(self.comm, mine)]
+        self.base = self.batcher.handed_out
+        self.known = [0] * self.comm.num_nodes
+        self.sgd = AllReduceSGD(self.comm, **self.sgd_options)
+        self.sgd.rider = _Positions(self)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any]) -> Any:
+        """One training step: `closure()` (zero the gradients, forward, backward: returns
+        the loss), the gradients' mean over the ranks, the optimizer's step. Returns the
+        loss; None when this rank took the step's result from a survivor that had it."""
+        loss = closure()
+        try:
+            self.sgd.sum_and_normalize_gradients(self.model)
+        except Exception as err:
+            dead = self._dead(err)
+            if dead is None:
+                raise
+            log.warning("survivors: %s", err)
+            return self._recover(dead, closure, in_step=True, fallback=loss)
+        self.steps += 1
+        self.optimizer.step()
+        return loss
+
+    def end_epoch(self) -> None:
+        """The end of an epoch: AllReduceSGD.synchronize_parameters (ranks with fewer steps
+        wait for the others), surviving a death there too."""
+        while True:
+            try:
+                self.sgd.synchronize_parameters(self.model)
+                return
+            except Exception as err:
+                dead = self._dead(err)
+                if dead is None:
+                    raise
+                self._recover(dead, None, in_step=False)
+
+    @staticmethod
+    def _dead(err: BaseException) -> int | None:
+        from . import ipc
+
+        if isinstance(err, ipc.PeerError) and isinstance(getattr(err, "node", None), int):
+            return err.node
+        return None
+
+    # -- a death -------------------------------------------------------------------------
+
+    def _recover(self, dead: int, closure, in_step: bool, fallback: Any = None) -> Any:
+        t0 = time.monotonic()
+        old_world, me_before = self.comm.num_nodes, self.comm.node_index
+        log.warning("survivors: node %d died; re-forming the tree without it", dead)
+        self.comm = self.comm.reform({dead})
+        comm, w = self.comm, self.comm.num_nodes
+        # Who died is who is not here (a survivor may have blamed another node: the error
+        # it saw first can name a peer that left the failed collective for the new tree).
+        here = torch.zeros(old_world, dtype=torch.int64)
+        here[me_before] = 1
+        comm.all_reduce(here)
+        missing = [r for r in range(old_world) if not here[r]]
+        if len(missing) != 1:
+            raise RuntimeError(f"survivors: after re-forming, old ranks {missing} are missing "
+                               "(one death at a time is survived)")  # fmt: skip
+        dead = missing[0]
+        # 1. who completed what: the steps each completed, every rank's last known count,
+        # and which survivors are still in their epoch (the others take no share)
+        done = self.steps
+        stepping = [0] * w
+        stepping[comm.node_index] = int(in_step)
+        agree = torch.tensor([done, -done, *self.known, *stepping], dtype=torch.int64)
+        comm.all_reduce(agree, op="max")
+        most, least = int(agree[0]), -int(agree[1])
+        known = [int(v) for v in agree[2 : 2 + old_world]]
+        stepping = [int(v) for v in agree[2 + old_world :]]
+        ahead = done == most and most > least
+        if most > least:  # some got the failed step's sum: the rest take their result
+            winner = torch.tensor([comm.node_index if ahead else w], dtype=torch.int64)
+            comm.all_reduce(winner, op="min")
+            self._take_result(int(winner[0]))
+            if not ahead:
+                self.steps = most
+        # 2. the dead rank's position, and a share of its rest for each survivor
+        from .dataset.sampling import elastic
+
+        stream = self.batcher.stream
+        everyone = [elastic.Position.parse(s) for s in self.states]
+        dead_now = elastic.advance(everyone[dead], known[dead], stream)
+        mine = [elastic.Position.parse(json.loads(b)) for b in gather_bytes(
+            comm, json.dumps(self.batcher.state_dict()).encode())]  # fmt: skip
+        own = mine[comm.node_index]
+        # the dead rank's rest goes to the survivors still in their epoch; where none is
+        # (it was the last), to all, as the next loop over the batcher
+        sharers = [r for r in range(w) if stepping[r]] or list(range(w))
+        share = (sharers.index(comm.node_index), len(sharers)) if comm.node_index in sharers \
+            else (0, 0)  # fmt: skip
+        position = elastic.take_over(own, [dead_now], [*mine, dead_now], comm.node_index, w,
+                                     self.batcher.batch_size, stream, stream.piece_weight,
+                                     share)  # fmt: skip
+        self.batcher.take_over(position)
+        self.deaths.append({"dead": dead, "was": me_before, "now": comm.node_index,
+                            "world": [old_world, w], "dead_position": dead_now.state(),
+                            "took_result": most > least and not ahead})  # fmt: skip
+        self._form()
+        took = time.monotonic() - t0
+        log.warning("survivors: %d ranks go on (this one is %d, was %d) after %.2f s", w,
+                    comm.node_index, me_before, took)  # fmt: skip
+        self.deaths[-1]["seconds"] = took
+        if not in_step:
+            return None
+        if most > least and not ahead:
+            return None  # this step's result came from a survivor that had it
+        loss = closure()  # the same batch again: its gradients, summed on the new tree
+        self.sgd.sum_and_normalize_gradients(self.model)
+        self.steps += 1
+        self.optimizer.step()
+        return loss if loss is not None else fallback
+
+    def _take_result(self, winner: int) -> None:
+        """Every survivor gets `winner`'s parameters, buffers and optimizer state: the
+        others send zeros into one sum."""
+        comm = self.comm
+        params = [*self.model.parameters(), *self.model.buffers()]
+        opt = [t for st in self.optimizer.state.values() for _, t in sorted(st.items())
+               if isinstance(t, torch.Tensor)]  # fmt: skip
+        count = torch.tensor([len(opt)], dtype=torch.int64)
+        comm.all_reduce(count, op="max")
+        if int(count[0]) != len(opt):
+            raise RuntimeError(
+                "survivors: the optimizer states differ in shape between the survivors (one "
+                "had not stepped yet): cannot take the step's result; restart from a checkpoint"
+            )
+        with torch.no_grad():
+            if comm.node_index != winner:
+                for t in params + opt:
+                    t.zero_()
+            comm.all_reduce(params + opt)
