@@ -26,6 +26,7 @@ import pytest
 import torch
 import zmq
 from conftest import repo_env, shm_files
+from ipc_workers import TEST_TOKEN, WRONG_TOKEN
 
 from distlearn import ipc
 from distlearn.ipc.services import direct, direct_setup
@@ -36,7 +37,7 @@ from distlearn.ipc.transport import fdlimit, runtime, wire
 
 pytestmark = pytest.mark.timeout(120)
 CTX = multiprocessing.get_context("fork")
-TOKEN = "t" * 40
+TOKEN = TEST_TOKEN
 
 
 def _in_child(target, args):
@@ -304,7 +305,7 @@ def test_a_stranger_without_the_token_is_refused_and_junk_is_harmless(caplog):
     server = ipc.Server(token=TOKEN)
     try:
         with pytest.raises(ipc.AuthError):
-            ipc.Client("127.0.0.1", server.port, token="wrong" * 8, timeout=10)
+            ipc.Client("127.0.0.1", server.port, token=WRONG_TOKEN, timeout=10)
         # a raw ZeroMQ dealer with a guessed password: ZAP refuses it before any message
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
