@@ -160,3 +160,39 @@ def netns_pair():
     yield names
     for ns in names:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def netns_line():
+    """Three network namespaces in a line, A - R - B, R forwarding nothing: host A
+    (10.77.1.1) and host B (10.77.2.2) reach each other only through a process in R
+    (10.77.1.254 towards A, 10.77.2.254 towards B), like a proxy on the path between two
+    hosts. Needs root."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2")
+    tag = uuid.uuid4().hex[:6]
+    names = {k: f"dlipc{tag}{k}" for k in "arb"}
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+    try:
+        for ns in names.values():
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        for side, net in (("a", 1), ("b", 2)):
+            near, far = f"dl{tag}{side}0", f"dl{tag}{side}1"
+            ip("link", "add", near, "type", "veth", "peer", "name", far)
+            ip("link", "set", near, "netns", names[side])
+            ip("link", "set", far, "netns", names["r"])
+            ip("-n", names[side], "addr", "add", f"10.77.{net}.{net}/24", "dev", near)
+            ip("-n", names["r"], "addr", "add", f"10.77.{net}.254/24", "dev", far)
+            ip("-n", names[side], "link", "set", near, "up")
+            ip("-n", names["r"], "link", "set", far, "up")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        for ns in names.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"ip netns unusable here: {exc}")
+    yield names
+    for ns in names.values():
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)

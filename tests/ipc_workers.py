@@ -7,6 +7,7 @@ the reduction computed locally).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -25,6 +26,9 @@ from distlearn import ipc
 from distlearn.ipc.collectives import shm as shm_mod
 
 DTYPES = [torch.float16, torch.float32, torch.float64, torch.int64]
+# Tokens of 128 bits (32 hex digits), as ipc demands of every token it is given.
+TEST_TOKEN = "5c0f9e2a71d84b36a9e0c4f7d2b1863e"
+WRONG_TOKEN = "e1b7a0c95f3d28647a9c0e1f3b5d7092"
 
 
 def node_tensor(
@@ -312,6 +316,11 @@ def _peak_rss_mib() -> float:
     return 0.0
 
 
+def _encrypt() -> bool | None:
+    """TEST_ENCRYPT: 1 (every link), 0 (none: a trusted network), unset (the default)."""
+    return {"1": True, "0": False}.get(os.environ.get("TEST_ENCRYPT", ""))
+
+
 @scenario
 def static_token(node: int, n: int, key: str) -> dict:
     """StaticTree at TEST_ROOT_HOST:TEST_ROOT_PORT with $IPC_TOKEN; node 0 reports how much
@@ -320,6 +329,7 @@ def static_token(node: int, n: int, key: str) -> dict:
     tree = ipc.StaticTree(
         node, n, os.environ["TEST_ROOT_HOST"], int(os.environ["TEST_ROOT_PORT"]),
         timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")), shm=False,
+        encrypt=_encrypt(),
     )  # fmt: skip
     grew = _peak_rss_mib() - before
     x = torch.full((1000,), float(node + 1))
@@ -580,11 +590,11 @@ MARKER = b"DISTLEARN-PLAINTEXT-MARKER-"
 
 @scenario
 def marker(node: int, n: int, key: str) -> dict:
-    """Node 0 scatters a tensor of recognisable bytes over TCP, encrypted if TEST_ENCRYPT=1."""
+    """Node 0 scatters a tensor of recognisable bytes over TCP (TEST_ENCRYPT: see _encrypt)."""
     tree = ipc.StaticTree(
         node, n, os.environ["TEST_ROOT_HOST"], int(os.environ["TEST_ROOT_PORT"]),
         timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")), shm=False,
-        encrypt=os.environ.get("TEST_ENCRYPT") == "1",
+        encrypt=_encrypt(),
     )  # fmt: skip
     want = torch.frombuffer(bytearray(MARKER * 4000), dtype=torch.uint8)
     t = want.clone() if node == 0 else torch.zeros_like(want)
@@ -593,6 +603,30 @@ def marker(node: int, n: int, key: str) -> dict:
     tree.all_reduce(x)
     out = {"ok": torch.equal(t, want) and bool((x == n).all()), "encrypt": tree.encrypt}
     tree.close()
+    return out
+
+
+@scenario
+def relayed(node: int, n: int, key: str) -> dict:
+    """A StaticTree whose links cross a relay (tests/ipc_attacker.py relay): 4 MiB of ones
+    summed; what the sum came to, or the error that stopped it."""
+    out: dict = {"error": None}
+    try:
+        tree = ipc.StaticTree(
+            node, n, os.environ["TEST_ROOT_HOST"], int(os.environ["TEST_ROOT_PORT"]),
+            timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")), shm=False,
+            encrypt=_encrypt(), heartbeat=ipc.Liveness(0.5, 3.0),
+        )  # fmt: skip
+    except ipc.IPCError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "stage": "rendezvous"}
+    x = torch.ones(1 << 20)
+    try:
+        out["count"] = tree.all_reduce(x)
+        out["wrong"] = int((x != n).sum())
+    except ipc.IPCError as exc:
+        out["error"], out["message"] = type(exc).__name__, str(exc)
+    with contextlib.suppress(ipc.IPCError):
+        tree.close()
     return out
 
 
@@ -748,7 +782,7 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
         out["elapsed"] = time.monotonic() - start
         tree.close()
     elif scenario == "token":
-        token = "wrong" if node == n - 1 else "right"
+        token = WRONG_TOKEN if node == n - 1 else TEST_TOKEN
         try:
             tree = tree_from_args(node, n, key, token=token)
             out["error"] = None
@@ -762,7 +796,7 @@ def run(scenario: str, node: int, n: int, key: str) -> dict:
             n,
             os.environ["TEST_ROOT_HOST"],
             int(os.environ["TEST_ROOT_PORT"]),
-            token="netns-test",
+            token=TEST_TOKEN,
             timeout=float(os.environ.get("TEST_IPC_TIMEOUT", "30")),
             chunk_bytes=1 << 18,
         )

@@ -31,7 +31,7 @@ from ipc_harness import (
     start_worker,
     wait_all,
 )
-from ipc_workers import node_tensor
+from ipc_workers import TEST_TOKEN, WRONG_TOKEN, node_tensor
 
 from distlearn import ipc
 from distlearn.ipc.transport import Secret
@@ -145,10 +145,10 @@ def test_launchers_map_to_handlers(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29600")  # another launch, another key
     assert rendezvous.from_env().key != h.key
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv("IPC_TOKEN", "x" * 32)
+    monkeypatch.setenv("IPC_TOKEN", TEST_TOKEN)
     h = rendezvous.from_env()
     assert isinstance(h, rendezvous.Static)
-    assert (h.root_host, h.root_port, h.secret.text) == ("10.0.0.1", 29601, "x" * 32)
+    assert (h.root_host, h.root_port, h.secret.text) == ("10.0.0.1", 29601, TEST_TOKEN)
     for k in env:
         monkeypatch.delenv(k)
     monkeypatch.delenv("IPC_TOKEN")
@@ -163,7 +163,7 @@ def test_launchers_map_to_handlers(monkeypatch):
     monkeypatch.setenv("SLURM_NNODES", "4")
     with pytest.raises(ipc.IPCError, match="IPC_TOKEN"):
         rendezvous.from_env()
-    monkeypatch.setenv("IPC_TOKEN", "y" * 32)
+    monkeypatch.setenv("IPC_TOKEN", WRONG_TOKEN)
     h = rendezvous.from_env()
     assert isinstance(h, rendezvous.Static) and h.root_host == "gpu03"
     assert h.root_port == 20000 + 77
@@ -213,12 +213,21 @@ def _attack_root(port: int, token: str) -> int:
         b"\x10" + b"\0" * 20,  # a data header before any handshake
         json.dumps({"type": "join", "node": 1, "num_nodes": 3, "mac": "\u00e9"}).encode(),
     ]  # fmt: skip
-    password = Secret(token, "test").mac(b"plain").hex().encode()
-    for creds in (None, (b"distlearn", b"wrong"), (b"distlearn", password)):
+    secret = Secret(token, "test")
+    # Nothing; a wrong password; the password of the old PLAIN-over-TCP protocol (a sniffer
+    # saw it); and the job's own CURVE keys: a member of the job, past ZeroMQ's handshake
+    # but not ours.
+    old_password = secret.mac(b"plain").hex().encode()
+    for creds in (None, (b"distlearn", b"wrong"), (b"distlearn", old_password), "curve"):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
-        if creds is not None:
+        if creds == "curve":
+            keys = secret.curve_keys()
+            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+        elif creds is not None:
             sock.setsockopt(zmq.PLAIN_USERNAME, creds[0])
             sock.setsockopt(zmq.PLAIN_PASSWORD, creds[1])
         sock.connect(f"tcp://127.0.0.1:{port}")
@@ -244,7 +253,7 @@ def test_junk_and_oversized_messages_during_rendezvous(tmp_path):
     it needs, and the real nodes still join and reduce."""
     n = 3
     port = _free_port()
-    env = {"TEST_ROOT_HOST": "127.0.0.1", "TEST_ROOT_PORT": str(port), "IPC_TOKEN": "t" * 32,
+    env = {"TEST_ROOT_HOST": "127.0.0.1", "TEST_ROOT_PORT": str(port), "IPC_TOKEN": TEST_TOKEN,
            "TEST_IPC_TIMEOUT": "60"}  # fmt: skip
     node0 = start_worker("static_token", 0, n, tmp_path, env=env)
     try:
@@ -354,14 +363,16 @@ def _replay(port: int, creds: tuple[bytes, bytes] | None, messages: list[list[by
 
 
 def test_recorded_join_replayed_is_refused(tmp_path):
-    """A sniffer records node 1's join to node 0 (the PLAIN password is in the clear, and so
-    are our handshake's messages) and replays those messages on a new connection: past
-    ZeroMQ's handshake, but our challenge's fresh nonce makes the recorded proof
-    worthless. Node 1 stays node 1."""
+    """With encrypt=False (a network trusted not to be read), a sniffer records node 1's
+    join to node 0 (the PLAIN password is in the clear, and so are our handshake's
+    messages) and replays those messages on a new connection: past ZeroMQ's handshake,
+    but our challenge's fresh nonce makes the recorded proof worthless. Node 1 stays
+    node 1. (By default the sniffer reads nothing: test_ipc_attacks.py.)"""
     n = 3
     port = _free_port()
     relay = _Relay(port)
-    base = {"TEST_ROOT_HOST": "127.0.0.1", "IPC_TOKEN": "r" * 32, "TEST_IPC_TIMEOUT": "60"}
+    base = {"TEST_ROOT_HOST": "127.0.0.1", "IPC_TOKEN": TEST_TOKEN, "TEST_IPC_TIMEOUT": "60",
+            "TEST_ENCRYPT": "0"}  # fmt: skip
     node0 = start_worker("static_token", 0, n, tmp_path, env={**base, "TEST_ROOT_PORT": str(port)})
     procs = [node0]
     try:
@@ -537,7 +548,7 @@ out.write_bytes(bytes(got))
 """
 
 
-def _sniffed_tree(netns, tmp_path: Path, encrypt: bool, port: int) -> tuple[bytes, list]:
+def _sniffed_tree(netns, tmp_path: Path, encrypt: bool | None, port: int) -> tuple[bytes, list]:
     """Run a 3-node tree across two namespaces while a sniffer records node 1's veth."""
     tmp_path.mkdir()
     veth = f"dl{netns[0][5:11]}b"
@@ -549,8 +560,8 @@ def _sniffed_tree(netns, tmp_path: Path, encrypt: bool, port: int) -> tuple[byte
         deadline = time.monotonic() + 30
         while not Path(str(cap) + ".ready").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        env = {"TEST_ROOT_HOST": "10.77.0.1", "TEST_ROOT_PORT": str(port), "IPC_TOKEN": "e" * 32,
-               "TEST_ENCRYPT": "1" if encrypt else "0"}  # fmt: skip
+        env = {"TEST_ROOT_HOST": "10.77.0.1", "TEST_ROOT_PORT": str(port), "IPC_TOKEN": TEST_TOKEN,
+               "TEST_ENCRYPT": {True: "1", False: "0", None: ""}[encrypt]}  # fmt: skip
         procs = [
             start_worker(
                 "marker", i, 3, tmp_path, env={**env, "TEST_NETNS": netns[0 if i == 0 else 1]}
@@ -565,12 +576,13 @@ def _sniffed_tree(netns, tmp_path: Path, encrypt: bool, port: int) -> tuple[byte
 
 
 def test_encrypted_links_show_no_plaintext(netns_pair, tmp_path):  # noqa: F811
-    """encrypt=True: a sniffer on the wire between two hosts (network namespaces) sees the
-    scattered tensor's bytes without it and never with it."""
+    """By default (and with encrypt=True) a sniffer on the wire between two hosts (network
+    namespaces) never sees the scattered tensor's bytes; with encrypt=False (a trusted
+    network) it does."""
     plain, results = _sniffed_tree(netns_pair, tmp_path / "plain", encrypt=False, port=29881)
     assert all(r["ok"] for r in results)
     assert MARKER in plain, "the sniffer saw nothing: the test would prove nothing"
-    secret, results = _sniffed_tree(netns_pair, tmp_path / "curve", encrypt=True, port=29882)
-    assert all(r["ok"] and r["encrypt"] for r in results)
+    secret, results = _sniffed_tree(netns_pair, tmp_path / "default", encrypt=None, port=29882)
+    assert all(r["ok"] and r["encrypt"] is None for r in results)
     assert len(secret) > 64 << 10  # the tensor did cross this wire
     assert MARKER not in secret

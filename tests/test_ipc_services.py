@@ -21,11 +21,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import zmq
 from conftest import repo_env, shm_files
+from ipc_workers import TEST_TOKEN, WRONG_TOKEN
 
 from distlearn import ipc
 from distlearn.ipc.services import direct, direct_setup
@@ -36,7 +38,7 @@ from distlearn.ipc.transport import fdlimit, runtime, wire
 
 pytestmark = pytest.mark.timeout(120)
 CTX = multiprocessing.get_context("fork")
-TOKEN = "t" * 40
+TOKEN = TEST_TOKEN
 
 
 def _in_child(target, args):
@@ -304,7 +306,7 @@ def test_a_stranger_without_the_token_is_refused_and_junk_is_harmless(caplog):
     server = ipc.Server(token=TOKEN)
     try:
         with pytest.raises(ipc.AuthError):
-            ipc.Client("127.0.0.1", server.port, token="wrong" * 8, timeout=10)
+            ipc.Client("127.0.0.1", server.port, token=WRONG_TOKEN, timeout=10)
         # a raw ZeroMQ dealer with a guessed password: ZAP refuses it before any message
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -1438,6 +1440,116 @@ def test_workqueue_item_of_a_reader_killed_after_the_close_is_done_or_named(seco
         assert len(errors) == 1 and "1 item(s) came back from workers that died" in str(errors[0])
 
 
+_KILLED_IN_THE_WINDOW = """
+import sys
+from distlearn import ipc
+q = ipc.WorkQueue(sys.argv[1])
+item = q.read()
+# From here on what this process sends is handed to ZeroMQ and never leaves it: killed
+# before its I/O thread writes them, neither its result nor its next request arrives.
+q._remote.link.send_frames = lambda frames, **kw: None
+q.write(item * 2)
+print("worked", flush=True)
+q.read(timeout=120)  # asks for the next item, and is killed waiting
+"""
+
+_DOUBLING = """
+import sys
+from distlearn import ipc
+q = ipc.WorkQueue(sys.argv[1])
+while (item := q.read()) is not None:
+    q.write(item * 2)
+q.close()
+"""
+
+
+def test_workqueue_a_worker_killed_before_its_next_request_left_loses_nothing():
+    """A worker reads a large item (it lies in the owner's shared memory), writes its
+    result and asks for the next item; it is SIGKILLed before either message has left the
+    process. The item must go whole to the next worker, and its result reach the owner.
+
+    Before: the worker let go of the item's block as it asked again, the owner reused or
+    judged it released, and the item came back to nobody ("an item went with ..."): lost,
+    and its result with it."""
+    name = f"window-{os.getpid()}"
+    q = ipc.WorkQueue(name)
+    item = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: through the owner's arena
+    q.write(item)
+    run = [sys.executable, "-c"]
+    killed = subprocess.Popen(
+        [*run, _KILLED_IN_THE_WINDOW, name], env=repo_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    second = None
+    try:
+        assert killed.stdout.readline().strip() == "worked", killed.stderr.read()[-2000:]
+        time.sleep(0.5)  # (its read is blocked on the reply that never comes)
+        killed.kill()
+        killed.wait()
+        second = subprocess.Popen([*run, _DOUBLING, name], env=repo_env(),
+                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        result = q.read(timeout=60)
+        assert torch.equal(result, item * 2)
+        q.close(timeout=60)
+        assert second.wait(timeout=60) == 0, second.stderr.read()[-2000:]
+    finally:
+        for proc in (killed, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _write_while_the_owner_is_frozen(name: str, out: str, i: int) -> int:
+    q = ipc.WorkQueue(name)
+    Path(out, f"ready-{i}").touch()
+    while not Path(out, "frozen").exists():
+        time.sleep(0.05)
+    for k in range(3):
+        q.write(torch.full((4,), float(k)))
+    if i == 0:
+        q.close()  # says so itself; worker 1 leaves it to ipc.map
+    return i
+
+
+_FROZEN_OWNER = """
+import sys, time
+from distlearn import ipc
+q = ipc.WorkQueue(sys.argv[1])
+print("owner", flush=True)
+time.sleep(600)
+"""
+
+
+def test_writes_to_an_owner_frozen_past_the_heartbeats_are_reported_lost(tmp_path, monkeypatch):
+    """A work queue's owner is frozen (SIGSTOP) past the heartbeats while two ipc.map
+    workers write results to it: one closes the queue itself, the other leaves that to
+    ipc.map. Neither write can be confirmed: close() raises, saying how many, and the
+    map fails with it instead of returning as if they had arrived.
+
+    Before: close() returned once the link was found dead, and ipc.map returned every
+    worker's result: three lost writes each, without a word."""
+    monkeypatch.setenv("IPC_HEARTBEAT_INTERVAL", "0.5")
+    monkeypatch.setenv("IPC_HEARTBEAT_TIMEOUT", "2")
+    name = f"frozen-{os.getpid()}"
+    owner = subprocess.Popen([sys.executable, "-c", _FROZEN_OWNER, name], env=repo_env(),
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert owner.stdout.readline().strip() == "owner"
+        m = ipc.map(2, _write_while_the_owner_is_frozen, name, str(tmp_path))
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
+            assert time.monotonic() < deadline, "the workers did not open the queue"
+            time.sleep(0.05)
+        owner.send_signal(signal.SIGSTOP)
+        (tmp_path / "frozen").touch()
+        with pytest.raises(ipc.PeerError, match=r"could not deliver 3 write\(s\)"):
+            m.join(timeout=60)
+    finally:
+        owner.send_signal(signal.SIGCONT)
+        owner.kill()
+        owner.wait()
+
+
 def test_workqueue_refuses_none_as_an_item():
     """A worker's read() says "closed and drained" with None: as an item it would end
     that worker's loop, and the items after it would wait for ever."""
@@ -1757,7 +1869,7 @@ def test_a_forked_copy_of_a_work_queue_is_an_error_not_lost_writes():
     copy of the owner's broker: the write returned, and the item was gone."""
     q = ipc.WorkQueue(f"forked-{os.getpid()}")
     try:
-        with pytest.raises(ipc.WorkerError, match="a forked child cannot use its parent's work"):
+        with pytest.raises(ipc.IPCError, match="a forked child cannot use its parent's work"):
             ipc.map(1, lambda i: q.write(i)).join(timeout=60)
     finally:
         q.close(timeout=10)

@@ -44,6 +44,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -106,17 +107,22 @@ def sweep_stale(min_age: float = 60.0) -> None:
     """Remove our segments whose creator is dead: killed between creating one and
     every node opening it (a window of milliseconds at setup), it left the name.
 
-    Only files older than `min_age` seconds: a process in another pid namespace
-    sharing /dev/shm looks dead from here, but its files are never that old."""
+    Only our own regular files (lstat: a link another user planted in the shared,
+    sticky /dev/shm is never followed, nor is removing it tried), and only files older
+    than `min_age` seconds: a process in another pid namespace sharing /dev/shm looks
+    dead from here, but its files are never that old. Whatever it cannot judge or
+    remove it leaves: a sweep never stops a tree from starting."""
     for path in SHM_DIR.glob("distlearn-ipc-*.*"):
         try:
             pid = int(path.suffix[1:])
-            st = path.stat()
-            if st.st_uid != os.getuid() or time.time() - st.st_mtime < min_age:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            if time.time() - st.st_mtime < min_age:
                 continue
             os.kill(pid, 0)
         except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
                 path.unlink()
         except (ValueError, OSError):
             continue  # not one of ours, alive, or not ours to judge

@@ -90,7 +90,10 @@ class Tree(RunningMixin):
         chunk_bytes: The socket transport's chunk: large buffers travel in pieces of
             this size, reduced on the way up.
         shm: Collectives through shared memory when every node is on one host.
-        encrypt: CURVE on every link, keys derived from the job's secret.
+        encrypt: None (the default): links over TCP encrypted and authenticated
+            (CURVE, keys derived from the job's secret), Unix sockets of one host left
+            to this user's processes; True: every link; False: none, for a network
+            trusted not to be read or rewritten.
         heartbeat: An `ipc.Liveness`: how soon a dead or frozen peer is named
             (default from $IPC_HEARTBEAT_INTERVAL/$IPC_HEARTBEAT_TIMEOUT, 1 s and 6 s).
         stall_warning: Seconds before a waiting collective logs who it waits for.
@@ -116,7 +119,7 @@ class Tree(RunningMixin):
         timeout: float = DEFAULT_TIMEOUT,
         chunk_bytes: int = DEFAULT_CHUNK,
         shm: bool = True,
-        encrypt: bool = False,
+        encrypt: bool | None = None,
         heartbeat: Liveness | None = None,
         stall_warning: float = DEFAULT_STALL_WARNING,
     ):
@@ -153,7 +156,9 @@ class Tree(RunningMixin):
         self.children: list[int] = []
         self._collectives = 0
         self._collective_time = 0.0
-        self.encrypt = bool(encrypt)
+        if encrypt not in (None, True, False):
+            raise ValueError(f"encrypt must be None, True or False, not {encrypt!r}")
+        self.encrypt = encrypt
         liveness = heartbeat if heartbeat is not None else Liveness.from_env()
         options = {
             "base": base,

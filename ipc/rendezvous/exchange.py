@@ -156,17 +156,24 @@ def files_for_joins(num_nodes: int) -> str | None:
 
 
 class FileBudget:
-    """`accept=` of node 0's rendezvous endpoint: past node 0's files (the user's own,
-    opened during the rendezvous, or `files_for_joins` found too few from the start), it
-    refuses every node from then on, saying why; a refused node raises at once
-    (`_joiner`). `gather` gives up UNABLE_S later, telling the joined nodes why."""
+    """`accept=` of node 0's rendezvous endpoint: past node 0's files (`files_for_joins`
+    found too few from the start, or, with `watch`, the user's own opened during the
+    rendezvous), it refuses every node from then on, saying why; a refused node raises at
+    once (`_joiner`). `gather` gives up UNABLE_S later, telling the joined nodes why.
 
-    def __init__(self, unable: str | None = None) -> None:
+    `watch=False` for a rendezvous on TCP: files counted there may be strangers'
+    connections that have not finished ZeroMQ's handshake (closed after
+    `Limits.handshake_timeout`), and the node asking has its connection already; past
+    its files libzmq's TCP listener leaves connections waiting in the backlog, it does
+    not abort, as its Unix-socket listener does."""
+
+    def __init__(self, unable: str | None = None, watch: bool = True) -> None:
         self.refused = unable  # why, once it refuses
         self.since = time.monotonic() if unable else None
+        self.watch = watch
 
     def __call__(self, link: Link) -> str | None:
-        if self.refused is None:
+        if self.refused is None and self.watch:
             open_now, limit = fdlimit.open_files(), fdlimit.limit()
             if open_now + JOIN_MARGIN // 4 > limit:
                 self.refused = (
@@ -178,6 +185,15 @@ class FileBudget:
 
     def gave_up(self) -> bool:
         return self.since is not None and time.monotonic() - self.since > UNABLE_S
+
+
+def _files_note() -> str:
+    """What a timeout adds when node 0 is near its limit of open files (connections then
+    wait in its backlog, unanswered)."""
+    open_now, limit = fdlimit.open_files(), fdlimit.limit()
+    if open_now + JOIN_MARGIN // 4 <= limit:
+        return ""
+    return f"; node 0 is at its limit of open files ({open_now} of {limit}): raise `ulimit -n`"
 
 
 class _Note:
@@ -244,7 +260,8 @@ def _gather(
         if remaining <= 0:
             refused = f"; refused {refusals} join(s), the last: {last_refusal}" if refusals else ""
             raise IPCTimeoutError(
-                f"node 0: nodes {missing} did not join within {timeout:g}s ({where}){refused}",
+                f"node 0: nodes {missing} did not join within {timeout:g}s ({where}){refused}"
+                f"{_files_note()}",
                 node=missing[0],
             )
         waited = note.due()

@@ -172,7 +172,7 @@ class Localhost(JoinerMixin):
             "node 0",
             bind=rv_specs,
             limits=RENDEZVOUS_LIMITS,
-            encrypt=options.get("encrypt", False),
+            encrypt=options.get("encrypt"),
             info={"name": "node 0"},
             accept=budget,
         )

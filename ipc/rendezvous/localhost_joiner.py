@@ -185,7 +185,7 @@ class JoinerMixin:
             rv = Endpoint(
                 secret,
                 f"node {self.node_index}",
-                encrypt=options.get("encrypt", False),
+                encrypt=options.get("encrypt"),
                 limits=joiner_limits(self.num_nodes),
                 info={"name": f"node {self.node_index}"},
             )

@@ -110,12 +110,13 @@ class Static:
         }
         if self.num_nodes == 1:
             return roster(0, 1, self.secret, [host], [addrs], options, self.describe())
-        encrypt = options.get("encrypt", False)
+        encrypt = options.get("encrypt")
         if self.node_index == 0:
             # TCP only: libzmq's TCP listener survives running out of files, so node 0
             # listens even without the files for the joins, and refuses every node, saying
-            # why, for UNABLE_S.
-            budget = FileBudget(files_for_joins(self.num_nodes))
+            # why, for UNABLE_S. Files that run out meanwhile refuse nobody: strangers'
+            # idle connections would make it refuse the real nodes (see FileBudget).
+            budget = FileBudget(files_for_joins(self.num_nodes), watch=False)
             rv = Endpoint(
                 self.secret,
                 "node 0",
@@ -145,19 +146,21 @@ class Static:
             while link.state != "up":
                 if link.failure is not None:
                     raise link.failure
+                last = f"; the last try: {link.last_error}" if link.last_error else ""
                 if time.monotonic() > deadline:
                     raise IPCTimeoutError(
                         f"node {self.node_index}: {self.describe()} did not answer within "
-                        f"{timeout:g}s",
+                        f"{timeout:g}s{last}",
                         node=0,
                     )
                 waited = note.due()
                 if waited is not None:
                     log.warning(
-                        "ipc node %d: waiting %.0f s for %s",
+                        "ipc node %d: waiting %.0f s for %s%s",
                         self.node_index,
                         waited,
                         self.describe(),
+                        last,
                     )
                 rv.poll(0.2)
             body = join_root(rv, link, join, deadline)

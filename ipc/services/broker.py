@@ -21,7 +21,12 @@ not ask. The broker keeps the item it sent a reader until that reader asks
 for the next one or leaves: if it dies first (SIGKILL, a crash), the item
 goes to the next reader. So no item is lost with a reader, and one whose
 reader died after working on it but before asking again is worked on twice
-(at least once, as task queues that acknowledge late do). Nothing received is
+(at least once, as task queues that acknowledge late do). An item sent by
+reference to the broker's arena keeps its block until then too, and the
+broker releases it, not the reader: a reader that let go of it before its next
+request had left (killed in between) took the item's bytes with it. A write
+from another process is confirmed to its writer when the broker answers a
+later read or acknowledges its goodbye (remote.py). Nothing received is
 unpickled.
 
 Closing: a closed queue takes no more writes; its remaining items can still
@@ -356,9 +361,14 @@ class _Broker:
             q.waiting.extendleft(reversed(held))
 
     def _done_with(self, link: Link) -> None:
-        """`link`'s reader has its last item for good: no longer out."""
+        """`link`'s reader has its last item for good: no longer out, and its block (if it
+        went by reference to our arena) is free again."""
         entry = self.inflight.pop(link, None)
-        if entry is not None and entry[0].closed:
+        if entry is None:
+            return
+        q, frames, memory = entry
+        self.bulk.drop(frames, memory)
+        if q.closed:
             self.lock.notify_all()  # a local read may wait for the last one out (see get)
 
     def _out(self, q: _Queue) -> bool:

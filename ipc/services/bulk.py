@@ -168,9 +168,9 @@ class Bulk:
                 raise WireError("a shared-memory reference from a peer whose arena is not mapped")
             return frames
         if memory is self.arena and link in self.readers:
-            ref = wire.parse_control(_header(frames)).get("shm")
-            if isinstance(ref, dict):
-                self.arena.lend(ref.get("s"), ref.get("g"), link.info.get("pid"))
+            # Not lent to the reader's pid: the broker releases the block when the reader
+            # is done, or takes the item back when it dies (the arena reclaiming the block
+            # of a dead reader would free the bytes of an item coming back).
             return frames
         meta = wire.parse_control(_header(frames))
         ref = meta.pop("shm", None)

@@ -59,7 +59,7 @@ class Client:
         token: str | None = None,
         *,
         token_file: str | None = None,
-        encrypt: bool = False,
+        encrypt: bool | None = None,
         liveness: Liveness | None = None,
         max_frame: int = (1 << 20) + 1024,
         timeout: float = 30.0,

@@ -14,8 +14,11 @@ traceback as text). Nothing a worker sends is unpickled.
 `join()` stops the other workers (SIGTERM, then SIGKILL; until then they run on,
 and those still starting are answered) and raises
 - the worker's exception, rebuilt when it is a built-in type (ValueError,
-  KeyError, ...) and `WorkerError` otherwise, with the worker's traceback as its
-  `__cause__` and in `.traceback`;
+  KeyError, ...) or ipc's IPCError or PeerError, and `WorkerError` otherwise,
+  with the worker's traceback as its `__cause__` and in `.traceback`; writes to
+  channels and work queues that a worker could not deliver (their owner gone, or
+  frozen past the heartbeats) fail it with a PeerError that counts them, never
+  a result as if they had arrived;
 - `PeerError` naming a worker that died without a result (SIGKILL, os._exit)
   and the signal or exit code;
 - `IPCTimeoutError` after `timeout` seconds.
@@ -94,23 +97,32 @@ def _worker(
         try:
             result = fn(*args, i)
             frames = wire.pack_value({"i": i, "ok": True, "value": result})
+            # Its writes to channels and work queues arrive first; writes that could not
+            # be delivered (their owner gone or frozen) fail the worker, naming them.
+            remote.close_remotes()
         except BaseException as exc:
             tb = traceback.format_exc()[-_MAX_TRACEBACK:]
             frames = wire.pack_value(
                 {"i": i, "ok": False, "type": type(exc).__name__, "message": str(exc)[:4096],
                  "traceback": tb}
             )  # fmt: skip
-        remote.close_remotes()  # its writes to channels and work queues arrive first
+            with contextlib.suppress(IPCError):
+                remote.close_remotes()  # (what fn raised is the news)
         link.send_frames(frames, copy=True)
     finally:
         ep.close()  # returns once the parent has read the result (or is gone)
+
+
+# ipc's own errors come back as themselves (a worker's writes that could not be
+# delivered are a PeerError, as in the worker).
+_IPC_ERRORS = {c.__name__: c for c in (IPCError, IPCTimeoutError, PeerError)}
 
 
 def _rebuild(index: int, body: dict) -> BaseException:
     type_name = str(body.get("type", "Exception"))
     message = str(body.get("message", ""))
     tb = str(body.get("traceback", ""))
-    cls = getattr(builtins, type_name, None)
+    cls = _IPC_ERRORS.get(type_name) or getattr(builtins, type_name, None)
     exc: BaseException | None = None
     if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, OSError):
         with contextlib.suppress(Exception):

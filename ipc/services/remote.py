@@ -4,11 +4,20 @@ A worker of a WorkQueue, or any process but a Channel's creator, reads and write
 through a `_Remote`: a write is sent without waiting for an answer, a read asks the
 broker for one item and waits for it. Writes are flushed when the process closes its
 links, at the latest at its exit (`close_remotes`), a multiprocessing child's too.
+
+A write is confirmed once the broker has read it: when it answers a read asked after
+it, or acknowledges our goodbye. `close()` raises PeerError when writes were left
+unconfirmed (the broker's process died, or froze past the heartbeats): they may be
+lost, and the caller is told so rather than returning as if they had arrived. An item
+read lies in the broker's memory until we ask for the next one or leave; the broker,
+not the reader, lets go of it then (see broker.py), so a reader killed at any point
+leaves the item whole for the next reader.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing.util
 import os
 import time
@@ -20,6 +29,8 @@ from . import bulk
 from .broker import CLOSED, DRAINED, OPEN, _ctl, _decode
 
 __all__ = ["close_remotes"]
+
+log = logging.getLogger(__name__)
 
 
 class _Remote:
@@ -36,8 +47,10 @@ class _Remote:
         self.pid = os.getpid()
         self.closed = False
         self.asked: str | None = None  # the queue of a read still unanswered
-        self.held: tuple[list, bulk._Memory | None] | None = None  # the last item read
         self.closed_seen: dict[str, str] = {}  # queue -> CLOSED/DRAINED, once a read said so
+        self.writes = 0  # writes sent on the link
+        self.confirmed = 0  # of which the broker has read this many (see the docstring)
+        self._asked_after = 0  # writes sent before the read still unanswered
         try:
             self.link = self.endpoint.dial(address, reconnect=False)
             self.endpoint.wait_up([self.link], time.monotonic() + 30, label)
@@ -62,6 +75,7 @@ class _Remote:
         except BaseException:
             self.bulk.drop(frames, self.bulk.arena)
             raise
+        self.writes += 1
         return OPEN
 
     def _see_bulk_ok(self) -> None:
@@ -80,9 +94,11 @@ class _Remote:
     def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, object]:
         ep, link = self.endpoint, self.link
         if self.asked is None:
+            # The broker lets go of the last item it sent us when it reads this (never we:
+            # killed before this request left, the item must still be whole for another).
             link.send_frames([_ctl({"op": "get", "q": name, "block": block})])
             self.asked = name
-            self._release_held()  # asked again: the broker no longer keeps the last one
+            self._asked_after = self.writes
         elif self.asked != name:
             raise IPCError(f"ipc {self.label}: a read of {self.asked!r} timed out; read it again")
         # else: the answer to a read that timed out is still to come; it is this read's
@@ -95,6 +111,7 @@ class _Remote:
                 continue
             if item is not None:
                 self.asked = None
+                self.confirmed = max(self.confirmed, self._asked_after)
                 _, frames = item
                 try:
                     body = wire.parse_control(frames[0].bytes, {"op": str, "state": str})
@@ -105,8 +122,8 @@ class _Remote:
                 if body["op"] == "item":
                     # Its shared memory stays taken until we ask again: if we die before
                     # that, the broker gives the item to another reader, bytes intact.
-                    self.held = (frames[1:], self.bulk.memory_of(link))
-                    return body["state"], _decode(self.bulk, self.held, self.label, release=False)
+                    held = (frames[1:], self.bulk.memory_of(link))
+                    return body["state"], _decode(self.bulk, held, self.label, release=False)
                 return body["state"], None
             if link.dead is not None or link.bye is not None:
                 # (Why, in the link layer's words: also when this process was the one
@@ -120,19 +137,25 @@ class _Remote:
                 raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
 
     def close(self) -> None:
-        """Say goodbye: returns once the broker has read every write (or is gone)."""
+        """Say goodbye: returns once the broker has read every write; PeerError if writes
+        were left unconfirmed (the broker is gone, or frozen: they may be lost)."""
         if self.closed or self.pid != os.getpid():
             return
         self.closed = True
         _REMOTES.discard(self)
-        self._release_held()
         # A read still unanswered: an item the broker sent for it is not ours, give it back.
         self.endpoint.close({"unread": True} if self.asked else None, linger=5.0)
-
-    def _release_held(self) -> None:
-        if self.held is not None:
-            self.bulk.drop(*self.held)
-            self.held = None
+        if self.link.acked:
+            self.confirmed = self.writes  # it read our BYE, so everything before it
+        lost = self.writes - self.confirmed
+        if lost:
+            why = self.link.dead or "it did not acknowledge our goodbye in time"
+            raise PeerError(
+                f"ipc {self.label}: could not deliver {lost} write(s) of {self.writes}: its "
+                f"owner (pid {self.link.info.get('pid', '?')}) did not confirm them before "
+                f"the link ended ({why}: gone, or frozen past the heartbeats' timeout of "
+                f"{self.endpoint.liveness.timeout:g} s); they may be lost"
+            )
 
 
 # Writes from another process are sent without waiting: closing its links flushes them, at
@@ -142,12 +165,29 @@ _REMOTES: weakref.WeakSet[_Remote] = weakref.WeakSet()
 
 
 def close_remotes() -> None:
-    """Close this process's links to brokers of other processes (flushing its writes)."""
+    """Close this process's links to brokers of other processes (flushing its writes);
+    PeerError naming every queue whose writes were left unconfirmed."""
+    errors = []
     for remote in list(_REMOTES):
-        remote.close()
+        try:
+            remote.close()
+        except PeerError as err:
+            errors.append(err)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise PeerError("; ".join(str(e) for e in errors))
 
 
-atexit.register(close_remotes)
+def _close_remotes_at_exit() -> None:
+    """At exit nobody is left to raise to: writes that may be lost are logged."""
+    try:
+        close_remotes()
+    except PeerError as err:
+        log.error("%s", err)
+
+
+atexit.register(_close_remotes_at_exit)
 _flushing_in: list[int] = []  # the process that registered the hook below
 
 
@@ -157,4 +197,4 @@ def _flush_at_exit() -> None:
     them instead; registered in the process that writes (a fork's copy is cleared)."""
     if _flushing_in != [os.getpid()]:
         _flushing_in[:] = [os.getpid()]
-        multiprocessing.util.Finalize(None, close_remotes, exitpriority=100)
+        multiprocessing.util.Finalize(None, _close_remotes_at_exit, exitpriority=100)

@@ -13,10 +13,12 @@ received is unpickled. `recv(into=...)` writes received tensors into yours.
 The secret: `token=`, then $IPC_TOKEN / $IPC_TOKEN_FILE. A server on a loopback
 address without one makes a random secret and leaves it in this user's private
 runtime directory (0700) under its port, where a client of the same user on
-the same host finds it: nothing is derived from public values. Strangers are
-refused by ZeroMQ's handshake before they can queue a byte, and every frame is
-capped (`Limits.max_frame`) before it is read; large tensors travel in frames
-of at most 1 MiB, or, between processes of one host, through shared memory
+the same host finds it: nothing is derived from public values. Over TCP every
+message is encrypted and authenticated (CURVE, keys derived from the secret:
+see ipc.transport.handshakes). Strangers are refused by ZeroMQ's handshake
+before they can queue a byte, and every frame is capped (`Limits.max_frame`)
+before it is read; large tensors travel in frames of at most 1 MiB, or,
+between processes of one host, through shared memory
 (:mod:`ipc.services.bulk`: a header on the link, the bytes in the sender's arena).
 
 A client of the same user on the same host sends and receives on a direct Unix
@@ -184,7 +186,7 @@ class Server(DirectSocketsMixin):
         token: str | None = None,
         *,
         token_file: str | None = None,
-        encrypt: bool = False,
+        encrypt: bool | None = None,
         liveness: Liveness | None = None,
         max_frame: int = (1 << 20) + 1024,
         name: str = "ipc server",

@@ -159,6 +159,12 @@ class DirectSocketsMixin:
                 except (direct.Closed, direct.DirectError) as why:
                     self._end_direct(conn, why)
                     continue
+                except PeerError:
+                    # Its link died while we read its socket: reported here too, or
+                    # recv_any raised it a second time.
+                    self._reported.add(conn.index)
+                    self._unreported.pop(conn.index, None)
+                    raise
                 finally:
                     self._reading = None
                 if msg is not None:

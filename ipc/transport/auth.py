@@ -3,7 +3,15 @@
 Nothing here is derived from public values unless the caller asks for
 `insecure`: a secret is a token the user gives (`token=`, $IPC_TOKEN, a
 secret file named by `token_file=` or $IPC_TOKEN_FILE) or 32 random bytes
-that node 0 shares through the private runtime directory.
+that node 0 shares through the private runtime directory. A token the user
+gives must carry at least 128 bits (`MIN_BITS`): what a listener's CURVE key
+is derived from must not be guessable offline by a squatter that recorded a
+dialer's first message (see handshakes.py), so a shorter one is refused.
+
+Keys are derived with HKDF-SHA256 (RFC 5869): the secret is the input keying
+material, the protocol name the salt, and each key has a label of its own
+(the CURVE server and client pairs, the Unix-socket password), so no key
+tells anything about another or about the secret.
 
 Every connection proves knowledge of the secret with a challenge: the
 dialer's and the listener's fresh nonces and the connection's routing id go
@@ -15,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import secrets
+import string
 import struct
 from dataclasses import dataclass
 
@@ -32,6 +42,7 @@ __all__ = [
     "TOKEN_FILE_ENV",
     "CurveKeys",
     "Secret",
+    "check_token",
     "given_secret",
     "insecure_secret",
     "missing_secret_error",
@@ -45,6 +56,8 @@ TOKEN_ENV = "IPC_TOKEN"
 TOKEN_FILE_ENV = "IPC_TOKEN_FILE"
 PROTOCOL = b"distlearn-ipc/2"
 NONCE_BYTES = 16
+MIN_BITS = 128  # what a token the user gives must carry, at least
+MIN_DISTINCT = 8  # distinct characters in a token, at least ("x" * 40 is no secret)
 
 
 @dataclass(frozen=True)
@@ -83,18 +96,28 @@ class Secret:
     def check(self, mac: bytes, *parts: bytes) -> bool:
         return hmac.compare_digest(mac, self.mac(*parts))
 
+    def derive(self, label: bytes) -> bytes:
+        """32 bytes for `label`, derived from the secret with HKDF-SHA256 (RFC 5869: one
+        block of HKDF-Expand after HKDF-Extract with the protocol name as salt)."""
+        prk = hmac.new(PROTOCOL, self._key, hashlib.sha256).digest()
+        return hmac.new(prk, label + b"\x01", hashlib.sha256).digest()
+
     def curve_keys(self) -> CurveKeys:
         """Key pairs derived from the secret: only holders of the secret can compute the
-        server's public key, which a CURVE client must know to connect at all."""
+        server's secret key, which a CURVE listener needs to answer a dialer's HELLO,
+        nor the client's, which a CURVE dialer needs to be let in (see handshakes.py)."""
 
         def pair(label: bytes) -> tuple[bytes, bytes]:
-            raw = hmac.new(self._key, PROTOCOL + b" curve " + label, hashlib.sha256).digest()
-            sk = z85.encode(raw)
+            sk = z85.encode(self.derive(b"curve " + label))
             return zmq.curve_public(sk), sk
 
         sp, ss = pair(b"server")
         cp, cs = pair(b"client")
         return CurveKeys(sp, ss, cp, cs)
+
+    def password(self) -> bytes:
+        """The PLAIN password of Unix-socket links (they never leave the host)."""
+        return self.derive(b"plain").hex().encode()
 
 
 def random_secret() -> Secret:
@@ -105,14 +128,58 @@ def given_secret(token: str | None = None, token_file: str | None = None) -> Sec
     """The secret the user gave: `token`, `token_file`, $IPC_TOKEN or $IPC_TOKEN_FILE, in
     that order; None if none was given."""
     if token is not None:
-        return Secret(token, "token=")
+        return _given(token, "token=")
     if token_file is not None:
-        return Secret(read_secret_file(token_file), f"token_file={token_file}")
+        return _given(read_secret_file(token_file), f"token_file={token_file}")
     if (text := env_str(TOKEN_ENV)) is not None:
-        return Secret(text, f"${TOKEN_ENV}")
+        return _given(text, f"${TOKEN_ENV}")
     if (path := env_str(TOKEN_FILE_ENV)) is not None:
-        return Secret(read_secret_file(path), f"${TOKEN_FILE_ENV}={path}")
+        return _given(read_secret_file(path), f"${TOKEN_FILE_ENV}={path}")
     return None
+
+
+def _given(text: object, origin: str) -> Secret:
+    if not isinstance(text, str):
+        raise IPCError(f"ipc: the token ({origin}) must be a str, not {type(text).__name__}")
+    check_token(text, origin)
+    return Secret(text, origin)
+
+
+def _alphabet(text: str) -> int:
+    """The size of the smallest usual alphabet that `text` is written in."""
+    chars = set(text)
+    if chars <= set(string.hexdigits) and not (chars & set("abcdef") and chars & set("ABCDEF")):
+        return 10 if chars <= set(string.digits) else 16
+    size = 0
+    for group, n in ((string.digits, 10), (string.ascii_lowercase, 26),
+                     (string.ascii_uppercase, 26)):  # fmt: skip
+        if chars & set(group):
+            size += n
+    if chars - set(string.digits + string.ascii_letters):
+        size += 33 if all(c.isascii() for c in chars) else 1 << 16
+    return size
+
+
+def check_token(text: str, origin: str) -> None:
+    """Refuse a token that cannot carry MIN_BITS bits: fewer characters than the alphabet
+    it is written in needs (32 hex digits, 22 of base64, 20 printable ASCII), or fewer than
+    MIN_DISTINCT distinct ones. The length is an upper bound on what a token carries: a
+    token a person made up carries far less than its length suggests."""
+    distinct = len(set(text))
+    bits = len(text) * math.log2(max(2, _alphabet(text)))
+    if bits >= MIN_BITS and distinct >= MIN_DISTINCT:
+        return
+    why = (
+        f"{len(text)} characters of that kind carry at most {bits:.0f} bits"
+        if bits < MIN_BITS
+        else f"it repeats {distinct} distinct characters"
+    )
+    raise IPCError(
+        f"ipc: the token from {origin} is too weak to be the job's secret: {why}, and at "
+        f"least {MIN_BITS} random bits are needed (a listener's keys derive from it: a "
+        "guessable token lets anyone who saw one connection attempt find it offline). "
+        "Make one with `python -c 'import secrets; print(secrets.token_hex(32))'`"
+    )
 
 
 def insecure_secret(public: str, who: str) -> Secret:

@@ -15,6 +15,7 @@ import zmq
 
 from ..errors import PeerError
 from . import wire
+from .handshakes import connection_of
 from .wire import Kind, WireError
 
 if TYPE_CHECKING:  # (link.py imports this module)
@@ -47,6 +48,9 @@ class EventLoopMixin:
     def wait(self, timeout: float) -> list:
         """Wait up to `timeout` seconds for traffic without handling it: `process` the
         events it returns (a caller that must handle them under its own lock)."""
+        if self._redials:  # (not past the time a link waits to be dialed again)
+            soonest = min(link.redial_at for link in self._redials)
+            timeout = min(timeout, max(0.0, soonest - time.monotonic()) + 0.001)
         return self._poller.poll(max(0, int(timeout * 1000)))
 
     def watch(self, fd: int) -> None:
@@ -68,6 +72,8 @@ class EventLoopMixin:
                 monitors = True
         if monitors:
             self._check_monitors()
+        if self._redials:
+            self._redial_due()
         now = time.monotonic()
         if self.router is not None and (now < self._probe_until or now >= self._next_probe):
             self._next_probe = now + max(self.liveness.interval, 0.5)
@@ -98,6 +104,11 @@ class EventLoopMixin:
                 continue
             if link is None or link.dialed:
                 self._handshake_message(rid, frames)
+            elif connection_of(frames[0]) != link.conn:
+                # Its routing id, on another connection than the one that did its handshake:
+                # not that peer (dialers never reconnect). Its own connection has ended.
+                self.mark_dead(link, "another connection took its routing id")
+                self._drop(f"a message on {link.name}'s routing id from another connection")
             elif len(frames) < 2:
                 self._drop(f"an empty message from {link.name}")
             else:
@@ -119,6 +130,11 @@ class EventLoopMixin:
         if link.dead is not None:
             return  # nothing on a dead link is trusted
         header = frames[0].bytes
+        if link.bye is not None and header[:1] != bytes([Kind.ACK]):
+            # After its BYE a peer sends nothing but the ACK of ours: whatever else comes
+            # on its routing id is not its.
+            self._drop(f"a message from {link.name} after its goodbye")
+            return
         link.stats.msgs_recv += 1
         link.stats.bytes_recv += sum(len(f) for f in frames)
         kind = header[0] if header else 0

@@ -1,28 +1,55 @@
 """The handshakes of an `Endpoint`: who gets in, in three layers.
 
 1. ZeroMQ's handshake, checked by a ZAP handler (`_Zap`) before a single message is
-   accepted: PLAIN with a password derived from the job's secret, or CURVE
-   (`encrypt=True`: every byte encrypted, keys derived from the secret).
-   Strangers cannot queue anything in our memory, not even a message part.
+   accepted. The mechanism goes by where the link runs (`Endpoint.curve_for`):
+   - TCP (another host, or loopback, which other users of this host reach too):
+     CURVE, with both key pairs derived from the job's secret (auth.py). The dialer's
+     HELLO is sealed to the listener's public key, and only a holder of the secret can
+     answer it: the listener proves the secret before the dialer shows anything that
+     lets anyone in (its own key goes in INITIATE, after that proof). Every message is
+     then encrypted and authenticated (XSalsa20-Poly1305): a relay that rewrites one
+     byte ends the connection, it never changes a value. ZeroMQ has no bound on the
+     frames of one message, and its high-water mark counts whole messages, so only
+     this keeps a stranger from growing a message in our memory without end: without
+     the secret, nothing gets past the handshake (`encrypt=False` on a trusted network
+     turns this off: PLAIN, whose password crosses the wire in the clear).
+   - Unix sockets in the private runtime directory (0700, verified): PLAIN with a
+     password derived from the secret, and the ZAP handler checks the peer's uid
+     (SO_PEERCRED, which libzmq hands it): only this user's processes connect at
+     all, so nothing crosses a wire and nothing needs encrypting (`encrypt=True`
+     encrypts them too).
+   The ZAP handler names each connection it admits (its User-Id): a message is taken
+   for a link only when it comes on the connection that did the link's handshake.
 2. A challenge on every connection: the dialer's and listener's fresh nonces
    and the connection's routing id go into an HMAC of the secret, so a
    recorded handshake is worthless on any other connection, and the dialer
    learns that the listener knows the secret too. A listener's side: HELLO ->
    CHALLENGE, AUTH -> WELCOME or REFUSED; a dialer's: CHALLENGE -> AUTH, then
    WELCOME (up) or REFUSED (failure).
-3. Limits before parsing: ZMQ_MAXMSGSIZE on every socket, a bounded table of
-   handshakes in progress, and total parsers. Receive queues are not bounded
-   by a high-water mark, on purpose: only authenticated peers (members of the
-   job) ever queue a message, and libzmq (4.3.5, zeromq/libzmq#3937, #4364)
-   aborts the whole process when a connection whose input a full queue has
-   paused is closed by its peer and a heartbeat fires before we read it.
+3. Limits before parsing: ZMQ_MAXMSGSIZE on every socket, ZMQ_HANDSHAKE_IVL (a
+   connection that has not finished ZeroMQ's handshake within
+   `Limits.handshake_timeout` is closed, so idle connections do not hold files for
+   long), a bounded table of handshakes in progress, expired after the same time,
+   and total parsers. Receive queues are not bounded by a high-water mark, on
+   purpose: only authenticated peers (members of the job) ever queue a message,
+   and libzmq (4.3.5, zeromq/libzmq#3937, #4364) aborts the whole process when a
+   connection whose input a full queue has paused is closed by its peer and a
+   heartbeat fires before we read it.
+
+A link is bound to one connection: a dialer never reconnects (a lost connection ends
+its link; one that was never up is dialed again with a fresh socket and routing id),
+and a listener takes nothing on a routing id from another connection than the one
+that did its handshake, nor anything but an acknowledgement after a peer's BYE.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import itertools
 import json
+import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +86,7 @@ class _Pending:
 
     rid: bytes
     started: float
+    conn: str = ""  # the connection it came on (its ZAP User-Id)
     name: str = ""
     info: dict = field(default_factory=dict)
     dialer_nonce: bytes = b""
@@ -67,8 +95,9 @@ class _Pending:
 
 class _Zap(threading.Thread):
     """ZeroMQ's authentication hook for one context: admits a connection only when its
-    PLAIN password or CURVE public key was derived from the job's secret. Runs until the
-    context terminates."""
+    credentials were derived from the job's secret (`check` says so), and names each
+    connection it admits with a User-Id of its own, which every message on it carries.
+    Runs until the context terminates."""
 
     def __init__(self, ctx: zmq.Context, check: Callable[[bytes, list[bytes], str], bool]):
         super().__init__(name="ipc-zap", daemon=True)
@@ -76,6 +105,7 @@ class _Zap(threading.Thread):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("inproc://zeromq.zap.01")
         self.check = check
+        self._ids = itertools.count(1)
 
     def run(self) -> None:
         try:
@@ -86,12 +116,33 @@ class _Zap(threading.Thread):
                     continue
                 version, request_id, _domain, address, _identity, mechanism = msg[:6]
                 ok = self.check(mechanism, msg[6:], address.decode(errors="replace"))
-                code, text = (b"200", b"OK") if ok else (b"400", b"wrong token")
-                self.sock.send_multipart([version, request_id, code, text, b"", b""])
+                if ok:
+                    reply = [b"200", b"OK", b"c%d" % next(self._ids)]
+                else:
+                    reply = [b"400", b"wrong token", b""]
+                self.sock.send_multipart([version, request_id, *reply, b""])
         except zmq.ContextTerminated:
             pass
         finally:
             self.sock.close(linger=0)
+
+
+# How libzmq names a Unix-socket peer to the ZAP handler: its credentials (SO_PEERCRED).
+_UNIX_PEER = re.compile(r"localhost:(\d+):(\d+):(\d+)")
+
+
+def unix_peer_uid(address: str) -> int | None:
+    """The uid of a Unix-socket peer as the ZAP handler sees it; None for a TCP peer."""
+    m = _UNIX_PEER.fullmatch(address)
+    return int(m.group(1)) if m else None
+
+
+def connection_of(frame: zmq.Frame) -> str:
+    """The connection a received frame came on (the User-Id our ZAP handler gave it)."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return ""
 
 
 class HandshakeMixin:
@@ -103,18 +154,29 @@ class HandshakeMixin:
     `_note_rate_limited`."""
 
     def _zap_check(self, mechanism: bytes, creds: list[bytes], address: str) -> bool:
-        if self._curve is not None:
-            ok = mechanism == b"CURVE" and len(creds) == 1
-            ok = ok and creds[0] == z85.decode(self._curve.client_public)
-        else:
-            ok = mechanism == b"PLAIN" and len(creds) == 2 and creds[0] == PLAIN_USER
+        uid = unix_peer_uid(address)
+        if uid is not None and uid != os.getuid():
+            # (Our runtime directory is 0700: only root could have connected.)
+            self._note_rate_limited(f"refused a Unix-socket peer of uid {uid}: not ours")
+            return False
+        if mechanism == b"CURVE":
+            ok = len(creds) == 1 and creds[0] == z85.decode(self._curve.client_public)
+            why = "" if ok else "its CURVE credentials are not this job's (another secret)"
+        elif mechanism == b"PLAIN" and self.encrypt is not True:
+            ok = len(creds) == 2 and creds[0] == PLAIN_USER
             ok = ok and hmac.compare_digest(creds[1], self._password)
+            why = "" if ok else "its PLAIN credentials are not this job's (another secret)"
+            # PLAIN only on a Unix socket (a TCP listener speaks CURVE and refused it
+            # already), unless encrypt=False said the network is trusted.
+            if ok and self.encrypt is None and uid is None:
+                ok, why = False, "PLAIN over TCP (this endpoint takes CURVE there)"
+        else:
+            ok = False
+            why = (f"{mechanism.decode(errors='replace')[:10]} credentials (encrypt= must be "
+                   "the same on every node)")  # fmt: skip
         if not ok:
-            want = b"CURVE" if self._curve is not None else b"PLAIN"
-            hint = "" if mechanism == want else " (encrypt= must be the same on every node)"
             self._note_rate_limited(
-                f"refused a connection{' from ' + address if address else ''}: its "
-                f"{mechanism.decode(errors='replace')} credentials are not this job's{hint}"
+                f"refused a connection{' from ' + address if address else ''}: {why}"
             )
         return ok
 
@@ -122,10 +184,15 @@ class HandshakeMixin:
 
     def _handshake_message(self, rid: bytes, frames: list) -> None:
         """A listener's side: HELLO -> CHALLENGE, AUTH -> WELCOME or REFUSED."""
+        if rid in self.links:
+            # The routing id of a link of ours (one we dialed): never another peer's.
+            self._drop("a handshake on the routing id of one of our own links")
+            return
         if len(frames) != 2:
             self._drop("a message of the wrong shape from an unauthenticated peer")
             return
         header = frames[1].bytes
+        conn = connection_of(frames[0])
         try:
             kind = wire.kind_of(header)
             if kind == Kind.HELLO:
@@ -137,23 +204,23 @@ class HandshakeMixin:
                         "info": dict,
                     },
                 )
-                self._challenge(rid, body)
+                self._challenge(rid, body, conn)
             elif kind == Kind.AUTH:
                 body = wire.parse_control(header, {"mac": wire.hex_of(32)})
                 try:
                     peer = frames[1].get("Peer-Address")
                 except zmq.ZMQError:
                     peer = ""
-                self._authenticate(rid, bytes.fromhex(body["mac"]), peer)
+                self._authenticate(rid, bytes.fromhex(body["mac"]), conn, peer)
             else:
                 raise WireError(f"kind {kind} before authentication")
         except WireError as err:
             self._drop(f"an unauthenticated message: {err}")
 
-    def _challenge(self, rid: bytes, hello: dict) -> None:
+    def _challenge(self, rid: bytes, hello: dict, conn: str) -> None:
         if len(self._pending) >= self.limits.handshakes:
             self._pending.popitem(last=False)  # the oldest stranger loses its place
-        p = _Pending(rid, time.monotonic(), hello["name"], hello["info"])
+        p = _Pending(rid, time.monotonic(), conn, hello["name"], hello["info"])
         p.dialer_nonce = bytes.fromhex(hello["nonce"])
         p.our_nonce = nonce()
         self._pending.pop(rid, None)
@@ -163,8 +230,14 @@ class HandshakeMixin:
             rid, wire.control(Kind.CHALLENGE, {"nonce": p.our_nonce.hex(), "proof": proof.hex()})
         )
 
-    def _authenticate(self, rid: bytes, mac: bytes, peer: str = "") -> None:
-        p = self._pending.pop(rid, None)
+    def _authenticate(self, rid: bytes, mac: bytes, conn: str, peer: str = "") -> None:
+        p = self._pending.get(rid)
+        if p is not None and p.conn != conn:
+            # Another connection that uses the routing id of one in its handshake: not the
+            # peer that said HELLO (a dialer never reconnects), whatever it proves.
+            self._drop("an AUTH on another connection than its HELLO's")
+            return
+        self._pending.pop(rid, None)
         if p is None:
             # Its handshake lost its place (the oldest of more than `limits.handshakes`
             # at once: a burst of clients) or expired: it starts again, a dialer of
@@ -178,7 +251,7 @@ class HandshakeMixin:
             self._reply(rid, wire.control(Kind.REFUSED, {"reason": "wrong token"}))
             return
         link = self._new_link(f"accepted from {peer or 'a Unix socket'}", dialed=False, rid=rid)
-        link.name, link.info = p.name, p.info
+        link.name, link.info, link.conn = p.name, p.info, conn
         if self._closed:
             # Closing: a link taken now would get neither our BYE nor anything else before
             # its connection ends (the peer would take that for our death).

@@ -37,14 +37,17 @@ class LeavingMixin:
 
     # ---- leaving -----------------------------------------------------------------
 
-    def close(self, bye: dict | None = None, linger: float = 5.0) -> None:
+    def close(self, bye: dict | None = None, linger: float = 5.0) -> list:
         """Say BYE (with `bye` as its body) on every live link, wait up to `linger` s until
-        each peer acknowledged it or is gone, then close everything."""
+        each peer acknowledged it or is gone, then close everything. Returns the links
+        that were up and did not acknowledge (gone, or not in time): what was sent on them
+        may not have arrived."""
         if self._closed:
-            return
+            return []
         self._closed = True
         if os.getpid() != self._pid:
-            return  # a forked child: the parent's sockets are not ours to touch
+            return []  # a forked child: the parent's sockets are not ours to touch
+        live: list = []
         try:
             live = [link for link in self.links.values() if link.up and link.bye is None]
             for link in live:
@@ -76,6 +79,7 @@ class LeavingMixin:
                 )
         finally:
             self._terminate()
+        return [link for link in live if not link.acked]
 
     def _terminate(self) -> None:
         self._closed = True

@@ -39,10 +39,27 @@ __all__ = ["Endpoint", "Limits", "Link", "LinkStats"]
 
 log = logging.getLogger(__name__)
 
+REDIAL_S = 0.1  # a dial not yet up waits this long before it dials again (as ZeroMQ did)
+_NO_RECONNECT_MS = 24 * 3600 * 1000  # ZeroMQ's reconnect interval: never, in effect
+_warned: set[str] = set()
 
-# What a dialer's monitor reports: the link's end, or a failed ZeroMQ handshake.
+
+def _warn_cleartext(name: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning(
+            "ipc %s: encrypt=False: links over TCP are neither encrypted nor integrity-"
+            "protected, and the job's password crosses the wire in the clear (whoever sees "
+            "it can queue messages in any node's memory). For a network you trust only.",
+            name,
+        )
+
+
+# What a dialer's monitor reports: the link's end, a refused connection (a retry
+# scheduled), or a failed ZeroMQ handshake.
 _DIALER_EVENTS = (
     zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -55,7 +72,9 @@ class Limits:
 
     max_frame: int = (1 << 20) + 1024  # ZMQ_MAXMSGSIZE: the largest frame accepted
     handshakes: int = 256  # connections in the middle of a handshake, at most
-    handshake_timeout: float = 30.0
+    # ZMQ_HANDSHAKE_IVL, and how long our own handshake may take: a connection that has
+    # not finished within it is closed (an idle one holds a file until then).
+    handshake_timeout: float = 10.0
 
 
 @dataclass
@@ -87,7 +106,11 @@ class Link:
         self.tag: object = None
         self.state = "handshake"
         self.dead: str | None = None
+        self.conn = ""  # an accepted link's connection (see handshakes.connection_of)
+        self.retry = False  # a dialed link that is dialed again until it is up
+        self.redial_at = 0.0  # when, once its connection ended before it was up
         self.failure: Exception | None = None  # why a dial failed (refused, wrong secret)
+        self.last_error: Exception | None = None  # why the last try of a retried dial failed
         self.bye: dict | None = None  # the peer's BYE, once it said it
         self.bye_sent = False
         self.acked = False  # our BYE was acknowledged
@@ -164,7 +187,12 @@ class Link:
 class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
     """One process's links: listens on `bind` (if any) and dials others, all authenticated
     with `secret`. `info` is sent to every peer in the handshake. `accept(link)` decides on
-    each link a peer opens to us: None admits it, a string refuses it with that reason."""
+    each link a peer opens to us: None admits it, a string refuses it with that reason.
+
+    `encrypt`: None (the default) encrypts and authenticates every message on TCP
+    (CURVE) and leaves Unix sockets to this user's processes (PLAIN, peer uid checked);
+    True encrypts Unix sockets too; False sends TCP in the clear too (PLAIN, for a trusted
+    network only: the password crosses the wire). See handshakes.py."""
 
     def __init__(
         self,
@@ -172,7 +200,7 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
         name: str,
         *,
         bind: Sequence[str] = (),
-        encrypt: bool = False,
+        encrypt: bool | None = None,
         limits: Limits = Limits(),
         liveness: Liveness | None = None,
         info: dict | None = None,
@@ -187,8 +215,10 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
         self.accept = accept
         self._pid = os.getpid()
         self._ctx = zmq.Context()  # ours alone: terminating it flushes exactly our sockets
-        self._curve = secret.curve_keys() if encrypt else None
-        self._password = secret.mac(b"plain").hex().encode()
+        if encrypt not in (None, True, False):
+            raise ValueError(f"encrypt must be None, True or False, not {encrypt!r}")
+        self._curve = secret.curve_keys()
+        self._password = secret.password()
         self._poller = zmq.Poller()
         self._watched: set[int] = set()
         self.router: zmq.Socket | None = None
@@ -206,6 +236,7 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
         self.events: deque[tuple[str, Link]] = deque()  # ("accepted" | "dead" | "bye", link)
         self._probe_until = 0.0  # probe accepted links on every poll until then
         self._next_probe = 0.0
+        self._redials: list[Link] = []  # dialed links waiting to be dialed again
         self._dropped = 0
         self._dropped_logged = -1e9
         self._unlogged = 0
@@ -226,6 +257,7 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
         # full makes libzmq's next heartbeat abort this process (see the docstring).
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(self.limits.handshake_timeout * 1000)))
         if self.liveness.interval > 0:
             sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.liveness.interval * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.liveness.timeout * 1000))
@@ -238,13 +270,15 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises: it is gone
         router.setsockopt(zmq.BACKLOG, fdlimit.backlog())  # a burst of clients waits
         router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-        if self._curve is not None:
-            router.setsockopt(zmq.CURVE_SERVER, 1)
-            router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.server_secret)
-        else:
-            router.setsockopt(zmq.PLAIN_SERVER, 1)
         self._router_monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         for spec in bind:
+            # A listener takes the socket's options as they are when it binds: each
+            # address gets its own mechanism (CURVE on TCP, see curve_for).
+            if self.curve_for("ipc://" if spec == "ipc" else spec):
+                router.setsockopt(zmq.CURVE_SERVER, 1)
+                router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.server_secret)
+            else:
+                router.setsockopt(zmq.PLAIN_SERVER, 1)
             try:
                 self._bind_one(router, spec)
             except zmq.ZMQError as err:
@@ -276,6 +310,15 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
                 f"cannot listen on {spec!r}: want 'ipc', ipc://PATH or tcp://HOST:PORT"
             )
 
+    def curve_for(self, address: str) -> bool:
+        """Whether links at `address` speak CURVE (encrypted and authenticated messages):
+        over TCP unless encrypt=False, on Unix sockets only with encrypt=True."""
+        if self.encrypt is None:
+            return not address.startswith("ipc://")
+        if not self.encrypt and address.startswith("tcp://"):
+            _warn_cleartext(self.name)
+        return self.encrypt
+
     def unlink_socket_files(self) -> None:
         """Remove our Unix socket names (connected peers keep their connections)."""
         for path in self._socket_files:
@@ -292,29 +335,42 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
 
     def dial(self, address: str, *, tag: object = None, reconnect: bool = True) -> Link:
         """Start an authenticated link to the endpoint at `address`; it is usable once
-        `wait_up` returns. `reconnect=False` when the peer is known to listen already: a
-        lost connection then stays lost, and the peer sees that."""
+        `wait_up` returns. `reconnect=True`: until the link is up, a connection that is
+        refused or ends is dialed again (the peer may not listen yet). Once up, a lost
+        connection ends the link either way, and the peer sees that: nothing that answers
+        at the address later is taken for the same peer."""
+        link = self._new_link(address, dialed=True, rid=b"")
+        link.tag = tag
+        link.retry = reconnect
+        self._open_dealer(link)
+        return link
+
+    def _open_dealer(self, link: Link) -> None:
+        """Give a dialed link a fresh DEALER (and routing id) and say HELLO on it."""
+        address = link.address
         rid = b"D" + os.urandom(15)  # fresh per connection; never starts with a zero byte
         sock = self._ctx.socket(zmq.DEALER)
         self._options(sock)
         sock.setsockopt(zmq.ROUTING_ID, rid)
-        if not reconnect:
-            sock.setsockopt(zmq.RECONNECT_IVL, -1)
-        if self._curve is not None:
+        # Never reconnected by ZeroMQ: a second connection on this socket would be
+        # taken for the peer that did the handshake on the first. Not by turning
+        # reconnecting off (-1): libzmq 4.3.5 then drops what the peer sent just
+        # before it hung up (an ACK, one close of both ends in 60), but by an interval
+        # long past our closing the socket when its connection ends (see liveness.py).
+        sock.setsockopt(zmq.RECONNECT_IVL, _NO_RECONNECT_MS)
+        if self.curve_for(address):
             sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.client_public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.client_secret)
         else:
             sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER)
             sock.setsockopt(zmq.PLAIN_PASSWORD, self._password)
-        link = self._new_link(address, dialed=True, rid=rid)
-        link.tag = tag
+        link.rid = rid
         link.sock = sock
-        # Without reconnecting, a refused connection ends the attempt for good: ZeroMQ
-        # says CLOSED at once, and waiting out the deadline would only hide it.
-        link.monitor = sock.get_monitor_socket(
-            _DIALER_EVENTS if reconnect else _DIALER_EVENTS | zmq.EVENT_CLOSED
-        )
+        link.state = "handshake"
+        # A refused connection ends the attempt: ZeroMQ says CONNECT_RETRIED at once
+        # (then either dialed again, or the dial's failure).
+        link.monitor = sock.get_monitor_socket(_DIALER_EVENTS)
         # Ours before anything can fail, so close() closes it (a context with a socket
         # left open never terminates).
         self.links[rid] = link
@@ -329,7 +385,21 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
         # our credentials before this line runs): the monitor says why, wait_up raises.
         with contextlib.suppress(zmq.Again):
             sock.send(wire.control(Kind.HELLO, hello), zmq.NOBLOCK)
-        return link
+
+    def _dial_again(self, link: Link) -> None:
+        """A link not yet up whose connection was refused or ended: close its socket and
+        dial again REDIAL_S later, on a fresh socket (`_redial_due`)."""
+        self.links.pop(link.rid, None)
+        self._forget_dealer(link)
+        link.redial_at = time.monotonic() + REDIAL_S
+        self._redials.append(link)
+
+    def _redial_due(self) -> None:
+        now = time.monotonic()
+        for link in [link for link in self._redials if link.redial_at <= now]:
+            self._redials.remove(link)
+            if link.failure is None and link.dead is None and not self._closed:
+                self._open_dealer(link)
 
     def wait_up(self, links: Iterable[Link], deadline: float, what: str = "") -> None:
         """Service the endpoint until every link in `links` is up; raise AuthError if one
@@ -345,7 +415,13 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                slow = [f"{link.address} ({link.state})" for link in links if link.state != "up"]
+                slow = [
+                    f"{link.address} ({link.state}"
+                    + (f"; the last try: {link.last_error}" if link.last_error else "")
+                    + ")"
+                    for link in links
+                    if link.state != "up"
+                ]
                 raise IPCTimeoutError(
                     f"{self.name}: {what or 'links'} not established within the timeout: "
                     f"{', '.join(slow)}"

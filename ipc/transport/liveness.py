@@ -90,26 +90,47 @@ class LivenessMixin:
         for monitor, link in list(self._by_monitor.items()):
             while not monitor.closed and monitor.poll(0):
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
-                if event == zmq.EVENT_DISCONNECTED:
+                retry = link.retry and link.state != "up" and link.failure is None
+                if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and retry:
+                    # Refused, or ended before it was up (a listener not ready, one that
+                    # was closing, a handshake past its time): dial again, afresh.
+                    self._dial_again(link)  # closes the monitor
+                elif event == zmq.EVENT_DISCONNECTED:
                     self._drain_dealer(link)  # what it sent before it went is still ours
                     self.mark_dead(link, "the connection closed")  # closes the monitor
                 elif link.state == "up" or link.failure is not None:
                     continue
-                elif event == zmq.EVENT_CLOSED:  # a dial without reconnecting: refused
+                elif event == zmq.EVENT_CONNECT_RETRIED:  # refused (nothing listens)
                     link.failure = PeerError(
                         f"{self.name}: the connection to {link.address} was refused "
                         "(nothing listens there: the peer is gone or not started)"
                     )
                 else:
-                    why = (
-                        "it refused our credentials: its secret is not ours (wrong token?)"
-                        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                        else "a protocol error: another encrypt= setting, or not a distlearn "
-                        "endpoint"
-                    )
-                    link.failure = AuthError(
+                    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                        why = "it refused our credentials: its secret is not ours (wrong token?)"
+                    elif self.curve_for(link.address):
+                        # A CURVE listener without our secret cannot answer our HELLO: it
+                        # can only hang up (or, past the handshake timeout, we do).
+                        why = (
+                            "it did not answer our encrypted HELLO: its secret is not ours "
+                            "(wrong token?), another encrypt= setting, or not a distlearn "
+                            "endpoint"
+                        )
+                    else:
+                        why = "a protocol error: another encrypt= setting, or not a distlearn "
+                        why += "endpoint"
+                    error = AuthError(
                         f"{self.name}: the ZeroMQ handshake with {link.address} failed: {why}"
                     )
+                    if retry and event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                        # Hung up on, or no answer in time: a listener without our secret,
+                        # or one too busy (out of files, our connection waiting in its
+                        # backlog) to answer yet. Dialed again; the reason is kept for the
+                        # dialer's messages (`last_error`).
+                        link.last_error = error
+                        self._dial_again(link)
+                    else:
+                        link.failure = error
 
     def _probe(self) -> None:
         for link in list(self.links.values()):
