@@ -273,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     cmd = "python -m bench.elastic" + (f" --reps {args.reps}" if args.reps != 7 else "")
     lines = ["# Surviving: resuming mid-epoch, saving", "",
-             f"`{cmd}` — {stamp}, {os.cpu_count()} cores (shared with other work); "
-             f"{args.reps} repetitions, median (min-max).", ""]  # fmt: skip
+             f"`{cmd}` — {stamp}, {os.cpu_count()} cores, load average "
+             f"{os.getloadavg()[0]:.1f} at the start; {args.reps} repetitions, median (min-max).",
+             "", "<!-- --8<-- [start:figures] -->"]  # fmt: skip
     if args.only in (None, "resume"):
         lines += ["## Time to the first batch after a resume, at 90% of an epoch against 0%",
                   "", *bench_resume(args.reps, args.quick), ""]  # fmt: skip
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "lost"):
         lines += ["## Steps lost to a killed rank, with a restart and without", "",
                   *bench_lost(min(args.reps, 3)), ""]  # fmt: skip
+    lines += ["<!-- --8<-- [end:figures] -->"]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "RESULTS-elastic.md" if args.only is None else f"RESULTS-elastic-{args.only}.md"
