@@ -230,7 +230,8 @@ def _job(folder: Path, world: int, survive: bool, die_at: int, every: int) -> li
 def _lost(ledgers: list[list[dict]], die_at: int) -> tuple[int, float]:
     """(steps taken twice, seconds from the kill to the next step anyone took)."""
     steps = [x for p in ledgers for x in p if "ids" in x]
-    victim = max((x for x in steps if x["rank"] == 1 and x["step"] == die_at),
+    # the killed step: the first attempt's (a restart takes step `die_at` again, later)
+    victim = min((x for x in steps if x["rank"] == 1 and x["step"] == die_at),
                  key=lambda x: x["t"])  # fmt: skip
     # the next step anyone took: the survivors' step after it, or the restart's first
     after = min(x["t"] for x in steps if x["t"] > victim["t"] and x["step"] != die_at)

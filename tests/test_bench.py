@@ -235,3 +235,20 @@ def test_gloo_root_between_namespaces_is_rate_limited_and_leaves_nothing_behind(
     bad = subprocess.run([*cmd[:-1], "100kbps"], cwd=REPO, env=repo_env(),
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "rate must be a number ending in" in bad.stderr
+
+
+def test_elastic_lost_steps_count_from_the_kill_not_from_the_retaken_step():
+    """bench.elastic's kill figures: with a restart, the killed step is taken again later
+    by the restarted rank; the seconds to the next step count from the first attempt's
+    (the kill), so they hold the restart, and the steps taken twice are those since the
+    checkpoint."""
+    from bench.elastic import _lost
+
+    def step(rank, n, t):
+        return {"rank": rank, "step": n, "t": t, "ids": [n]}
+
+    first = [[step(r, n, float(n)) for n in range(1, 6)] for r in (0, 1)]  # killed after 5
+    again = [[step(r, n, 100.0 + n) for n in range(4, 9)] for r in (0, 1)]  # from a save at 3
+    taken, seconds = _lost(first + again, 5)
+    assert taken == 2  # steps 4 and 5, twice
+    assert seconds == 104.0 - 5.0  # the restart's first step, not the step after its step 5
