@@ -186,6 +186,25 @@ def test_elastic_averaging_quick_run_end_to_end(job, tmp_path):
     j.assert_no_orphans(pids)
 
 
+def test_elastic_quick_run_kills_a_rank_and_finishes_on_three(job, tmp_path):
+    """examples/elastic.sh's script: rank 1 of 4 SIGKILLed at step 10; the other 3 take
+    over its examples and finish with no restart, and the ledgers of every process (the
+    dead one's too) say each training example was used exactly once."""
+    j = job("--script", "examples/elastic.py", "--survive", "--quick", "--kill-at", "10",
+            "--kill-rank", "1", "--output", str(tmp_path / "out"))  # fmt: skip
+    pids = j.pids()
+    code = j.finish(timeout=280)
+    assert code == 0, j.output
+    assert any(re.fullmatch(r"rank 1 died; 3 ranks took over its examples in [\d.]+ s", line)
+               for line in j.lines), j.output  # fmt: skip
+    at = j.lines.index("every training example was used exactly once in each epoch")
+    assert j.lines[at + 1] == "  epoch 1: 4000 of 4000 examples, 0 used more than once, 0 never"
+    m = re.fullmatch(r"elastic\.py: final test accuracy ([\d.]+)% after 1 epoch, 3 of 4 "
+                     r"processes at the end, \d+ s", j.lines[-1])  # fmt: skip
+    assert m and float(m.group(1)) > 60, j.output
+    j.assert_no_orphans(pids)
+
+
 @SPARE_CORE
 def test_one_process_with_a_core_to_spare_fetches_in_worker_processes(job, tmp_path):
     """Where the host has a core to spare for it (1 process on 2 cores), the example's
