@@ -14,7 +14,9 @@ exactly once per epoch.
 
 Faults on request: ``--die-at ROUND --die-rank R`` SIGKILLs rank R of the first attempt
 at that step; ``--stop-at ROUND`` raises the stop flag on rank 0 (as a SIGTERM would);
-``--eval-s S`` spends S seconds "evaluating" after every epoch (no all-reduce).
+``--eval-s S`` spends S seconds "evaluating" after every epoch (no all-reduce);
+``--save-s S`` makes every save take S seconds more on rank 0 (a large model's write),
+in the middle of the save: its rank file written, the model's not yet, nothing published.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds a step")
     p.add_argument("--eval-s", type=float, default=0.0)
+    p.add_argument("--save-s", type=float, default=0.0)
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--die-rank", type=int, default=0)
     p.add_argument(
@@ -91,6 +94,22 @@ def joined_first(rows, opt, out):
     return True
 
 
+class SlowSave:
+    """A replicated object (rank 0 saves it) whose state takes `seconds` to write; the
+    ledger says when a save is in it."""
+
+    def __init__(self, seconds: float, ledger: Ledger):
+        self.seconds, self.ledger = seconds, ledger
+
+    def state_dict(self) -> dict:
+        self.ledger.write(saving=True)
+        time.sleep(self.seconds)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class Ledger:
     def __init__(self, folder: Path, rank: int):
         folder.mkdir(parents=True, exist_ok=True)
@@ -132,8 +151,10 @@ def main(argv=None) -> int:
     sgd = AllReduceSGD(comm)
     storage = json.loads(args.storage) if args.storage else None
     ckpt = Checkpoint(args.ckpt, comm, keep=3, every=args.every, storage_options=storage)
-    state = {"model": model, "optim": opt, "data": batcher}
     ledger = Ledger(Path(args.ledger), rank)
+    state = {"model": model, "optim": opt, "data": batcher}
+    if args.save_s:
+        state["slow"] = SlowSave(args.save_s, ledger)
     step = ckpt.restore(state) or 0
     ledger.write(start=True, world=world, restored=ckpt.restored_from, step=step,
                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"),
