@@ -351,3 +351,79 @@ def test_refusals_name_what_is_wrong():
         b.load_state_dict([x.state_dict() for x in bs])
     for x in [b, other, reseeded, *bs]:
         x.close()
+
+
+def write_csv(root, name, values):
+    """`name`.csv listing files that each hold one of `values`, labelled by parity."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = ["filename,label"]
+    for v in values:
+        (root / f"{name}-{v}.txt").write_text(str(v))
+        rows.append(f"{name}-{v}.txt,{'odd' if v % 2 else 'even'}")
+    (root / f"{name}.csv").write_text("\n".join(rows) + "\n")
+    return str(root / f"{name}.csv")
+
+
+def one_number(data, opt, out):
+    out[0], out[1] = float(data.decode()), -1.0
+    return True
+
+
+def two_numbers(data, opt, out):
+    """A joined item: one value per index."""
+    out[0], out[1] = (float(d.decode()) for d in data)
+    return True
+
+
+def test_csv_joined_and_tensor_sources_partitioned_over_two_ranks(tmp_path):
+    """A CSV of files, a joined index (its second member drawn) and tensors, over two
+    ranks: every rank's rows decoded by their source's processor, each source once per
+    epoch (the joined one's driver), labels mapped into the mix's union."""
+    csv = write_csv(tmp_path, "csv", range(300, 317))
+    images = write_csv(tmp_path, "img", range(400, 411))
+    backgrounds = write_csv(tmp_path, "bg", range(500, 503))
+    tensors = {"x": torch.arange(600.0, 613.0)[:, None].repeat(1, 2), "y": torch.arange(13) % 2}
+
+    def ranks(world):
+        out = []
+        for r in range(world):
+            mix = Mix({
+                "csv": (Dataset(csv, r, world), 1, {"processor": one_number}),
+                "joined": (Dataset([images, backgrounds], r, world), 1,
+                           {"processor": two_numbers, "sampler": ["permutation", "uniform"]}),
+                "tensor": (Dataset(tensors, r, world), 2, {"sampler": "linear"}),
+            }, exhausted="cycle")  # fmt: skip
+            assert mix.labels == ["0", "1", "even", "odd"]
+            out.append(mix.sampled_batcher(batch_size=3, input_dims=(2,), sampler="permutation",
+                                           workers="thread", num_workers=2))  # fmt: skip
+        return out
+
+    rows = {1: [], 2: []}
+    for world in (1, 2):
+        bs = ranks(world)
+        for _ in range(60 // world):
+            for b in bs:
+                batch = b.next_batch()
+                for row, s, t in zip(batch.input.tolist(), batch.source.tolist(),
+                                     batch.target.tolist(), strict=True):  # fmt: skip
+                    name = ("csv", "joined", "tensor")[s]
+                    rows[world].append((name, *row))
+                    label = ["0", "1", "even", "odd"][t]
+                    if name == "csv":
+                        assert row[1] == -1 and label == ("odd" if row[0] % 2 else "even")
+                    elif name == "joined":
+                        assert 400 <= row[0] < 411 and 500 <= row[1] < 503
+                    else:
+                        assert row[0] == row[1] and label == str(int(row[0] - 600) % 2)
+        for b in bs:
+            b.close()
+    assert rows[1] == rows[2], "the same global order at one and two ranks"
+    firsts = {}
+    for name, first, _ in rows[1]:
+        firsts.setdefault(name, []).append(int(first))
+    for name, n in (("csv", 17), ("joined", 11), ("tensor", 13)):
+        got = firsts[name]
+        for lo in range(0, len(got) // n * n, n):
+            assert len(set(got[lo : lo + n])) == n, name
+    assert firsts["tensor"][:13] == list(range(600, 613)), "its own sampler: linear"
+    assert abs(len(firsts["tensor"]) - 180 / 2) < 1

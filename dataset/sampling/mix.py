@@ -172,7 +172,16 @@ class Allocator:
             raise ValueError(f"a step holds at least one example, got {step_size}")
         self.schedule, self.step_size = schedule, step_size
         self.n, self.counts, self.targets = n, list(counts), list(targets)
+        self._seg: tuple[int, tuple[int, ...], int | None] | None = None
         self.deadlines = [self._deadline(i) for i in range(len(self.counts))]
+
+    def _segment(self, step: int) -> tuple[tuple[int, ...], int | None]:
+        """The weights of `step` and the first example after their run (None: never)."""
+        if self._seg is None or self._seg[0] != step:
+            change = self.schedule.next_change(step)
+            self._seg = (step, self.schedule.weights(step),
+                         None if change is None else change * self.step_size)  # fmt: skip
+        return self._seg[1], self._seg[2]
 
     def _deadline(self, i: int) -> float:
         """The slot by which source i's next example must be placed (NEVER: not due)."""
@@ -180,9 +189,12 @@ class Allocator:
         k, u, G = self.n, self.targets[i], self.step_size
         for _ in range(HORIZON):
             step = k // G
-            change = self.schedule.next_change(step)
-            end = None if change is None else max(change * G, k + 1)
-            a = self.schedule.weights(step)[i]
+            if self._seg is not None and self._seg[0] == step:  # the current step's
+                w, end = self._seg[1], self._seg[2]
+            else:
+                change = self.schedule.next_change(step)
+                w, end = self.schedule.weights(step), None if change is None else change * G
+            a = w[i]
             if a > 0:
                 t = max(1, -(-(need - u) // a))  # slots from k on until the target reaches need
                 if end is None or k + t <= end:
@@ -198,21 +210,22 @@ class Allocator:
         each example is counted, says the run ends there)."""
         out: list[int] = []
         counts, targets, deadlines = self.counts, self.targets, self.deadlines
-        S, G = len(counts), self.step_size
+        sources, G = range(len(counts)), self.step_size
         while len(out) < m:
-            w = self.schedule.weights(self.n // G)
-            for i in range(S):
-                targets[i] += w[i]
-            best, when = -1, NEVER
-            for i in range(S):
-                if targets[i] > counts[i] * SCALE and (best < 0 or deadlines[i] < when):
-                    best, when = i, deadlines[i]
-            self.n += 1
-            counts[best] += 1
-            deadlines[best] = self._deadline(best)
-            out.append(best)
-            if stop is not None and stop(best):
-                break
+            step = self.n // G
+            w, _ = self._segment(step)
+            for _ in range(min(m - len(out), (step + 1) * G - self.n)):  # a step at a time
+                best, when = -1, NEVER
+                for i in sources:
+                    targets[i] += w[i]
+                    if targets[i] > counts[i] * SCALE and (best < 0 or deadlines[i] < when):
+                        best, when = i, deadlines[i]
+                self.n += 1
+                counts[best] += 1
+                deadlines[best] = self._deadline(best)
+                out.append(best)
+                if stop is not None and stop(best):
+                    return out
         return out
 
 

@@ -70,6 +70,7 @@ class MixStream:
         self.sampler_name = "mix"
         self.drop_last = False
         self.streams: list[ItemStream] = []
+        self._lengths: dict[tuple[int, int], int] = {}
         for i, src in enumerate(sources):
             # each source its own generator stream: two sources never share an order
             seq = np.random.SeedSequence([self.seed, i], spawn_key=(MIX_KEY,))
@@ -111,9 +112,15 @@ class MixStream:
         return self.batch_size * self.partitions
 
     def epoch_length(self, i: int, epoch: int) -> int:
-        n = self.streams[i].length(1, 0, epoch)
-        if n <= 0:
-            raise ValueError(f"source {self.names[i]!r}: its sampler's epoch {epoch} is empty")
+        """Items in source i's epoch `epoch` (asked once: the allocation asks per example)."""
+        n = self._lengths.get((i, epoch))
+        if n is None:
+            n = self.streams[i].length(1, 0, epoch)
+            if n <= 0:
+                raise ValueError(f"source {self.names[i]!r}: its sampler's epoch {epoch} is empty")
+            if len(self._lengths) > 1024:
+                self._lengths.clear()
+            self._lengths[(i, epoch)] = n
         return n
 
     def _allocator(self, pos: MixPosition) -> Allocator:
