@@ -251,7 +251,7 @@ class Mixed:
     """The processor of a mix: each item decoded by its own source's processor and option.
 
     A mix's batcher runs this in its workers (picklable when every source's processor
-    is); the item's source comes from its key (:func:`dataset.seeding.item_source`).
+    is); the item's source comes from its key (what `item_source()` reads).
     """
 
     def __init__(self, processors: Sequence[tuple[Any, Any]]):

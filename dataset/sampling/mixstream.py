@@ -212,20 +212,23 @@ class MixStream:
 
     def _work(self, before: MixPosition, ahead: list[int], mine: list[int],
               end: MixPosition) -> Work:  # fmt: skip
-        """The Work of this rank's slice `mine`, after `ahead` (the ranks before it)."""
-        runs = {}
-        for i in sorted(set(mine)):
-            epoch, offset = before.epochs[i], before.offsets[i]
-            epoch, offset = self._advance(i, epoch, offset, ahead.count(i))
-            runs[i] = self._items(i, epoch, offset, mine.count(i))
-        sources, targets, labels, names, keys = [], [], [], [], []
-        for i in mine:
-            src, tgt, labs, name, key = next(runs[i])
-            sources.append(src)
-            targets.append(tgt)
-            labels.append(labs)
-            names.append(name)
-            keys.append(key)
+        """The Work of this rank's slice `mine`, after `ahead` (the ranks before it): each
+        source's items read as runs of its order, then laid out in the slice's order."""
+        n = len(mine)
+        sources: list[Any] = [None] * n
+        targets: list[int] = [0] * n
+        labels: list[tuple[int, ...]] = [()] * n
+        names: list[str] = [""] * n
+        keys: list[tuple[int, ...]] = [()] * n
+        tags = np.asarray(mine)
+        for i in np.unique(tags).tolist():
+            rows = np.flatnonzero(tags == i).tolist()
+            epoch, offset = self._advance(i, before.epochs[i], before.offsets[i],
+                                          ahead.count(i))  # fmt: skip
+            src, tgt, labs, nms, kys = self._items(i, epoch, offset, len(rows))
+            for row, a, t, lab, name, key in zip(rows, src, tgt, labs, nms, kys, strict=True):
+                sources[row], targets[row], labels[row] = a, t, lab
+                names[row], keys[row] = name, key
         first = before.examples + self.partition * self.batch_size
         return Work(sources, targets, labels, names, before.pass_, first, keys=keys, end=end,
                     tags=list(mine))  # fmt: skip
@@ -239,23 +242,26 @@ class MixStream:
             epoch, offset = epoch + 1, 0
         return epoch, offset
 
-    def _items(self, i: int, epoch: int, offset: int, n: int) -> Iterator[tuple]:
-        """Source i's next `n` items from (epoch, offset): (source, target, labels, name,
-        key) each, its targets and labels in the mix's label list."""
+    def _items(self, i: int, epoch: int, offset: int, n: int) -> tuple[list, ...]:
+        """Source i's next `n` items from (epoch, offset): (sources, targets, labels, names,
+        keys), targets and labels in the mix's label list."""
         stream, remap = self.streams[i], self._maps[i]
+        out: tuple[list, ...] = ([], [], [], [], [])
         while n > 0:
             take = min(n, self.epoch_length(i, epoch) - offset)
             piece = Piece(1, 0, epoch, -1, offset, offset + take)
             for sources, targets, labels, names, _ in stream.piece_items(piece):
-                for j, src in enumerate(sources):
-                    t = targets[j]
-                    yield (src, int(remap[t]) if t >= 0 else -1,
-                           tuple(int(remap[x]) for x in labels[j]), names[j],
-                           (MIX_KEY, i, epoch, offset))  # fmt: skip
-                    offset += 1
+                t = np.asarray(targets, dtype=np.int64)
+                out[0].extend(sources)
+                out[1].extend(np.where(t >= 0, remap[np.maximum(t, 0)], -1).tolist())
+                out[2].extend(tuple(remap[list(lab)].tolist()) if lab else () for lab in labels)
+                out[3].extend(names)
+                out[4].extend((MIX_KEY, i, epoch, offset + j) for j in range(len(sources)))
+                offset += len(sources)
             n -= take
-            epoch, offset = (epoch + 1, 0) if offset >= self.epoch_length(i, epoch) else (
-                epoch, offset)  # fmt: skip
+            if offset >= self.epoch_length(i, epoch):
+                epoch, offset = epoch + 1, 0
+        return out
 
     # -- sizes ---------------------------------------------------------------------------
 
