@@ -77,14 +77,14 @@ def _fmt(xs: list[float]) -> str:
 
 def report(rows, reps: int, quick: bool) -> str:
     lines = [
-        "<!-- mix:start -->",
+        "<!-- --8<-- [start:mix] -->",
         "| what | one source (batches/s) | mix of three (batches/s) | mix / one |",
         "|---|---:|---:|---:|",
     ]
     for name, base, mix in rows:
         ratio = statistics.median(m / b for m, b in zip(mix, base, strict=True))
         lines.append(f"| {name} | {_fmt(base)} | {_fmt(mix)} | {ratio:.2f}x |")
-    lines.append("<!-- mix:end -->")
+    lines.append("<!-- --8<-- [end:mix] -->")
     head = [
         "# Mixing: a mix of three sources against one source",
         "",

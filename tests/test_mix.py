@@ -427,3 +427,11 @@ def test_csv_joined_and_tensor_sources_partitioned_over_two_ranks(tmp_path):
             assert len(set(got[lo : lo + n])) == n, name
     assert firsts["tensor"][:13] == list(range(600, 613)), "its own sampler: linear"
     assert abs(len(firsts["tensor"]) - 180 / 2) < 1
+
+
+def test_a_source_of_weight_zero_does_not_hold_a_cycle_pass_open():
+    (b,) = batchers({"a": 1, "b": 0}, 1, 5, seed=3)
+    assert len(b) == 10  # a's 50 items, then the pass ends: b is not drawn from
+    rows = [origin(x) for batch in b for x in batch.input[:, 0]]
+    assert Counter(s for s, _ in rows) == {"a": 50}
+    b.close()

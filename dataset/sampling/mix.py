@@ -38,9 +38,10 @@ Passes (what one ``for`` loop over the batcher is) end by the ``exhausted`` poli
 with the global batch in which it is met (so every rank has as many batches, and a
 pass is whole global batches): ``"stop"`` when a source finishes an epoch,
 ``("repeat", n)`` when a source finishes its n-th epoch of the pass, ``"cycle"`` when
-every source has finished at least one. A source that runs out before the pass ends
-begins its next epoch at once (so the last global batch of a "stop" pass may hold the
-first examples of the next epoch of the source that ended it). Sources are never
+every source (of a nonzero weight at that step) has finished at least one. A source
+that runs out before the pass ends begins its next epoch at once (so the last global
+batch of a "stop" pass may hold the first examples of the next epoch of the source
+that ended it). Sources are never
 rewound: the next pass goes on from where each stood, so over a run every source walks
 whole epochs, one after the other, each example exactly once in each.
 """
@@ -250,10 +251,11 @@ class Policy:
         raise ValueError(f"exhausted={spec!r}: want 'stop', 'cycle' or ('repeat', n) with "
                          "n >= 1")  # fmt: skip
 
-    def ended(self, done: Sequence[int]) -> bool:
-        """Whether a pass in which source i finished ``done[i]`` epochs is over."""
+    def ended(self, done: Sequence[int], weights: Sequence[int]) -> bool:
+        """Whether a pass in which source i finished ``done[i]`` epochs is over, at a step
+        of `weights` ("cycle" waits for the sources drawn from only)."""
         if self.kind == "cycle":
-            return all(d >= 1 for d in done)
+            return all(d >= 1 or w == 0 for d, w in zip(done, weights, strict=True))
         return any(d >= self.times for d in done)
 
     def __str__(self) -> str:

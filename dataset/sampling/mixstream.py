@@ -140,6 +140,12 @@ class MixStream:
 
         return count
 
+    def _ended(self, pos: MixPosition) -> bool:
+        """Whether the pass is over after the global batch that ends at `pos`."""
+        return self.policy.ended(
+            pos.done, self.schedule.weights((pos.examples - 1) // self.step_size)
+        )
+
     # -- starting ------------------------------------------------------------------------
 
     def start(self, epoch: int, skip: int = 0) -> None:
@@ -204,7 +210,7 @@ class MixStream:
             before = _copy(gen)
             seq = alloc.take(self.step_size, count)
             gen.examples, gen.counts, gen.targets = alloc.n, list(alloc.counts), list(alloc.targets)
-            ended = self.policy.ended(gen.done)
+            ended = self._ended(gen)
             end = gen.next_pass() if ended else _copy(gen)
             yield self._work(before, seq[: r * B], seq[r * B : (r + 1) * B], end)
             if ended:
@@ -280,7 +286,7 @@ class MixStream:
         while True:
             alloc.take(self.step_size, count)
             batches += 1
-            if self.policy.ended(pos.done):
+            if self._ended(pos):
                 return batches
 
     def batches_for(self, n: int) -> int:
