@@ -57,8 +57,8 @@ def measure(reps: int, quick: bool) -> list[tuple[str, list[float], list[float]]
         return lambda: Dataset(whole, rank, world).sampled_batcher(**kw)
 
     def mixed(rank, world):
-        entries = {f"s{i}": (Dataset(p, rank, world), w)
-                   for i, (p, w) in enumerate(zip(parts, (0.5, 0.3, 0.2), strict=True))}  # fmt: skip
+        weights = (0.5, 0.3, 0.2)
+        entries = {f"s{i}": (Dataset(p, rank, world), weights[i]) for i, p in enumerate(parts)}
         return lambda: Mix(entries, exhausted="cycle").sampled_batcher(**kw)
 
     rows = []
