@@ -435,3 +435,27 @@ def test_a_source_of_weight_zero_does_not_hold_a_cycle_pass_open():
     rows = [origin(x) for batch in b for x in batch.input[:, 0]]
     assert Counter(s for s, _ in rows) == {"a": 50}
     b.close()
+
+
+def test_a_checkpoint_saves_and_restores_the_mix_position(tmp_path):
+    """distlearn.Checkpoint gathers the batcher's state into its manifest (JSON) and hands
+    it back: the restored mix goes on with the next example of each source."""
+    import uuid
+
+    from distlearn import Checkpoint, ipc
+
+    weights = {"a": 0.5, "b": 0.25, "c": 0.25}
+    whole = lockstep(batchers(weights, 1, 6, seed=8), 30)
+    tree = ipc.LocalhostTree(0, 1, key=f"mix-{uuid.uuid4().hex}")
+    try:
+        (b,) = batchers(weights, 1, 6, seed=8)
+        first = lockstep([b], 11)
+        Checkpoint(tmp_path, tree, signals=()).save(11, {"data": b})
+        b.close()
+        (b,) = batchers(weights, 1, 6, seed=8)
+        assert Checkpoint(tmp_path, tree, signals=()).restore({"data": b}) == 11
+        rest = lockstep([b], 19)
+        b.close()
+    finally:
+        tree.close()
+    assert first + rest == whole
