@@ -72,6 +72,20 @@ def test_a_schedule_keeps_every_prefix_within_one_example(trial):
             assert all(abs(c - t) < 1 for c, t in zip(counts, share, strict=True)), (trial, k)
 
 
+def test_a_deadline_far_beyond_the_lookahead_is_still_met():
+    """A function schedule is looked ahead a few thousand steps; a source whose next
+    example is due further than that (weight 1e-4 with one example a step) is looked
+    for again on the way, and stays within one example (it drifted to 1.33 when not)."""
+    names = ["a", "b", "c"]
+    sched = Schedule(lambda s: [1.0, 1e-4 if s < 30000 else 0.3, 2e-4], names)
+    alloc = Allocator(sched, 1, 0, [0] * 3, [0] * 3)
+    share, counts = [0] * 3, [0] * 3
+    for k, i in enumerate(alloc.take(60000)):
+        share = [x + y for x, y in zip(share, sched.weights(k), strict=True)]
+        counts[i] += 1
+        assert all(abs(c * SCALE - t) < SCALE for c, t in zip(counts, share, strict=True)), k
+
+
 def test_the_allocation_is_a_function_of_the_example_number():
     """Taken in any chunks, resumed from its integers at any k: the same sequence."""
     names = ["a", "b", "c"]

@@ -174,6 +174,7 @@ class Allocator:
         self.schedule, self.step_size = schedule, step_size
         self.n, self.counts, self.targets = n, list(counts), list(targets)
         self._seg: tuple[int, tuple[int, ...], int | None] | None = None
+        self.recheck: list[int | None] = [None] * len(self.counts)  # see _deadline
         self.deadlines = [self._deadline(i) for i in range(len(self.counts))]
 
     def _segment(self, step: int) -> tuple[tuple[int, ...], int | None]:
@@ -185,9 +186,13 @@ class Allocator:
         return self._seg[1], self._seg[2]
 
     def _deadline(self, i: int) -> float:
-        """The slot by which source i's next example must be placed (NEVER: not due)."""
+        """The slot by which source i's next example must be placed (NEVER: not due).
+
+        Looked for over HORIZON runs of weights ahead; past them it counts as NEVER, and
+        is looked for again halfway there, so a due date is known well before it comes."""
         need = (self.counts[i] + 1) * SCALE
         k, u, G = self.n, self.targets[i], self.step_size
+        self.recheck[i] = None
         for _ in range(HORIZON):
             step = k // G
             if self._seg is not None and self._seg[0] == step:  # the current step's
@@ -204,6 +209,7 @@ class Allocator:
                 return NEVER
             u += a * (end - k)
             k = end
+        self.recheck[i] = (self.n + k) // 2
         return NEVER
 
     def take(self, m: int, stop: Callable[[int], bool] | None = None) -> list[int]:
@@ -215,6 +221,10 @@ class Allocator:
         while len(out) < m:
             step = self.n // G
             w, _ = self._segment(step)
+            for i in sources:
+                at = self.recheck[i]
+                if at is not None and self.n >= at:
+                    deadlines[i] = self._deadline(i)
             for _ in range(min(m - len(out), (step + 1) * G - self.n)):  # a step at a time
                 best, when = -1, NEVER
                 for i in sources:

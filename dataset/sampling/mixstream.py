@@ -5,7 +5,7 @@ for a mix (see :mod:`dataset.sampling.mix` for the contract): a plain iterator o
 :class:`Work`, one per batch of this rank, with ``consumed()``, ``state_dict()`` and
 ``resume_position()``. Each source is an :class:`ItemStream` over its *whole* index
 (its sampler's epochs are the same whatever the world size); this stream asks it for
-runs of its order (``items(epoch, lo, hi)``), never for batches.
+runs of its order (``piece_items``: items lo..hi of epoch e), never for batches.
 
 Every rank computes the allocation of the whole global batch (W B examples) and keeps
 its slice, so the ranks agree without talking. A batch's rows say where they came from:
@@ -98,8 +98,7 @@ class MixStream:
         self.epoch = -1  # the pass being read
         self.ended = False
         self.handed_out = 0
-        self._start_pos = MixPosition.fresh(len(sources))
-        self._cursor = self._start_pos
+        self._cursor = MixPosition.fresh(len(sources))  # where the batches handed out end
         self._dispatched: deque[tuple[MixPosition, int]] = deque()
         self._batches: Iterator[Work] | None = None
         self._in_pass = 0  # batches handed out in the pass being read
@@ -273,7 +272,7 @@ class MixStream:
 
     def __len__(self) -> int:
         """This rank's batches in the pass being read (or the next one): the allocation is
-        simulated to the pass's end (no item is read), about a microsecond per example."""
+        simulated to the pass's end (no item is read), a few microseconds an example."""
         pos = self.position()
         if self.epoch < 0 or pos.pass_ != self.epoch:
             return self._simulate(pos.next_pass(pos.pass_) if any(pos.done) else pos)
