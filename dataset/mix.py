@@ -46,8 +46,11 @@ class Mix:
             entry is `(dataset, weight)` or `(dataset, weight, options)`, `options` a
             dict of that source's own `sampler`, `sampler_opt`, `processor`,
             `processor_opt` (the batcher's are the default). A dataset is a `Dataset`
-            of any index kind with a sized sampler (CSV, directory, tensor, joined);
-            every source must have the same partitioning (this rank's of the job's).
+            of any index kind with a sized sampler (CSV, directory, tensor, joined).
+            A mix reads each source's whole index and splits the mix between ranks:
+            the rank is the sources' partition (those opened as one of several must
+            agree; one opened whole, `partition=0, partitions=1`, takes any, which is
+            how a source smaller than the world is opened), or `partition=`.
         exhausted: When a pass (one `for` over the batcher) ends, with the global
             batch in which: `"stop"` a source finishes an epoch, `("repeat", n)` a
             source finishes its n-th epoch of the pass, `"cycle"` every source has
@@ -58,6 +61,9 @@ class Mix:
             times the partitions): a list of `(step, weights)` from step 0 on, or a
             function `step -> weights` (pure: it is called for steps ahead). Weights
             are a list in source order or a dict by name. Replaces the entries' weights.
+        partition: This rank (0-based), with `partitions`, the world size: by default
+            the sources' partitioning.
+        partitions: The world size, with `partition`.
 
     Attributes:
         names: The sources' names; `batch.source` holds indexes into it.
@@ -70,7 +76,15 @@ class Mix:
         TypeError: A source option that is not one of the four, naming the closest.
     """
 
-    def __init__(self, sources: Any, *, exhausted: Any = "stop", schedule: Any = None):
+    def __init__(
+        self,
+        sources: Any,
+        *,
+        exhausted: Any = "stop",
+        schedule: Any = None,
+        partition: int | None = None,
+        partitions: int | None = None,
+    ):
         if isinstance(sources, Mapping):
             entries = [(str(name), entry) for name, entry in sources.items()]
         elif isinstance(sources, Sequence) and not isinstance(sources, str):
@@ -94,19 +108,37 @@ class Mix:
         Policy.parse(exhausted)  # checked where it is given
         self.schedule = schedule if schedule is not None else weights
         Schedule(self.schedule, self.names)  # checked where it is given
-        first = self.datasets[0]
         for name, ds in zip(self.names, self.datasets, strict=True):
-            if (ds.partition, ds.partitions) != (first.partition, first.partitions):
-                raise ValueError(
-                    f"source {name!r} is partition {ds.partition} of {ds.partitions}, source "
-                    f"{self.names[0]!r} partition {first.partition} of {first.partitions}: "
-                    "a mix's sources are opened for the same rank of the same job"
-                )
             if getattr(ds.whole, "multi_hot", False):
                 raise ValueError(f"source {name!r} is multi-hot; a mix takes single-label "
                                  "targets (one label list for the batch)")  # fmt: skip
-        self.partition, self.partitions = first.partition, first.partitions
+        self.partition, self.partitions = self._rank(partition, partitions)
         self.labels = sorted({lab for ds in self.datasets for lab in ds.whole.labels})
+
+    def _rank(self, partition: int | None, partitions: int | None) -> tuple[int, int]:
+        """(partition, partitions) of this rank: as given, else the sources' (the ones
+        opened as one partition of several, which must agree)."""
+        if (partition is None) != (partitions is None):
+            raise ValueError("give partition= and partitions= together (or neither: the "
+                             "sources' partitioning)")  # fmt: skip
+        if partition is not None:
+            for x in (partition, partitions):
+                if isinstance(x, bool) or not isinstance(x, int):
+                    raise TypeError(f"partition and partitions are ints, got {x!r}")
+            if not 0 <= partition < partitions:
+                raise ValueError(f"partition {partition} is not in [0, partitions={partitions})")
+            return partition, partitions
+        split = {(ds.partition, ds.partitions): name
+                 for name, ds in zip(self.names, self.datasets, strict=True)
+                 if ds.partitions > 1}  # fmt: skip
+        if len(split) > 1:
+            (a, an), (b, bn) = list(split.items())[:2]
+            raise ValueError(
+                f"source {an!r} is partition {a[0]} of {a[1]}, source {bn!r} partition "
+                f"{b[0]} of {b[1]}: a mix's sources are opened for the same rank of the same "
+                "job (or whole, partition=0, partitions=1)"
+            )
+        return next(iter(split)) if split else (0, 1)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={ds.whole.origin!r}" for n, ds in zip(self.names, self.datasets,

@@ -338,9 +338,22 @@ def negated(data, opt, out):
     return True
 
 
+def test_a_source_smaller_than_the_world_is_opened_whole():
+    """Four examples cannot be cut into 8 partitions; opened whole, the source joins the
+    mix of rank 5 of 8, or any rank a Mix is told."""
+    tiny = {"x": 3000 + torch.arange(4.0)[:, None], "y": torch.zeros(4, dtype=torch.long)}
+    mix = Mix({"a": (Dataset(data("a"), 5, 8), 3), "tiny": (Dataset(tiny, 0, 1), 1)})
+    assert (mix.partition, mix.partitions) == (5, 8)
+    mix = Mix({"a": (Dataset(data("a")), 3), "tiny": (Dataset(tiny), 1)}, partition=2,
+              partitions=3)  # fmt: skip
+    assert (mix.partition, mix.partitions) == (2, 3)
+    with pytest.raises(ValueError, match="together"):
+        Mix({"a": (Dataset(data("a")), 3)}, partition=2)
+
+
 def test_refusals_name_what_is_wrong():
-    with pytest.raises(ValueError, match=r"partition 1 of 2.*same rank"):
-        Mix({"a": (Dataset(data("a")), 1), "b": (Dataset(data("b"), partition=1, partitions=2), 1)})
+    with pytest.raises(ValueError, match=r"partition 0 of 2, source 'b' partition 1 of 2.*same"):
+        Mix({"a": (Dataset(data("a"), 0, 2), 1), "b": (Dataset(data("b"), 1, 2), 1)})
     with pytest.raises(TypeError, match="did you mean 'sampler'"):
         Mix({"a": (Dataset(data("a")), 1, {"samplr": "linear"})})
     with pytest.raises(ValueError, match="no weight"):
