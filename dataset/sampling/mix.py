@@ -26,8 +26,10 @@ whole example) and must go by the first slot where ``T_i(n) >= j + 1`` (else it 
 fall behind by one). Over any run of slots ``(a, b]`` the examples whose window lies in
 it number at most ``sum_i (T_i(b) - T_i(a)) = b - a``, so a schedule meeting every
 window exists (Hall's condition), and EDF finds one whenever one exists (unit jobs,
-integer release times). Weights are rounded to multiples of ``2**-24`` summing exactly
-to 1, so the targets are integers scaled by ``2**24`` and nothing is a float.
+integer release times; a deadline further ahead than the schedule is looked at counts
+as last, and is looked for again long before it comes). Weights are rounded to
+multiples of ``2**-24`` summing exactly to 1, so the targets are integers scaled by
+``2**24`` and nothing is a float.
 
 Weights may change with the *step* (a global batch: G examples of the global order):
 a list of ``(step, weights)`` or a function of the step, which the allocator calls for
@@ -41,9 +43,9 @@ pass is whole global batches): ``"stop"`` when a source finishes an epoch,
 every source (of a nonzero weight at that step) has finished at least one. A source
 that runs out before the pass ends begins its next epoch at once (so the last global
 batch of a "stop" pass may hold the first examples of the next epoch of the source
-that ended it). Sources are never
-rewound: the next pass goes on from where each stood, so over a run every source walks
-whole epochs, one after the other, each example exactly once in each.
+that ended it). Sources are never rewound: the next pass goes on from where each
+stood, so over a run every source walks whole epochs, one after the other, each example
+exactly once in each.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ from typing import Any
 __all__ = ["SCALE", "Allocator", "MixPosition", "Policy", "Schedule", "scale_weights"]
 
 SCALE = 1 << 24  # weights are integers summing to SCALE
-# How many schedule segments ahead a deadline is looked for; a source whose weight stays
-# 0 that long has no deadline (it is not due).
+# How many runs of weights (steps of a function schedule) ahead a deadline is looked
+# for; one further counts as not due, and is looked for again halfway there.
 HORIZON = 4096
 NEVER = math.inf
 
