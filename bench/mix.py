@@ -10,7 +10,9 @@ batches per second over a fixed number of batches:
 - one tensor source of N rows (the baseline);
 - the same N rows as a mix of three tensor sources (weights 0.5/0.3/0.2, ``cycle``);
 - rank 0 of 8 of each: a rank of 8 computes the allocation of the whole global batch
-  (8 x 256 examples a step) and reads its 256.
+  (8 x 256 examples a step) and reads its 256;
+- a common case: small files on disk listed by a CSV, read by 2 thread workers, one CSV
+  against the same files as three CSVs mixed.
 
 Baseline and mix alternate, repetition after repetition, in one process; figures are
 medians (min-max). The machine is shared: compare the ratios, not absolute rates.
@@ -68,7 +70,51 @@ def measure(reps: int, quick: bool) -> list[tuple[str, list[float], list[float]]
             base.append(_rate(single(0, world), batches))
             mix.append(_rate(mixed(0, world), batches))
         rows.append((f"{n:,} tensor rows, rank 0 of {world}", base, mix))
+    rows.append(_files_row(reps, quick))
     return rows
+
+
+def parse_int(data, opt, out):
+    out[0] = float(data)
+    return True
+
+
+def _files_row(reps: int, quick: bool) -> tuple[str, list[float], list[float]]:
+    """Small files read from disk by 2 thread workers: one CSV of them all against the
+    same files as three CSVs mixed 0.5/0.3/0.2."""
+    import tempfile
+
+    from distlearn.dataset import Dataset, Mix
+
+    n = 1_200 if quick else 6_000
+    batches = 20 if quick else 60
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        lines = []
+        for i in range(n):
+            (root / f"{i:06d}.txt").write_text(str(i))
+            lines.append(f"{i:06d}.txt,L{i % 10}")
+        (root / "all.csv").write_text("filename,label\n" + "\n".join(lines) + "\n")
+        cuts = (0, n // 2, n * 8 // 10, n)
+        for k in range(3):
+            part = lines[cuts[k] : cuts[k + 1]]
+            (root / f"s{k}.csv").write_text("filename,label\n" + "\n".join(part) + "\n")
+        kw = dict(batch_size=64, input_dims=(1,), sampler="permutation", processor=parse_int,
+                  workers="thread", num_workers=2)  # fmt: skip
+
+        def single():
+            return Dataset(str(root / "all.csv")).sampled_batcher(**kw)
+
+        def mixed():
+            entries = {f"s{k}": (Dataset(str(root / f"s{k}.csv")), w)
+                       for k, w in enumerate((0.5, 0.3, 0.2))}  # fmt: skip
+            return Mix(entries, exhausted="cycle").sampled_batcher(**kw)
+
+        base, mix = [], []
+        for _ in range(reps):
+            base.append(_rate(single, batches))
+            mix.append(_rate(mixed, batches))
+    return f"{n:,} small files (CSV), 2 thread workers, batch 64, rank 0 of 1", base, mix
 
 
 def _fmt(xs: list[float]) -> str:
@@ -91,8 +137,9 @@ def report(rows, reps: int, quick: bool) -> str:
         f"`python -m bench.mix --reps {reps}{' --quick' if quick else ''}`, "
         f"{datetime.date.today()}, Python {sys.version.split()[0]}, "
         f"{os.cpu_count()} cores shared with other work (load average "
-        f"{os.getloadavg()[0]:.1f} at the end). Batch 256 of tensor rows (nothing fetched "
-        "or decoded: the mix's own work is all there is); medians (min-max) of "
+        f"{os.getloadavg()[0]:.1f} at the end). Tensor rows: batch 256, nothing fetched "
+        "or decoded (the mix's own work is all there is); files: batch 64 read from disk. "
+        "Medians (min-max) of "
         f"{reps} repetitions, baseline and mix alternating; the ratio is the median of "
         "each repetition's.",
         "",
