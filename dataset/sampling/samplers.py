@@ -269,8 +269,8 @@ def label_cycles(
     """
     k = len(labels)
     cycles = -(-n // k)
-    if k == 1:
-        return np.repeat(labels, n)
+    if k == 1 or n == 0:
+        return np.repeat(labels[:1], n)
     perms = np.argsort(rng.random((cycles, k)), axis=1)
     first = _first_cycle(rng, epoch, k, 0)
     if k == 2:
