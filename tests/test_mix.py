@@ -486,3 +486,30 @@ def test_a_checkpoint_saves_and_restores_the_mix_position(tmp_path):
     finally:
         tree.close()
     assert first + rest == whole
+
+
+def draw_and_source(data, opt, out):
+    """A row: its tensor value, the item's own random draw, and its source."""
+    from distlearn.dataset import item_rng
+
+    out[0] = float(data[0])
+    out[1] = float(item_rng().random())
+    out[2] = item_source()
+    return True
+
+
+def test_item_rng_of_a_mixed_item_is_the_same_with_any_workers():
+    """item_rng() is keyed by (seed, source, its epoch, its place): thread and process
+    workers, any number, draw the same for each row; two sources never share draws."""
+    got = []
+    for workers, num in (("thread", 0), ("thread", 2), ("process", 2)):
+        entries = {name: (Dataset(data(name)), w) for name, w in (("a", 1), ("b", 1))}
+        with Mix(entries, exhausted="cycle").sampled_batcher(
+            batch_size=7, input_dims=(3,), sampler="permutation", processor=draw_and_source,
+            workers=workers, num_workers=num, worker_timeout=60, seed=5,
+        ) as b:  # fmt: skip
+            got.append(torch.cat([b.next_batch().input for _ in range(12)]))
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    rows = got[0]
+    assert rows[:, 2].tolist() == [0.0 if x < 1000 else 1.0 for x in rows[:, 0].tolist()]
+    assert len(set(rows[:, 1].tolist())) == len(rows), "every item its own draw"
