@@ -12,7 +12,9 @@ Two guarantees, from the batcher's ``seed``:
   derive from (seed, partition, epoch, the item's position in the epoch): an
   augmentation drawn from them does not depend on the number or kind of
   workers, nor on which worker decodes the item, and a job resumed with
-  ``load_state_dict`` draws exactly what it would have drawn.
+  ``load_state_dict`` draws exactly what it would have drawn. An item of a mix
+  is keyed by (seed, its source, the source's epoch, its place in it), and
+  :func:`item_source` says which source it is.
 
     from distlearn.dataset import item_rng
 
