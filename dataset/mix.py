@@ -14,8 +14,9 @@ What is guaranteed (the contract is :mod:`dataset.sampling.mix`): after any numb
 examples of the job's global order (every rank's batches of each step, in rank order),
 each source's count is within one example of its weighted share; the composition of
 every global batch does not depend on the world size; each source walks its own
-sampler's epochs over its whole index, each example once per epoch, whatever the
-weights do; the position is part of the batcher's state and resumes at any world size.
+sampler's epochs over its whole index (part files: over each rank's own parts), each
+example once per epoch, whatever the weights do; the position is part of the batcher's
+state and resumes at any world size.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class Mix:
             entry is `(dataset, weight)` or `(dataset, weight, options)`, `options` a
             dict of that source's own `sampler`, `sampler_opt`, `processor`,
             `processor_opt` (the batcher's are the default). A dataset is a `Dataset`
-            of any index kind with a sized sampler (CSV, directory, tensor, joined).
+            of any index kind with a sized sampler (CSV, directory, tensor, joined),
+            read whole, or of part files, read by partition (each rank its own
+            parts, as one part-file dataset is).
             A mix reads each source's whole index and splits the mix between ranks:
             the rank is the sources' partition (those opened as one of several must
             agree; one opened whole, `partition=0, partitions=1`, takes any, which is
@@ -72,7 +75,7 @@ class Mix:
 
     Raises:
         ValueError: A bad entry, weight, schedule or policy, sources of different
-            partitionings, multi-hot or part-file sources, naming what is wrong.
+            partitionings, or multi-hot sources, naming what is wrong.
         TypeError: A source option that is not one of the four, naming the closest.
     """
 
@@ -194,7 +197,7 @@ class Mix:
         scope = scope_for(named, fetch.headers, fetch.credential_origins,
                           self.datasets[0].options.index.allow_networks)  # fmt: skip
         return SampledBatcher(
-            _MixIndex(self),
+            _MixIndex(self, stream),
             batch_size=batch_size,
             input_dims=input_dims,
             processor=Mixed(processors),
@@ -212,8 +215,8 @@ class _MixIndex:
 
     multi_hot = False
 
-    def __init__(self, mix: Mix):
-        self.labels = mix.labels
+    def __init__(self, mix: Mix, stream: MixStream):
+        self.labels = stream.labels  # (the same list: part files' labels join it as read)
         self.origin = repr(mix)
         self.in_memory = all(getattr(ds.whole, "in_memory", False) for ds in mix.datasets)
         self.sources = list(mix.names)

@@ -157,15 +157,20 @@ def batchers(weights, world, batch_size, **kw):
 
 
 def lockstep(bs, steps):
-    """`steps` global batches: every rank's next batch, in rank order; each row (source, j)."""
+    """`steps` global batches: every rank's next batch, each row (source, j), in the global
+    order (rank r holds slice (r + step) mod W of global batch `step`)."""
     out = []
+    world = len(bs)
     for _ in range(steps):
-        for b in bs:
+        step = bs[0].state_dict()["mix"]["examples"] // (world * bs[0].batch_size)
+        slices = {}
+        for r, b in enumerate(bs):
             batch = b.next_batch()
             rows = [origin(x) for x in batch.input[:, 0]]
             names = [b.index.sources[int(s)] for s in batch.source]
             assert [r[0] for r in rows] == names, "batch.source names each row's source"
-            out.append(rows)
+            slices[(r + step) % world] = rows
+        out += [slices[q] for q in range(world)]
     return [r for rows in out for r in rows]
 
 
@@ -428,8 +433,9 @@ def test_csv_joined_and_tensor_sources_partitioned_over_two_ranks(tmp_path):
     rows = {1: [], 2: []}
     for world in (1, 2):
         bs = ranks(world)
-        for _ in range(60 // world):
-            for b in bs:
+        for step in range(60 // world):
+            order = sorted(range(world), key=lambda r, s=step: (r + s) % world)  # slice order
+            for b in [bs[r] for r in order]:
                 batch = b.next_batch()
                 for row, s, t in zip(batch.input.tolist(), batch.source.tolist(),
                                      batch.target.tolist(), strict=True):  # fmt: skip
@@ -513,3 +519,130 @@ def test_item_rng_of_a_mixed_item_is_the_same_with_any_workers():
     rows = got[0]
     assert rows[:, 2].tolist() == [0.0 if x < 1000 else 1.0 for x in rows[:, 0].tolist()]
     assert len(set(rows[:, 1].tolist())) == len(rows), "every item its own draw"
+
+
+# ----------------------------------------------------------------------------- part files
+
+
+def write_parts(root, parts=6, per=10):
+    """Part files of lines: line i of part k holds 100 k + i."""
+    root.mkdir(parents=True, exist_ok=True)
+    for k in range(parts):
+        (root / f"part-{k:03d}.txt").write_text("".join(f"{100 * k + i}\n" for i in range(per)))
+    return str(root)
+
+
+def line_value(data, opt, out):
+    out[0] = float(bytes(data).decode())
+    return True
+
+
+def part_batchers(folder, world, batch_size, workers="thread"):
+    out = []
+    for r in range(world):
+        entries = {
+            "t": (Dataset(data("a"), r, world), 1),
+            "p": (Dataset(folder, r, world, record_format="lines", cache_parts=False), 1,
+                  {"processor": line_value, "sampler": "part-linear"}),
+        }  # fmt: skip
+        out.append(Mix(entries, exhausted="cycle").sampled_batcher(
+            batch_size=batch_size, input_dims=(1,), sampler="permutation", seed=6,
+            workers=workers, num_workers=1 if workers == "process" else 2, worker_timeout=60,
+        ))  # fmt: skip
+    return out
+
+
+def part_rows(b, steps):
+    """(rank's) part-file records of `steps` batches, as values 100 k + i."""
+    got = []
+    for _ in range(steps):
+        batch = b.next_batch()
+        got += [int(x) for x, s in zip(batch.input[:, 0], batch.source, strict=True) if s == 1]
+    return got
+
+
+def test_part_files_each_rank_its_own_parts_once_per_epoch(tmp_path):
+    """A part-file source is read by partition: each rank walks its own parts' records,
+    epoch after epoch, each once per epoch; the mix's proportions hold."""
+    folder = write_parts(tmp_path / "parts")
+    bs = part_batchers(folder, 2, 4, workers="process")
+    for r, b in enumerate(bs):
+        got = part_rows(b, 30)
+        mine = [100 * k + i for k in range(r, 6, 2) for i in range(10)]
+        assert abs(len(got) - 60) < 4  # half of each global batch, within the step's rounding
+        full = len(got) // 30 * 30
+        for lo in range(0, full, 30):
+            assert got[lo : lo + 30] == mine, "part-linear: its parts in order, once an epoch"
+        assert got[full:] == mine[: len(got) - full]
+        b.close()
+
+
+def test_part_files_resume_at_the_same_and_at_another_world_size(tmp_path):
+    folder = write_parts(tmp_path / "parts")
+    whole = [part_rows(b, 20) for b in part_batchers(folder, 2, 3)]
+    bs = part_batchers(folder, 2, 3)
+    first = [part_rows(b, 4) for b in bs]
+    states = [b.state_dict() for b in bs]
+    for b in bs:
+        b.close()
+    # the same world size, from each rank's own state or from the list: bit for bit
+    for form in ("own", "list"):
+        bs = part_batchers(folder, 2, 3)
+        for r, b in enumerate(bs):
+            b.load_state_dict(states[r] if form == "own" else states)
+            assert first[r] + part_rows(b, 16) == whole[r], (form, r)
+            b.close()
+    # another world size: the old epoch's rest, pooled and dealt by part, comes first
+    bs = part_batchers(folder, 3, 2)
+    for b in bs:
+        b.load_state_dict(states)
+    shares = []
+    for b in bs:
+        rest = b.state_dict()["parts"]["p"]["rest"]
+        share = [100 * part + i for _, _, _, part, lo, _ in rest for i in range(lo, 10)]
+        assert part_rows(b, 40)[: len(share)] == share
+        shares += share
+        b.close()
+    seen = [x for rows in first for x in rows]
+    assert sorted(seen + shares) == [100 * k + i for k in range(6) for i in range(10)]
+
+
+def test_labels_part_files_read_join_the_mix_label_list(tmp_path):
+    """Tar shards whose labels are class ids 5-7 read as they come ("cls"), beside tensors
+    labelled 0/1: each row's target names its own label in the batcher's list."""
+    import io
+
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image as PILImage
+
+    from distlearn.dataset.index.parts import SampleMember
+    from distlearn.dataset.processors import Image
+
+    root = tmp_path / "shards"
+    root.mkdir()
+    n = 0
+    for p in range(2):
+        with wds.TarWriter(str(root / f"train-{p:04d}.tar")) as sink:
+            for _ in range(12):
+                buf = io.BytesIO()
+                PILImage.fromarray(np.full((4, 4), n, dtype=np.uint8)).save(buf, format="PNG")
+                sink.write({"__key__": f"{n:06d}", "png": buf.getvalue(), "cls": str(n % 3 + 5)})
+                n += 1
+    tensors = {"x": torch.full((10, 1, 4, 4), 200 / 255), "y": torch.arange(10) % 2}
+    mix = Mix({
+        "shards": (Dataset(str(root), label_key="cls"), 1,
+                   {"processor": SampleMember(Image(mode="L"))}),
+        "tensors": (Dataset(tensors), 1),
+    }, exhausted="cycle")  # fmt: skip
+    with mix.sampled_batcher(batch_size=6, input_dims=(1, 4, 4), workers="thread") as b:
+        for _ in range(10):
+            batch = b.next_batch()
+            names = b.index.labels
+            for row, s, t in zip(batch.input, batch.source, batch.target, strict=True):
+                value = round(float(row[0, 0, 0]) * 255)
+                if int(s) == 0:
+                    assert names[int(t)] == str(value % 3 + 5)
+                else:
+                    assert value == 200 and names[int(t)] in ("0", "1")
+    assert {"0", "1", "5", "6", "7"} <= set(names)

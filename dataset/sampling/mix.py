@@ -3,7 +3,8 @@
 Contract. A mix draws from S sources (each an index with its own sampler) by weights.
 The job's examples form one *global order* k = 0, 1, 2, ... whatever the world size:
 global batch s of a job of W ranks of batch size B is examples ``[s G, (s + 1) G)``,
-``G = W B``, and rank r takes ``[s G + r B, s G + (r + 1) B)`` of it. Which source
+``G = W B``, cut into W slices of B; rank r takes slice ``(r + s) mod W`` (turned by
+one each step, so that over W steps every rank has had every slice). Which source
 example k comes from is a pure function of k (:class:`Allocator`), so:
 
 - **exact at every prefix**: after any k examples, source i has given ``c_i(k)``, with
@@ -14,11 +15,15 @@ example k comes from is a pure function of k (:class:`Allocator`), so:
   and the weights only, never on how many ranks share it;
 - **each source walks its own sampler's epochs**, in order, over its whole index: the
   t-th example a source gives is item ``t mod N`` of its epoch ``t div N`` (N: the
-  epoch's length), each example once per epoch, however the weights change;
+  epoch's length), each example once per epoch, however the weights change. A part-file
+  source, whose epochs have no length known ahead, is read by partition instead: each
+  rank walks its own parts' records, epoch after epoch, each once per epoch, and the
+  allocation says how many of them each batch holds; its epochs end passes nowhere;
 - **the position is a few integers** (:class:`MixPosition`): the global examples k
   handed out, each source's count, epoch and place in it, and its target scaled to
   integers. Every rank of a job holds the same one after the same step, so a job
-  resumes at any world size and batch size.
+  resumes at any world size and batch size (part-file sources add each rank's position
+  in its parts, pooled and split as for one part-file dataset).
 
 The allocation is earliest-deadline-first over unit jobs: source i's j-th example may
 go to slot n (1-based) once ``T_i(n) > j`` (else it would run ahead of its share by a
@@ -292,6 +297,8 @@ class MixPosition:
     epochs: list[int]
     offsets: list[int]
     done: list[int] = field(default_factory=list)
+    # part-file sources (read by partition): this rank's position in each, by source
+    parts: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def fresh(cls, sources: int) -> MixPosition:
@@ -300,7 +307,7 @@ class MixPosition:
 
     def next_pass(self, pass_: int | None = None) -> MixPosition:
         p = self.pass_ + 1 if pass_ is None else pass_
-        return replace(self, pass_=p, done=[0] * len(self.counts))
+        return replace(self, pass_=p, done=[0] * len(self.counts), parts=dict(self.parts))
 
     def state(self) -> dict:
         return {

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..seeding import MIX_KEY
 from . import elastic
-from .elastic import Piece
+from .elastic import Piece, Position
 from .mix import Allocator, MixPosition, Policy, Schedule
 from .samplers import for_index
 from .stream import ItemStream, Work
@@ -71,37 +71,64 @@ class MixStream:
         self.drop_last = False
         self.streams: list[ItemStream] = []
         self._lengths: dict[tuple[int, int], int] = {}
+        # part-file sources: read by partition (each rank its own parts), endless
+        self._parted: dict[int, ItemStream] = {}
+        self._sources = list(sources)
         for i, src in enumerate(sources):
             # each source its own generator stream: two sources never share an order
             seq = np.random.SeedSequence([self.seed, i], spawn_key=(MIX_KEY,))
             own_seed = int(seq.generate_state(1, np.uint64)[0] >> np.uint64(1))
-            stream = ItemStream(src.index, sampler=for_index(src.index, src.sampler),
-                                sampler_opt=src.sampler_opt, batch_size=batch_size,
-                                seed=own_seed)  # fmt: skip
+            sampler = for_index(src.index, src.sampler)
+            if hasattr(src.index, "parts"):
+                mine = src.index.partition(self.partition, self.partitions)
+                stream = ItemStream(mine, sampler=sampler, sampler_opt=src.sampler_opt,
+                                    batch_size=1, seed=own_seed, partition=self.partition,
+                                    partitions=self.partitions, whole=src.index)  # fmt: skip
+                self._parted[i] = stream
+                self.streams.append(stream)
+                continue
+            stream = ItemStream(src.index, sampler=sampler, sampler_opt=src.sampler_opt,
+                                batch_size=batch_size, seed=own_seed)  # fmt: skip
             length = stream.length(1, 0, 0)
-            if length < 0 or hasattr(src.index, "parts"):
+            if length < 0:
                 raise ValueError(
                     f"source {src.name!r} ({src.index.origin}): a mix takes sources whose "
                     "epochs have a length (CSV, directory, tensor and joined indexes with "
-                    "any sized sampler); part files and streams of unknown length are not "
-                    "mixable yet"
+                    "any sized sampler) or part files; a custom stream of unknown length "
+                    "is not mixable yet"
                 )
             if length == 0:
                 raise ValueError(f"source {src.name!r} ({src.index.origin}): its sampler's "
                                  "epoch 0 is empty")  # fmt: skip
             self.streams.append(stream)
-        # one label list for the batch: the union, each source's targets mapped into it
+        self.sized = [i for i in range(len(sources)) if i not in self._parted]
+        # one label list for the batch: the union (sorted), then the labels part files
+        # name as they are read, appended; each source's label ids mapped into it
         self.labels = sorted({lab for s in sources for lab in s.index.labels})
-        at = {lab: i for i, lab in enumerate(self.labels)}
-        self._maps = [np.asarray([at[lab] for lab in s.index.labels] or [0], dtype=np.int64)
-                      for s in sources]  # fmt: skip
+        self._label_ids = {lab: i for i, lab in enumerate(self.labels)}
+        self._maps: list[list[int]] = [[] for _ in sources]
         self.epoch = -1  # the pass being read
         self.ended = False
         self.handed_out = 0
         self._cursor = MixPosition.fresh(len(sources))  # where the batches handed out end
+        self._cursor.parts = {i: Position(self.partitions, self.partition, 0)
+                              for i in self._parted}  # fmt: skip
         self._dispatched: deque[tuple[MixPosition, int]] = deque()
         self._batches: Iterator[Work] | None = None
         self._in_pass = 0  # batches handed out in the pass being read
+
+    def _label(self, i: int, local: int) -> int:
+        """Source i's label id `local` in the mix's label list (part files name labels as
+        they are read: the list grows, in place, so the batch's label names follow)."""
+        m = self._maps[i]
+        if local >= len(m):
+            names = self._sources[i].index.labels
+            for name in names[len(m) : local + 1]:
+                if name not in self._label_ids:
+                    self._label_ids[name] = len(self.labels)
+                    self.labels.append(name)
+                m.append(self._label_ids[name])
+        return m[local]
 
     # -- geometry ------------------------------------------------------------------------
 
@@ -129,7 +156,11 @@ class MixStream:
         """A callback for Allocator.take that moves `pos` (each source's epoch, place, and
         epochs done in the pass) with each example."""
 
+        parted = self._parted
+
         def count(i: int) -> bool:
+            if i in parted:  # (a part-file source's epochs are its partition's, unknown ahead)
+                return False
             pos.offsets[i] += 1
             if pos.offsets[i] >= self.epoch_length(i, pos.epochs[i]):
                 pos.epochs[i] += 1
@@ -140,10 +171,12 @@ class MixStream:
         return count
 
     def _ended(self, pos: MixPosition) -> bool:
-        """Whether the pass is over after the global batch that ends at `pos`."""
-        return self.policy.ended(
-            pos.done, self.schedule.weights((pos.examples - 1) // self.step_size)
-        )
+        """Whether the pass is over after the global batch that ends at `pos`: by the
+        sources whose epochs have a length (a mix of part files only never ends one)."""
+        if not self.sized:
+            return False
+        w = self.schedule.weights((pos.examples - 1) // self.step_size)
+        return self.policy.ended([pos.done[i] for i in self.sized], [w[i] for i in self.sized])
 
     # -- starting ------------------------------------------------------------------------
 
@@ -164,6 +197,8 @@ class MixStream:
             )
         self.ended = False
         self._dispatched.clear()
+        for i, stream in self._parted.items():  # from what was handed out of each
+            stream.resume(pos.parts[i])
         self.epoch, self._cursor, self._in_pass = pos.pass_, _copy(pos), 0
         self._batches = self._global_batches(_copy(pos))
 
@@ -210,13 +245,17 @@ class MixStream:
             seq = alloc.take(self.step_size, count)
             gen.examples, gen.counts, gen.targets = alloc.n, list(alloc.counts), list(alloc.targets)
             ended = self._ended(gen)
-            end = gen.next_pass() if ended else _copy(gen)
-            yield self._work(before, seq[: r * B], seq[r * B : (r + 1) * B], end)
+            # this rank's slice: the r-th, turned by one each step so that over W steps
+            # every rank has had every slice (part-file partitions drain evenly)
+            q = (r + before.examples // self.step_size) % self.partitions
+            work = self._work(before, seq[: q * B], seq[q * B : (q + 1) * B])
+            gen.parts = {i: stream.position() for i, stream in self._parted.items()}
+            work.end = gen.next_pass() if ended else _copy(gen)
+            yield work
             if ended:
                 return
 
-    def _work(self, before: MixPosition, ahead: list[int], mine: list[int],
-              end: MixPosition) -> Work:  # fmt: skip
+    def _work(self, before: MixPosition, ahead: list[int], mine: list[int]) -> Work:
         """The Work of this rank's slice `mine`, after `ahead` (the ranks before it): each
         source's items read as runs of its order, then laid out in the slice's order."""
         n = len(mine)
@@ -228,14 +267,17 @@ class MixStream:
         tags = np.asarray(mine)
         for i in np.unique(tags).tolist():
             rows = np.flatnonzero(tags == i).tolist()
-            epoch, offset = self._advance(i, before.epochs[i], before.offsets[i],
-                                          ahead.count(i))  # fmt: skip
-            src, tgt, labs, nms, kys = self._items(i, epoch, offset, len(rows))
+            if i in self._parted:
+                src, tgt, labs, nms, kys = self._records(i, len(rows))
+            else:
+                epoch, offset = self._advance(i, before.epochs[i], before.offsets[i],
+                                              ahead.count(i))  # fmt: skip
+                src, tgt, labs, nms, kys = self._items(i, epoch, offset, len(rows))
             for row, a, t, lab, name, key in zip(rows, src, tgt, labs, nms, kys, strict=True):
                 sources[row], targets[row], labels[row] = a, t, lab
                 names[row], keys[row] = name, key
-        first = before.examples + self.partition * self.batch_size
-        return Work(sources, targets, labels, names, before.pass_, first, keys=keys, end=end,
+        first = before.examples + len(ahead)
+        return Work(sources, targets, labels, names, before.pass_, first, keys=keys,
                     tags=list(mine))  # fmt: skip
 
     def _advance(self, i: int, epoch: int, offset: int, n: int) -> tuple[int, int]:
@@ -250,16 +292,15 @@ class MixStream:
     def _items(self, i: int, epoch: int, offset: int, n: int) -> tuple[list, ...]:
         """Source i's next `n` items from (epoch, offset): (sources, targets, labels, names,
         keys), targets and labels in the mix's label list."""
-        stream, remap = self.streams[i], self._maps[i]
+        stream, label = self.streams[i], self._label
         out: tuple[list, ...] = ([], [], [], [], [])
         while n > 0:
             take = min(n, self.epoch_length(i, epoch) - offset)
             piece = Piece(1, 0, epoch, -1, offset, offset + take)
             for sources, targets, labels, names, _ in stream.piece_items(piece):
-                t = np.asarray(targets, dtype=np.int64)
                 out[0].extend(sources)
-                out[1].extend(np.where(t >= 0, remap[np.maximum(t, 0)], -1).tolist())
-                out[2].extend(tuple(remap[list(lab)].tolist()) if lab else () for lab in labels)
+                out[1].extend(label(i, t) if t >= 0 else -1 for t in targets)
+                out[2].extend(tuple(label(i, x) for x in lab) for lab in labels)
                 out[3].extend(names)
                 out[4].extend((MIX_KEY, i, epoch, offset + j) for j in range(len(sources)))
                 offset += len(sources)
@@ -268,11 +309,43 @@ class MixStream:
                 epoch, offset = epoch + 1, 0
         return out
 
+    def _records(self, i: int, n: int) -> tuple[list, ...]:
+        """The next `n` records of part-file source i's partition (its epochs end to end):
+        taken as handed out at once (the mix's position keeps the part stream's as of
+        each of its own batches, and a resume regenerates from there)."""
+        stream, label = self._parted[i], self._label
+        out: tuple[list, ...] = ([], [], [], [], [])
+        empty = 0
+        while len(out[0]) < n:
+            work = next(stream, None)
+            if work is None:  # the partition's epoch is over: its next one
+                empty += 1
+                if empty > 1:
+                    where = f"partition {self.partition} of {self.partitions}"
+                    raise ValueError(f"source {self.names[i]!r}: an epoch of {where} has no "
+                                     "record")  # fmt: skip
+                stream.start(stream.epoch + 1)
+                continue
+            empty = 0
+            stream.consumed(len(work))
+            out[0].extend(work.sources)
+            out[1].extend(label(i, t) if t >= 0 else -1 for t in work.targets)
+            out[2].extend(tuple(label(i, x) for x in lab) for lab in work.labels)
+            out[3].extend(work.names)
+            keys = work.keys or [(self.partition, work.epoch, work.first + j)
+                                 for j in range(len(work))]  # fmt: skip
+            out[4].extend((MIX_KEY, i, e, place) for _, e, place in keys)
+        return out
+
     # -- sizes ---------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """This rank's batches in the pass being read (or the next one): the allocation is
-        simulated to the pass's end (no item is read), a few microseconds an example."""
+        simulated to the pass's end (no item is read), a few microseconds an example.
+        TypeError for a mix of part files only: its pass never ends."""
+        if not self.sized:
+            raise TypeError("a mix of part files only has no end to its passes (their "
+                            "epochs are each rank's partition's): use next_batch()")  # fmt: skip
         pos = self.position()
         if self.epoch < 0 or pos.pass_ != self.epoch:
             return self._simulate(pos.next_pass(pos.pass_) if any(pos.done) else pos)
@@ -306,20 +379,32 @@ class MixStream:
         return self.state_of(self.position())
 
     def state_of(self, pos: MixPosition) -> dict:
+        """The state of `pos`: the mix's position (the same on every rank) and, for
+        part-file sources, this rank's position in its partition of each."""
+        parts = {self.names[i]: stream.state_of(pos.parts[i])
+                 for i, stream in self._parted.items()}  # fmt: skip
         return {"format": elastic.FORMAT, "kind": "mix", "seed": self.seed,
                 "partition": self.partition, "partitions": self.partitions,
                 "batch_size": self.batch_size, "exhausted": str(self.policy),
-                "sources": self.identity, "mix": pos.state()}  # fmt: skip
+                "sources": self.identity, "mix": pos.state(), "parts": parts}  # fmt: skip
 
     def resume_position(self, state: Any) -> MixPosition:
         """The position to resume from one rank's state or the list of every rank's (any
         world size, any batch size: the position is the job's, not the rank's)."""
         if isinstance(state, Mapping):
-            return self._parse(state, "state_dict")
+            pos = self._parse(state, "state_dict")
+            pos.parts = {i: stream.resume_position(self._part_state(state, i, "state_dict"))
+                         for i, stream in self._parted.items()}  # fmt: skip
+            return pos
         if not isinstance(state, list | tuple) or not state:
             raise TypeError("load_state_dict takes a mix's state (dict) or the non-empty list "
                             f"of every rank's, got {type(state).__name__}")  # fmt: skip
         positions = [self._parse(s, f"state_dict[{i}]") for i, s in enumerate(state)]
+        # part-file sources: every old rank's position in its partition, pooled and split
+        # as for one source (dataset.sampling.elastic)
+        parts = {i: stream.resume_position([self._part_state(s, i, f"state_dict[{k}]")
+                                            for k, s in enumerate(state)])
+                 for i, stream in self._parted.items()}  # fmt: skip
         for i, pos in enumerate(positions[1:], 1):
             if pos != positions[0]:
                 raise ValueError(
@@ -329,7 +414,15 @@ class MixStream:
                     "resume from states saved after the same step (distlearn.Checkpoint "
                     "saves them so)"
                 )
+        positions[0].parts = parts
         return positions[0]
+
+    def _part_state(self, state: Mapping, i: int, where: str) -> Any:
+        parts = state.get("parts")
+        name = self.names[i]
+        if not isinstance(parts, Mapping) or name not in parts:
+            raise ValueError(f"{where} has no position for part-file source {name!r}")
+        return parts[name]
 
     def _parse(self, state: Any, where: str) -> MixPosition:
         if not isinstance(state, Mapping):
@@ -352,4 +445,4 @@ class MixStream:
 
 def _copy(pos: MixPosition) -> MixPosition:
     lists = ("counts", "targets", "epochs", "offsets", "done")
-    return replace(pos, **{k: list(getattr(pos, k)) for k in lists})
+    return replace(pos, **{k: list(getattr(pos, k)) for k in lists}, parts=dict(pos.parts))
