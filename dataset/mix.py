@@ -220,6 +220,7 @@ class _MixIndex:
         self.origin = repr(mix)
         self.in_memory = all(getattr(ds.whole, "in_memory", False) for ds in mix.datasets)
         self.sources = list(mix.names)
+        self.read_counters = stream.read_counters  # part files' reads, in batcher.stats
 
     def __len__(self) -> int:
         raise TypeError("a mix has no length of its own: len(batcher) is its pass's batches")

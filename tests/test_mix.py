@@ -568,6 +568,7 @@ def test_part_files_each_rank_its_own_parts_once_per_epoch(tmp_path):
     bs = part_batchers(folder, 2, 4, workers="process")
     for r, b in enumerate(bs):
         got = part_rows(b, 30)
+        assert b.stats["parts"] >= 3 and b.stats["part_bytes"] > 0  # its own parts' reads
         mine = [100 * k + i for k in range(r, 6, 2) for i in range(10)]
         assert abs(len(got) - 60) < 4  # half of each global batch, within the step's rounding
         full = len(got) // 30 * 30

@@ -117,6 +117,14 @@ class MixStream:
         self._batches: Iterator[Work] | None = None
         self._in_pass = 0  # batches handed out in the pass being read
 
+    def read_counters(self) -> dict[str, int]:
+        """What reading the part-file sources' parts produced (``batcher.stats``), summed."""
+        out: dict[str, int] = {}
+        for stream in self._parted.values():
+            for key, value in stream.index.read_counters().items():
+                out[key] = out.get(key, 0) + value
+        return out
+
     def _label(self, i: int, local: int) -> int:
         """Source i's label id `local` in the mix's label list (part files name labels as
         they are read: the list grows, in place, so the batch's label names follow)."""
