@@ -165,7 +165,8 @@ class Mix:
         `sampler`, `processor`, `processor_opt` and `sampler_opt` are every source's
         unless its entry gives its own. The fetch, cache and worker options are the
         first source's `Dataset` options with these over them. `drop_last` does not
-        apply (a pass ends where the policy says; only its last global batch is short).
+        apply (a pass is whole global batches, ending where `exhausted` says). A
+        part-file source takes a part sampler (`part-linear` by default, or its own).
 
         Returns:
             A `SampledBatcher` whose batches have `source`; `len()` simulates the pass.
