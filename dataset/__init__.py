@@ -44,12 +44,14 @@ __all__ = [
     "Fetcher",
     "Index",
     "IndexNotFound",
+    "Mix",
     "PartError",
     "Record",
     "SampledBatcher",
     "WorkerDied",
     "item_rng",
     "item_seed",
+    "item_source",
     "open_index",
     "register_index_kind",
     "register_sampler",
@@ -68,6 +70,7 @@ _LAZY = {
     "Batch": "items",
     "Record": "items",
     "SampledBatcher": "batcher",
+    "Mix": "mix",
     "Fetcher": "fetch.fetcher",
     "Index": "index.table",
     "open_index": "index.kinds",
@@ -75,6 +78,7 @@ _LAZY = {
     "register_sampler": "sampling.samplers",
     "item_rng": "seeding",
     "item_seed": "seeding",
+    "item_source": "seeding",
 }
 
 log = logging.getLogger(__name__)
@@ -107,8 +111,9 @@ if TYPE_CHECKING:
     from .index.kinds import open_index, register_index_kind
     from .index.table import Index
     from .items import Batch, Record
+    from .mix import Mix
     from .sampling.samplers import register_sampler
-    from .seeding import item_rng, item_seed
+    from .seeding import item_rng, item_seed, item_source
 
 
 def _no_answer(url: str, fetch: _options.FetchOptions) -> str:

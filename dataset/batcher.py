@@ -68,6 +68,7 @@ class SampledBatcher:
             regenerates other partitions' orders from it to resume the position of a
             job of another world size.
         options: The typed option groups (fetch, cache, workers, sampling).
+        stream: The item stream, when not `index`'s own (a mix's: `distlearn.dataset.Mix`).
         **flat (Any): Flat options laid over `options`, checked here.
 
     Raises:
@@ -92,6 +93,7 @@ class SampledBatcher:
         whole: Any = None,
         options: Options | None = None,
         scope: Scope | None = None,
+        stream: Any = None,
         **flat: Any,
     ):
         groups = ("fetch", "cache", "workers", "sampling", "device")
@@ -99,16 +101,21 @@ class SampledBatcher:
         self.index = index
         if scope is None:  # (Dataset passes what the user named; else the index's origin)
             scope = scope_for(locations_of(index), o.fetch.headers, o.fetch.credential_origins)
-        self.stream = ItemStream(
-            index,
-            sampler=for_index(index, sampler),
-            sampler_opt=o.sampling.sampler_opt,
-            batch_size=batch_size,
-            seed=seed,
-            partition=partition,
-            partitions=partitions,
-            whole=whole,
-            drop_last=o.sampling.drop_last,
+        # a mix brings its own stream (dataset.sampling.mixstream); else one index's
+        self.stream = (
+            stream
+            if stream is not None
+            else ItemStream(
+                index,
+                sampler=for_index(index, sampler),
+                sampler_opt=o.sampling.sampler_opt,
+                batch_size=batch_size,
+                seed=seed,
+                partition=partition,
+                partitions=partitions,
+                whole=whole,
+                drop_last=o.sampling.drop_last,
+            )
         )
         target = check_device(o.device.device, o.device.pin_memory)
         self.engine = SlotEngine(

@@ -52,6 +52,8 @@ class Batch:
         labels: The names of all labels of item i (a tuple; empty when unlabeled).
         urls: Where item i came from.
         extra: What the processor returned beside its verdict (None when nothing).
+        source: A mix's batch: long `[n]`, the source each example came from (its
+            index in the mix's sources); None for a batch of one dataset.
     """
 
     input: torch.Tensor
@@ -59,6 +61,7 @@ class Batch:
     labels: list[tuple[str, ...]] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
     extra: list[Any] = field(default_factory=list)
+    source: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.input)

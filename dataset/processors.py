@@ -22,8 +22,9 @@ import torch
 from PIL import Image as _PIL
 
 from .augment import RandomResizedCrop, Transform
+from .seeding import item_source
 
-__all__ = ["Image", "Json", "RandomResizedCrop", "Raw", "Transform", "default_processor"]
+__all__ = ["Image", "Json", "Mixed", "RandomResizedCrop", "Raw", "Transform", "default_processor"]
 
 _MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}
 _SCALE = np.float32(1.0 / 255.0)
@@ -244,3 +245,22 @@ def default_processor(fetched: Any, opt: Any, out: torch.Tensor) -> bool:
 
 
 _DEFAULT_IMAGE = Image()
+
+
+class Mixed:
+    """The processor of a mix: each item decoded by its own source's processor and option.
+
+    A mix's batcher runs this in its workers (picklable when every source's processor
+    is); the item's source comes from its key (what `item_source()` reads).
+    """
+
+    def __init__(self, processors: Sequence[tuple[Any, Any]]):
+        self.processors = [(p if p is not None else default_processor, opt)
+                           for p, opt in processors]  # fmt: skip
+
+    def __call__(self, fetched: Any, opt: Any, out: torch.Tensor) -> Any:
+        i = item_source()
+        if i is None:
+            raise RuntimeError("Mixed decodes the items of a mix only")
+        processor, own = self.processors[i]
+        return processor(fetched, own, out)

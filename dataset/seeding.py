@@ -12,7 +12,9 @@ Two guarantees, from the batcher's ``seed``:
   derive from (seed, partition, epoch, the item's position in the epoch): an
   augmentation drawn from them does not depend on the number or kind of
   workers, nor on which worker decodes the item, and a job resumed with
-  ``load_state_dict`` draws exactly what it would have drawn.
+  ``load_state_dict`` draws exactly what it would have drawn. An item of a mix
+  is keyed by (seed, its source, the source's epoch, its place in it), and
+  :func:`item_source` says which source it is.
 
     from distlearn.dataset import item_rng
 
@@ -31,14 +33,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["call_with_item", "item_rng", "item_seed", "seed_worker"]
+__all__ = ["MIX_KEY", "call_with_item", "item_rng", "item_seed", "item_source", "seed_worker"]
 
 # Separates item generators from the epoch's sampler generators (same entropy words).
 _ITEM_STREAM = 0x17E4
 _WORKER_STREAM = 0x3A0B
 
+# The first word after the seed of a mixed item's key: (seed, MIX_KEY, source, epoch,
+# place), its source's epoch and its place in that epoch's order (dataset.sampling.mix).
+MIX_KEY = 0x313C
+
 # (seed, partition, epoch, position) of the item a processor is decoding now
-_CURRENT: contextvars.ContextVar[tuple[int, int, int, int] | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
     "distlearn_dataset_item", default=None
 )
 
@@ -74,7 +80,23 @@ def item_rng() -> np.random.Generator:
     return np.random.default_rng(item_seed())
 
 
-def call_with_item(key: tuple[int, int, int, int], fn: Any, *args: Any) -> Any:
+def item_source() -> int | None:
+    """In a processor, which source of a mix the item being decoded comes from.
+
+    Returns:
+        Its index in the mix's sources (what `batch.source` holds), or None for an item
+        that is not of a mix.
+
+    Raises:
+        RuntimeError: Called outside a processor run by a batcher.
+    """
+    key = _CURRENT.get()
+    if key is None:
+        raise RuntimeError("item_source() is for use inside a processor of a batcher")
+    return int(key[2]) if len(key) == 5 and key[1] == MIX_KEY else None
+
+
+def call_with_item(key: tuple[int, ...], fn: Any, *args: Any) -> Any:
     """``fn(*args)`` with `key` as the current item (what :func:`item_seed` reads)."""
     token = _CURRENT.set(key)
     try:

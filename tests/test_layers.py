@@ -34,7 +34,7 @@ LAYERS = {
         {"index"},  # kinds of index, CSV readers, part files -> Index
         {"sampling"},  # samplers and the item stream: which items each batch holds
         {"workers"},  # fetch + decode into the batch ring: threads or processes
-        {"batcher"},  # the user's iterator
+        {"batcher", "mix"},  # the user's iterator, and a mix of datasets into one
     ],
     "ipc": [
         {"errors", "procs"},  # shared: errors, processes (and distlearn.common, below)

@@ -287,6 +287,54 @@ def test_label_permutation_sampler():
         assert Counter(label_of(index, p) for p in loop) == {"A": 45, "B": 45, "C": 45}
 
 
+def test_label_permutation_sampler_across_epochs():
+    """test_Sampler.lua's own shape: its sampler never ends, ours has epochs. 3 x 135 draws
+    over epoch after epoch of index.csv (25 examples, 3 labels): every run of 3 draws holds
+    each label once and differs from the run before, across every epoch boundary (an
+    epoch is a whole number of cycles: 27 draws), and each 135 holds 45 of each label."""
+    index = open_index(fixture("index.csv"))
+    for seed in range(20):
+        seen, epoch = [], 0
+        while len(seen) < 3 * 135:
+            order = get_sampler("label-permutation")(index, epoch, epoch_rng(seed, 0, epoch))
+            assert len(order) == 27
+            seen += [int(p) for p in order]
+            epoch += 1
+        labels = [label_of(index, p) for p in seen[: 3 * 135]]
+        triples = [labels[i : i + 3] for i in range(0, len(labels), 3)]
+        for before, now in itertools.pairwise(triples):
+            assert sorted(now) == ["A", "B", "C"] and now != before, seed
+        for loop in range(3):
+            got = Counter(labels[loop * 135 : (loop + 1) * 135])
+            assert got == {"A": 45, "B": 45, "C": 45}
+
+
+def test_label_permutation_cycles_hold_through_a_resume():
+    """A batcher stopped mid-epoch and resumed from its state goes on with the same draws:
+    the cycles stay whole through the stop and the epoch boundaries after it."""
+    kw = dict(batch_size=4, input_dims=(1,), sampler="label-permutation", seed=7)
+    # index.csv's shape (8, 9 and 8 examples of 3 labels) as tensor rows: nothing to fetch
+    data = {"x": torch.arange(25.0)[:, None], "y": torch.tensor([0] * 8 + [1] * 9 + [2] * 8)}
+
+    def rows(batches):
+        return [
+            (int(x), int(y)) for b in batches for x, y in zip(b.input[:, 0], b.target, strict=True)
+        ]
+
+    with Dataset(data).sampled_batcher(**kw) as b:
+        whole = rows(b.next_batch() for _ in range(40))
+    with Dataset(data).sampled_batcher(**kw) as b:
+        first = rows(b.next_batch() for _ in range(9))
+        state = b.state_dict()
+    with Dataset(data).sampled_batcher(**kw) as b:
+        b.load_state_dict(state)
+        rest = rows(b.next_batch() for _ in range(31))
+    assert first + rest == whole
+    targets = [y for _, y in whole]
+    for i in range(0, len(targets) - 2, 3):
+        assert sorted(targets[i : i + 3]) == [0, 1, 2]
+
+
 def test_permutation_sampler_with_label():
     index = open_index(fixture("index.csv"))
     prev = None

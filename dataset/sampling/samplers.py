@@ -252,30 +252,74 @@ def label_uniform(
     return _draw_members(members, labels, rng)
 
 
-def label_cycles(n: int, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def label_cycles(
+    n: int, labels: np.ndarray, rng: np.random.Generator, epoch: int | None = None
+) -> np.ndarray:
     """`n` labels drawn in cycles: each run of ``len(labels)`` holds every label once.
 
     Each cycle is a fresh permutation, never in the same order as the cycle
     before it (torch-dataset's rule), so with two labels cycles alternate.
+
+    With `epoch` and a generator made by :func:`epoch_rng`, the rule holds across
+    epochs too: an epoch's first cycle comes from a stream of its own (seed,
+    partition, epoch) that the epoch before regenerates, so that epoch's last cycle is
+    drawn different from it (two labels alternate from one order per seed and
+    partition). Nothing chains further back: any epoch is drawn alone, as a resume
+    regenerates it.
     """
     k = len(labels)
     cycles = -(-n // k)
-    if k == 1:
-        return np.repeat(labels, n)
+    if k == 1 or n == 0:
+        return np.repeat(labels[:1], n)
     perms = np.argsort(rng.random((cycles, k)), axis=1)
+    first = _first_cycle(rng, epoch, k, 0)
     if k == 2:
-        perms[1::2] = perms[0, ::-1]  # the only other order
-        perms[0::2] = perms[0]
-    else:  # redraw a cycle equal to the one before (1 in k!); that can only affect the next
-        todo = deque((np.nonzero((perms[1:] == perms[:-1]).all(axis=1))[0] + 1).tolist())
-        while todo:
-            c = todo.popleft()
-            while (perms[c] == perms[c - 1]).all():
-                perms[c] = rng.permutation(k)
-            nxt = c + 1
-            if nxt < cycles and (perms[nxt] == perms[c]).all() and (not todo or todo[0] != nxt):
-                todo.appendleft(nxt)
+        if first is None:  # nothing known of other epochs: alternate within this one
+            first, epoch = perms[0].copy(), 0
+        perms[0::2] = first if (epoch * cycles) % 2 == 0 else first[::-1]
+        perms[1::2] = first[::-1] if (epoch * cycles) % 2 == 0 else first
+        return labels[perms.reshape(-1)[:n]]
+    if first is not None:
+        perms[0] = first
+    after = _first_cycle(rng, epoch, k, 1)  # the next epoch's first cycle
+
+    def clash(c: int) -> bool:
+        if c > 0 and (perms[c] == perms[c - 1]).all():
+            return True
+        return c == cycles - 1 and c > 0 and after is not None and bool((perms[c] == after).all())
+
+    # redraw a cycle equal to the one before (1 in k!); that can only affect the next
+    todo = deque((np.nonzero((perms[1:] == perms[:-1]).all(axis=1))[0] + 1).tolist())
+    if clash(cycles - 1) and (not todo or todo[-1] != cycles - 1):
+        todo.append(cycles - 1)
+    while todo:
+        c = todo.popleft()
+        while clash(c):
+            perms[c] = rng.permutation(k)
+        nxt = c + 1
+        if nxt < cycles and clash(nxt) and (not todo or todo[0] != nxt):
+            todo.appendleft(nxt)
     return labels[perms.reshape(-1)[:n]]
+
+
+# The stream of an epoch's generator (a spawn key) that its first label cycle comes from.
+_CYCLE_STREAM = 0x1C7C
+
+
+def _first_cycle(rng: np.random.Generator, epoch: int | None, k: int, ahead: int) -> Any:
+    """The first label cycle (a permutation of ``range(k)``) of epoch ``epoch + ahead``, when
+    `rng` is :func:`epoch_rng`'s for `epoch`; else None (nothing is known of other
+    epochs). Two labels: the order of the job's first cycle (epoch 0), whatever `ahead`."""
+    seq = getattr(rng.bit_generator, "seed_seq", None)
+    entropy = getattr(seq, "entropy", None)
+    if epoch is None or not isinstance(entropy, list | tuple) or len(entropy) != 3:
+        return None
+    if int(entropy[2]) != epoch or tuple(seq.spawn_key) != ():
+        return None
+    at = 0 if k == 2 else epoch + ahead
+    sub = np.random.SeedSequence([int(entropy[0]), int(entropy[1]), at],
+                                 spawn_key=(_CYCLE_STREAM,))  # fmt: skip
+    return np.random.Generator(np.random.PCG64(sub)).permutation(k)
 
 
 def label_permutation(
@@ -283,12 +327,16 @@ def label_permutation(
 ) -> np.ndarray:
     """Labels in balanced cycles, then each label's next example in a per-label permutation.
 
-    Every run of L draws (L labels) holds each label once; each label walks
-    through a shuffled list of its examples, reshuffled when it wraps, so within
-    a label no example repeats before all have been seen.
+    Every run of L draws (L labels) holds each label once, across epochs too: an
+    epoch is a whole number of cycles (``num_samples``, default ``len(index)``, rounded
+    up to a multiple of L), and its last cycle differs from the next epoch's first.
+    Each label walks through a shuffled list of its examples, reshuffled when it
+    wraps, so within a label no example repeats before all have been seen.
     """
     members, present = _members(index)
-    labels = label_cycles(_draws(index, num_samples), present, rng)
+    n = _draws(index, num_samples)
+    n = -(-n // len(present)) * len(present) if len(present) else n
+    labels = label_cycles(n, present, rng, epoch)
     out = np.empty(len(labels), dtype=np.int64)
     for lab, where in _by_value(labels):
         pool = members[lab]

@@ -55,7 +55,7 @@ class Work:
     ``keys``: per item, ``(partition, epoch, place)`` that its per-item generator is keyed
     by, where that is not this stream's (partition, epoch, first + i): items of another
     partitioning's order, part-file records. ``end``: the stream's cursor once this batch
-    is handed out."""
+    is handed out. ``tags``: in a mix, the source of each item."""
 
     sources: list[Any]
     targets: list[int]
@@ -63,8 +63,9 @@ class Work:
     names: list[str]
     epoch: int
     first: int
-    keys: list[tuple[int, int, int]] | None = None
-    end: tuple = field(default=(), repr=False)
+    keys: list[tuple[int, ...]] | None = None
+    end: Any = field(default=(), repr=False)
+    tags: list[int] | None = None  # a mix: the source of each item (batch.source)
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -356,6 +357,11 @@ class ItemStream:
     def _piece_work(self, buf: list[list], at: int, end: tuple) -> Work:
         sources, targets, labels, names, keys = buf
         return Work(sources, targets, labels, names, self.epoch, at, keys=keys, end=end)
+
+    def piece_items(self, piece: Piece) -> Iterator[tuple[list, ...]]:
+        """A piece's items in runs of at most a batch: (sources, targets, labels, names,
+        keys); what a mix reads of each of its sources."""
+        return self._piece_items(piece)
 
     def _piece_items(self, piece: Piece) -> Iterator[tuple[list, ...]]:
         """A piece's items in runs: (sources, targets, labels, names, keys)."""

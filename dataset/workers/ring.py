@@ -217,6 +217,8 @@ class SlotEngine:
             urls=[work.names[i] for i in keep],
             extra=[res.extras.get(i) for i in keep],
         )
+        if work.tags is not None:  # a mix: the source of each row
+            batch.source = torch.as_tensor([work.tags[i] for i in keep], dtype=torch.long)
         return batch, lent
 
     def drain(self) -> None:
