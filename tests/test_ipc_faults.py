@@ -21,6 +21,9 @@ import pytest
 from conftest import repo_env
 from ipc_harness import TRANSPORTS, WORKER, collect, run_tree
 
+from distlearn.ipc.errors import PeerError
+from distlearn.ipc.rendezvous.exchange import RootLeft
+
 
 def _scatter_once_runs(runs: int, tmp_path) -> None:
     """`runs` fresh launches of 5 processes doing one scatter over the sockets, then
@@ -234,7 +237,9 @@ def test_a_node_0_gone_in_the_middle_of_the_rendezvous_is_named(sig):
         time.sleep(2)  # they meet in milliseconds; then node 0 waits for node 2
         n0.send_signal(getattr(signal, sig))
         out, _ = n1.communicate(timeout=50)
-        assert "PeerError" in out and "node 0" in out and "left the rendezvous" in out, out
+        # RootLeft: the PeerError a joiner raises when node 0 went after taking its join
+        assert "RootLeft" in out and "node 0" in out and "left the rendezvous" in out, out
+        assert issubclass(RootLeft, PeerError)
         assert float(out.split(" after ")[1].split("s:")[0]) < 40, out
     finally:
         for p in (n0, n1):

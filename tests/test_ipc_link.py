@@ -35,7 +35,8 @@ def _pair(encrypt: bool | None = None, limits: Limits = Limits(), secret: Secret
     return listener, dialer
 
 
-def _up(listener: Endpoint, dialer: Endpoint, timeout: float = 10, reconnect: bool = True):
+def _up(listener: Endpoint, dialer: Endpoint, timeout: float = 30, reconnect: bool = True):
+    # 30 s: a CURVE handshake on a 2-core machine running a whole suite took over 10
     link = dialer.dial(listener.addresses[0], reconnect=reconnect)
     deadline = time.monotonic() + timeout
     while link.state != "up":
