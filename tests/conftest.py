@@ -23,6 +23,19 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The fast tier (tests/run.sh --fast): the functions tests/heavy.txt lists are marked
+# `heavy` and left out. The list is made from a timed run (tests/heavy.py says how).
+_HEAVY_LIST = Path(__file__).with_name("heavy.txt")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    with open(_HEAVY_LIST) as f:
+        names = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid.split("[", 1)[0] in names:
+            item.add_marker(pytest.mark.heavy)
+
+
 def repo_env(**extra: str) -> dict[str, str]:
     """The environment for child processes: this checkout first on PYTHONPATH."""
     env = dict(os.environ)

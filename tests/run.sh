@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what it needs, lints, then runs the suite.
 # Extra arguments go to pytest, e.g. `tests/run.sh -m slow` for the slow tier.
+# `tests/run.sh --fast [ARGS]`: the fast tier for the edit-test loop (no lint or docs
+# build; the tests tests/heavy.txt lists left out; under 3 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,14 +22,22 @@ if (( ${#need[@]} )) && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; 
     fi
 fi
 
+fast=()
+if [[ "${1:-}" == --fast ]]; then
+    shift
+    fast=(-m "not slow and not xla and not heavy")
+fi
+
 VENV="$(scripts/venv.sh)"
-"$VENV/bin/ruff" check .
-"$VENV/bin/ruff" format --check .
-# The docs site (mkdocs.yml): a broken link or anchor, a missing API reference or an
-# option table out of step with the code fails here, in a few seconds.
-site="$(mktemp -d)"
-NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$site"
-rm -rf "$site"
+if (( ! ${#fast[@]} )); then
+    "$VENV/bin/ruff" check .
+    "$VENV/bin/ruff" format --check .
+    # The docs site (mkdocs.yml): a broken link or anchor, a missing API reference or an
+    # option table out of step with the code fails here, in a few seconds.
+    site="$(mktemp -d)"
+    NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$site"
+    rm -rf "$site"
+fi
 # Tests run side by side in worker processes (pytest-xdist): most of a test's time is
 # child processes starting (each imports torch) or waiting on a peer, not CPU, so two
 # workers on 2 cores take ~2/3 of the serial time. TEST_WORKERS=0 runs them in this
@@ -35,4 +45,4 @@ rm -rf "$site"
 # do not wait behind one worker's queue.
 cores="$(nproc)"
 workers="${TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
-exec "$VENV/bin/python" -m pytest -n "$workers" --dist worksteal "$@"
+exec "$VENV/bin/python" -m pytest -n "$workers" --dist worksteal ${fast[@]+"${fast[@]}"} "$@"
