@@ -26,6 +26,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +51,20 @@ def _pingpong_rank(rank: int, port: int, ipc_port: int, token: str, sizes: dict,
     else:
         dist.barrier()
         client = ipc.Client("127.0.0.1", ipc_port, token=token)
+    results = _trips(rank, conn if rank == 0 else client, sizes, dist)
+    if rank == 0:
+        out.put(results)
+        server.close()
+    else:
+        client.close()
+    dist.destroy_process_group()
+
+
+def _trips(rank: int, end, sizes: dict, dist) -> dict:
+    """Round trips between the two ranks: ipc (rank 0's Connection, rank 1's Client),
+    gloo, ipc again; the best of the two ipc blocks. {label: {"ipc": s, "gloo": s}}."""
+    import torch
+
     results = {}
     for label, (nbytes, rounds) in sizes.items():
         x = torch.ones(max(1, nbytes // 4))
@@ -57,10 +72,10 @@ def _pingpong_rank(rank: int, port: int, ipc_port: int, token: str, sizes: dict,
 
         def ipc_trip(x=x, buf=buf):
             if rank == 0:
-                conn.send(x)
-                conn.recv(into=buf)
+                end.send(x)
+                end.recv(into=buf)
             else:
-                client.send(client.recv(into=buf))
+                end.send(end.recv(into=buf))
 
         def gloo_trip(x=x, buf=buf):
             if rank == 0:
@@ -81,12 +96,74 @@ def _pingpong_rank(rank: int, port: int, ipc_port: int, token: str, sizes: dict,
             row.setdefault(name, []).append((time.perf_counter() - t) / rounds)
         results[label] = {k: min(v) for k, v in row.items()}
     dist.barrier()
+    return results
+
+
+# ---- client/server across hosts: the baseline's default against this checkout's ------------
+
+
+def _hosts_rank(rank: int, port: int, sizes: dict, out: str) -> None:
+    """One rank on a host of its own (BENCH_HOSTS, as bench.allreduce): rank 0 a Server on
+    its host's address (token from $IPC_TOKEN), rank 1 a Client over TCP; BENCH_PLAIN=1
+    passes encrypt=False (this checkout only: the baseline has no other default to undo)."""
+    import torch
+    import torch.distributed as dist
+
+    from bench import netns
+    from distlearn import ipc
+
+    hosts = json.loads(os.environ["BENCH_HOSTS"])
+    netns.enter(hosts[rank][0])
+    address = hosts[0][1]
+    opts = {"encrypt": False} if os.environ.get("BENCH_PLAIN") == "1" else {}
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=2)
     if rank == 0:
-        out.put(results)
-        server.close()
+        server = ipc.Server(address, port + 1, **opts)
+        dist.barrier()
+        [end] = server.clients(1, timeout=60)
     else:
-        client.close()
+        dist.barrier()
+        end = ipc.Client(address, port + 1, timeout=60, **opts)
+    results = _trips(rank, end, sizes, dist)
+    (server if rank == 0 else end).close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def hosts_once(sizes: dict, rate: str, path_first: str | None, plain: bool = False) -> dict:
+    """One process set across two hosts; `path_first`: another checkout's packages first;
+    `plain`: this checkout with encrypt=False."""
+    from bench import netns
+    from bench.procs import free_port, wait_ranks
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", IPC_TOKEN=secrets.token_hex(32))
+    env["BENCH_PLAIN"] = "1" if plain else "0"
+    # what a client on another host gets: no shared memory (the host's boot id tells
+    # namespaces of one kernel apart from machines), no direct Unix socket
+    env.update(IPC_BULK="0", IPC_DIRECT="0")
+    first = [path_first] if path_first else []
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, str(REPO), env.get("PYTHONPATH")]))
+    with netns.hosts(2, rate) as hs, tempfile.TemporaryDirectory() as tmp:
+        env["BENCH_HOSTS"] = json.dumps(hs)
+        out, port = Path(tmp, "out.json"), free_port()
+        cmd = [sys.executable, "-m", "bench.ipc_services", "--hosts-rank"]
+        procs = [
+            subprocess.Popen(
+                [*cmd, str(r), str(port), json.dumps(sizes), str(out)],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        logs = wait_ranks(procs, 600)
+        if logs is None or any(p.returncode for p in procs) or not out.exists():
+            raise RuntimeError(f"client/server across hosts failed: {logs and logs[-1][-3000:]}")
+        return json.loads(out.read_text())
 
 
 def _free_port() -> int:
@@ -190,10 +267,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=str(REPO / "bench" / "out" / "ipc-services.json"))
     ap.add_argument("--wq-child", nargs=2, type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["pingpong", "workqueue", "async"])
+    ap.add_argument("--hosts-rank", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["pingpong", "workqueue", "async", "hosts"])  # fmt: skip
+    ap.add_argument(
+        "--baseline",
+        default="main",
+        help="git ref whose client/server runs against this checkout's across hosts",
+    )
+    ap.add_argument("--hosts-rate", default="10gbit", help="the links between the two hosts")
     a = ap.parse_args()
     if a.wq_child:
         _workqueue_child(*a.wq_child)
+        return
+    if a.hosts_rank:
+        rank, port, sizes, out = a.hosts_rank
+        _hosts_rank(int(rank), int(port), json.loads(sizes), out)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -212,6 +301,51 @@ def main() -> None:
                 "gloo_MBps": sizes[label][0] * 2 / med(gloo_s) / 1e6,
             }  # fmt: skip
             print(label, report[f"pingpong {label}"], flush=True)
+    if "hosts" not in a.skip:
+        from bench import netns
+        from bench.allreduce import baseline_path
+
+        why = netns.missing()
+        if why:
+            print(f"client/server across hosts not measured: {why}", flush=True)
+        else:
+            sizes = {"4 MB": (4_000_000, 20), "8 B": (8, 500)}
+            # base: the baseline's default; this: this checkout's (CURVE); plain: this
+            # checkout with encrypt=False; again: the baseline once more (A/A, the noise)
+            runs: dict[str, list[dict]] = {"base": [], "this": [], "plain": [], "again": []}
+            with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
+                base = baseline_path(a.baseline, Path(tmp))
+                order = [("base", base), ("this", None), ("plain", None), ("again", base)]
+                for rep in range(a.reps):
+                    k = rep % len(order)
+                    for name, path in order[k:] + order[:k]:
+                        runs[name].append(
+                            hosts_once(sizes, a.hosts_rate, path, plain=name == "plain")
+                        )
+            for label, (nbytes, _) in sizes.items():
+                row = {
+                    name: {
+                        "ipc_us": med([r[label]["ipc"] for r in rs]) * 1e6,
+                        "gloo_us": med([r[label]["gloo"] for r in rs]) * 1e6,
+                        "ipc_over_gloo_throughput": med(
+                            [r[label]["gloo"] / r[label]["ipc"] for r in rs]
+                        ),
+                    }
+                    for name, rs in runs.items()
+                }
+                # this checkout's time over the baseline's, repetition by repetition
+                row["this_over_base"] = med([t[label]["ipc"] / b[label]["ipc"]
+                                             for t, b in zip(runs["this"], runs["base"],
+                                                             strict=True)])  # fmt: skip
+                row["again_over_base"] = med([t[label]["ipc"] / b[label]["ipc"]
+                                              for t, b in zip(runs["again"], runs["base"],
+                                                              strict=True)])  # fmt: skip
+                row["this_over_plain"] = med([t[label]["ipc"] / p[label]["ipc"]
+                                              for t, p in zip(runs["this"], runs["plain"],
+                                                              strict=True)])  # fmt: skip
+                row["this_MBps"] = nbytes * 2 / (row["this"]["ipc_us"] / 1e6) / 1e6
+                report[f"hosts {label}"] = row
+                print(f"across hosts {label}", row, flush=True)
     if "workqueue" not in a.skip:
         for label, nbytes, n in (("4 KB x 10000", 4096, 10_000), ("4 MB x 200", 4 << 20, 200)):
             runs = []
