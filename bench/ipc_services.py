@@ -104,8 +104,9 @@ def _trips(rank: int, end, sizes: dict, dist) -> dict:
 
 def _hosts_rank(rank: int, port: int, sizes: dict, out: str) -> None:
     """One rank on a host of its own (BENCH_HOSTS, as bench.allreduce): rank 0 a Server on
-    its host's address (token from $IPC_TOKEN), rank 1 a Client over TCP; BENCH_PLAIN=1
-    passes encrypt=False (this checkout only: the baseline has no other default to undo)."""
+    its host's address (token from $IPC_TOKEN), rank 1 a Client over TCP. BENCH_PAIR=1
+    (this checkout only): two pairs in the same processes, encrypt=False and the default
+    (CURVE), timed in turn; {"plain": [trips...], "curve": [trips...]}."""
     import torch
     import torch.distributed as dist
 
@@ -115,31 +116,43 @@ def _hosts_rank(rank: int, port: int, sizes: dict, out: str) -> None:
     hosts = json.loads(os.environ["BENCH_HOSTS"])
     netns.enter(hosts[rank][0])
     address = hosts[0][1]
-    opts = {"encrypt": False} if os.environ.get("BENCH_PLAIN") == "1" else {}
+    pair = os.environ.get("BENCH_PAIR") == "1"
+    kinds = {"plain": {"encrypt": False}, "curve": {}} if pair else {"default": {}}
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=2)
-    if rank == 0:
-        server = ipc.Server(address, port + 1, **opts)
-        dist.barrier()
-        [end] = server.clients(1, timeout=60)
+    ends, closers = {}, []
+    for k, (name, opts) in enumerate(kinds.items()):
+        if rank == 0:
+            server = ipc.Server(address, port + 1 + k, **opts)
+            dist.barrier()
+            [ends[name]] = server.clients(1, timeout=60)
+            closers.append(server)
+        else:
+            dist.barrier()
+            ends[name] = ipc.Client(address, port + 1 + k, timeout=60, **opts)
+            closers.append(ends[name])
+    if pair:
+        results: dict = {name: [] for name in kinds}
+        for turn in range(3):
+            for name in list(kinds)[:: 1 if turn % 2 == 0 else -1]:
+                results[name].append(_trips(rank, ends[name], sizes, dist))
     else:
-        dist.barrier()
-        end = ipc.Client(address, port + 1, timeout=60, **opts)
-    results = _trips(rank, end, sizes, dist)
-    (server if rank == 0 else end).close()
+        results = _trips(rank, ends["default"], sizes, dist)
+    for c in closers:
+        c.close()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def hosts_once(sizes: dict, rate: str, path_first: str | None, plain: bool = False) -> dict:
+def hosts_once(sizes: dict, rate: str, path_first: str | None, pair: bool = False) -> dict:
     """One process set across two hosts; `path_first`: another checkout's packages first;
-    `plain`: this checkout with encrypt=False."""
+    `pair`: this checkout's encrypt=False and default in the same processes."""
     from bench import netns
     from bench.procs import free_port, wait_ranks
 
     env = dict(os.environ, OMP_NUM_THREADS="1", IPC_TOKEN=secrets.token_hex(32))
-    env["BENCH_PLAIN"] = "1" if plain else "0"
+    env["BENCH_PAIR"] = "1" if pair else "0"
     # what a client on another host gets: no shared memory (the host's boot id tells
     # namespaces of one kernel apart from machines), no direct Unix socket
     env.update(IPC_BULK="0", IPC_DIRECT="0")
@@ -310,42 +323,46 @@ def main() -> None:
             print(f"client/server across hosts not measured: {why}", flush=True)
         else:
             sizes = {"4 MB": (4_000_000, 20), "8 B": (8, 500)}
-            # base: the baseline's default; this: this checkout's (CURVE); plain: this
-            # checkout with encrypt=False; again: the baseline once more (A/A, the noise)
-            runs: dict[str, list[dict]] = {"base": [], "this": [], "plain": [], "again": []}
+            # base: the baseline's default; this: this checkout's (CURVE); again: the
+            # baseline once more (A/A, the noise); pair: this checkout's encrypt=False and
+            # CURVE alternating in the same processes (the cost without process noise)
+            runs: dict[str, list[dict]] = {"base": [], "this": [], "again": [], "pair": []}
             with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
                 base = baseline_path(a.baseline, Path(tmp))
-                order = [("base", base), ("this", None), ("plain", None), ("again", base)]
+                order = [("base", base), ("this", None), ("again", base), ("pair", None)]
                 for rep in range(a.reps):
                     k = rep % len(order)
                     for name, path in order[k:] + order[:k]:
                         runs[name].append(
-                            hosts_once(sizes, a.hosts_rate, path, plain=name == "plain")
+                            hosts_once(sizes, a.hosts_rate, path, pair=name == "pair")
                         )
             for label, (nbytes, _) in sizes.items():
-                row = {
-                    name: {
-                        "ipc_us": med([r[label]["ipc"] for r in rs]) * 1e6,
-                        "gloo_us": med([r[label]["gloo"] for r in rs]) * 1e6,
-                        "ipc_over_gloo_throughput": med(
-                            [r[label]["gloo"] / r[label]["ipc"] for r in rs]
-                        ),
-                    }
-                    for name, rs in runs.items()
-                }
+
+                def ipc_s(r: dict, label: str = label) -> float:
+                    return r[label]["ipc"]
+
+                row: dict = {
+                    name: {"ipc_us": med([ipc_s(r) for r in runs[name]]) * 1e6,
+                           "gloo_us": med([r[label]["gloo"] for r in runs[name]]) * 1e6}
+                    for name in ("base", "this", "again")
+                }  # fmt: skip
                 # this checkout's time over the baseline's, repetition by repetition
-                row["this_over_base"] = med([t[label]["ipc"] / b[label]["ipc"]
-                                             for t, b in zip(runs["this"], runs["base"],
-                                                             strict=True)])  # fmt: skip
-                row["again_over_base"] = med([t[label]["ipc"] / b[label]["ipc"]
-                                              for t, b in zip(runs["again"], runs["base"],
-                                                              strict=True)])  # fmt: skip
-                row["this_over_plain"] = med([t[label]["ipc"] / p[label]["ipc"]
-                                              for t, p in zip(runs["this"], runs["plain"],
-                                                              strict=True)])  # fmt: skip
-                row["this_MBps"] = nbytes * 2 / (row["this"]["ipc_us"] / 1e6) / 1e6
+                row["this_over_base"] = [
+                    ipc_s(t) / ipc_s(b) for t, b in zip(runs["this"], runs["base"], strict=True)
+                ]
+                row["again_over_base"] = [ipc_s(t) / ipc_s(b)
+                                          for t, b in zip(runs["again"], runs["base"],
+                                                          strict=True)]  # fmt: skip
+                # in each pair run: the median of its alternations, CURVE over plain
+                row["plain_us"] = [med([ipc_s(r) for r in p["plain"]]) * 1e6 for p in runs["pair"]]
+                row["curve_us"] = [med([ipc_s(r) for r in p["curve"]]) * 1e6 for p in runs["pair"]]
+                row["curve_over_plain"] = [
+                    med([ipc_s(c) / ipc_s(p) for c, p in zip(q["curve"], q["plain"], strict=True)])
+                    for q in runs["pair"]
+                ]
+                row["curve_MBps"] = nbytes * 2 / (med(row["curve_us"]) / 1e6) / 1e6
                 report[f"hosts {label}"] = row
-                print(f"across hosts {label}", row, flush=True)
+                print(f"across hosts {label}", json.dumps(row), flush=True)
     if "workqueue" not in a.skip:
         for label, nbytes, n in (("4 KB x 10000", 4096, 10_000), ("4 MB x 200", 4 << 20, 200)):
             runs = []
