@@ -10,10 +10,11 @@ it, or acknowledges our goodbye. `close()` raises PeerError when writes were lef
 unconfirmed (the broker's process died, or froze past the heartbeats): they may be
 lost, and the caller is told so rather than returning as if they had arrived. A queue
 dropped without close() (a function that returns) is closed by its finalizer, which
-cannot raise: its PeerError waits for `close_remotes` (ipc.map's workers, the exit). An item
-read lies in the broker's memory until we ask for the next one or leave; the broker,
-not the reader, lets go of it then (see broker.py), so a reader killed at any point
-leaves the item whole for the next reader.
+cannot raise: its PeerError waits for `close_remotes` (ipc.map's workers, the exit).
+
+An item read lies in the broker's memory until we ask for the next one or leave; the
+broker, not the reader, lets go of it then (see broker.py), so a reader killed at any
+point leaves the item whole for the next reader.
 """
 
 from __future__ import annotations
