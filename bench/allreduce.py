@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -30,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import netns
 from bench.procs import free_port, wait_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,13 +53,19 @@ def run(
     mode: str = "allreduce",
     path_first: str | None = None,
     env_extra: dict[str, str] | None = None,
+    hosts: list | None = None,
 ) -> list[dict]:
     """Run the allreduce rows for `world` processes; one dict per (impl, size).
 
     `mode` "async" times 8 buckets in flight against 8 calls in a row, "step" a
     training-like step; `path_first` puts another checkout's packages (see
-    `baseline_path`) ahead of this one; `env_extra` is added to the ranks' environment."""
+    `baseline_path`) ahead of this one; `env_extra` is added to the ranks' environment;
+    `hosts` ([(namespace, address)] from bench.netns.hosts) puts each rank on a host of
+    its own, for the tree-hosts impls (a fresh IPC_TOKEN per run)."""
     env = dict(os.environ)
+    if hosts:
+        env["BENCH_HOSTS"] = json.dumps(hosts)
+        env["IPC_TOKEN"] = secrets.token_hex(32)
     first = [path_first] if path_first else []
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -96,8 +104,14 @@ def _worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # BENCH_HOSTS (see run's `hosts`): this rank is a host of its own, a network namespace
+    hosts = json.loads(os.environ.get("BENCH_HOSTS") or "null")
+    address = "127.0.0.1"
+    if hosts:
+        netns.enter(hosts[a.rank][0])
+        address = hosts[0][1]
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
+        "gloo", init_method=f"tcp://{address}:{a.port}", rank=a.rank, world_size=a.world
     )
     ops = {}
     errors = {}
@@ -106,13 +120,22 @@ def _worker(a: argparse.Namespace) -> None:
     trees = []
     for impl in [i for i in a.impls if i.startswith("tree")]:
         # tree: the default (shared memory on one host); tree-sockets: the socket
-        # transport every multi-host link uses; tree-curve: the same, encrypted.
-        opts = {"tree-sockets": {"shm": False}, "tree-curve": {"shm": False, "encrypt": True}}
+        # transport every multi-host link uses; tree-curve: the same, encrypted;
+        # tree-hosts: a StaticTree across the hosts of BENCH_HOSTS, the code's default
+        # for them (CURVE now; in the clear before this became the default), tree-hosts-plain:
+        # the same with encrypt=False.
+        opts = {"tree-sockets": {"shm": False}, "tree-curve": {"shm": False, "encrypt": True},
+                "tree-hosts-plain": {"encrypt": False}}  # fmt: skip
         try:
             from distlearn import ipc
 
             key = f"bench-allreduce-{a.port}-{impl}"
-            tree = ipc.LocalhostTree(a.rank, a.world, key=key, **opts.get(impl, {}))
+            if impl.startswith("tree-hosts"):
+                k = 1 + list(a.impls).index(impl)  # a port of its own per tree
+                tree = ipc.StaticTree(a.rank, a.world, address, a.port + k, shm=False,
+                                      **opts.get(impl, {}))  # fmt: skip
+            else:
+                tree = ipc.LocalhostTree(a.rank, a.world, key=key, **opts.get(impl, {}))
             trees.append(tree)
             ops[impl] = tree.all_reduce
         except Exception as err:  # the tree may not be built yet: report gloo alone
@@ -368,6 +391,9 @@ def report(a: argparse.Namespace) -> None:
                 )
         lines.append("")
 
+    lines += hosts_section(a, base_path_ref=a.baseline)
+    print("across hosts done", flush=True)
+
     enc_sizes = {k: SIZES[k] for k in ("1 MiB", "64 MiB")}
     recs = run(2, enc_sizes, reps=a.reps, target_s=a.target_s, impls=("tree-sockets", "tree-curve"))
     by = {(r["impl"], r["size"]): r["times_s"] for r in recs if "times_s" in r}
@@ -440,6 +466,67 @@ def report(a: argparse.Namespace) -> None:
     print(f"wrote {a.out_md}")
 
 
+HOSTS_SIZES = {k: SIZES[k] for k in ("64 KiB", "1 MiB", "16 MiB")}
+
+
+def hosts_section(a: argparse.Namespace, base_path_ref: str) -> list[str]:
+    """Two hosts (network namespaces, links of `a.hosts_rate`), a StaticTree on TCP: the
+    baseline's default against this commit's (CURVE), alternating fresh process sets with
+    an A/A set; then CURVE against encrypt=False in the same processes."""
+    why = netns.missing()
+    if why:
+        return ["## Across hosts", "", f"Not measured: {why}.", ""]
+    lines = [
+        f"## Across hosts: {base_path_ref}'s default vs this commit's (2 hosts, TCP)",
+        "",
+        f"Two network namespaces joined through links of {a.hosts_rate} (bench/netns.py: "
+        "separate hosts' bandwidth, this machine's cores), a `StaticTree` over TCP with "
+        f"`$IPC_TOKEN`, float32 sum. {base_path_ref}'s default sends in the clear; this "
+        "commit's encrypts and authenticates every message (CURVE). A/A: "
+        f"{base_path_ref} against itself.",
+        "",
+        f"| size | {base_path_ref} ms/op | this commit ms/op | this/{base_path_ref} "
+        f"| {base_path_ref}/{base_path_ref} (A/A) | this commit MB/s (algbw) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    times: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
+        base_path = baseline_path(base_path_ref, Path(tmp))
+        for rep in range(a.reps):
+            order = [("base", base_path), ("this", None), ("again", base_path)]
+            k = rep % len(order)
+            for name, path in order[k:] + order[:k]:
+                with netns.hosts(2, a.hosts_rate) as hs:
+                    recs = run(2, HOSTS_SIZES, reps=3, target_s=a.target_s / 3,
+                               impls=("tree-hosts",), path_first=path, hosts=hs)  # fmt: skip
+                for r in recs:
+                    if "times_s" in r:
+                        times.setdefault((name, r["size"]), []).append(_median(r["times_s"]))
+            print(f"across hosts, repetition {rep + 1}", flush=True)
+    for size, nbytes in HOSTS_SIZES.items():
+        b, t, b2 = (times.get((name, size), []) for name in ("base", "this", "again"))
+        bw = f"{nbytes / _median(t) / 1e6:,.0f}" if t else "-"
+        lines.append(f"| {size} | {_spread(b)} | {_spread(t)} | {_ratios(t, b)} "
+                     f"| {_ratios(b2, b)} | {bw} |")  # fmt: skip
+    with netns.hosts(2, a.hosts_rate) as hs:
+        recs = run(2, HOSTS_SIZES, reps=a.reps, target_s=a.target_s,
+                   impls=("tree-hosts-plain", "tree-hosts"), hosts=hs)  # fmt: skip
+    by = {(r["impl"], r["size"]): r["times_s"] for r in recs if "times_s" in r}
+    lines += [
+        "",
+        "This commit alone, the same two processes: `encrypt=False` (in the clear, for a "
+        "trusted network) against the default, alternating.",
+        "",
+        "| size | encrypt=False ms/op | default (CURVE) ms/op | CURVE/plain |",
+        "|---|---:|---:|---:|",
+    ]
+    for size in HOSTS_SIZES:
+        p, c = by.get(("tree-hosts-plain", size), []), by.get(("tree-hosts", size), [])
+        lines.append(f"| {size} | {_spread(p)} | {_spread(c)} | {_ratios(c, p)} |")
+    lines.append("")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.allreduce")
     p.add_argument("--report", action="store_true", help="measure the tree against itself")
@@ -455,7 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=("gloo", "tree"))
     p.add_argument("--mode", choices=("allreduce", "async", "step", "idle"), default="allreduce")
     p.add_argument("--out")
+    p.add_argument("--hosts-rate", default="10gbit", help="the links between hosts (netns)")
+    p.add_argument("--hosts-only", action="store_true",
+                   help="with --report: only the across-hosts section, to --out-md")  # fmt: skip
     a = p.parse_args(argv)
+    if a.report and a.hosts_only:
+        Path(a.out_md).write_text("\n".join(hosts_section(a, a.baseline)))
+        print(f"wrote {a.out_md}")
+        return 0
     if a.report:
         report(a)
         return 0

@@ -7,8 +7,11 @@ Each namespace has one interface, `eth0`, with the address 10.<a>.<b>.<k+1>/24, 
 veth whose other end is on a bridge in this namespace; both ends send through tbf
 at `rate`, so what leaves a "host" and what reaches it are each limited like one
 machine's link. They share this machine's kernel and cores: the bandwidth of
-separate machines, not their CPUs, nor their latency (no netem here). Needs root
-and iproute2 (`ip`, `tc`); everything is removed on the way out.
+separate machines, not their CPUs, nor their latency (no netem here). A process
+that enters a host also takes that host's own temporary folder (TMPDIR), as separate
+machines share no /tmp: otherwise ipc finds a server's record in its runtime folder
+and talks to it over a Unix socket, never crossing the link. Needs root and iproute2
+(`ip`, `tc`); everything is removed on the way out.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 
 CLONE_NEWNET = 0x40000000
@@ -90,11 +94,18 @@ def hosts(n: int, rate: str) -> Iterator[list[tuple[str, str]]]:
     finally:
         for name in made:  # takes its end of the veth, and so the pair, with it
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(host_tmp(name), ignore_errors=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
+def host_tmp(name: str) -> str:
+    """The temporary folder of host `name` (see `enter`)."""
+    return os.path.join(tempfile.gettempdir(), f"{name}-tmp")
+
+
 def enter(name: str) -> None:
-    """Move this process into namespace `name` (before it opens any socket)."""
+    """Move this process into namespace `name` (before it opens any socket) and onto
+    that host's temporary folder (TMPDIR, made 0700 by the first process to enter)."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
@@ -104,3 +115,8 @@ def enter(name: str) -> None:
     finally:
         os.close(fd)
     os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    tmp = host_tmp(name)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(tmp, 0o700)
+    os.environ["TMPDIR"] = tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again

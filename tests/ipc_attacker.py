@@ -37,6 +37,13 @@ import zmq
 SIGNATURE = b"\xff" + b"\0" * 8 + b"\x7f"
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write `path` whole: the test reads it while this process runs (or after a kill)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _read(sock: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
@@ -221,13 +228,13 @@ class _Relay:
     def _count(self, what: str) -> bool:
         with self.lock:
             self.counts[what] += 1
-            self.out.write_text(json.dumps(self.counts))
+            _publish(self.out, json.dumps(self.counts))
         return True
 
 
 def relay(listen: str, upstream: str, ports_file: Path, out: Path) -> None:
     r = _Relay(listen, upstream, out)
-    out.write_text(json.dumps(r.counts))
+    _publish(out, json.dumps(r.counts))
     served: set[int] = set()
     while True:  # until killed: ports as the test names them
         with contextlib.suppress(OSError, ValueError):
@@ -235,7 +242,7 @@ def relay(listen: str, upstream: str, ports_file: Path, out: Path) -> None:
                 if port not in served:
                     served.add(port)
                     threading.Thread(target=r.serve, args=(port,), daemon=True).start()
-            Path(str(ports_file) + ".served").write_text(json.dumps(sorted(served)))
+            _publish(Path(str(ports_file) + ".served"), json.dumps(sorted(served)))
         select.select([], [], [], 0.05)
 
 

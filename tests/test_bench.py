@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -196,10 +197,11 @@ def test_gloo_root_prints_both_ways_side_by_side():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-# What bench/netns.py names: namespaces dl<tag>-<k>, host-side veths vd<tag>-<k>, and
-# the bridge bd<tag>. Only those are compared: other tests beside this one (another
-# pytest worker) make and remove namespaces of their own.
-BENCH_NETNS = re.compile(r"(dl|vd)\d+-\d+|bd\d+")
+# What bench/netns.py names: namespaces dl<tag>-<k>, host-side veths vd<tag>-<k>, the
+# bridge bd<tag>, and each host's temporary folder dl<tag>-<k>-tmp. Only those are
+# compared: other tests beside this one (another pytest worker) make and remove
+# namespaces of their own.
+BENCH_NETNS = re.compile(r"(dl|vd)\d+-\d+(-tmp)?|bd\d+")
 
 
 def _bench_netns() -> set[str]:
@@ -207,6 +209,7 @@ def _bench_netns() -> set[str]:
     out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
     links = {line.split(":")[1].strip().split("@")[0] for line in out.stdout.splitlines()}
     names = links | (set(os.listdir(spaces)) if spaces.exists() else set())
+    names |= {p.name for p in Path(tempfile.gettempdir()).glob("dl*-tmp")}
     return {name for name in names if BENCH_NETNS.fullmatch(name)}
 
 

@@ -237,6 +237,48 @@ def test_idle_connections_do_not_make_the_rendezvous_refuse_real_nodes(tmp_path)
     assert "limit of open files" not in texts[0], texts[0][-2000:]
 
 
+_IDLE_SERVER = """
+import sys, time
+from distlearn import ipc
+server = ipc.Server("127.0.0.1", 0, token=sys.argv[1])
+print(server.port, flush=True)
+time.sleep(120)  # ZeroMQ's I/O thread accepts and times out handshakes on its own
+"""
+
+
+def test_connections_that_never_finish_the_handshake_are_closed_within_its_timeout(tmp_path):
+    """A stranger opens 60 TCP connections to a Server and never sends a byte, holding its
+    ends open. Each costs the server a file until ZeroMQ's handshake times out: within
+    `Limits.handshake_timeout` (10 s) of the last connection, the server holds the files
+    it held before (a few hundred of them would otherwise keep a listener at its file
+    limit for as long as the stranger keeps coming back).
+
+    Before: no ZMQ_HANDSHAKE_IVL was set and libzmq's default of 30 s applied: the
+    server still held every one of them 20 s after."""
+    server = subprocess.Popen([sys.executable, "-c", _IDLE_SERVER, TEST_TOKEN], env=repo_env(),
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    idle = None
+    try:
+        port = int(server.stdout.readline())
+        time.sleep(0.5)
+        before = _open_files(server.pid)
+        ready = tmp_path / "idle.ready"
+        idle = _attacker("idle", "127.0.0.1", str(port), "60", "60", ATTACKER_READY=str(ready))
+        _wait_file(ready, idle)
+        start = time.monotonic()
+        assert _open_files(server.pid) >= before + 50, "the server did not take them in"
+        while (held := _open_files(server.pid) - before) > 2:
+            waited = time.monotonic() - start
+            assert waited < 20, f"{held} idle connections still held after {waited:.0f} s"
+            time.sleep(0.2)
+        assert idle.poll() is None  # (the stranger still holds its ends: the server let go)
+    finally:
+        for proc in (server, idle):
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+
+
 # ---- a relay between two hosts ---------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import os
 import weakref
 
 from .broker import CLOSED, DRAINED, EMPTY, OPEN, _Broker
-from .remote import _Remote
+from .remote import _Remote, close_dropped
 
 __all__ = ["Channel"]
 
@@ -62,8 +62,9 @@ class Channel:
             return self._broker
         if self._remote is None or self._remote.pid != os.getpid():
             self._remote = _Remote(self._address, self._secret, "channel")
-            # Dropped without the process ending (a worker's copy): its writes still go.
-            weakref.finalize(self, self._remote.close)
+            # Dropped without the process ending (a worker's copy): its writes still go,
+            # and if they cannot, close_remotes says so (see remote.close_dropped).
+            weakref.finalize(self, close_dropped, self._remote)
         return self._remote
 
     def write(self, obj: object) -> str:

@@ -37,7 +37,8 @@ class Client:
         token: The secret (else $IPC_TOKEN, $IPC_TOKEN_FILE, or a loopback server's
             record).
         token_file: A private file holding the secret.
-        encrypt: CURVE on the connection (as the server has it).
+        encrypt: As the server's: None (the default) is CURVE over TCP, True CURVE
+            everywhere, False TCP in the clear.
         liveness: How soon a dead or frozen server is named (`ipc.Liveness`).
         max_frame: The largest frame the server may send.
         timeout: Seconds the handshake may take.

@@ -8,10 +8,13 @@ links, at the latest at its exit (`close_remotes`), a multiprocessing child's to
 A write is confirmed once the broker has read it: when it answers a read asked after
 it, or acknowledges our goodbye. `close()` raises PeerError when writes were left
 unconfirmed (the broker's process died, or froze past the heartbeats): they may be
-lost, and the caller is told so rather than returning as if they had arrived. An item
-read lies in the broker's memory until we ask for the next one or leave; the broker,
-not the reader, lets go of it then (see broker.py), so a reader killed at any point
-leaves the item whole for the next reader.
+lost, and the caller is told so rather than returning as if they had arrived. A queue
+dropped without close() (a function that returns) is closed by its finalizer, which
+cannot raise: its PeerError waits for `close_remotes` (ipc.map's workers, the exit).
+
+An item read lies in the broker's memory until we ask for the next one or leave; the
+broker, not the reader, lets go of it then (see broker.py), so a reader killed at any
+point leaves the item whole for the next reader.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..transport import Endpoint, Secret, wire
 from . import bulk
 from .broker import CLOSED, DRAINED, OPEN, _ctl, _decode
 
-__all__ = ["close_remotes"]
+__all__ = ["close_dropped", "close_remotes"]
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +165,27 @@ class _Remote:
 # the latest when the process ends (multiprocessing's children skip atexit, so `ipc.map`
 # workers call close_remotes themselves).
 _REMOTES: weakref.WeakSet[_Remote] = weakref.WeakSet()
+# (pid, PeerError) of writes a finalizer found unconfirmed (close_dropped): a finalizer's
+# exception is printed and dropped, so close_remotes raises it instead. The pid: a
+# forked child inherits the list, not the writes.
+_unreported: list[tuple[int, PeerError]] = []
+
+
+def close_dropped(remote: _Remote) -> None:
+    """The finalizer of a queue or channel dropped without close(): close its link, and
+    keep a PeerError for `close_remotes` rather than lose it in the finalizer."""
+    try:
+        remote.close()
+    except PeerError as err:
+        _unreported.append((os.getpid(), err))
 
 
 def close_remotes() -> None:
     """Close this process's links to brokers of other processes (flushing its writes);
-    PeerError naming every queue whose writes were left unconfirmed."""
-    errors = []
+    PeerError naming every queue whose writes were left unconfirmed, those of queues
+    dropped without close() included."""
+    errors = [err for pid, err in _unreported if pid == os.getpid()]
+    _unreported.clear()
     for remote in list(_REMOTES):
         try:
             remote.close()

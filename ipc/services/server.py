@@ -162,7 +162,9 @@ class Server(DirectSocketsMixin):
         port: The port; 0 for a free one (then in `.port`).
         token: The secret (else $IPC_TOKEN or $IPC_TOKEN_FILE).
         token_file: A private file holding the secret.
-        encrypt: CURVE on every connection.
+        encrypt: None (the default): CURVE (encrypted, authenticated) over TCP, the
+            Unix socket of same-host clients checked by uid; True: CURVE on both;
+            False: TCP in the clear, for a trusted network (warned).
         liveness: How soon a dead or frozen client is named (`ipc.Liveness`).
         max_frame: The largest frame a client may send; larger ones are refused
             before they are read.

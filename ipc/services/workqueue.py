@@ -24,7 +24,7 @@ from ..errors import IPCError, IPCTimeoutError
 from ..procs import pid_alive, start_ticks
 from ..transport import runtime
 from .broker import OPEN, _Broker
-from .remote import _Remote
+from .remote import _Remote, close_dropped
 
 __all__ = ["WorkQueue"]
 
@@ -104,8 +104,9 @@ class WorkQueue:
             return
         try:
             self._remote = _Remote(info["address"], info["secret"], label)
-            # Dropped without close() (a function that returns): its writes still go.
-            weakref.finalize(self, self._remote.close)
+            # Dropped without close() (a function that returns): its writes still go, and
+            # if they cannot, close_remotes says so (see remote.close_dropped).
+            weakref.finalize(self, close_dropped, self._remote)
         except IPCError:
             again = self._read_owner(directory)
             if again is None or again.get("closed") is not True:
