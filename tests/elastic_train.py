@@ -13,7 +13,8 @@ lost with the process; over every attempt the committed ids must hold each examp
 exactly once per epoch.
 
 Faults on request: ``--die-at ROUND --die-rank R`` SIGKILLs rank R of the first attempt
-at that step; ``--stop-at ROUND`` raises the stop flag on rank 0 (as a SIGTERM would);
+(the first process of rank R to write in the ledger folder) at that step;
+``--stop-at ROUND`` raises the stop flag on rank 0 (as a SIGTERM would);
 ``--eval-s S`` spends S seconds "evaluating" after every epoch (no all-reduce);
 ``--save-s S`` makes every save take S seconds more on rank 0 (a large model's write),
 in the middle of the save: its rank file written, the model's not yet, nothing published.
@@ -151,6 +152,10 @@ def main(argv=None) -> int:
     sgd = AllReduceSGD(comm)
     storage = json.loads(args.storage) if args.storage else None
     ckpt = Checkpoint(args.ckpt, comm, keep=3, every=args.every, storage_options=storage)
+    # The first attempt is the one no earlier process of this rank wrote a ledger for
+    # (not "restored nothing": a kill before the first save restores nothing either, and
+    # the restart would die at the same step again).
+    first_attempt = not any(Path(args.ledger).glob(f"rank{rank}-*.jsonl"))
     ledger = Ledger(Path(args.ledger), rank)
     state = {"model": model, "optim": opt, "data": batcher}
     if args.save_s:
@@ -160,7 +165,6 @@ def main(argv=None) -> int:
                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"),
                  slurm_restart=os.environ.get("SLURM_RESTART_COUNT"))  # fmt: skip
     sgd.synchronize_parameters(model)
-    first_attempt = ckpt.restored_from is None
     try:
         while True:
             position = batcher.state_dict()

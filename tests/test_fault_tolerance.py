@@ -132,18 +132,21 @@ def test_a_job_resized_from_attempt_to_attempt(torchrun, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_twenty_random_kills(torchrun, tmp_path):
-    """SIGKILL of a random rank at a random step, 20 runs: exactly once in each."""
+    """SIGKILL of a random rank at a random step, 20 runs: a kill and a restart in each
+    (the step drawn among those every rank takes), exactly once in each."""
     rnd = random.Random(52)
     for run in range(20):
         tmp = tmp_path / f"run{run}"
         tmp.mkdir()
         data = make_data(tmp)
-        world = rnd.choice([2, 3, 4])
-        kw = dict(data=data, epochs=2, every=rnd.choice([2, 3, 7]), batch=rnd.choice([3, 4, 5]),
-                  die_at=rnd.randint(1, 40), die_rank=rnd.randrange(world))  # fmt: skip
+        world, batch = rnd.choice([2, 3, 4]), rnd.choice([3, 4, 5])
+        steps = 2 * (N // world // batch)  # two epochs of the smallest partition
+        kw = dict(data=data, epochs=2, every=rnd.choice([2, 3, 7]), batch=batch,
+                  die_at=rnd.randint(1, steps), die_rank=rnd.randrange(world))  # fmt: skip
         if run % 4 == 3:
             kw.update(workers="process", num_workers=1)
         assert run_torchrun(torchrun, tmp, world, restarts=1, **kw) == 0, (run, kw)
+        assert len(processes(tmp / "ledger")) == 2 * world, ("no kill and restart", run, kw)
         check_exactly_once(tmp / "ledger", 2)
 
 
