@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from distlearn.dataset import Dataset, Fetcher, FetchError
-from distlearn.dataset.fetch.scope import Scope, scope_for
+from distlearn.dataset.fetch.scope import Scope, TargetRefused, scope_for
 from distlearn.dataset.processors import Raw
 from tests.recording_server import recording
 
@@ -128,18 +128,27 @@ def test_credential_origins_are_checked_where_given(tmp_path, value, message):
 
 
 def refused_rows(port: int) -> list[str]:
-    """Rows a hostile remote index might hold: this host's services, the cloud
-    metadata service, the private network, under every spelling."""
+    """Rows a hostile remote index might hold naming this host's services, under every
+    spelling. (Only this host: were the guard broken, the test would reach nothing else.)"""
     return [
         f"http://127.0.0.1:{port}/a.bin",
         f"http://localhost:{port}/b.bin",  # a name that resolves to loopback
         f"http://[::ffff:127.0.0.1]:{port}/c.bin",  # IPv4 written as IPv6
         f"http://[::1]:{port}/d.bin",
-        "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
-        "http://10.255.255.1/e.bin",
-        "http://192.168.0.1/f.bin",
         f"http://0.0.0.0:{port}/g.bin",
     ]
+
+
+# Rows naming other hosts: the cloud metadata service, the private network. They are
+# checked on the scope a remote index gets, before any connection, not fetched: a
+# test never sends a packet off this host, even when the code under test is broken.
+OFF_HOST_ROWS = {
+    "http://169.254.169.254/latest/meta-data/iam/security-credentials/": "a link-local",
+    "http://10.255.255.1/e.bin": "a private",
+    "http://192.168.0.1/f.bin": "a private",
+    "http://[fe80::1]/h.bin": "a link-local",
+    "http://[fd00::1]/i.bin": "a private",
+}
 
 
 @pytest.mark.parametrize("workers", ["thread", "process"])
@@ -162,8 +171,21 @@ def test_a_remote_index_cannot_send_the_trainer_to_private_addresses(tmp_path, w
         assert "refused: the remote index http://127.0.0.1:" in str(err)
         assert "allow_networks=[" in str(err)
     text = " ".join(str(e) for e in errors)
-    for kind in ("a loopback", "a link-local", "a private", "an unspecified"):
+    for kind in ("a loopback", "an unspecified"):
         assert f"{kind} address" in text
+
+
+def test_a_remote_index_cannot_name_the_metadata_service_or_the_private_network():
+    scope = scope_for(["https://data.example.com/train.csv"])
+    for url, kind in OFF_HOST_ROWS.items():
+        with pytest.raises(TargetRefused, match=f"names .*, {kind} address; .*allow_networks="):
+            scope.refuse_literal(url)
+    scope.refuse_literal("https://data.example.com/items/0.bin")  # its own origin
+    scope.refuse_literal("https://93.184.215.14/items/0.bin")  # a public address
+    allowed = scope_for(["https://data.example.com/train.csv"], allow_networks=["10.0.0.0/8"])
+    allowed.refuse_literal("http://10.255.255.1/e.bin")
+    with pytest.raises(TargetRefused):
+        allowed.refuse_literal("http://192.168.0.1/f.bin")
 
 
 def test_allow_networks_lets_a_remote_index_reach_them(tmp_path):
