@@ -29,15 +29,17 @@ def records(index, sampler="part-linear"):
     return list(SAMPLERS[sampler](index, 0, np.random.default_rng(0)))
 
 
-def loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("part-loader")]
+def loader_threads(other: frozenset = frozenset()) -> list[threading.Thread]:
+    """The part loaders alive now, but those in `other` (an earlier test's, in the same
+    test worker process, may still be finishing a part of its own)."""
+    return [t for t in threading.enumerate() if t.name.startswith("part-loader") and t not in other]
 
 
-def wait_no_loaders(timeout: float) -> list[threading.Thread]:
+def wait_no_loaders(timeout: float, other: frozenset = frozenset()) -> list[threading.Thread]:
     deadline = time.monotonic() + timeout
-    while loader_threads() and time.monotonic() < deadline:
+    while loader_threads(other) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return loader_threads()
+    return loader_threads(other)
 
 
 @pytest.mark.timeout(60)
@@ -80,6 +82,7 @@ def test_part_timeout_stops_the_download_not_only_its_waiter(tmp_path):
     root.mkdir()
     with wds.TarWriter(str(root / "shard-000.tar")) as sink:
         sink.write({"__key__": "a", "bin": b"x"})
+    other = frozenset(loader_threads())
     with running(root, {"shard-000.tar": ["hold"]}) as (base, hits):
         index = open_parts(base + "shard-{000..000}.tar", cache_parts=False, part_timeout=1,
                            part_retries=3, backoff=0.01)  # fmt: skip
@@ -87,7 +90,7 @@ def test_part_timeout_stops_the_download_not_only_its_waiter(tmp_path):
         with pytest.raises(PartError, match="part_timeout=1"):
             records(index)
         assert time.monotonic() - t0 < 5
-        left = wait_no_loaders(2.0)
+        left = wait_no_loaders(2.0, other)
         (root.parent / "release").touch()
         counts = hits()
     assert left == [], "the part loader outlived part_timeout"
@@ -100,11 +103,12 @@ def test_part_timeout_stops_a_parse_that_runs_long(tmp_path):
     with part_timeout far shorter than its scan: the loader stops at its deadline."""
     pattern = b"\x01" + bytes(12)
     (tmp_path / "part-000.tfrecord").write_bytes(pattern * ((192 << 20) // len(pattern)))
+    other = frozenset(loader_threads())
     index = open_parts(tmp_path, cache_parts=False, part_timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(PartError, match=r"part_timeout=0\.5"):
         records(index)
-    assert wait_no_loaders(2.0) == [], "the part loader outlived part_timeout"
+    assert wait_no_loaders(2.0, other) == [], "the part loader outlived part_timeout"
     assert time.monotonic() - t0 < 4
 
 
