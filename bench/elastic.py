@@ -227,14 +227,17 @@ def _job(folder: Path, world: int, survive: bool, die_at: int, every: int) -> li
     return [[json.loads(x) for x in f.open()] for f in (folder / "ledger").glob("*.jsonl")]
 
 
-def _lost(ledgers: list[list[dict]], die_at: int) -> tuple[int, float]:
-    """(steps taken twice, seconds from the kill to the next step anyone took)."""
+def _lost(ledgers: list[list[dict]]) -> tuple[int, float]:
+    """(steps taken twice, seconds from the kill to the next step anyone took), from the
+    ledgers of every process (one list each, its start line first)."""
     steps = [x for p in ledgers for x in p if "ids" in x]
-    # the killed step: the first attempt's (a restart takes step `die_at` again, later)
-    victim = min((x for x in steps if x["rank"] == 1 and x["step"] == die_at),
-                 key=lambda x: x["t"])  # fmt: skip
+    # the kill: the last step of the first process of rank 1 (a restart takes that step
+    # again later, and the round it dies at need not be its step number)
+    first = min((p for p in ledgers if p[0]["rank"] == 1), key=lambda p: p[0]["t"])
+    victim = [x for x in first if "ids" in x][-1]
     # the next step anyone took: the survivors' step after it, or the restart's first
-    after = min(x["t"] for x in steps if x["t"] > victim["t"] and x["step"] != die_at)
+    # (the others' lines for the killed step itself may be written just after it)
+    after = min(x["t"] for x in steps if x["t"] > victim["t"] and x["step"] != victim["step"])
     ranks = {x["rank"] for x in steps}
     taken = sum(1 for x in steps if x["rank"] == min(ranks))  # one rank's steps, all attempts
     unique = len({x["step"] for x in steps if x["rank"] == min(ranks)})
@@ -250,7 +253,7 @@ def bench_lost(reps: int) -> list[str]:
             for i, (name, survive) in enumerate(rows.items()):
                 folder = Path(tmp) / f"{rep}-{i}"
                 folder.mkdir()
-                out[name].append(_lost(_job(folder, 4, survive, 35, 20), 35))
+                out[name].append(_lost(_job(folder, 4, survive, 35, 20)))
     lines = ["| a rank killed at step 35 of 4 | steps taken again | seconds to the next step |",
              "|---|---:|---:|"]  # fmt: skip
     for name, got in out.items():

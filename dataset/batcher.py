@@ -401,10 +401,18 @@ class SampledBatcher:
         ending the iteration under way: a `for` loop over the batcher hands out the
         position's pieces next, and ends with them. Batches in flight are discarded and
         come again in their turn (distlearn.survivors: a rank's share of a dead rank's
-        rest, after its own)."""
+        rest, after its own). A position with no pieces ends the iteration now, and the
+        next one begins its ordinary epoch."""
+        self._ahead = None
         self.engine.drain()
         self.stream.resume(position)
         self.index, self.partition = self.stream.index, self.stream.partition
+        if not position.rest:
+            # Nothing is left of the epoch under way. Without this the loop running now
+            # would go on into the next epoch (an epoch too many), or, were it over
+            # already, the next loop would start the one after (an epoch skipped).
+            self.stream.stop()
+            self._resume = position
 
     @property
     def handed_out(self) -> int:

@@ -243,15 +243,18 @@ def test_gloo_root_between_namespaces_is_rate_limited_and_leaves_nothing_behind(
 def test_elastic_lost_steps_count_from_the_kill_not_from_the_retaken_step():
     """bench.elastic's kill figures: with a restart, the killed step is taken again later
     by the restarted rank; the seconds to the next step count from the first attempt's
-    (the kill), so they hold the restart, and the steps taken twice are those since the
-    checkpoint."""
+    last step (the kill), so they hold the restart, and the steps taken twice are those
+    since the checkpoint."""
     from bench.elastic import _lost
 
-    def step(rank, n, t):
-        return {"rank": rank, "step": n, "t": t, "ids": [n]}
+    def process(rank, steps, t0):
+        start = {"rank": rank, "t": t0, "start": True}
+        return [start] + [{"rank": rank, "step": n, "t": t0 + n, "ids": [n]} for n in steps]
 
-    first = [[step(r, n, float(n)) for n in range(1, 6)] for r in (0, 1)]  # killed after 5
-    again = [[step(r, n, 100.0 + n) for n in range(4, 9)] for r in (0, 1)]  # from a save at 3
-    taken, seconds = _lost(first + again, 5)
+    # rank 1 killed after step 5 (rank 0's line for step 5 written just after it), then
+    # both restarted from a save at step 3
+    first = [process(0, range(1, 6), 0.01), process(1, range(1, 6), 0.0)]
+    again = [process(r, range(4, 9), 100.0) for r in (0, 1)]
+    taken, seconds = _lost(first + again)
     assert taken == 2  # steps 4 and 5, twice
     assert seconds == 104.0 - 5.0  # the restart's first step, not the step after its step 5

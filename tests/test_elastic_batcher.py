@@ -339,3 +339,33 @@ def test_refusals_name_what_differs():
     with b, pytest.raises(ValueError, match="pass the list of every old rank's state"):
         b.load_state_dict(states[1])
     assert np.all(True)
+
+
+@pytest.mark.parametrize("when", ["in the last batch's step", "after the loop"])
+def test_a_take_over_with_nothing_to_take_ends_the_epoch_under_way(when):
+    """A survivor whose share of a dead rank's rest is empty, at the end of its epoch
+    (distlearn.survivors): the loop under way ends, and the next loop is the next epoch
+    of the new partitioning, once. (It used to run on into that epoch, so the job took
+    an epoch too many; taken over after its loop, the next loop skipped an epoch.)"""
+    from distlearn.dataset.sampling.elastic import Position
+
+    (b,) = batchers(tensor_data(), 1)
+    with b:
+        seen = []
+        for batch in b:
+            seen += ids(batch)
+            if when == "in the last batch's step" and len(seen) == N:
+                b.take_over(Position(2, 1, 1))
+        if when == "after the loop":
+            b.take_over(Position(2, 1, 1))
+        assert sorted(seen) == list(range(N))  # epoch 0, and nothing of epoch 1
+        state = b.state_dict()
+        assert (state["epoch"], state["consumed"], state["rest"]) == (1, 0, [])
+        assert (state["partition"], state["partitions"]) == (1, 2)
+        nxt = [i for batch in b for i in ids(batch)]
+        assert b.epoch == 1
+    first, other = batchers(tensor_data(), 2)
+    first.close()
+    with other:
+        other.load_state_dict(state)
+        assert sorted(nxt) == sorted(i for batch in other for i in ids(batch))

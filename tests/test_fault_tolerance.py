@@ -309,6 +309,35 @@ def test_a_requeued_slurm_job_resumes_exactly_once(slurm, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_slurms_usr1_before_the_time_limit_saves_and_a_new_job_resumes(slurm, tmp_path):
+    """The README's script with a time limit of 4 minutes and ``--signal=USR1@150``
+    (given to sbatch, over the script's 120): Slurm sends SIGUSR1 to the tasks 90 s in
+    (up to 60 s earlier: Slurm's resolution), while they train (2 s a step, 50 steps);
+    they save and exit 0 (the job COMPLETED, not killed at its limit), and a second job
+    of the same script finishes from that save, every example once."""
+    data = make_data(tmp_path, 300)
+    args = " ".join(train_args(tmp_path, data=data, epochs=2, batch=3, sleep=2.0, every=1000))
+    script = tmp_path / "job.sh"
+    script.write_text(
+        readme_sbatch().replace("python train.py", f"{sys.executable} {TRAIN} {args}")
+    )
+    first = slurm.sbatch(script, "--time=4", "--signal=USR1@150", "-o", str(tmp_path / "1.txt"))
+    fields = slurm.wait_job(first, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    assert fields["JobState"] == "COMPLETED", (fields, (tmp_path / "1.txt").read_text()[-3000:])
+    assert "SIGUSR1 here" in (tmp_path / "1.txt").read_text()
+    lines = [x for p in processes(tmp_path / "ledger") for x in p]
+    assert not any("done" in x for x in lines), "the first job ran to its end: no signal"
+    assert any("saved" in x for x in lines)
+    second = slurm.sbatch(script, "-o", str(tmp_path / "2.txt"))
+    fields = slurm.wait_job(second, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
+    assert fields["JobState"] == "COMPLETED", (fields, (tmp_path / "2.txt").read_text()[-3000:])
+    procs = processes(tmp_path / "ledger")
+    assert all(p[0]["restored"] for p in procs[4:]) and len(procs) == 8
+    check_exactly_once(tmp_path / "ledger", 2, n=300)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_killed_under_srun_is_survived_exactly_once(slurm, tmp_path):
     """No restart under Slurm: `srun --kill-on-bad-exit=0` (Slurm's default) keeps the

@@ -88,9 +88,9 @@ def test_random_kills_without_restart(tmp_path):
     for run in range(8):
         tmp = tmp_path / f"run{run}"
         tmp.mkdir()
-        world = rnd.choice([2, 3, 4, 5])
-        kw = dict(die_at=rnd.randint(1, 12), die_rank=rnd.randrange(world),
-                  batch=rnd.choice([3, 4, 5]))  # fmt: skip
+        world, batch = rnd.choice([2, 3, 4, 5]), rnd.choice([3, 4, 5])
+        steps = 2 * (90 // world // batch)  # two epochs of the smallest partition
+        kw = dict(die_at=rnd.randint(1, steps), die_rank=rnd.randrange(world), batch=batch)
         if run % 3 == 2:
             kw.update(workers="process", num_workers=1)
         check(launch(tmp, world, **kw))
