@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..fetch.fetcher import Fetcher
-from ..metrics.probe import Activity
+from ..metrics.probe import Activity, now
 from .fill import BatchResult, Context, Handoff, fill, stuck
 
 __all__ = ["ThreadWorkers"]
@@ -43,7 +43,12 @@ class ThreadWorkers:
         out = self.slots[slot]
         job = fill(self.fetcher, sources, out, self.processor, self.opt, self.handoff, ctx,
                    self.activity)  # fmt: skip
-        return self.fetcher.submit(job)
+        future = self.fetcher.submit(job)
+        if self.activity is not None:
+            # stamped as it reaches this thread: a loop decoding inline (num_workers=0) may
+            # finish the next batch's items before it hands this one over
+            future.add_done_callback(_stamp_sent)
+        return future
 
     def result(self, job: concurrent.futures.Future) -> BatchResult:
         try:
@@ -67,3 +72,8 @@ class ThreadWorkers:
         self.fetcher.close()
         if self.handoff is not None:
             self.handoff.close()
+
+
+def _stamp_sent(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().probe["sent"] = now()
