@@ -89,8 +89,9 @@ def test_throttled_server_is_the_source(tmp_path):
 
 @pytest.mark.parametrize("workers", ["thread", "process"])
 def test_slow_processor_is_decode(workers):
-    with rows().sampled_batcher(batch_size=8, input_dims=(4,), processor=Sleepy(0.02),
-                                workers=workers, num_workers=2, metrics_window=0.5) as b:  # fmt: skip
+    ds = rows()
+    with ds.sampled_batcher(batch_size=8, input_dims=(4,), processor=Sleepy(0.02),
+                            workers=workers, num_workers=2, metrics_window=0.5) as b:  # fmt: skip
         m = drive(b, 4.0)
     assert_named(m, "decode")
     total = m["total"]
@@ -115,12 +116,13 @@ def test_slow_training_loop_is_the_consumer():
 def test_one_slow_rank_is_named(tmp_path):
     """Three ranks on an ipc tree, an all_reduce a step; rank 1's processor is slow."""
     key = f"metrics-{uuid.uuid4().hex}"
+    script = str(HERE / "metrics_workers.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "metrics_workers.py"), str(r), "3", key,
-             str(tmp_path / f"rank{r}.json"), "1", "40"],
-            env=repo_env(), stderr=subprocess.PIPE,
-        )  # fmt: skip
+            [sys.executable, script, str(r), "3", key, str(tmp_path / f"rank{r}.json"), "1", "40"],
+            env=repo_env(),
+            stderr=subprocess.PIPE,
+        )
         for r in range(3)
     ]
     try:
@@ -210,11 +212,14 @@ def test_options_are_checked_where_given():
 
 def test_windows_are_logged_and_exported(caplog):
     seen = []
-    with caplog.at_level(logging.INFO, logger="distlearn.dataset.metrics"):
-        with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
-                                    processor=Sleepy(0.005), metrics_window=0.3,
-                                    metrics_export=seen.append) as b:  # fmt: skip
-            drive(b, 1.2)
+    ds = rows()
+    with (
+        caplog.at_level(logging.INFO, logger="distlearn.dataset.metrics"),
+        ds.sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
+                           processor=Sleepy(0.005), metrics_window=0.3,
+                           metrics_export=seen.append) as b,
+    ):  # fmt: skip
+        drive(b, 1.2)
     assert len(seen) >= 2 and all(w["verdict"] == "decode" for w in seen[1:])
     lines = [r.getMessage() for r in caplog.records if "loader" in r.getMessage()]
     assert len(lines) == len(seen) and "bound by decode" in lines[-1], lines
@@ -222,14 +227,14 @@ def test_windows_are_logged_and_exported(caplog):
 
 def test_tensorboard_summary_writer(tmp_path):
     tb = pytest.importorskip("torch.utils.tensorboard")
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     writer = tb.SummaryWriter(str(tmp_path / "tb"))
     with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
                                 processor=Sleepy(0.005), metrics_window=0.3,
                                 metrics_export=writer) as b:  # fmt: skip
         drive(b, 1.0)
     writer.close()
-    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    acc = events.EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "loader/rank0/stall_fraction" in tags and "loader/rank0/fetch/p99_s" in tags, tags
@@ -277,10 +282,11 @@ def test_verdict_rules():
     assert verdict(_summary(5.0, source_s=4.0, decode_s=1.0))[0] == "source"
     assert verdict(_summary(5.0, source_s=1.0, decode_s=4.0))[0] == "decode"
     # the loader's own machinery, together: hand-off, sampling and the device copy
-    assert verdict(_summary(5.0, source_s=1.5, handoff_s=1.0, sampling_s=1.0, device_s=1.0))[
-        0
-    ] == "workers"
-    name, why = verdict(_summary(5.0, decode_s=4.0))
+    assert (
+        verdict(_summary(5.0, source_s=1.5, handoff_s=1.0, sampling_s=1.0, device_s=1.0))[0]
+        == "workers"
+    )
+    _, why = verdict(_summary(5.0, decode_s=4.0))
     assert "50%" in why and "80%" in why and "decode" in why
 
 
