@@ -81,10 +81,15 @@ def read_exchange(summed: torch.Tensor) -> dict[str, Any]:
 
 
 def describe_ranks(result: dict[str, Any]) -> str:
-    """The exchange's result in a line."""
-    if result["straggler"] is None:
-        return f"ranks: no straggler ({result['why']})"
+    """The exchange's result in a line: the straggler and why, or the ranks' verdict."""
+    if result["straggler"] is not None:
+        r, v, why = result["straggler"], result["verdict"], result["why"]
+        return f"straggler rank {r}, bound by {v} ({why})"
+    ranks = result["ranks"]
+    stages = sorted({d["stage"] for d in ranks})
+    most = max((d["stall_fraction"] for d in ranks), default=0.0)
+    where = "every rank" if len(ranks) > 1 else "rank 0"
     return (
-        f"ranks: straggler rank {result['straggler']}, bound by {result['verdict']} "
-        f"({result['why']})"
+        f"bound by {' / '.join(stages)} on {where} (the loop waited on the loader at most "
+        f"{100 * most:.0f}% of the time), no straggler"
     )
