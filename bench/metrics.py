@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -92,14 +93,25 @@ def _stop(proc) -> None:
 # ----------------------------------------------------------------------------- overhead
 
 
-def _rate(make, batches: int) -> float:
-    """Items a second over `batches` batches of a fresh batcher, after its first."""
+def _cpu() -> float:
+    """CPU seconds of this process and of its reaped children (a closed batcher's workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _rate(make, batches: int) -> tuple[float, float]:
+    """(items a second, CPU microseconds an item) over `batches` batches of a fresh
+    batcher, after its first; the CPU is every thread's and every worker's (reaped as the
+    batcher closes), the first batch's and the start's too."""
+    c0 = _cpu()
     with make() as b:
         b.next_batch()
         n, t0 = 0, time.perf_counter()
         for _ in range(batches):
             n += len(b.next_batch().target)
-        return n / (time.perf_counter() - t0)
+        rate = n / (time.perf_counter() - t0)
+    return rate, (_cpu() - c0) / n * 1e6
 
 
 def overhead(tmp: Path, reps: int) -> list[dict]:
@@ -151,9 +163,17 @@ def overhead(tmp: Path, reps: int) -> list[dict]:
             for _ in range(reps):  # A and B alternate, so a load that comes and goes hits both
                 off.append(_rate(lambda make=make: make(False), batches))
                 on.append(_rate(lambda make=make: make(True), batches))
-            pairs = [a / b for a, b in zip(on, off, strict=True)]
-            rows.append({"loader": name, "on": on, "off": off, "ratio": pairs})
-            print(f"overhead: {name}: on/off {statistics.median(pairs):.3f}", flush=True)
+            rows.append({
+                "loader": name,
+                "on": [r for r, _ in on],
+                "off": [r for r, _ in off],
+                "ratio": [a[0] / b[0] for a, b in zip(on, off, strict=True)],
+                "cpu_on": [c for _, c in on],
+                "cpu_off": [c for _, c in off],
+                "cpu_ratio": [a[1] / b[1] for a, b in zip(on, off, strict=True)],
+            })  # fmt: skip
+            print(f"overhead: {name}: on/off {statistics.median(rows[-1]['ratio']):.3f}, "
+                  f"CPU {statistics.median(rows[-1]['cpu_ratio']):.3f}", flush=True)  # fmt: skip
     finally:
         _stop(proc)
     return rows
@@ -284,7 +304,9 @@ def rank_main(rank: int, key: str, windows: int, window: float, out: str) -> Non
             b.next_batch()
             due = flag.item() > 0  # decided together in the step before: every rank rides
             # rank 0's clock says when a window is over; the flag rides in this step's sum
-            flag = torch.tensor([float(rank == 0 and time.monotonic() - last >= window)])
+            flag = torch.tensor(
+                [float(rank == 0 and not due and time.monotonic() - last >= window)]
+            )
             if due:
                 table = b.metrics_tensor(tree)
                 tree.all_reduce([grad, flag, table])
@@ -313,12 +335,18 @@ def report(over: list[dict], ver: list[dict], args, command: str) -> str:
         "",
         "## Overhead: loader throughput, metrics on against off (same run, alternating)",
         "",
-        "| loader | off items/s | on items/s | on / off (per pair) |",
-        "|---|---:|---:|---:|",
+        "Throughput (items/s, after the first batch) and CPU time an item (us, every thread",
+        "and worker process of the loader, its start included), each as on / off per pair.",
+        "",
+        "| loader | off items/s | on items/s | on / off | off CPU us/item | on CPU us/item "
+        "| on / off |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in over:
-        lines.append(f"| {r['loader']} | {_mm(r['off'])} | {_mm(r['on'])} | "
-                     f"{_mm(r['ratio'], '{:.3f}')} |")  # fmt: skip
+        ratio, cpu_ratio = _mm(r["ratio"], "{:.3f}"), _mm(r["cpu_ratio"], "{:.3f}")
+        cpu_off, cpu_on = _mm(r["cpu_off"], "{:.1f}"), _mm(r["cpu_on"], "{:.1f}")
+        lines.append(f"| {r['loader']} | {_mm(r['off'])} | {_mm(r['on'])} | {ratio} | "
+                     f"{cpu_off} | {cpu_on} | {cpu_ratio} |")  # fmt: skip
     lines += [
         "",
         f"## Verdicts in {args.window:.0f} s windows",

@@ -58,8 +58,7 @@ def drive(batcher, seconds: float, step_s: float = 0.0) -> dict:
 
 
 def verdicts(m: dict) -> list[str]:
-    # the first window holds the start (workers starting, the first fetches): left out
-    return [w["verdict"] for w in m["windows"][1:]]
+    return [w["verdict"] for w in m["windows"]]
 
 
 def assert_named(m: dict, want: str) -> None:
@@ -237,7 +236,7 @@ def test_tensorboard_summary_writer(tmp_path):
     acc = events.EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    assert "loader/rank0/stall_fraction" in tags and "loader/rank0/fetch/p99_s" in tags, tags
+    assert "loader/rank0/stall_fraction" in tags and "loader/rank0/decode/seconds" in tags, tags
     decode = [e.value for e in acc.Scalars("loader/rank0/bound_by/decode")]
     assert len(decode) >= 2 and decode[-1] == 1.0
 
@@ -263,11 +262,11 @@ def test_histogram_percentiles_within_a_bucket():
     for s in lat:
         hist[bucket(s)] = hist.get(bucket(s), 0) + 1
     p50, p95, p99 = percentiles(hist, (0.5, 0.95, 0.99))
-    assert p50 == pytest.approx(0.001, rel=0.1)
-    assert p95 == pytest.approx(0.01, rel=0.1)
-    assert p99 == pytest.approx(0.5, rel=0.1)
+    assert p50 == pytest.approx(0.001, rel=0.125)
+    assert p95 == pytest.approx(0.01, rel=0.125)
+    assert p99 == pytest.approx(0.5, rel=0.125)
     for s in (3e-6, 1e-3, 2.5, 100.0):
-        assert bucket_value(bucket(s)) == pytest.approx(s, rel=0.1)
+        assert bucket_value(bucket(s)) == pytest.approx(s, rel=0.125)
     assert percentiles({}, (0.5,)) == [None]
 
 

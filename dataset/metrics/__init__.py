@@ -13,8 +13,8 @@ The contract, stage by stage (what is timed, where, and what it costs):
   process and the batch's assembly) and the copy to the device; the time between two
   ``next()`` calls is the consumer's (the training step). Queue depths (batches in
   flight, and how many were ready when asked) and the time to the first batch.
-- A window (``metrics_window`` seconds, 10 by default) closes at the first ``next()``
-  after it ends, with a verdict (:func:`.loader.verdict`): bound by the ``source``, by
+- A window (``metrics_window`` seconds, 10 by default; the first begins once the first
+  batch is handed out) closes at the first ``next()`` after it ends, with a verdict (:func:`.loader.verdict`): bound by the ``source``, by
   ``decode``, by the ``workers`` (hand-off, sampling, copy) or by the ``consumer`` (the
   loader is not the bottleneck). Each closed window is logged (INFO, logger
   ``distlearn.dataset.metrics``) and handed to the exporters (:mod:`.export`:

@@ -166,8 +166,11 @@ class LoaderMetrics:
         b = bucket(stall)
         w.stall_hist[b] = w.stall_hist.get(b, 0) + 1
         if self.first_batch_s is None and items:
+            # the start (workers starting, connections opening) is first_batch_s: the
+            # first window begins after it, so its verdict is about the steady state
             self.first_batch_s = t - self.created
-        if t - w.start >= self.window:
+            self._close(t, publish=False)
+        elif t - w.start >= self.window:
             self._close(t)
 
     def sampled(self, seconds: float) -> None:
@@ -212,7 +215,7 @@ class LoaderMetrics:
     def _read_device(self) -> float:
         return self._device().get("device_wait_s", 0.0) if self._device is not None else 0.0
 
-    def _close(self, t: float) -> None:
+    def _close(self, t: float, publish: bool = True) -> None:
         w = self._win
         counters = self._read_counters()
         delta = {k: counters[k] - self._counters[k] for k in _COUNTERS}
@@ -222,9 +225,11 @@ class LoaderMetrics:
         dev = self._read_device()
         w.device_s += dev - self._device_seen
         self._device_seen = dev
-        summary = self._summary(w, t, delta)
         self._total.merge(w)
         self._win = _Window(t)
+        if not publish:
+            return
+        summary = self._summary(w, t, delta)
         self.closed.append(summary)
         log.info("rank %d loader, %s", self.rank, describe(summary))
         for export in self.exporters:

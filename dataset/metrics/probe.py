@@ -32,25 +32,25 @@ __all__ = [
 
 now = time.perf_counter
 
-# Latency histogram: 4 buckets per doubling from 1 us (a bucket's value is within 9% of
-# any latency in it), 0 below; sparse (bucket -> count), so a batch sends what it saw.
+# Latency histogram: 4 buckets per doubling (linear inside it), so a bucket's middle is
+# within 12.5% of any latency in it; from 1 us (bucket 0 below) to 2**20 s; sparse
+# (bucket -> count), so a batch sends what it saw. From math.frexp: one C call an item.
 BUCKETS_PER_DOUBLING = 4
-_LOG_BASE = BUCKETS_PER_DOUBLING / math.log(2)
-_MAX_BUCKET = 40 * BUCKETS_PER_DOUBLING  # 2**40 us: longer latencies land in the last
+_LOW = 20  # 2**-20 s, about 1 us
+_MAX_BUCKET = 40 * BUCKETS_PER_DOUBLING
 
 
 def bucket(seconds: float) -> int:
     """The histogram bucket of a latency in seconds."""
-    if seconds <= 1e-6:
-        return 0
-    return min(_MAX_BUCKET, 1 + int(math.log(seconds * 1e6) * _LOG_BASE))
+    m, e = math.frexp(seconds)  # seconds = m * 2**e, m in [0.5, 1)
+    b = (e + _LOW) * 4 + int(m * 8) - 4
+    return 0 if b < 0 or seconds <= 0 else min(b, _MAX_BUCKET)
 
 
 def bucket_value(b: int) -> float:
-    """A latency (seconds) standing for bucket `b`: the geometric middle of its bounds."""
-    if b <= 0:
-        return 1e-6
-    return 1e-6 * 2 ** ((b - 0.5) / BUCKETS_PER_DOUBLING)
+    """A latency (seconds) standing for bucket `b`: the middle of its bounds."""
+    e, sub = divmod(b, 4)
+    return (0.5 + (sub + 0.5) / 8) * 2.0 ** (e - _LOW)
 
 
 def merge_hist(into: dict[int, int], other: Mapping[int, int]) -> None:
@@ -86,20 +86,25 @@ class Activity:
     was in hand and no processor ran: waiting on the source, or the fetch's own work),
     ``idle`` (no batch in hand: the worker waited for work).
 
-    Transitions come from the worker's loop thread and, for thread workers, from the
-    decode threads, hence the lock; its cost is paid per batch and per processor call.
+    Batches come and go on the worker's loop thread (:meth:`job`). Processors run either
+    inline on that thread, timed by the caller and added with :meth:`decoded` (no lock:
+    one thread), or in runs on decode threads (:meth:`decode`, locked, once a run), whose
+    union over time is what counts: decoding on two threads at once is decode time once.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._t = now()
-        self._jobs = 0
-        self._decoding = 0
-        self.totals = {"decode": 0.0, "fetch": 0.0, "idle": 0.0}
+        self._t = self._born = now()
+        self._jobs = self._decoding = 0
+        self._active = self._threads = 0.0  # time with a batch in hand; with a run going
+        self._inline = 0.0  # processor time on the loop thread itself
 
     def _tick(self, t: float) -> None:
-        state = "decode" if self._decoding else "fetch" if self._jobs else "idle"
-        self.totals[state] += t - self._t
+        dt = t - self._t
+        if self._jobs:
+            self._active += dt
+        if self._decoding:
+            self._threads += dt
         self._t = t
 
     def job(self, delta: int) -> None:
@@ -109,15 +114,25 @@ class Activity:
             self._jobs += delta
 
     def decode(self, delta: int) -> float:
-        """A processor call (or a run of them) began (+1) or ended (-1); the clock then."""
+        """A run of processor calls on a decode thread began (+1) or ended (-1); the clock."""
         t = now()
         with self._lock:
             self._tick(t)
             self._decoding += delta
         return t
 
+    def decoded(self, seconds: float) -> None:
+        """A processor call of `seconds` ran inline, on the loop thread."""
+        self._inline += seconds
+
     def snapshot(self) -> dict[str, float]:
-        """The totals up to now."""
+        """The totals up to now: ``decode``, ``fetch`` and ``idle`` seconds."""
         with self._lock:
-            self._tick(now())
-            return dict(self.totals)
+            t = now()
+            self._tick(t)
+            decode = min(self._threads + self._inline, self._active)
+            return {
+                "decode": decode,
+                "fetch": self._active - decode,
+                "idle": (t - self._born) - self._active,
+            }

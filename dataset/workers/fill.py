@@ -148,7 +148,8 @@ async def fill(
             await item(i, source)
 
     async def item(i: int, source: Any) -> None:
-        t0 = now() if probe is not None else 0.0
+        # (a payload already in memory, a tensor row, is not fetched: nothing to time)
+        t0 = now() if probe is not None and isinstance(source, str | tuple) else None
         try:
             data = await fetcher.fetch(source, stats)
         except FetchError as err:
@@ -163,7 +164,7 @@ async def fill(
             )
             return
         finally:
-            if probe is not None:  # (a failed fetch's time counts: the source took it)
+            if t0 is not None:  # (a failed fetch's time counts: the source took it)
                 dt = now() - t0
                 probe["fetch_s"] += dt
                 probe["fetches"] += 1
@@ -174,12 +175,14 @@ async def fill(
         try:
             if handoff is None and activity is None:
                 ret = call_with_item(key, processor, data, opt, row)
-            elif handoff is None:
-                t1 = activity.decode(1)
+            elif handoff is None:  # inline, on this loop's thread
+                t1 = now()
                 try:
                     ret = call_with_item(key, processor, data, opt, row)
                 finally:
-                    probe["decode_s"] += activity.decode(-1) - t1
+                    dt = now() - t1
+                    activity.decoded(dt)
+                    probe["decode_s"] += dt
                     probe["decodes"] += 1
             else:
                 ret = await handoff.submit(key, data, row, probe)
