@@ -300,6 +300,7 @@ class SampledBatcher:
         return batch
 
     def _next_timed(self) -> Batch | None:
+        """`_next_or_none`'s work, which the metrics time as the step's stall."""
         try:
             if self._device is None:
                 batch, n = self._pull()

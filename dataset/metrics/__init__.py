@@ -14,11 +14,11 @@ The contract, stage by stage (what is timed, where, and what it costs):
   ``next()`` calls is the consumer's (the training step). Queue depths (batches in
   flight, and how many were ready when asked) and the time to the first batch.
 - A window (``metrics_window`` seconds, 10 by default; the first begins once the first
-  batch is handed out) closes at the first ``next()`` after it ends, with a verdict (:func:`.loader.verdict`): bound by the ``source``, by
-  ``decode``, by the ``workers`` (hand-off, sampling, copy) or by the ``consumer`` (the
-  loader is not the bottleneck). Each closed window is logged (INFO, logger
-  ``distlearn.dataset.metrics``) and handed to the exporters (:mod:`.export`:
-  TensorBoard's ``SummaryWriter`` or any callable).
+  batch is handed out) closes at the first ``next()`` after it ends, with a verdict
+  (:func:`.loader.verdict`): bound by the ``source``, by ``decode``, by the ``workers``
+  (hand-off, sampling, copy) or by the ``consumer`` (the loader is not the bottleneck).
+  Each closed window is logged (INFO, logger ``distlearn.dataset.metrics``) and handed
+  to the exporters (:mod:`.export`: TensorBoard's ``SummaryWriter`` or any callable).
 - Across ranks (:mod:`.ranks`): each rank's totals since the last exchange, one row of a
   small tensor summed by one all_reduce: in a collective the job already makes (the
   tensor rides in its list), or in a call of its own, once per window. Every rank then
@@ -26,8 +26,9 @@ The contract, stage by stage (what is timed, where, and what it costs):
 - In a PyTorch trace (:mod:`.export`, ``stage``): the main-process stages as
   ``torch.profiler.record_function`` ranges, entered only while a profiler records.
 
-Cost: two clock reads and a histogram increment per item and stage, a few per batch;
-bench/metrics.py measures it against ``metrics=False`` (no timer at all).
+Cost: two clock reads and an append per item and stage, a histogram increment per
+fetch, a few dozen operations per batch; bench/metrics.py measures it against
+``metrics=False`` (no timer at all).
 
 Importing this package imports none of its modules; import them by name.
 """

@@ -146,7 +146,7 @@ class LoaderMetrics:
         self._last_activity: dict[Any, dict[str, float]] = {}
         self.closed: deque[dict] = deque(maxlen=_HISTORY)
         self._asked = 0.0
-        self._exchanged: list[float] | None = None  # dataset.metrics.ranks: the last exchange
+        self.exchanged: list[float] | None = None  # dataset.metrics.ranks: the last exchange
 
     # -- fed by the batcher and the slot engine -------------------------------------------
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 __all__ = [
     "BUCKETS_PER_DOUBLING",
     "Activity",
+    "add_items",
     "bucket",
     "bucket_value",
     "merge_hist",
@@ -74,6 +75,20 @@ def percentiles(hist: Mapping[int, int], qs: Iterable[float]) -> list[float | No
                 out.append(bucket_value(b))
                 break
     return out
+
+
+def add_items(probe: dict, fetched: list[float], decoded: list[float]) -> None:
+    """Add a batch's fetch and processor seconds, one an item, to its probe."""
+    if fetched:
+        probe["fetch_s"] += sum(fetched)
+        probe["fetches"] += len(fetched)
+        lat = probe["lat"]
+        for dt in fetched:
+            b = bucket(dt)
+            lat[b] = lat.get(b, 0) + 1
+    if decoded:
+        probe["decode_s"] += sum(decoded)
+        probe["decodes"] += len(decoded)
 
 
 def new_probe() -> dict:

@@ -33,8 +33,8 @@ def exchange_tensor(metrics: LoaderMetrics, rank: int, world: int) -> torch.Tens
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world={world})")
     now = metrics.totals()
-    last = metrics._exchanged or [0.0] * len(now)
-    metrics._exchanged = now
+    last = metrics.exchanged or [0.0] * len(now)
+    metrics.exchanged = now
     out = torch.zeros(world, len(FIELDS), dtype=torch.float64)
     out[rank] = torch.tensor([a - b for a, b in zip(now, last, strict=True)], dtype=torch.float64)
     return out
