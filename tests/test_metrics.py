@@ -41,6 +41,10 @@ class Sleepy:
         out.copy_(data)
 
 
+def copy(data, opt, out):
+    out.copy_(data)
+
+
 def rows(n: int = 4000) -> Dataset:
     x = torch.arange(n * 4, dtype=torch.float32).view(n, 4)
     return Dataset({"x": x, "y": torch.zeros(n, dtype=torch.long)})
@@ -110,6 +114,18 @@ def test_slow_training_loop_is_the_consumer():
     assert_named(m, "consumer")
     assert m["total"]["stall_fraction"] < 0.1
     assert m["window"]["queue"]["ready"] >= 1  # batches were waiting for the loop
+
+
+def test_dispatch_in_the_main_process_is_the_workers():
+    """Process workers for rows already in memory: the main process pickles every row
+    to a worker (sampling and dispatch), the loader's own machinery."""
+    x = torch.randn(50_000, 1024)
+    ds = Dataset({"x": x, "y": torch.zeros(50_000, dtype=torch.long)})
+    with ds.sampled_batcher(batch_size=256, input_dims=(1024,), processor=copy,
+                            workers="process", num_workers=2, metrics_window=0.5) as b:  # fmt: skip
+        m = drive(b, 3.0)
+    got = verdicts(m)
+    assert got and sum(v == "workers" for v in got) / len(got) > 0.5, m["windows"]
 
 
 def test_one_slow_rank_is_named(tmp_path):
