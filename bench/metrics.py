@@ -12,7 +12,9 @@
 - **Verdicts** in windows of ``--window`` seconds (10), with one bottleneck put there at
   a time: the HTTP server throttled (tests/faulty_server.py "throttle": one answer at a
   time, 5 ms each), a processor that sleeps 20 ms an item, a training loop that sleeps
-  50 ms a step with a fast loader (the small PNGs, local server); and three ranks of an
+  100 ms a step with a fast loader (the small PNGs, local server), rows already in memory
+  sent to process workers (the main process pickles every row: the loader's own
+  machinery, ``workers``); and three ranks of an
   ipc tree taking an all_reduce a step, rank 1's processor sleeping 10 ms an item, the
   loader metrics riding in a step's all_reduce once per window. A window is right when
   its verdict names that stage (the rank: that rank as the straggler, bound by decode);
@@ -295,10 +297,18 @@ def verdicts(tmp: Path, windows: int, window: float) -> list[dict]:
         with ds.sampled_batcher(batch_size=16, input_dims=(1, 28, 28), processor=Image(mode="L"),
                                 workers="process", num_workers=2,
                                 metrics_window=window) as b:  # fmt: skip
-            record("training loop sleeps 50 ms a step of 16 PNGs over HTTP", "consumer",
-                   _drive(b, windows, 0.05))  # fmt: skip
+            record("training loop sleeps 100 ms a step of 16 PNGs over HTTP", "consumer",
+                   _drive(b, windows, 0.1))  # fmt: skip
     finally:
         _stop(proc)
+    from bench.metrics import _copy as copy
+
+    big = Dataset({"x": torch.randn(50_000, 1024), "y": torch.zeros(50_000, dtype=torch.long)})
+    with big.sampled_batcher(batch_size=256, input_dims=(1024,), processor=copy,
+                             workers="process", num_workers=2,
+                             metrics_window=window) as b:  # fmt: skip
+        record("rows in memory (1024 floats) pickled to 2 process workers, batch 256",
+               "workers", _drive(b, windows, 0.0))  # fmt: skip
     rows.append(ranks(tmp, windows, window))
     return rows
 
