@@ -25,7 +25,7 @@ from typing import Any
 
 from .probe import bucket, merge_hist, now, percentiles
 
-__all__ = ["STAGES", "STALL_BOUND", "LoaderMetrics", "verdict"]
+__all__ = ["STAGES", "STALL_BOUND", "LoaderMetrics", "bound_by", "describe", "verdict"]
 
 log = logging.getLogger("distlearn.dataset.metrics")
 
@@ -43,6 +43,16 @@ STALL_BOUND = 0.1
 _COUNTERS = ("bytes", "retried", "failed", "dropped", "http_4xx", "http_5xx", "http_429",
              "cache_hits", "cache_misses")  # fmt: skip
 _HISTORY = 64  # closed windows kept for metrics()["windows"]
+
+
+def bound_by(stages: dict[str, float]) -> tuple[str, str]:
+    """(verdict, its largest stage) of the stall's parts: the verdict whose stages add up to
+    the most (the three of ``workers`` together)."""
+    parts: dict[str, float] = {}
+    for key, name in STAGES.items():
+        parts[name] = parts.get(name, 0.0) + stages[key]
+    name = max(parts, key=parts.__getitem__)
+    return name, max((k for k in STAGES if STAGES[k] == name), key=stages.__getitem__)
 
 
 def verdict(summary: dict) -> tuple[str, str]:
@@ -64,11 +74,7 @@ def verdict(summary: dict) -> tuple[str, str]:
             f"the loop waited on the loader {100 * share:.0f}% of the time: "
             "the loader is not the bottleneck"
         )
-    parts: dict[str, float] = {}
-    for key, name in STAGES.items():
-        parts[name] = parts.get(name, 0.0) + summary["stages"][key]
-    name = max(parts, key=parts.__getitem__)
-    stage = max((k for k in STAGES if STAGES[k] == name), key=summary["stages"].__getitem__)
+    name, stage = bound_by(summary["stages"])
     return name, (
         f"the loop waited on the loader {100 * share:.0f}% of the time, "
         f"{100 * summary['stages'][stage] / max(stall, 1e-12):.0f}% of it on "

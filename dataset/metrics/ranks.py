@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .loader import STAGES, STALL_BOUND, LoaderMetrics
+from .loader import STALL_BOUND, LoaderMetrics, bound_by
 
 __all__ = ["FIELDS", "describe_ranks", "exchange_tensor", "read_exchange"]
 
@@ -49,9 +49,7 @@ def read_exchange(summed: torch.Tensor) -> dict[str, Any]:
         d = dict(zip(FIELDS, row, strict=True))
         d["rank"] = r
         d["stall_fraction"] = d["stall_s"] / d["seconds"] if d["seconds"] > 0 else 0.0
-        stages = {k: d[k] for k in STAGES}
-        top = max(stages, key=stages.__getitem__)
-        d["stage"] = STAGES[top] if d["stall_fraction"] >= STALL_BOUND else "consumer"
+        d["stage"] = bound_by(d)[0] if d["stall_fraction"] >= STALL_BOUND else "consumer"
         ranks.append(d)
     out: dict[str, Any] = {"ranks": ranks, "straggler": None, "verdict": "even", "why": ""}
     if not ranks:
@@ -61,15 +59,14 @@ def read_exchange(summed: torch.Tensor) -> dict[str, Any]:
     median = statistics.median(others)
     share = worst["stall_fraction"]
     if share >= STALL_BOUND and share >= 2 * median:
-        stages = {k: worst[k] for k in STAGES}
-        top = max(stages, key=stages.__getitem__)
+        name, top = bound_by(worst)
         out.update(
             straggler=worst["rank"],
-            verdict=STAGES[top],
+            verdict=name,
             why=(
                 f"rank {worst['rank']} waited on its loader {100 * share:.0f}% of the time "
                 f"(the median of the others {100 * median:.0f}%), "
-                f"{100 * stages[top] / max(worst['stall_s'], 1e-12):.0f}% of it on "
+                f"{100 * worst[top] / max(worst['stall_s'], 1e-12):.0f}% of it on "
                 f"{top[:-2].replace('_', ' ')}"
             ),
         )
