@@ -186,10 +186,10 @@ def _tiny(data, opt, out):
 
 
 def timers_alone(tmp: Path, trials: int) -> dict:
-    """What the timers cost, alone: a worker's fill() of 64 local 1 KiB files with its
-    Activity and probe against without, in one thread, interleaved `trials` times
-    (medians); and the main process's calls for one batch (asked, sampled, batch,
-    answered, and the profiler ranges' checks), timed over 20,000 batches."""
+    """What the timers cost, alone, in CPU time of the one thread that runs them: a
+    worker's fill() of 64 local 1 KiB files with its Activity and probe against without,
+    interleaved `trials` times (medians); and the main process's calls for one batch
+    (asked, sampled, batch, answered, and the profiler ranges' checks), over 20,000."""
     import asyncio
 
     import torch
@@ -214,10 +214,10 @@ def timers_alone(tmp: Path, trials: int) -> dict:
         try:
             for i in range(trials):
                 for arm in (on, off) if i % 2 else (off, on):
-                    t0 = time.perf_counter()
+                    t0 = time.thread_time()  # (this thread's CPU: not another process's turn)
                     await fill(fetcher, sources, out, _tiny, None, None, None,
                                activity if arm is on else None)  # fmt: skip
-                    arm.append(time.perf_counter() - t0)
+                    arm.append(time.thread_time() - t0)
         finally:
             await fetcher.aclose()
         return on, off
@@ -229,7 +229,7 @@ def timers_alone(tmp: Path, trials: int) -> dict:
              "decodes": 64, "worker": 0, "sent": 0.0}  # fmt: skip
     probe["activity"] = Activity().snapshot()
     n = 20_000
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for _ in range(n):
         m.asked()
         with stage("dataset.next"), stage("dataset.sampling"):
@@ -238,7 +238,7 @@ def timers_alone(tmp: Path, trials: int) -> dict:
             t = now()
         m.batch(probe, t, t, t, 4, 1)
         m.answered(64)
-    main_us = (time.perf_counter() - t0) * 1e6 / n
+    main_us = (time.thread_time() - t0) * 1e6 / n
     print(f"timers alone: {worker_us:.2f} us an item in a worker, {main_us:.1f} us a batch "
           f"in the main process", flush=True)  # fmt: skip
     return {"worker_us_item": worker_us, "main_us_batch": main_us,
@@ -427,7 +427,7 @@ def report(over: list[dict], alone: dict | None, ver: list[dict], args, command:
             "",
             "The timers alone, which the noise above hides: in a worker, "
             f"{w:.2f} us an item (fill() of 64 local 1 KiB files with a trivial processor, "
-            f"{alone['fill_off_us_item']:.1f} us an item without them; one thread, "
+            f"{alone['fill_off_us_item']:.1f} us an item without them; the thread's CPU time, "
             f"{40 * args.reps} interleaved trials, medians); in the main process {b:.1f} us "
             "a batch. Against the CPU an item of the HTTP loader above with the metrics off, "
             "an item's timers and a 64th of a batch's come to "
