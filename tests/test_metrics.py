@@ -50,11 +50,13 @@ def rows(n: int = 4000) -> Dataset:
     return Dataset({"x": x, "y": torch.zeros(n, dtype=torch.long)})
 
 
-def drive(batcher, seconds: float, step_s: float = 0.0) -> dict:
-    """Take batches for `seconds` (sleeping `step_s` a step, as a training step would);
-    the batcher's metrics then."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+def drive(batcher, windows: int, step_s: float = 0.0, limit: float = 120.0) -> dict:
+    """Take batches (sleeping `step_s` a step, as a training step would) until `windows`
+    windows have closed; the batcher's metrics then. Counted, not timed: a loaded
+    machine may take seconds to start the workers."""
+    deadline = time.monotonic() + limit
+    while len(batcher._metrics.closed) < windows:
+        assert time.monotonic() < deadline, f"{windows} windows did not close in {limit}s"
         batcher.next_batch()
         if step_s:
             time.sleep(step_s)
@@ -81,7 +83,7 @@ def test_throttled_server_is_the_source(tmp_path):
         ds = Dataset(url + index.name)
         with ds.sampled_batcher(batch_size=16, input_dims=(1, 8, 8), workers="thread",
                                 metrics_window=0.5) as b:  # fmt: skip
-            m = drive(b, 4.0)
+            m = drive(b, 6)
     assert_named(m, "source")
     total = m["total"]
     assert total["explained"] >= 0.9, total  # the stages add up to the stall
@@ -95,7 +97,7 @@ def test_slow_processor_is_decode(workers):
     ds = rows()
     with ds.sampled_batcher(batch_size=8, input_dims=(4,), processor=Sleepy(0.02),
                             workers=workers, num_workers=2, metrics_window=0.5) as b:  # fmt: skip
-        m = drive(b, 4.0)
+        m = drive(b, 6)
     assert_named(m, "decode")
     total = m["total"]
     assert total["explained"] >= 0.9, total
@@ -110,7 +112,7 @@ def test_slow_processor_is_decode(workers):
 def test_slow_training_loop_is_the_consumer():
     with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
                                 metrics_window=0.5) as b:  # fmt: skip
-        m = drive(b, 3.0, step_s=0.02)
+        m = drive(b, 5, step_s=0.02)
     assert_named(m, "consumer")
     assert m["total"]["stall_fraction"] < 0.1
     assert m["window"]["queue"]["ready"] >= 1  # batches were waiting for the loop
@@ -123,7 +125,7 @@ def test_dispatch_in_the_main_process_is_the_workers():
     ds = Dataset({"x": x, "y": torch.zeros(50_000, dtype=torch.long)})
     with ds.sampled_batcher(batch_size=256, input_dims=(1024,), processor=copy,
                             workers="process", num_workers=2, metrics_window=0.5) as b:  # fmt: skip
-        m = drive(b, 3.0)
+        m = drive(b, 5)
     got = verdicts(m)
     assert got and sum(v == "workers" for v in got) / len(got) > 0.5, m["windows"]
 
@@ -194,7 +196,8 @@ def test_time_to_first_batch_and_stall_percentiles():
                                 workers="thread") as b:  # fmt: skip
         b.next_batch()
         first = b.metrics()["total"]["first_batch_s"]
-        drive(b, 0.5)
+        for _ in range(20):
+            b.next_batch()
         total = b.metrics()["total"]
     assert first is not None and 0.02 < first < 30  # 8 items of 5 ms, one thread
     p = [total[f"stall_p{q}_s"] for q in (50, 95, 99)]
@@ -234,7 +237,7 @@ def test_windows_are_logged_and_exported(caplog):
                            processor=Sleepy(0.005), metrics_window=0.3,
                            metrics_export=seen.append) as b,
     ):  # fmt: skip
-        drive(b, 1.2)
+        drive(b, 3)
     assert len(seen) >= 2 and all(w["verdict"] == "decode" for w in seen[1:])
     lines = [r.getMessage() for r in caplog.records if "loader" in r.getMessage()]
     assert len(lines) == len(seen) and "bound by decode" in lines[-1], lines
@@ -247,7 +250,7 @@ def test_tensorboard_summary_writer(tmp_path):
     with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
                                 processor=Sleepy(0.005), metrics_window=0.3,
                                 metrics_export=writer) as b:  # fmt: skip
-        drive(b, 1.0)
+        drive(b, 3)
     writer.close()
     acc = events.EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
