@@ -399,6 +399,17 @@ def _mm(xs: list[float], fmt: str = "{:.0f}") -> str:
     return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
+NOTES = """
+Notes. Whole-loader throughput on a shared machine moves by tens of percent between
+trials, far more than the timers cost, so on/off ratios of throughput and CPU scatter
+around 1 both ways; the timers alone, in one thread's CPU time, are what resolves their
+cost. A window's `explained` is the stage times' sum over its stall, each measured apart
+from the stall timer; where the loop hardly waits (the consumer case: a few ms a 10 s
+window) the batcher's own bookkeeping in `next()` is a larger share of the little stall
+there is.
+"""
+
+
 def report(over: list[dict], alone: dict | None, ver: list[dict], args, command: str) -> str:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -450,7 +461,7 @@ def report(over: list[dict], alone: dict | None, ver: list[dict], args, command:
               "exchange):", ""]  # fmt: skip
     for r in ver:
         lines.append(f"- {r['case']}: {'; '.join(r['got'])}")
-    lines.append("")
+    lines.append(NOTES)
     return "\n".join(lines)
 
 
