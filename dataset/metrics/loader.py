@@ -250,11 +250,13 @@ class LoaderMetrics:
         workers = {}
         for worker in sorted(set(w.wait) | set(w.activity), key=str):
             act = w.activity.get(worker, {"decode": 0.0, "fetch": 0.0, "idle": 0.0})
-            busy = act["decode"] + act["fetch"]
+            # (a processor call is counted as it ends, the time in hand as it passes: at a
+            # window's edge one may be ahead of the other by a call)
+            dec, fetch = max(act["decode"], 0.0), max(act["fetch"], 0.0)
             waited = w.wait.get(worker, 0.0)
-            if busy > 0:  # what the worker was doing while the loop waited on it
-                decode_s += waited * act["decode"] / busy
-                source_s += waited * act["fetch"] / busy
+            if dec + fetch > 0:  # what the worker was doing while the loop waited on it
+                decode_s += waited * dec / (dec + fetch)
+                source_s += waited * fetch / (dec + fetch)
             else:
                 source_s += waited
             workers[str(worker)] = {

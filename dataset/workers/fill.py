@@ -180,7 +180,9 @@ async def fill(
                 try:
                     ret = call_with_item(key, processor, data, opt, row)
                 finally:
-                    decoded.append(now() - t1)
+                    dt = now() - t1
+                    decoded.append(dt)
+                    activity.decoded(dt)  # (now, not at the batch's end: windows are short)
             else:
                 ret = await handoff.submit(key, data, row, probe)
             if row.shape != out.shape[1:]:  # a torch op given out=row resized it
@@ -212,8 +214,6 @@ async def fill(
         await asyncio.gather(*(one(i, s) for i, s in enumerate(sources)))
     finally:
         activity.job(-1)
-        if decoded:
-            activity.decoded(sum(decoded))
         add_items(probe, fetched, decoded)
     probe["sent"] = now()  # the batch is done: what follows is its hand-off
     return res
