@@ -341,13 +341,14 @@ class LoaderMetrics:
 def describe(s: dict) -> str:
     """A window's summary in a line: the verdict first."""
     f = s["fetch"]
-    p50 = f"{1000 * f['p50_s']:.1f}" if f["p50_s"] is not None else "-"
-    p99 = f"{1000 * f['p99_s']:.1f}" if f["p99_s"] is not None else "-"
     st = s["stages"]
     parts = ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in st.items() if v >= 0.005)
-    return (
+    line = (
         f"{s['seconds']:.0f}s: bound by {s['verdict']} ({s['why']}); "
         f"stall {s['stall_s']:.2f}s over {s['steps']} steps"
         + (f" [{parts}]" if parts else "")
-        + f"; {s['items_per_s']:.0f} items/s, fetch p50 {p50} ms p99 {p99} ms"
+        + f"; {s['items_per_s']:.0f} items/s"
     )
+    if f["p50_s"] is not None:  # (rows already in memory are not fetched)
+        line += f", fetch p50 {1000 * f['p50_s']:.1f} ms p99 {1000 * f['p99_s']:.1f} ms"
+    return line
