@@ -37,6 +37,9 @@ from .fetch.cache import item_cache
 from .fetch.scope import Scope, locations_of, scope_for
 from .fetch.stats import Stats
 from .items import Batch, Record
+from .metrics.export import exporters, stage
+from .metrics.loader import LoaderMetrics
+from .metrics.probe import now
 from .options import DEFAULT_WORKER_TIMEOUT, Options
 from .sampling.elastic import Position
 from .sampling.samplers import for_index
@@ -118,6 +121,11 @@ class SampledBatcher:
             )
         )
         target = check_device(o.device.device, o.device.pin_memory)
+        self._metrics = (  # where the time goes (dataset.metrics): the engine feeds it too
+            LoaderMetrics(o.workers.metrics_window, exporters(o.workers.metrics_export),
+                          partition, stats=lambda: self.stats, device=self._device_stats)
+            if o.workers.metrics else None
+        )  # fmt: skip
         self.engine = SlotEngine(
             batch_size=batch_size,
             input_dims=input_dims,
@@ -131,6 +139,7 @@ class SampledBatcher:
             cache=item_cache(o.cache),
             pin_memory=o.device.pin_memory or target is not None,
             scope=scope,  # whom credentials go to, what a remote index may reach
+            metrics=self._metrics,
         )
         self._device = DeviceCopy(target) if target is not None else None
         self._ahead: tuple[Any, int] | None = None  # (copy in flight, items it accounts for)
@@ -138,6 +147,8 @@ class SampledBatcher:
         self.seed, self.partition = self.stream.seed, self.stream.partition
         self.sampler_name = self.stream.sampler_name
         self.workers_kind, self.num_workers = self.engine.kind, self.engine.num_workers
+        if self._metrics is not None:
+            self._metrics.workers = (self.workers_kind, self.num_workers)
         self.progress = o.workers.progress
         self._resume: Position | None = None
         self._closed = False
@@ -159,6 +170,56 @@ class SampledBatcher:
         if self._device is not None:  # device_wait_s: host seconds waited on copies to it
             out.update(self._device.stats())
         return out
+
+    def metrics(self, comm: Any = None, ranks: Any = None) -> dict:
+        """Where the loader's time goes, as a plain dict (see :mod:`dataset.metrics`).
+
+        ``window``: the last closed window (``metrics_window`` seconds) with its
+        ``verdict`` (``source``, ``decode``, ``workers``, or ``consumer``: the loader is not
+        the bottleneck) and ``why``; ``total``: the same since the batcher was made;
+        ``windows``: the closed windows kept (the last 64).
+
+        Args:
+            comm: A communicator (``ipc.Tree``, ``TorchDistributed``): every rank's totals
+                since its last exchange are all-reduced in one small call (every rank must
+                make it), and ``ranks`` names the straggler rank and why.
+            ranks: Instead of `comm`, the tensor of :meth:`metrics_tensor` after it rode in
+                an all_reduce (sum) the job made anyway.
+
+        Returns:
+            The dict; with `comm` or `ranks`, a ``ranks`` entry too.
+
+        Raises:
+            RuntimeError: The batcher was made with ``metrics=False``.
+        """
+        if self._metrics is None:
+            raise RuntimeError("this batcher was made with metrics=False")
+        from .metrics.ranks import read_exchange
+
+        out = self._metrics.report()
+        if comm is not None:
+            ranks = self.metrics_tensor(comm)
+            comm.all_reduce(ranks)
+        if ranks is not None:
+            out["ranks"] = read_exchange(ranks)
+        return out
+
+    def metrics_tensor(self, comm: Any) -> torch.Tensor:
+        """This rank's totals since its last exchange, as its row of a ``[world, F]``
+        float64 tensor of zeros: add it to an all_reduce (sum) every rank makes anyway,
+        then pass it to ``metrics(ranks=...)`` (see :mod:`dataset.metrics.ranks`).
+
+        Args:
+            comm: The communicator (its ``node_index`` and ``num_nodes``).
+
+        Returns:
+            The tensor.
+        """
+        if self._metrics is None:
+            raise RuntimeError("this batcher was made with metrics=False")
+        from .metrics.ranks import exchange_tensor
+
+        return exchange_tensor(self._metrics, comm.node_index, comm.num_nodes)
 
     @property
     def epoch(self) -> int:
@@ -217,11 +278,15 @@ class SampledBatcher:
 
     def _fill(self) -> None:
         """Fill free ring slots with the next batches of the stream."""
-        while self.engine.has_room:
-            work = next(self.stream, None)
-            if work is None:
-                return
-            self.engine.submit(work, self.seed, self.partition)
+        t0 = now() if self._metrics is not None else 0.0
+        with stage("dataset.sampling"):
+            while self.engine.has_room:
+                work = next(self.stream, None)
+                if work is None:
+                    break
+                self.engine.submit(work, self.seed, self.partition)
+        if self._metrics is not None:
+            self._metrics.sampled(now() - t0)
 
     def _next_or_none(self) -> Batch | None:
         """The next batch of the current epoch, or None at its end.
@@ -230,6 +295,19 @@ class SampledBatcher:
         """
         if self._closed:
             raise RuntimeError("batcher is closed")
+        if self._metrics is None:
+            return self._next_timed()
+        self._metrics.asked()
+        batch = None
+        try:
+            with stage("dataset.next"):
+                batch = self._next_timed()
+        finally:  # (an error too: the time it took was stall)
+            self._metrics.answered(0 if batch is None else len(batch.target))
+        return batch
+
+    def _next_timed(self) -> Batch | None:
+        """`_next_or_none`'s work, which the metrics time as the step's stall."""
         try:
             if self._device is None:
                 batch, n = self._pull()
@@ -265,6 +343,9 @@ class SampledBatcher:
             self._fill()  # refill before handing over, so workers never wait on the user
             if batch is not None:
                 return batch, taken
+
+    def _device_stats(self) -> dict:
+        return self._device.stats() if self._device is not None else {}
 
     def _pull_to_device(self) -> tuple[Any, int]:
         batch, n = self._pull()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .items import Batch
+from .metrics.export import stage
 
 __all__ = ["DeviceCopy", "check_device"]
 
@@ -93,7 +94,8 @@ class DeviceCopy:
         """The batch, once its copy is done; the time waited for it is counted."""
         if not flight.event.query():
             t0 = time.perf_counter()
-            flight.event.synchronize()
+            with stage("dataset.device_wait"):
+                flight.event.synchronize()
             self.wait_s += time.perf_counter() - t0
         self.batches += 1
         consumer = torch.cuda.current_stream(self.device)

@@ -48,18 +48,21 @@ class FetchError(DatasetError, OSError):
         wait: Seconds the server asked for before a retry (its Retry-After), or None.
         unanswered: No answer came (the connection was refused or could not be made,
             or the read timed out), as opposed to an answer that was an error.
+        status: The HTTP status of the answer, where one came (counted by the metrics).
     """
 
     def __init__(self, url: str, cause: str, retryable: bool = False, missing: bool = False,
-                 wait: float | None = None, unanswered: bool = False):  # fmt: skip
+                 wait: float | None = None, unanswered: bool = False,
+                 status: int | None = None):  # fmt: skip
         super().__init__(f"{url}: {cause}")
         self.url, self.cause = url, cause
         self.retryable, self.missing, self.wait = retryable, missing, wait
-        self.unanswered = unanswered
+        self.unanswered, self.status = unanswered, status
 
     def __reduce__(self):
         # pickled from process workers to the main process: rebuild from the fields
-        fields = (self.url, self.cause, self.retryable, self.missing, self.wait, self.unanswered)
+        fields = (self.url, self.cause, self.retryable, self.missing, self.wait,
+                  self.unanswered, self.status)  # fmt: skip
         return type(self), fields
 
 

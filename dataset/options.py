@@ -290,7 +290,9 @@ class PartOptions(Group):
 class WorkerOptions(Group):
     """Who fetches and decodes (``workers``, ``num_workers``, ``pool_size`` fetches each),
     ``prefetch`` batches in flight, ``worker_timeout``, ``mp_context``, the failure policy
-    (``on_error``, ``max_failed_batches``) and a ``progress`` bar."""
+    (``on_error``, ``max_failed_batches``), a ``progress`` bar, and the loader's metrics
+    (``metrics`` on or off, ``metrics_window`` seconds, ``metrics_export``: see
+    :mod:`dataset.metrics`)."""
 
     workers: str | None = None
     num_workers: int | None = None
@@ -301,8 +303,24 @@ class WorkerOptions(Group):
     on_error: str | Callable[[BaseException], Any] | None = None
     max_failed_batches: int = 3
     progress: bool = False
+    metrics: bool = True
+    metrics_window: float = 10.0
+    metrics_export: Any = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metrics, bool):
+            raise TypeError(f"metrics must be True or False, got {self.metrics!r}")
+        _positive("metrics_window", self.metrics_window)
+        if self.metrics_export is not None:
+            if not self.metrics:
+                raise ValueError("metrics_export needs metrics=True")
+            export = self.metrics_export
+            for item in export if isinstance(export, list | tuple) else [export]:
+                if not (callable(item) or callable(getattr(item, "add_scalar", None))):
+                    raise TypeError(
+                        f"metrics_export={item!r}: want a SummaryWriter (anything with "
+                        "add_scalar) or a callable taking each window's summary"
+                    )
         if self.workers not in (None, "thread", "process"):
             raise ValueError(f"workers must be 'thread' or 'process', got {self.workers!r}")
         if self.num_workers is not None:

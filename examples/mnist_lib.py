@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent))  # a checkout that is not pip-installed still runs
 
 from distlearn.dataset import Dataset  # noqa: E402
+from distlearn.dataset.metrics.ranks import describe_ranks  # noqa: E402
 from distlearn.dataset.processors import Image  # noqa: E402
 
 log = logging.getLogger("mnist")
@@ -439,6 +440,8 @@ def main(
     if args.check_args:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    # the epoch line says where the loader's time went; its 10 s windows stay quiet
+    logging.getLogger("distlearn.dataset.metrics").setLevel(logging.WARNING)
     if args.quick:
         args.epochs = 1
     check_data(args.data_url)
@@ -544,7 +547,10 @@ def main(
             with torch.no_grad():
                 evaluated = algorithm.end_epoch(model)
             train_seconds = time.perf_counter() - t0
-            comm.all_reduce(stats)
+            # the loader's metrics since the last epoch ride in this all_reduce
+            loader_ranks = train.metrics_tensor(comm)
+            comm.all_reduce([stats, loader_ranks])
+            loader_verdict = train.metrics(ranks=loader_ranks)["ranks"]
             result = evaluate(evaluated, test, comm, test_limit)
             seconds = time.perf_counter() - t0
             entry = {
@@ -553,6 +559,7 @@ def main(
                 "train_items": int(stats[1]),
                 "items_per_s": float(stats[1]) / train_seconds,
                 "seconds": seconds,
+                "loader": describe_ranks(loader_verdict),
                 **result,
             }
             record["epochs"].append(entry)
@@ -562,7 +569,7 @@ def main(
                     f"test loss {entry['test_loss']:.4f}, "
                     f"test accuracy {100 * entry['test_accuracy']:.2f}% "
                     f"({entry['test_items']} items), {entry['items_per_s']:.0f} items/s, "
-                    f"{seconds:.0f} s",
+                    f"{seconds:.0f} s; loader: {entry['loader']}",
                     flush=True,
                 )
         if lead:

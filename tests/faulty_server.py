@@ -6,7 +6,9 @@ PLAN maps a path (relative to ROOT, no leading slash; "" for the root) to the
 list of what the server does on successive requests for it; the last entry
 repeats forever: ``"ok"`` (serve the file, with Range support, or an HTML
 listing of a folder), ``"500"``/``"503"``/``"404"``/``"403"`` (that status),
-``"stall"`` (sleep --stall seconds, then serve), ``"hold"`` (wait until the file
+``"stall"`` (sleep --stall seconds, then serve), ``"throttle"`` (one answer at a time,
+server-wide, each after --stall seconds: an origin that serves 1/stall requests a
+second whatever the client's concurrency), ``"hold"`` (wait until the file
 ROOT/../release exists, then serve: a stall the test ends, whatever the load),
 ``"cut"`` (announce the full length, send half the body, drop the connection),
 ``"norange"`` (ignore Range: the whole file, in 64 KiB writes), ``"shifted"`` (a
@@ -17,7 +19,8 @@ Accept-Encoding allows it, as nginx's gzip and CDNs do), ``"ratelimit"`` (a 429
 with "Retry-After: 1" to a request that comes within a second of the path's
 last one, the first included), ``"endless"``
 (a chunked body that never ends), ``"redirect:URL"`` (a 302 to URL; ``{port}``
-is this server's port). Paths not in the plan are served normally. Request counts per path, and the
+is this server's port). Paths not in the plan follow the plan's ``"*"`` entry, or
+are served normally. Request counts per path, and the
 bytes written for ``norange``/``endless`` answers (key ``PATH#sent``), are
 written to ROOT/../hits.json on SIGTERM so tests can check what happened.
 """
@@ -38,11 +41,13 @@ from aiohttp import web
 
 
 def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter):
+    one_at_a_time = asyncio.Lock()  # "throttle"
+
     async def handle(request: web.Request) -> web.StreamResponse:
         rel = request.match_info["path"]
         n = hits[rel]
         hits[rel] += 1
-        steps = plan.get(rel, ["ok"])
+        steps = plan.get(rel, plan.get("*", ["ok"]))
         action = steps[min(n, len(steps) - 1)]
         path = (root / rel).resolve()
         if action == "ratelimit":
@@ -67,6 +72,10 @@ def make_app(root: Path, plan: dict[str, list[str]], stall: float, hits: Counter
             raise web.HTTPNotFound(text=f"not found: /{rel}\n")
         if action == "stall":
             await asyncio.sleep(stall)
+        if action == "throttle":
+            async with one_at_a_time:
+                await asyncio.sleep(stall)
+            return web.FileResponse(path)
         if action == "hold":
             release = root.parent / "release"
             for _ in range(2400):  # two minutes at most: a test that dies cannot hang us

@@ -161,6 +161,10 @@ def test_quick_run_end_to_end(job, tmp_path):
     # Only node 0 prints: one header line, one epoch line.
     assert sum("AllReduceSGD, 4 processes" in line for line in j.lines) == 1
     assert sum(line.startswith("epoch 1/1:") for line in j.lines) == 1
+    # ... which says where the loader's time went, over every rank
+    (line,) = [line for line in j.lines if line.startswith("epoch 1/1:")]
+    assert re.search(r"; loader: (bound by [\w /]+ on every rank|straggler rank \d)", line), line
+    assert epoch["loader"] in line
     assert sum("final test accuracy" in line for line in j.lines) == 1
     assert len(record["train_curve"]) >= 10  # the plot has a curve, not one dot per epoch
     j.assert_no_orphans(pids)

@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {
     "dataset": [
         # shared types and the public leaves that import nothing of the package; the image
-        # processors' parts (augment, imagedecode) and the batches' copy to a GPU (device)
+        # processors' parts (augment, imagedecode), the batches' copy to a GPU (device),
+        # and the loader's metrics, which every stage above feeds
         {"errors", "options", "items", "seeding", "processors", "serve"}
-        | {"augment", "imagedecode", "device"},
+        | {"augment", "imagedecode", "device"}
+        | {"metrics"},  # where the loader's time goes: timers, windows, verdicts, exporters
         {"formats"},  # bytes of one part or record -> records
         {"fetch"},  # sources, the Fetcher, the disk cache
         {"index"},  # kinds of index, CSV readers, part files -> Index

@@ -44,6 +44,7 @@ from . import sources as src
 from .local import open_fsspec, open_local, read_blocking
 from .responses import content_range, payload_size, read_capped, retry_after, too_big
 from .retry import after_tries, backoff_delay
+from .stats import count_status
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +320,9 @@ class Fetcher:
         cached = self.cache is not None and src.local_path(url) is None
         if cached:
             data = self.cache.get(key)
+            if stats is not None:  # (keys that appear once they count something)
+                hit = "cache_hits" if data is not None else "cache_misses"
+                stats[hit] = stats.get(hit, 0) + 1
             if data is not None:
                 if stats is not None:
                     stats["fetched"] += 1
@@ -344,6 +348,8 @@ class Fetcher:
             try:
                 return await self._fetch_once(url, offset, length)
             except FetchError as err:
+                if stats is not None and err.status is not None:
+                    count_status(stats, err.status)
                 if not err.retryable or attempt >= self.retries:
                     raise after_tries(err, attempt) from None
                 cause, wait = err.cause, err.wait
@@ -405,6 +411,7 @@ class Fetcher:
                             retry,
                             resp.status in MISSING_STATUS,
                             wait,
+                            status=resp.status,
                         )
                     return await self._body(url, resp, offset, length)
             raise FetchError(url, f"more than {MAX_REDIRECTS} redirects")

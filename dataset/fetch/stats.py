@@ -8,11 +8,16 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["RateLimitedLog", "Stats"]
+__all__ = ["RateLimitedLog", "Stats", "count_status"]
 
 
 class Stats(dict):
-    """Counters: fetched, retried, failed, bytes, dropped (by the processor)."""
+    """Counters: fetched, retried, failed, bytes, dropped (by the processor).
+
+    Keys that appear once they count something: ``http_429``, ``http_4xx`` (other 4xx),
+    ``http_5xx`` (error answers, each attempt counted, retried or not), ``cache_hits``
+    and ``cache_misses`` (items looked up in the item cache).
+    """
 
     KEYS = ("fetched", "retried", "failed", "bytes", "dropped")
 
@@ -44,3 +49,9 @@ class RateLimitedLog:
         if n:
             msg += f" (and {n} similar since the last message)"
         self.logger.warning(msg, *args)
+
+
+def count_status(stats: dict, status: int) -> None:
+    """Count an HTTP error answer into `stats` (``http_429``, ``http_4xx`` or ``http_5xx``)."""
+    key = "http_429" if status == 429 else "http_4xx" if status < 500 else "http_5xx"
+    stats[key] = stats.get(key, 0) + 1

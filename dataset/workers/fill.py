@@ -23,6 +23,8 @@ import torch
 from ..errors import FetchError, WorkerDied
 from ..fetch.fetcher import Fetcher
 from ..fetch.stats import Stats
+from ..metrics.export import stage
+from ..metrics.probe import Activity, add_items, new_probe, now
 from ..seeding import call_with_item
 from .failures import FETCH, PROCESS, ItemFailure
 
@@ -37,6 +39,7 @@ class BatchResult:
     extras: dict[int, Any] = field(default_factory=dict)
     errors: list[ItemFailure] = field(default_factory=list)
     stats: dict = field(default_factory=Stats)
+    probe: dict | None = None  # the batch's timings (dataset.metrics.probe), when measured
 
 
 # What a batch is decoded under: (seed, partition, epoch, position of its first item),
@@ -115,6 +118,7 @@ async def fill(
     opt: Any,
     handoff: Handoff | None = None,
     ctx: Context | None = None,
+    activity: Activity | None = None,
 ) -> BatchResult:
     """Fetch every source and let `processor` decode item i into ``out[i]``, concurrently.
 
@@ -127,9 +131,17 @@ async def fill(
     item bodies at once, whatever the batches in flight (each at most
     ``max_item_bytes``, and twice that for the moment its last chunk is joined). A
     slow processor used to leave every fetched body of every batch in flight waiting.
+
+    With `activity` (the worker's, :mod:`dataset.metrics.probe`), each item's fetch and
+    processor call are timed into ``res.probe``, and the worker's time is accounted.
     """
     res = BatchResult(ok=[False] * len(sources))
     stats = res.stats
+    probe = res.probe = new_probe() if activity is not None else None
+    # each item's seconds, appended as they come and summed once the batch is done: an
+    # append is the cheapest record (the timers' cost per item is the bench's concern)
+    fetched: list[float] = []
+    decoded: list[float] = []
     seed, partition, epoch, first = ctx[:4] if ctx is not None else (0, 0, 0, 0)
     keys = ctx[4] if ctx is not None and len(ctx) > 4 else None
 
@@ -140,6 +152,8 @@ async def fill(
             await item(i, source)
 
     async def item(i: int, source: Any) -> None:
+        # (a payload already in memory, a tensor row, is not fetched: nothing to time)
+        t0 = now() if probe is not None and isinstance(source, str | tuple) else None
         try:
             data = await fetcher.fetch(source, stats)
         except FetchError as err:
@@ -153,13 +167,24 @@ async def fill(
                 ItemFailure(i, FETCH, f"{kind}: {err}", kind, err, traceback.format_exc())
             )
             return
+        finally:
+            if t0 is not None:  # (a failed fetch's time counts: the source took it)
+                fetched.append(now() - t0)
         key = (seed, *keys[i]) if keys is not None else (seed, partition, epoch, first + i)
         row = out[i]
         try:
-            if handoff is None:
+            if handoff is None and activity is None:
                 ret = call_with_item(key, processor, data, opt, row)
+            elif handoff is None:  # inline, on this loop's thread
+                t1 = now()
+                try:
+                    ret = call_with_item(key, processor, data, opt, row)
+                finally:
+                    dt = now() - t1
+                    decoded.append(dt)
+                    activity.decoded(dt)  # (now, not at the batch's end: windows are short)
             else:
-                ret = await handoff.submit(key, data, row)
+                ret = await handoff.submit(key, data, row, probe)
             if row.shape != out.shape[1:]:  # a torch op given out=row resized it
                 raise ValueError(_wrote(out.shape[1:], f"{list(row.shape)}") + _IN_PLACE)
             kept, extra = _verdict(ret)
@@ -181,7 +206,16 @@ async def fill(
         if extra is not None:
             res.extras[i] = extra
 
-    await asyncio.gather(*(one(i, s) for i, s in enumerate(sources)))
+    if activity is None:
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(sources)))
+        return res
+    activity.job(1)
+    try:
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(sources)))
+    finally:
+        activity.job(-1)
+        add_items(probe, fetched, decoded)
+    probe["sent"] = now()  # the batch is done: what follows is its hand-off
     return res
 
 
@@ -193,18 +227,22 @@ class Handoff:
     the rest wait in `pending`. Used from the fetcher's loop thread only.
     """
 
-    def __init__(self, threads: int, processor: Any, opt: Any):
+    def __init__(self, threads: int, processor: Any, opt: Any, activity: Activity | None = None):
         self.executor = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="dataset-decode"
         )
         self.threads, self.processor, self.opt = threads, processor, opt
+        self.activity = activity  # the decode threads' time, when measured
         self.running = 0
-        self.pending: list[tuple[Any, Any, torch.Tensor, asyncio.Future]] = []
+        self.pending: list[tuple[Any, Any, torch.Tensor, asyncio.Future, dict | None]] = []
 
-    def submit(self, key: Any, data: Any, row: torch.Tensor) -> asyncio.Future:
-        """`processor(data, opt, row)` as item `key`; a future of what it returned."""
+    def submit(
+        self, key: Any, data: Any, row: torch.Tensor, probe: dict | None = None
+    ) -> asyncio.Future:
+        """`processor(data, opt, row)` as item `key`; a future of what it returned (its
+        time is added to `probe`)."""
         done = asyncio.get_running_loop().create_future()
-        self.pending.append((key, data, row, done))
+        self.pending.append((key, data, row, done, probe))
         if self.running < self.threads:
             self._start()
         return done
@@ -218,20 +256,32 @@ class Handoff:
         try:
             job = self.executor.submit(self._decode, run)
         except RuntimeError as err:  # the pool was shut down: every item of the run fails
-            for *_, done in run:
+            for _, _, _, done, _ in run:
                 done.set_exception(err)
             return
         self.running += 1
         job.add_done_callback(lambda job: self._back(loop, run, job))
 
-    def _decode(self, run: list) -> list[tuple[Any, BaseException | None]]:
-        """On a decode thread: each item's return value or exception."""
+    def _decode(self, run: list) -> list[tuple[Any, BaseException | None, float]]:
+        """On a decode thread: each item's return value or exception, and its seconds."""
         results = []
-        for key, data, row, _ in run:
+        activity = self.activity
+        t = activity.decode(1) if activity is not None else None
+        with stage("dataset.decode"):  # a range in a PyTorch trace, on this thread
             try:
-                results.append((call_with_item(key, self.processor, data, self.opt, row), None))
-            except Exception as err:
-                results.append((None, err))
+                for key, data, row, _, _ in run:
+                    try:
+                        ret, err = call_with_item(key, self.processor, data, self.opt, row), None
+                    except Exception as e:
+                        ret, err = None, e
+                    seconds = 0.0
+                    if t is not None:
+                        t1 = now()
+                        seconds, t = t1 - t, t1
+                    results.append((ret, err, seconds))
+            finally:
+                if activity is not None:
+                    activity.decode(-1)
         return results
 
     def _back(self, loop: asyncio.AbstractEventLoop, run: list, job) -> None:
@@ -245,10 +295,13 @@ class Handoff:
         if job.cancelled():  # the pool shut down before the run began
             results = None
         elif job.exception() is not None:
-            results = [(None, job.exception())] * len(run)
+            results = [(None, job.exception(), 0.0)] * len(run)
         else:
             results = job.result()
-        for i, (*_, done) in enumerate(run):
+        for i, (_, _, _, done, probe) in enumerate(run):
+            if probe is not None and results is not None:
+                probe["decode_s"] += results[i][2]
+                probe["decodes"] += 1
             if done.done():
                 continue
             if results is None:

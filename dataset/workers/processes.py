@@ -28,6 +28,7 @@ import torch
 
 from ..errors import WorkerDied
 from ..fetch.fetcher import Fetcher
+from ..metrics.probe import Activity
 from ..seeding import seed_worker
 from .failures import ItemFailure
 from .fill import BatchResult, Context, fill, stuck
@@ -87,9 +88,10 @@ class ProcessWorkers:
         num_workers: int,
         mp_context: str | None = None,
         timeout: float | None = None,
+        measure: bool = True,
     ):
         try:
-            payload = pickle.dumps((processor, opt), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps((processor, opt, measure), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:
             raise TypeError(
                 f"workers='process' needs a picklable processor and processor_opt, but "
@@ -176,6 +178,16 @@ class ProcessWorkers:
             raise res
         return res
 
+    def ready(self, handle: tuple[int, int]) -> bool:
+        """Whether job `handle`'s answer has come (or waits in its pipe): a queue depth."""
+        w, job = handle
+        if job in self._answers:
+            return True
+        # answers come in job order: this one is in when every earlier job of the
+        # worker's is answered and something waits in the pipe
+        queue = self._outstanding[w]
+        return bool(queue) and queue[0] == job and self._conns[w].poll(0)
+
     def _died(self, w: int, err: BaseException | None) -> WorkerDied:
         proc = self._procs[w]
         proc.join(timeout=1)
@@ -229,10 +241,10 @@ def _worker_main(
             os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)
-    processor, opt = pickle.loads(payload)
+    processor, opt, measure = pickle.loads(payload)
     slots = torch.frombuffer(ring.buf, dtype=torch.float32, count=math.prod(shape)).view(shape)
     try:
-        asyncio.run(_worker_loop(conn, slots, processor, opt, fetch_kw, rank))
+        asyncio.run(_worker_loop(conn, slots, processor, opt, fetch_kw, rank, measure))
     finally:
         del slots
         ring.close()
@@ -240,9 +252,12 @@ def _worker_main(
         os._exit(0)  # skip atexit (the resource tracker, torch) in a worker
 
 
-async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict, rank: int):
+async def _worker_loop(
+    conn, slots: torch.Tensor, processor, opt, fetch_kw: dict, rank: int, measure: bool
+):
     loop = asyncio.get_running_loop()
     fetcher = Fetcher(**fetch_kw)
+    activity = Activity() if measure else None  # this worker's time, for the metrics
     done = asyncio.Event()
     previous: asyncio.Future | None = None
     tasks: set[asyncio.Task] = set()
@@ -251,11 +266,20 @@ async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict
 
     async def run(job: int, slot: int, sources: list, ctx, before) -> None:
         try:
-            res: Any = await fill(fetcher, sources, slots[slot], processor, opt, None, ctx)
+            res: Any = await fill(
+                fetcher, sources, slots[slot], processor, opt, None, ctx, activity
+            )
             for failure in res.errors:
                 _keep_if_picklable(failure)
         except BaseException as err:  # report, so the main process raises it
             res = RuntimeError(f"worker failed on a batch: {type(err).__name__}: {err}")
+        if before is not None:
+            await asyncio.wait([before])  # answers go back in job order
+        if getattr(res, "probe", None) is not None:
+            # stamped as it leaves: until now the loop was busy with other batches' items
+            res.probe["sent"] = time.perf_counter()
+            res.probe["worker"] = rank
+            res.probe["activity"] = activity.snapshot()
         try:
             payload = reduction.ForkingPickler.dumps((job, res))
         except Exception as err:  # an extra the processor returned that cannot travel
@@ -265,8 +289,6 @@ async def _worker_loop(conn, slots: torch.Tensor, processor, opt, fetch_kw: dict
                 "must be picklable (or use workers='thread')"
             )
             payload = reduction.ForkingPickler.dumps((job, res))
-        if before is not None:
-            await asyncio.wait([before])  # answers go back in job order
         if gone[0]:
             return
         try:

@@ -36,6 +36,9 @@ import torch
 from ..fetch.scope import Scope
 from ..fetch.stats import Stats
 from ..items import Batch
+from ..metrics.export import stage
+from ..metrics.loader import LoaderMetrics
+from ..metrics.probe import now
 from ..options import FetchOptions, WorkerOptions
 from ..processors import default_processor
 from ..sampling.stream import Work
@@ -100,8 +103,10 @@ class SlotEngine:
         cache: Any = None,
         pin_memory: bool = False,
         scope: Scope | None = None,
+        metrics: LoaderMetrics | None = None,
     ):
         self.pin_memory = pin_memory
+        self.metrics = metrics  # each batch's wait, hand-off and probe go there
         self.input_dims = tuple(int(d) for d in input_dims)
         self.processor = processor if processor is not None else default_processor
         self.label_names, self.multi_hot = label_names, multi_hot
@@ -119,11 +124,12 @@ class SlotEngine:
         if self.kind == "process":
             self.workers: Any = ProcessWorkers(shape, self.processor, processor_opt, fetch_kw,
                                                self.num_workers, workers.mp_context,
-                                               workers.worker_timeout)  # fmt: skip
+                                               workers.worker_timeout, workers.metrics)  # fmt: skip
         else:
             slots = torch.empty(shape, dtype=torch.float32)
             self.workers = ThreadWorkers(slots, self.processor, processor_opt, fetch_kw,
-                                         self.num_workers, workers.worker_timeout)  # fmt: skip
+                                         self.num_workers, workers.worker_timeout,
+                                         workers.metrics)  # fmt: skip
         self.failures = FailurePolicy(workers.on_error, workers.max_failed_batches)
         self.stats = Stats()
         self._free = list(range(self.inflight + SPARE_SLOTS))
@@ -162,17 +168,26 @@ class SlotEngine:
         next call picks it up.
         """
         flight = self._pending[0]
-        res = self.workers.result(flight.job)  # an interruption leaves it pending
+        m = self.metrics
+        if m is not None:  # queue depths, and the clock, as the batch is asked for
+            ready = sum(map(self.workers.ready, (f.job for f in self._pending)))
+            asked = now()
+        with stage("dataset.wait_workers"):
+            res = self.workers.result(flight.job)  # an interruption leaves it pending
+        got = now() if m is not None else 0.0
         self._pending.popleft()
         lend = not self.pin_memory and len(self._lent) < SPARE_SLOTS
         lent = False
         try:
-            batch, lent = self._assemble(flight.slot, res, flight.work, lend)
+            with stage("dataset.handoff"):
+                batch, lent = self._assemble(flight.slot, res, flight.work, lend)
         finally:
             if lent:
                 self._lent.add(flight.slot)
             else:
                 self._free.append(flight.slot)
+        if m is not None:
+            m.batch(res.probe, asked, got, now(), len(self._pending) + 1, ready)
         return batch, len(flight.work)
 
     def _assemble(self, index: int, res: Any, work: Work, lend: bool) -> tuple[Batch | None, bool]:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..fetch.fetcher import Fetcher
+from ..metrics.probe import Activity, now
 from .fill import BatchResult, Context, Handoff, fill, stuck
 
 __all__ = ["ThreadWorkers"]
@@ -25,25 +26,43 @@ class ThreadWorkers:
     kind = "thread"
 
     def __init__(self, slots: torch.Tensor, processor: Any, opt: Any, fetch_kw: dict,
-                 num_workers: int = 1, timeout: float | None = None):  # fmt: skip
+                 num_workers: int = 1, timeout: float | None = None,
+                 measure: bool = True):  # fmt: skip
         self.slots = slots
         self.processor, self.opt, self.timeout = processor, opt, timeout
         self.fetcher = Fetcher(**fetch_kw)
-        self.handoff = Handoff(num_workers, processor, opt) if num_workers > 0 else None
+        # one worker for the metrics: the loop and its decode threads together
+        self.activity = Activity() if measure else None
+        self.handoff = (
+            Handoff(num_workers, processor, opt, self.activity) if num_workers > 0 else None
+        )
 
     def submit(
         self, slot: int, sources: list[Any], ctx: Context | None = None
     ) -> concurrent.futures.Future:
         out = self.slots[slot]
-        return self.fetcher.submit(
-            fill(self.fetcher, sources, out, self.processor, self.opt, self.handoff, ctx)
-        )
+        job = fill(self.fetcher, sources, out, self.processor, self.opt, self.handoff, ctx,
+                   self.activity)  # fmt: skip
+        future = self.fetcher.submit(job)
+        if self.activity is not None:
+            # stamped as it reaches this thread: a loop decoding inline (num_workers=0) may
+            # finish the next batch's items before it hands this one over
+            future.add_done_callback(_stamp_sent)
+        return future
 
     def result(self, job: concurrent.futures.Future) -> BatchResult:
         try:
-            return job.result(timeout=self.timeout)
+            res = job.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
             raise stuck("the thread workers", self.timeout) from None
+        if res.probe is not None:
+            res.probe["worker"] = 0
+            res.probe["activity"] = self.activity.snapshot()
+        return res
+
+    def ready(self, job: concurrent.futures.Future) -> bool:
+        """Whether `job`'s batch is done (a queue depth for the metrics)."""
+        return job.done()
 
     def slot_array(self, slot: int) -> np.ndarray:
         """Slot `slot` as a numpy array (it keeps the slots' storage alive while it lives)."""
@@ -53,3 +72,8 @@ class ThreadWorkers:
         self.fetcher.close()
         if self.handoff is not None:
             self.handoff.close()
+
+
+def _stamp_sent(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().probe["sent"] = now()
