@@ -171,7 +171,7 @@ class SampledBatcher:
             out.update(self._device.stats())
         return out
 
-    def metrics(self, comm: Any = None, ranks: Any = None) -> dict:
+    def metrics(self, comm: Any = None, ranks: Any = None, device: Any = None) -> dict:
         """Where the loader's time goes, as a plain dict (see :mod:`dataset.metrics`).
 
         ``window``: the last closed window (``metrics_window`` seconds) with its
@@ -185,6 +185,8 @@ class SampledBatcher:
                 make it), and ``ranks`` names the straggler rank and why.
             ranks: Instead of `comm`, the tensor of :meth:`metrics_tensor` after it rode in
                 an all_reduce (sum) the job made anyway.
+            device: Where the tensor all-reduced for `comm` lives (``"cuda"`` where the
+                communicator is NCCL's); the host by default.
 
         Returns:
             The dict; with `comm` or `ranks`, a ``ranks`` entry too.
@@ -198,19 +200,21 @@ class SampledBatcher:
 
         out = self._metrics.report()
         if comm is not None:
-            ranks = self.metrics_tensor(comm)
+            ranks = self.metrics_tensor(comm, device)
             comm.all_reduce(ranks)
         if ranks is not None:
             out["ranks"] = read_exchange(ranks)
         return out
 
-    def metrics_tensor(self, comm: Any) -> torch.Tensor:
+    def metrics_tensor(self, comm: Any, device: Any = None) -> torch.Tensor:
         """This rank's totals since its last exchange, as its row of a ``[world, F]``
         float64 tensor of zeros: add it to an all_reduce (sum) every rank makes anyway,
         then pass it to ``metrics(ranks=...)`` (see :mod:`dataset.metrics.ranks`).
 
         Args:
             comm: The communicator (its ``node_index`` and ``num_nodes``).
+            device: Where the tensor is made (``"cuda"`` to ride with NCCL's tensors); the
+                host by default.
 
         Returns:
             The tensor.
@@ -219,7 +223,8 @@ class SampledBatcher:
             raise RuntimeError("this batcher was made with metrics=False")
         from .metrics.ranks import exchange_tensor
 
-        return exchange_tensor(self._metrics, comm.node_index, comm.num_nodes)
+        table = exchange_tensor(self._metrics, comm.node_index, comm.num_nodes)
+        return table if device is None else table.to(device)
 
     @property
     def epoch(self) -> int:

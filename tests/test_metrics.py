@@ -324,3 +324,25 @@ def test_straggler_rules():
     assert read_exchange(table((0.1, 0.1, 0), (0.2, 0, 0.2), (0.1, 0, 0.1)))["straggler"] is None
     even = read_exchange(table((5, 0, 5), (5.5, 0, 5.5), (5, 0, 5)))
     assert even["straggler"] is None and even["verdict"] == "loader"
+
+
+def test_one_rank_exchange_over_a_real_tree():
+    """A job of one: the exchange works over a real tree, each one counting since the last."""
+    from distlearn import ipc
+
+    tree = ipc.LocalhostTree(0, 1, key=f"metrics-{uuid.uuid4().hex}")
+    try:
+        with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread") as b:
+            for _ in range(5):
+                b.next_batch()
+            first = b.metrics(comm=tree, device="cpu")["ranks"]
+            for _ in range(3):
+                b.next_batch()
+            table = b.metrics_tensor(tree)
+            tree.all_reduce(table)
+            second = b.metrics(ranks=table)["ranks"]
+    finally:
+        tree.close()
+    assert [d["steps"] for d in first["ranks"]] == [5]
+    assert [d["steps"] for d in second["ranks"]] == [3]  # since the last exchange
+    assert first["straggler"] is None

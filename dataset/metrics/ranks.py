@@ -58,7 +58,7 @@ def read_exchange(summed: torch.Tensor) -> dict[str, Any]:
     others = [d["stall_fraction"] for d in ranks if d is not worst] or [0.0]
     median = statistics.median(others)
     share = worst["stall_fraction"]
-    if share >= STALL_BOUND and share >= 2 * median:
+    if len(ranks) > 1 and share >= STALL_BOUND and share >= 2 * median:  # (one: no straggler)
         name, top = bound_by(worst)
         out.update(
             straggler=worst["rank"],
