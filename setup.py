@@ -74,6 +74,7 @@ extras = {
         "pandas>=2.0",
         "pyarrow>=14",
         "simplejpeg>=1.7",
+        "tensorboard>=2.14",  # the metrics exporter's test writes a real SummaryWriter
         *DOCS,
     ],
 }
