@@ -43,6 +43,20 @@ def test_from_env_names_missing_variables(monkeypatch):
         TorchDistributed.from_env()
 
 
+@pytest.mark.parametrize(("nodes", "root"), [("1", "127.0.0.1"), ("3", "gpu03")])
+def test_from_env_under_srun_takes_slurms_variables(nodes, root):
+    """Under srun without torchrun's variables: rank, world and the root from Slurm's
+    (the first host of the step's node list across hosts, loopback on one)."""
+    from distlearn.backends.torch_distributed import _from_slurm
+
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0",
+           "SLURM_STEP_NUM_NODES": nodes, "SLURM_STEP_NODELIST": "gpu[03-05]",
+           "SLURM_JOB_ID": "1234"}  # fmt: skip
+    _from_slurm(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("2", "6", root)
+    assert env["MASTER_PORT"] == str(30000 + 1234)
+
+
 @pytest.mark.parametrize(
     "timeout", [0, -1, float("nan"), float("inf"), True, "30", datetime.timedelta(0)]
 )

@@ -58,14 +58,14 @@ def _from_slurm(env) -> None:
     """Under `srun` without torchrun's variables: set them from Slurm's (see from_env)."""
     if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return
-    from ..ipc.rendezvous.env import _first_slurm_host
+    from ..common.launchers import first_slurm_host
 
     env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
     env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
     nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or "1"
     if "MASTER_ADDR" not in env:
         hosts = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
-        env["MASTER_ADDR"] = "127.0.0.1" if nodes == "1" else _first_slurm_host(hosts)
+        env["MASTER_ADDR"] = "127.0.0.1" if nodes == "1" else first_slurm_host(hosts)
     if "MASTER_PORT" not in env:
         env["MASTER_PORT"] = str(30000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
 
