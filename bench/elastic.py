@@ -254,7 +254,7 @@ def bench_lost(reps: int) -> list[str]:
                 folder = Path(tmp) / f"{rep}-{i}"
                 folder.mkdir()
                 out[name].append(_lost(_job(folder, 4, survive, 35, 20)))
-    lines = ["| a rank killed at step 35 of 4 | steps taken again | seconds to the next step |",
+    lines = ["| one of 4 ranks killed at step 35 | steps taken again | seconds to the next step |",
              "|---|---:|---:|"]  # fmt: skip
     for name, got in out.items():
         lost = [float(a) for a, _ in got]
