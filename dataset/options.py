@@ -255,6 +255,16 @@ class CacheOptions(Group):
 
     def __post_init__(self) -> None:
         _positive("max_cache_bytes", self.max_cache_bytes, allow_none=True)
+        # an object with get(key) and put(key, data), such as dataset.fetch.cache.Cache;
+        # a folder given here instead would fail every item, one AttributeError at a time
+        has = [callable(getattr(self.cache, name, None)) for name in ("get", "put")]
+        if self.cache is not None and not all(has):
+            folder = isinstance(self.cache, (str, os.PathLike))
+            hint = " (a folder? use cache_dir=)" if folder else ""
+            raise TypeError(
+                f"cache must be a cache object with get(key) and put(key, data), got "
+                f"{self.cache!r}{hint}"
+            )
 
 
 @dataclass(frozen=True)

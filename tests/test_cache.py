@@ -12,7 +12,7 @@ import time
 import pytest
 
 import distlearn.dataset.fetch.cache
-from distlearn.dataset import DatasetError
+from distlearn.dataset import Dataset, DatasetError
 from distlearn.dataset.fetch import hostlock
 from distlearn.dataset.fetch.cache import Cache
 from tests.conftest import repo_env, wait_for_file
@@ -332,3 +332,12 @@ def test_the_cache_directory_must_be_private(tmp_path):
         with pytest.raises(DatasetError, match="belongs to uid 4321"):
             Cache(theirs)
     assert Cache(tmp_path / "new").root.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_folder_given_as_cache_is_refused_where_it_is_given(tmp_path):
+    """cache= takes a cache object; a folder there used to fail every item with an
+    AttributeError and end the epoch with "no item"."""
+    index = tmp_path / "train.csv"
+    index.write_text("filename\na.bin\n")
+    with pytest.raises(TypeError, match=r"cache must be a cache object .*use cache_dir="):
+        Dataset(str(index)).sampled_batcher(batch_size=1, input_dims=(1,), cache=str(tmp_path))
