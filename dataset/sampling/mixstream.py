@@ -29,7 +29,7 @@ from . import elastic
 from .elastic import Piece, Position
 from .mix import Allocator, MixPosition, Policy, Schedule
 from .samplers import for_index
-from .stream import ItemStream, Work
+from .stream import Dispatcher, ItemStream, Work
 
 __all__ = ["MixSource", "MixStream"]
 
@@ -44,7 +44,7 @@ class MixSource:
     sampler_opt: Any = None
 
 
-class MixStream:
+class MixStream(Dispatcher):
     """This rank's batches of a mix; ``next()`` ends with each pass (module docstring)."""
 
     def __init__(
@@ -210,35 +210,8 @@ class MixStream:
         self.epoch, self._cursor, self._in_pass = pos.pass_, _copy(pos), 0
         self._batches = self._global_batches(_copy(pos))
 
-    def stop(self) -> None:
-        self._batches = None
-        self._dispatched.clear()
-
-    def __iter__(self) -> MixStream:
-        return self
-
-    def __next__(self) -> Work:
-        if self._batches is None:
-            raise StopIteration
-        work = next(self._batches, None)
-        if work is None:
-            self._batches, self.ended = None, True
-            raise StopIteration
-        self._dispatched.append((work.end, len(work)))
-        return work
-
-    def consumed(self, n: int | None = None) -> None:
-        """The oldest batches dispatched were handed out (or dropped): `n` items of them."""
-        if n == 0:
-            return
-        left = n
-        while True:
-            self._cursor, count = self._dispatched.popleft()
-            self.handed_out += count
-            self._in_pass += 1
-            left = 0 if left is None else left - count
-            if left <= 0 or not self._dispatched:
-                return
+    def _handed_out(self) -> None:
+        self._in_pass += 1
 
     # -- batches -------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from . import elastic
 from .elastic import Piece, Position
 from .samplers import check_options, endless, epoch_rng, get_sampler
 
-__all__ = ["ItemStream", "Work"]
+__all__ = ["Dispatcher", "ItemStream", "Work"]
 
 
 @dataclass
@@ -80,7 +80,59 @@ class Draw:
     opt: dict
 
 
-class ItemStream:
+class Dispatcher:
+    """What ItemStream and MixStream share: Works handed out of ``self._batches`` one by
+    one, each remembered as (end, count) until :meth:`consumed` says it was handed out.
+    A subclass sets ``_batches``, ``_dispatched`` (a deque), ``_cursor``, ``handed_out``
+    and ``ended``, and may hook :meth:`_dispatching` and :meth:`_handed_out`."""
+
+    _batches: Iterator[Work] | None
+    _dispatched: deque
+    _cursor: Any
+    handed_out: int
+    ended: bool
+
+    def stop(self) -> None:
+        """Forget the rest of this epoch (``next()`` ends it)."""
+        self._batches = None
+        self._dispatched.clear()
+
+    def __iter__(self) -> Dispatcher:
+        return self
+
+    def __next__(self) -> Work:
+        if self._batches is None:
+            raise StopIteration
+        work = next(self._batches, None)
+        if work is None:
+            self._batches, self.ended = None, True
+            raise StopIteration
+        self._dispatched.append((work.end, len(work)))
+        self._dispatching(work)
+        return work
+
+    def consumed(self, n: int | None = None) -> None:
+        """The oldest batches dispatched were handed out (or dropped: every item failed):
+        `n` items of them (None: one batch). The position moves to the end of the last."""
+        if n == 0:
+            return
+        left = n
+        while True:
+            self._cursor, count = self._dispatched.popleft()
+            self.handed_out += count
+            self._handed_out()
+            left = 0 if left is None else left - count
+            if left <= 0 or not self._dispatched:
+                return
+
+    def _dispatching(self, work: Work) -> None:
+        """Called with each Work as it is handed to the workers."""
+
+    def _handed_out(self) -> None:
+        """Called once for each dispatched batch that :meth:`consumed` retires."""
+
+
+class ItemStream(Dispatcher):
     """Batches of `index`'s items in `sampler` order; ``next()`` ends with each epoch.
 
     ``start(epoch, skip)`` begins an epoch (skipping its first `skip` items);
@@ -238,37 +290,8 @@ class ItemStream:
                 it = itertools.islice(iter(items), pos.consumed, None)
             self._batches = self._chunks(it, pos.consumed)
 
-    def stop(self) -> None:
-        """Forget the rest of this epoch (``next()`` ends it)."""
-        self._batches = None
-        self._dispatched.clear()
-
-    def __iter__(self) -> ItemStream:
-        return self
-
-    def __next__(self) -> Work:
-        if self._batches is None:
-            raise StopIteration
-        work = next(self._batches, None)
-        if work is None:
-            self._batches, self.ended = None, True
-            raise StopIteration
-        self._dispatched.append((work.end, len(work)))
+    def _dispatching(self, work: Work) -> None:
         self._last_end = work.end
-        return work
-
-    def consumed(self, n: int | None = None) -> None:
-        """The oldest batches dispatched were handed out (or dropped: every item failed):
-        `n` items of them (None: one batch). The position moves to the end of the last."""
-        if n == 0:
-            return
-        left = n
-        while True:
-            self._cursor, count = self._dispatched.popleft()
-            self.handed_out += count
-            left = 0 if left is None else left - count
-            if left <= 0 or not self._dispatched:
-                return
 
     # -- batches of an ordinary epoch ----------------------------------------------------
 
