@@ -488,15 +488,18 @@ class SampledBatcher:
         position's pieces next, and ends with them. Batches in flight are discarded and
         come again in their turn (distlearn.survivors: a rank's share of a dead rank's
         rest, after its own). A position with no pieces ends the iteration now, and the
-        next one begins its ordinary epoch."""
+        next one begins its ordinary epoch. A batcher not started yet (a rank that came
+        back) begins its first loop with the pieces."""
+        started = self._resume is None and self.epoch >= 0
         self._ahead = None
         self.engine.drain()
         self.stream.resume(position)
         self.index, self.partition = self.stream.index, self.stream.partition
-        if not position.rest:
+        if not position.rest or not started:
             # Nothing is left of the epoch under way. Without this the loop running now
             # would go on into the next epoch (an epoch too many), or, were it over
-            # already, the next loop would start the one after (an epoch skipped).
+            # already, the next loop would start the one after (an epoch skipped). Not
+            # started: the first loop would begin an epoch of its own, not the pieces.
             self.stream.stop()
             self._resume = position
 

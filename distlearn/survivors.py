@@ -31,13 +31,25 @@ How (see /work/notes/elastic-design.md, item 5):
   the same batch (a failed all-reduce of ``.grad`` in place leaves nothing to reuse).
   The next epoch is an ordinary epoch of the new world size.
 
+A rank that comes back: its process, started again with the same launcher variables
+(a launcher that restarts what died, or by hand), finds in ``Tree.from_env`` that its
+launch's tree still runs (node 0 keeps a lobby open in the private runtime directory,
+ipc.rendezvous.lobby), knocks, and waits. Node 0 says so on the next step's all-reduce
+(one more rider element), and after that step every rank takes it in: the tree grows by
+a generation with it as the last node (``Tree.admit``), it gets the root's parameters
+and optimizer state and the job's step count, and the ranks still in their epoch pool
+what they had not handed out and split it with it (``elastic.admit``), so it trains from
+that step on and every example is still seen once. Its loader must be the others'
+(index, seed, sampler), else it is turned away with an error naming what differs. On
+one host only: across hosts a process started again has no lobby to find (it starts a
+launch of its own, which waits for peers that never come).
+
 The tree only: torch.distributed cannot make a group without the dead rank's part in
 it (``new_group`` needs every rank of the world), and the default store lives in rank
 0's process; gloo and NCCL jobs survive through a restart instead (Checkpoint, torchrun
 ``--max-restarts``, ``sbatch --requeue``). Under torchrun's agent nothing survives a
 death either way: the agent stops every worker; launch with srun (its default keeps the
-other tasks running), ``examples/launch.py --survive`` or your own launcher. A rank
-that comes back cannot join (yet): the job finishes on the survivors.
+other tasks running), ``examples/launch.py --survive`` or your own launcher.
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ import torch
 from torch import nn
 
 from .sgd import AllReduceSGD
-from .state import gather_bytes
+from .state import broadcast_state_dict, gather_bytes, share_bytes, synchronize_optimizer
 
 __all__ = ["Survivors"]
 
@@ -61,13 +73,18 @@ log = logging.getLogger(__name__)
 _LOW = 1 << 20  # a count travels as (high, low) float32s: exact up to 2**44 items
 
 
+class _Admit(Exception):
+    """Raised out of a finished rank's end-of-epoch wait: ranks are coming back."""
+
+
 class _Positions:
     """The rider: each rank's items handed out since the tree was formed, + 1 (0: the rank
-    did not contribute to that round, its last known count stands)."""
+    did not contribute to that round, its last known count stands); then, from node 0,
+    how many processes wait in the lobby to come back."""
 
     def __init__(self, owner: Survivors):
         self.owner = owner
-        self.size = 2 * owner.comm.num_nodes
+        self.size = 2 * owner.comm.num_nodes + 1
 
     def fill(self, view: torch.Tensor) -> None:
         me = self.owner.comm.node_index
@@ -75,6 +92,7 @@ class _Positions:
         view.zero_()
         view[2 * me].fill_(value // _LOW)
         view[2 * me + 1].fill_(value % _LOW)
+        view[-1].fill_(len(self.owner.comm.knocks()))  # [] but on node 0
 
     def read(self, values: list[float]) -> None:
         known = self.owner.known
@@ -82,6 +100,9 @@ class _Positions:
             v = round(values[2 * r]) * _LOW + round(values[2 * r + 1])
             if v > 0:
                 known[r] = v - 1
+        self.owner.waiting = round(values[-1])
+        if self.owner.waiting and self.owner.draining:
+            raise _Admit  # out of AllReduceSGD's wait: take them in, then wait again
 
 
 class Survivors:
@@ -102,9 +123,16 @@ class Survivors:
         self.comm, self.model, self.optimizer, self.batcher = tree, model, optimizer, batcher
         self.sgd_options = sgd_options
         self.deaths: list[dict] = []  # what happened at each death (for logs and tests)
+        self.comebacks: list[dict] = []  # and at each time ranks came back
         self.steps = 0  # steps whose all-reduce this rank completed, over the whole job
-        self._form()
-        self.sgd.synchronize_parameters(model)
+        self.waiting = 0  # processes in the lobby, as node 0 said at the last step
+        self.draining = False  # in end_epoch's wait for the ranks still stepping
+        self.came_back = bool(getattr(tree, "came_back", False))
+        if self.came_back:  # a process started again: the running job takes it in
+            self._welcome(time.monotonic(), stepping=False, old_world=None)
+        else:
+            self._form()
+            self.sgd.synchronize_parameters(model)
 
     def _form(self) -> None:
         """After the tree is (re)formed: every rank's state, and counts from zero."""
@@ -114,6 +142,8 @@ class Survivors:
         self.known = [0] * self.comm.num_nodes
         self.sgd = AllReduceSGD(self.comm, **self.sgd_options)
         self.sgd.rider = _Positions(self)
+        self.waiting = 0
+        self.comm.open_lobby()  # node 0, on one host: ranks started again knock there
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -132,20 +162,30 @@ class Survivors:
             return self._recover(dead, closure, in_step=True, fallback=loss)
         self.steps += 1
         self.optimizer.step()
+        if self.waiting:
+            self._admit(stepping=True)
         return loss
 
     def end_epoch(self) -> None:
         """The end of an epoch: AllReduceSGD.synchronize_parameters (ranks with fewer steps
-        wait for the others), surviving a death there too."""
+        wait for the others), surviving a death there too, and taking back in ranks that
+        come back meanwhile."""
         while True:
             try:
+                self.draining = True
                 self.sgd.synchronize_parameters(self.model)
                 return
+            except _Admit:
+                self.draining = False
+                self._admit(stepping=False)
             except Exception as err:
                 dead = self._dead(err)
                 if dead is None:
                     raise
+                self.draining = False
                 self._recover(dead, None, in_step=False)
+            finally:
+                self.draining = False
 
     @staticmethod
     def _dead(err: BaseException) -> int | None:
@@ -154,6 +194,81 @@ class Survivors:
         if isinstance(err, ipc.PeerError) and isinstance(getattr(err, "node", None), int):
             return err.node
         return None
+
+    # -- ranks that come back -------------------------------------------------------------
+
+    def _admit(self, stepping: bool) -> None:
+        """Node 0 said processes wait in the lobby: every rank, after the same round, takes
+        them in (node 0's list, shared), then `_welcome` on the grown tree."""
+        from .ipc.rendezvous.lobby import Knock
+
+        t0, comm = time.monotonic(), self.comm
+        mine = [vars(k) for k in comm.knocks(fresh=True)] if comm.node_index == 0 else None
+        got = share_bytes(comm, json.dumps(mine).encode() if mine is not None else None)
+        knocks = [Knock(**k) for k in json.loads(got)]
+        self.waiting = 0
+        if not knocks:
+            return  # who knocked has gone again
+        log.warning("survivors: %d process(es) come back; taking them in", len(knocks))
+        self.comm = comm.admit(knocks)
+        self._welcome(t0, stepping, old_world=comm.num_nodes)
+
+    def _welcome(self, t0: float, stepping: bool, old_world: int | None) -> None:
+        """On the grown tree, every rank: the old ones, and those that came back (the last
+        ranks; `old_world` None). Those that came back get the root's parameters and
+        optimizer state; each old rank still in its epoch pools what it had not handed
+        out and shares it with them (dataset.sampling.elastic.admit): every example still
+        once. One whose loader differs (index, seed, sampler) is turned away."""
+        from .dataset.sampling import elastic
+
+        comm = self.comm
+        back = old_world is None  # this process is one that came back
+        # The old ranks know how many they were; those that came back learn it.
+        agree = torch.tensor([comm.num_nodes if back else old_world], dtype=torch.int64)
+        comm.all_reduce(agree, op="min")
+        old_world = int(agree[0])
+        root_state = self.model.state_dict() if comm.node_index == 0 else None
+        state = broadcast_state_dict(comm, root_state)
+        if back:
+            self.model.load_state_dict(state)
+        synchronize_optimizer(comm, self.optimizer)
+        steps = torch.tensor([self.steps], dtype=torch.int64)
+        comm.all_reduce(steps, op="max")
+        self.steps = int(steps[0])
+        mine = json.dumps(self.batcher.state_dict()).encode()
+        states = [json.loads(b) for b in gather_bytes(comm, mine)]
+        ident = [{k: st.get(k) for k in elastic.IDENTITY} for st in states]
+        bad = {r for r in range(old_world, comm.num_nodes) if ident[r] != ident[0]}
+        if comm.node_index in bad:
+            differs = [f"{k}={ident[0][k]!r} there, {v!r} here"
+                       for k, v in ident[comm.node_index].items() if v != ident[0][k]]  # fmt: skip
+            raise ValueError(
+                "survivors: this process came back to a job whose loader differs: "
+                + ", ".join(differs)
+            )
+        if bad:
+            log.warning("survivors: turned away ranks %s: their loader differs", sorted(bad))
+            self.comm = comm = comm.reform(bad)
+            states = [st for r, st in enumerate(states) if r not in bad]
+            if comm.num_nodes == old_world:  # nobody came back after all: as we were
+                self._form()
+                return
+        flags = torch.zeros(comm.num_nodes, dtype=torch.int64)
+        flags[comm.node_index] = int(stepping)
+        comm.all_reduce(flags)
+        sharers = [r for r in range(old_world) if flags[r]]
+        old = [elastic.Position.parse(st) for st in states[:old_world]]
+        stream = self.batcher.stream
+        position = elastic.admit(old, sharers, comm.node_index, comm.num_nodes,
+                                 self.batcher.batch_size, stream, stream.piece_weight)  # fmt: skip
+        self.batcher.take_over(position)
+        self._form()
+        took = time.monotonic() - t0
+        self.comebacks.append({"world": [old_world, comm.num_nodes], "now": comm.node_index,
+                               "sharers": sharers, "generation": comm.generation,
+                               "seconds": took})  # fmt: skip
+        log.warning("survivors: %d ranks go on, %d of them back (this one is %d) after %.2f s",
+                    comm.num_nodes, comm.num_nodes - old_world, comm.node_index, took)  # fmt: skip
 
     # -- a death -------------------------------------------------------------------------
 

@@ -3,13 +3,17 @@ and finish, with no restart, every training example used exactly once an epoch.
 
     examples/elastic.sh                          # 4 processes, rank 1 SIGKILLed at step 300
     examples/elastic.sh --kill-at 50 --kill-rank 0 --quick
+    examples/elastic.sh --come-back              # ... and started again: it rejoins
 
 The loop is examples/mnist.py's with distlearn.survivors.Survivors in place of
 AllReduceSGD: `job.step(closure)` sums the gradients and steps the optimizer, and when a
 rank has died the survivors re-form the tree, take up what it had not trained on, and
-redo the step. Every process writes the names of the examples it trained on (a ledger,
-in the run's folder); at the end rank 0 reads them all and says whether every training
-example was used exactly once in each epoch, then prints the test accuracy.
+redo the step. With --come-back the launcher starts the killed process again: it
+finds the running job, is taken in at its next step with the root's parameters and a
+share of the rest of the epoch, and the job ends on 4 processes. Every process writes
+the names of the examples it trained on (a ledger, in the run's folder); at the end
+rank 0 reads them all and says whether every training example was used exactly once in
+each epoch, then prints the test accuracy.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the step at which --kill-rank is SIGKILLed (0: none; default 300)",
     )
     g.add_argument("--kill-rank", type=int, default=1, help="default %(default)s")  # fmt: skip
+    g.add_argument(
+        "--come-back",
+        action="store_true",
+        help="the launcher starts the killed process again; it rejoins the running job",
+    )
     args = p.parse_args(argv)
     if args.backend != "ipc":
         p.error("--backend gloo cannot re-form without a dead rank: this example is the tree's")
@@ -69,9 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     schedule = mnist_lib.Schedule(args.lr, steps_per_epoch * args.epochs,
                                   round(args.warmup * steps_per_epoch))  # fmt: skip
     job = Survivors(comm, model, optimizer, train)
-    # rank 0 makes the run's folder; every process writes its ledger there
-    folder = args.output or (mnist_lib.run_folder("elastic.py") if node == 0 else None)
-    folder = Path(share_bytes(comm, str(folder).encode() if node == 0 else None).decode())
+    # rank 0 makes the run's folder; every process writes its ledger there (a process that
+    # came back has it from the launcher: the others are past this point)
+    if job.came_back:
+        if not args.output:
+            p.error("--come-back: the launcher gives every process --output")
+        folder = Path(args.output)
+    else:
+        folder = args.output or (mnist_lib.run_folder("elastic.py") if node == 0 else None)
+        folder = Path(share_bytes(comm, str(folder).encode() if node == 0 else None).decode())
     (folder / "ledger").mkdir(parents=True, exist_ok=True)
     ledger = open(folder / "ledger" / f"rank{node}-{os.getpid()}.txt", "a")  # noqa: SIM115
     if node == 0:
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             epoch, t0 = position["epoch"] + 1, time.perf_counter()
             for batch in train:
                 for group in optimizer.param_groups:
-                    group["lr"] = schedule(step)
+                    group["lr"] = schedule(job.steps)  # the job's step: one that came back too
 
                 def closure(batch=batch):
                     optimizer.zero_grad()
@@ -99,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 ledger.write("".join(f"{train.epoch} {url}\n" for url in batch.urls))
                 ledger.flush()
                 step += 1
-                if step == args.kill_at and first_rank == args.kill_rank:
+                if step == args.kill_at and first_rank == args.kill_rank and not job.came_back:
                     os.kill(os.getpid(), signal.SIGKILL)  # the fault: no goodbye
             job.end_epoch()
             result = mnist_lib.evaluate(model, test_batches(args, job, loader, process),
@@ -114,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             for death in job.deaths:
                 print(f"rank {death['dead']} died; {death['world'][1]} ranks took over its "
                       f"examples in {death['seconds']:.2f} s", flush=True)  # fmt: skip
+            for back in job.comebacks:
+                print(f"a process came back; {back['world'][1]} ranks go on from the same step "
+                      f"(taken in in {back['seconds']:.2f} s)", flush=True)  # fmt: skip
             print(exactly_once(folder / "ledger", items, args.epochs), flush=True)
             print(f"elastic.py: final test accuracy {100 * result['test_accuracy']:.2f}% after "
                   f"{mnist_lib.plural(args.epochs, 'epoch')}, {job.comm.num_nodes} of {nodes} "

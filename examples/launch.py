@@ -274,10 +274,19 @@ def run_job(script: Path, nodes: int, url: str, args: list[str], survive: bool =
     """Start `nodes` processes of `script`; wait for all, or stop all at the first failure.
 
     With `survive` (examples/elastic.sh), a process killed by SIGKILL is the fault the
-    job is there to survive: the others go on, and the job succeeds if they all do."""
+    job is there to survive: the others go on, and the job succeeds if they all do. With
+    ``--come-back`` among the script's options too, the killed process is started again
+    (once, the same command and variables) and rejoins the running job; every process
+    then gets the same ``--output`` folder (the one that comes back cannot ask rank 0)."""
     master_port, ipc_port = free_port(), free_port()  # ipc would otherwise take MASTER_PORT+1
     token = secrets.token_hex(16)  # the ipc tree admits only processes of this job
+    restart = survive and "--come-back" in args
+    if restart and "--output" not in args:
+        from mnist_lib import run_folder  # (no torch at import)
+
+        args = [*args, "--output", str(run_folder(script.name))]
     procs: list[subprocess.Popen] = []
+    envs: list[dict] = []
     try:
         for rank in range(nodes):
             env = dict(os.environ)
@@ -293,16 +302,26 @@ def run_job(script: Path, nodes: int, url: str, args: list[str], survive: bool =
             )
             cmd = [sys.executable, str(script), "--data-url", url, *args]
             procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+            envs.append(env)
         log.info("started %d processes of %s: pids %s", nodes, script.name, [p.pid for p in procs])
         killed: set[int] = set()
+        restarted: set[int] = set()
         while True:
             codes = [p.poll() for p in procs]
             if survive:
                 for rank, c in enumerate(codes):
                     if c == -signal.SIGKILL and rank not in killed:
-                        killed.add(rank)
                         log.warning("node %d (pid %d) was killed; the others go on", rank,
                                     procs[rank].pid)  # fmt: skip
+                        if restart and rank not in restarted:
+                            restarted.add(rank)
+                            procs[rank] = subprocess.Popen(cmd, env=envs[rank],
+                                                           preexec_fn=_die_with_parent)  # fmt: skip
+                            codes[rank] = None
+                            log.warning("node %d started again (pid %d): it rejoins the job",
+                                        rank, procs[rank].pid)  # fmt: skip
+                        else:
+                            killed.add(rank)
                 if len(killed) == len(procs):
                     return 128 + signal.SIGKILL
                 codes = [None if r in killed else c for r, c in enumerate(codes)]

@@ -209,7 +209,8 @@ def survive(args, comm, batcher, model, opt, ledger) -> int:
     from distlearn.survivors import Survivors
 
     job = Survivors(comm, model, opt, batcher)
-    ledger.write(start=True, world=comm.num_nodes, restored=None, step=0)
+    ledger.write(start=True, world=job.comm.num_nodes, restored=None, step=0,
+                 came_back=job.came_back)  # fmt: skip
     step, first = 0, comm.node_index
     while True:
         position = batcher.state_dict()
@@ -224,18 +225,24 @@ def survive(args, comm, batcher, model, opt, ledger) -> int:
                 loss.backward()
                 return loss
 
+            # the parameters the step starts from, and the tree's generation (a rank that
+            # came back starts from the root's)
+            gen = job.comm.generation
+            digest = sum(float(p.detach().double().sum()) for p in model.parameters())
             loss = job.step(closure)
             step += 1
             ledger.write(step=step, ids=ids_of(batch), loss=None if loss is None else loss.item(),
-                         world=job.comm.num_nodes)  # fmt: skip
-            if args.die_at == step and first == args.die_rank and not job.deaths:
+                         world=job.comm.num_nodes, gen=gen, digest=digest)  # fmt: skip
+            if args.die_at == step and first == args.die_rank and not job.deaths \
+                    and not job.came_back:  # fmt: skip
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.sleep:
                 time.sleep(args.sleep)
-        if args.die_in_drain and first == args.die_rank and not job.deaths:
+        if args.die_in_drain and first == args.die_rank and not job.deaths and not job.came_back:
             os.kill(os.getpid(), signal.SIGKILL)
         job.end_epoch()
-    ledger.write(done=True, step=step, deaths=job.deaths)
+    ledger.write(done=True, step=step, deaths=job.deaths, comebacks=job.comebacks,
+                 came_back=job.came_back, world=job.comm.num_nodes)  # fmt: skip
     batcher.close()
     job.comm.close()
     return 0

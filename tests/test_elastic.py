@@ -19,6 +19,7 @@ import pytest
 from distlearn.dataset.sampling.elastic import (
     Piece,
     Position,
+    admit,
     advance,
     check_states,
     pool,
@@ -254,6 +255,36 @@ def test_survivors_take_over_the_dead_ranks_rest(seed):
     last = max(p.epoch for p in new) + 1
     finish(new, geo, out, last)
     check_epochs(out, n, last, False)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ranks_that_come_back_share_the_rest_of_those_in_their_epoch(seed):
+    rnd = random.Random(seed)
+    n = rnd.randint(10, 150)
+    geo, out = Sized(n), []
+    world = rnd.randint(1, 6)
+    positions = [Position(world, p, 0, 0, geo.length(world, p, 0)) for p in range(world)]
+    positions = [run(pos, rnd.randint(0, 2 * n // world), geo, out) for pos in positions]
+    back = rnd.randint(1, 3)
+    sharers = sorted(rnd.sample(range(world), rnd.randint(0, world)))
+    batch = rnd.randint(1, 8)
+    new = [admit(positions, sharers, q, world + back, batch, geo) for q in range(world + back)]
+    assert all(p.partitions == world + back for p in new)
+    for q in range(world):  # the others keep what they had, in their old order
+        if q not in sharers:
+            assert new[q].rest == admit(positions, [], q, world + back, batch, geo).rest
+    if sharers:  # the rest is shared in whole batches: shares differ by a batch at most
+        sizes = [sum(len(x) for x in new[q].rest) for q in [*sharers, *range(world, world + back)]]
+        assert max(sizes) - min(sizes) <= batch
+    last = max(p.epoch for p in new) + 1
+    finish(new, geo, out, last)
+    check_epochs(out, n, last, False)
+
+
+def test_admit_needs_room_for_those_that_come_back():
+    geo = Sized(20)
+    with pytest.raises(ValueError, match="no room"):
+        admit([Position(2, 0, 0), Position(2, 1, 0)], [0], 0, 2, 4, geo)
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -209,6 +209,28 @@ def test_elastic_quick_run_kills_a_rank_and_finishes_on_three(job, tmp_path):
     j.assert_no_orphans(pids)
 
 
+def test_elastic_quick_run_a_killed_rank_comes_back(job, tmp_path):
+    """examples/elastic.sh --come-back: rank 1 SIGKILLed at step 5 and started again by the
+    launcher; it rejoins the running job at a step, and the job ends on 4 processes with
+    every training example used exactly once."""
+    j = job("--script", "examples/elastic.py", "--survive", "--quick", "--kill-at", "5",
+            "--kill-rank", "1", "--batch-size", "8", "--come-back", "--output",
+            str(tmp_path / "out"))  # fmt: skip
+    pids = j.pids()
+    code = j.finish(timeout=280)
+    assert code == 0, j.output
+    assert any(re.fullmatch(r"a process came back; 4 ranks go on from the same step \(taken "
+                            r"in in [\d.]+ s\)", line) for line in j.lines), j.output  # fmt: skip
+    at = j.lines.index("every training example was used exactly once in each epoch")
+    assert j.lines[at + 1] == "  epoch 1: 4000 of 4000 examples, 0 used more than once, 0 never"
+    m = re.fullmatch(r"elastic\.py: final test accuracy ([\d.]+)% after 1 epoch, 4 of 4 "
+                     r"processes at the end, \d+ s", j.lines[-1])  # fmt: skip
+    assert m and float(m.group(1)) > 60, j.output
+    # two ledgers of rank 1's pids: the killed process's and the one that came back
+    assert len(list((tmp_path / "out" / "ledger").glob("rank*.txt"))) == 5
+    j.assert_no_orphans(pids)
+
+
 @SPARE_CORE
 def test_one_process_with_a_core_to_spare_fetches_in_worker_processes(job, tmp_path):
     """Where the host has a core to spare for it (1 process on 2 cores), the example's

@@ -15,7 +15,10 @@ them alone (tests/test_elastic.py):
   had not handed out, and the first epoch that is ordinary again;
 - :func:`split`: those pieces -> each new rank's share (whole batches, balanced);
 - :func:`resume`: both, for one new rank, or its own position at the same world size;
-- :func:`check_states`: a list of saved states refused by name when it cannot be honoured.
+- :func:`check_states`: a list of saved states refused by name when it cannot be honoured;
+- :func:`take_over` and :func:`admit`, for a job that goes on without a restart
+  (distlearn.survivors): a dead rank's rest shared by the survivors; ranks that come back
+  given a share of the rest of the ranks still in their epoch.
 
 The epoch geometry (how long an order is, which part files it walks) comes from the
 stream, through a :class:`Geometry`.
@@ -44,6 +47,7 @@ __all__ = [
     "Geometry",
     "Piece",
     "Position",
+    "admit",
     "advance",
     "check_states",
     "pool",
@@ -235,13 +239,24 @@ def pool(positions: Sequence[Position], geometry: Geometry) -> tuple[list[Piece]
     That epoch is M + 1, M the newest epoch any old rank had begun: ranks of a job run at
     most an epoch apart (uneven partitions), and every epoch up to M is finished, piece by
     piece, in the old job's orders."""
-    newest = max((p.epoch if p.begun else p.epoch - 1) for p in positions)
+    newest = _newest(positions)
     pieces: list[Piece] = []
     for pos in positions:
-        pieces += pos.rest
-        for e in range(pos.epoch, newest + 1):
-            pieces += _unread(pos, e, geometry)
+        pieces += _left(pos, newest, geometry)
     return pieces, newest + 1
+
+
+def _newest(positions: Sequence[Position]) -> int:
+    """The newest epoch any of `positions` had begun."""
+    return max((p.epoch if p.begun else p.epoch - 1) for p in positions)
+
+
+def _left(pos: Position, newest: int, geometry: Geometry) -> list[Piece]:
+    """What `pos` had not handed out: its pieces, then its orders up to epoch `newest`."""
+    pieces = list(pos.rest)
+    for e in range(pos.epoch, newest + 1):
+        pieces += _unread(pos, e, geometry)
+    return pieces
 
 
 def _unread(pos: Position, epoch: int, geometry: Geometry) -> list[Piece]:
@@ -386,18 +401,42 @@ def take_over(
     `share`: (i, n): this survivor is sharer i of n (default: `partition` of
     `partitions`); (0, 0): it takes no share (it has left its epoch already).
     """
-    newest = max((p.epoch if p.begun else p.epoch - 1) for p in everyone)
-    theirs: list[Piece] = []
-    for pos in dead:
-        theirs += pos.rest
-        for e in range(pos.epoch, newest + 1):
-            theirs += _unread(pos, e, geometry)
-    mine = list(own.rest)
-    for e in range(own.epoch, newest + 1):
-        mine += _unread(own, e, geometry)
+    newest = _newest(everyone)
+    theirs = [piece for pos in dead for piece in _left(pos, newest, geometry)]
+    mine = _left(own, newest, geometry)
     i, n = share if share is not None else (partition, partitions)
     taken = split(theirs, n, batch_size, weight)[i] if n else []
     return Position(partitions, partition, newest + 1, rest=mine + taken)
+
+
+def admit(
+    old: Sequence[Position],
+    sharers: Sequence[int],
+    partition: int,
+    partitions: int,
+    batch_size: int,
+    geometry: Geometry,
+    weight: Callable[[Piece], float] | None = None,
+) -> Position:
+    """A rank's new position when returning ranks are taken in (no restart).
+
+    `old`: the position of every rank already there, in rank order; the returning ranks
+    are ranks ``len(old)`` to ``partitions - 1``. The old ranks of `sharers` (those still
+    in their epoch) pool what they had not handed out and split it with the returning
+    ones, in runs of whole batches; the other old ranks (their epoch done) keep their
+    own rest. Then every rank goes on with ordinary epochs of the new partitioning
+    (`partition` of `partitions`) after the newest epoch anyone had begun: each example
+    still once."""
+    if not len(old) < partitions:
+        raise ValueError(f"admit: {len(old)} old ranks leave no room in {partitions}")
+    newest = _newest(old)
+    takers = [*sharers, *range(len(old), partitions)]
+    if partition in takers:
+        pooled = [piece for r in sharers for piece in _left(old[r], newest, geometry)]
+        mine = split(pooled, len(takers), batch_size, weight)[takers.index(partition)]
+    else:
+        mine = _left(old[partition], newest, geometry)
+    return Position(partitions, partition, newest + 1, rest=mine)
 
 
 def advance(pos: Position, n: int, geometry: Geometry) -> Position:

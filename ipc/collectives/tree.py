@@ -40,7 +40,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ from distlearn.common.keywords import checked
 from ..errors import IPCError
 from ..rendezvous import Localhost, Roster, Static
 from ..rendezvous import from_env as env_handler
+from ..rendezvous.lobby import Admission, Knock, Lobby
 from ..transport import Endpoint, Limits, Link, Liveness, fdlimit, runtime_dir
 from . import shm as shm_mod
 from .engine import Engine
@@ -131,6 +132,13 @@ class Tree(RunningMixin):
             raise ValueError(f"chunk_bytes must be an int in [64, 2**28], got {chunk_bytes!r}")
         if not isinstance(stall_warning, (int, float)) or stall_warning <= 0:
             raise ValueError(f"stall_warning must be a positive number, got {stall_warning!r}")
+        # A process started again into a launch whose tree still runs (distlearn.survivors
+        # opened its lobby) is taken back in: it joins the next generation, last.
+        come_back = getattr(rendezvous, "come_back", None)
+        if come_back is not None and getattr(rendezvous, "generation", 0) == 0:
+            rendezvous = come_back() or rendezvous
+        self.came_back = bool(getattr(rendezvous, "returned", False))
+        self._lobby: Lobby | None = None
         self.node_index = rendezvous.node_index
         self.num_nodes = rendezvous.num_nodes
         # What reform() needs to make the survivors' tree: the handler, the options,
@@ -445,21 +453,70 @@ class Tree(RunningMixin):
         if self.node_index in dead:
             raise ValueError(f"node {self.node_index} cannot re-form a tree it is dead in")
         survivors = [i for i in range(self.num_nodes) if i not in dead]
-        index, n, g = survivors.index(self.node_index), len(survivors), self.generation + 1
+        index, n = survivors.index(self.node_index), len(survivors)
+        return self._succeed(self._successor(index, n, survivors[0]))
+
+    def open_lobby(self) -> None:
+        """Take back in the processes of this launch that died and were started again (as
+        distlearn.survivors does): node 0 of a one-host tree opens the launch's lobby
+        (`ipc.rendezvous.lobby`), where such a process, in `Tree.from_env`, knocks and
+        waits; `knocks` lists them and `admit` takes them in. Elsewhere (other nodes,
+        trees across hosts) nothing: a process started again there makes a tree of its
+        own launch, as before."""
+        if self.node_index != 0 or self._lobby is not None or self._closed:
+            return
+        if isinstance(self._rendezvous, Localhost) and self.num_nodes > 1:
+            self._lobby = Lobby(self._rendezvous.lobby_key)
+            self._lobby.publish(self.generation, self.num_nodes)
+
+    def knocks(self, fresh: bool = False) -> list[Knock]:
+        """On node 0 of a tree with an open lobby: the returning processes waiting to be
+        taken in (looked up at most every 0.25 s unless `fresh`). Elsewhere []."""
+        return self._lobby.knocks(fresh) if self._lobby is not None else []
+
+    def admit(self, knocks: Sequence[Knock]) -> Tree:
+        """The tree of this tree's nodes, numbered as now, and the processes of `knocks`
+        after them (node 0's list: every node calls this with it, at the same point). Node
+        0 answers each knock with where to join; the returning processes meet the others
+        under the next generation. This tree is closed."""
+        if not knocks:
+            raise ValueError("admit: no knocks to take in")
+        n = self.num_nodes + len(knocks)
+        handler = self._successor(self.node_index, n, 0)
+        if self._lobby is not None:
+            assert isinstance(handler, Localhost)
+            for j, knock in enumerate(knocks):
+                where = Admission(handler.key, self.num_nodes + j, n, handler.generation)
+                self._lobby.admit(knock, where)
+        return self._succeed(handler)
+
+    def _successor(self, index: int, n: int, root: int) -> Localhost | Static:
+        """The handler of the next generation: node `index` of `n`, node 0 being this
+        tree's node `root`. On one host they meet by the rendezvous key plus ``/gen<g>``;
+        across hosts at `root`'s address, on the root port plus g, with the same secret."""
+        g = self.generation + 1
         old = self._rendezvous
         if isinstance(old, Localhost):
             token = old.given.text if old.given is not None else None
-            handler: Localhost | Static = Localhost(index, n, key=f"{old.key}/gen{g}", token=token)
+            handler: Localhost | Static = Localhost(index, n, key=f"{old.key}/gen{g}", token=token,
+                                                    lobby_key=old.lobby_key)  # fmt: skip
         else:
-            root = next((a for a in self._addresses[survivors[0]] if a.startswith("tcp://")), "")
-            host = root[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+            address = next((a for a in self._addresses[root] if a.startswith("tcp://")), "")
+            host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
             handler = Static(index, n, host, old.root_port + g, token=old.secret.text)
         handler.generation = g
+        return handler
+
+    def _succeed(self, handler: Localhost | Static) -> Tree:
         # The new tree first, the old one released after: a survivor still inside the
         # failed collective must not see this node leave it (it would take this node for
         # the dead one); by the time every survivor has joined the new tree, each has seen
         # the real failure.
         tree = Tree(handler, **self._tree_options)
+        lobby, self._lobby = self._lobby, None
+        if lobby is not None:  # node 0 stays node 0: the lobby goes on, never closed between
+            tree._lobby = lobby
+            lobby.publish(tree.generation, tree.num_nodes)
         with contextlib.suppress(Exception):  # a broken tree: release what is left of it
             self._release(linger=0)
         self._closed = True
@@ -489,6 +546,10 @@ class Tree(RunningMixin):
             self._release(linger=min(self.timeout, 10.0 if broken else 60.0))
 
     def _release(self, linger: float) -> None:
+        if self._lobby is not None:
+            with contextlib.suppress(Exception):
+                self._lobby.close()
+            self._lobby = None
         if self._shm is not None:
             self._shm.close()
             self._shm = None

@@ -14,6 +14,9 @@ A handler knows where node 0 can be found and what the job's secret is:
   from $IPC_TOKEN or $IPC_TOKEN_FILE); no launcher, a one-node `Localhost` (a single
   process).
 
+- `Lobby` (lobby.py): on one host, where a process started again into a launch whose
+  tree still runs (distlearn.survivors) knocks, and node 0 answers with where to join.
+
 Each handler's `rendezvous(listen, options, timeout)` asks `listen(secret, specs)` to
 bind the node's own endpoint once it knows the secret (it returns the addresses peers
 will dial), exchanges addresses over authenticated links (the transport layer), and

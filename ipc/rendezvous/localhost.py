@@ -41,6 +41,7 @@ from .launches import (
     same_command_line,
     twin_launch,
 )
+from .lobby import Lobby
 from .localhost_joiner import JoinerMixin
 from .records import _publish_record, sweep_dead_records
 
@@ -75,6 +76,7 @@ class Localhost(JoinerMixin):
         port: int | None = None,
         token: str | None = None,
         token_file: str | None = None,
+        lobby_key: str | None = None,
     ):
         check_index(node_index, num_nodes)
         self.node_index, self.num_nodes = node_index, num_nodes
@@ -83,6 +85,9 @@ class Localhost(JoinerMixin):
         if key is None:
             key = env_str(KEY_ENV) or (f"port{port}" if port is not None else f"ppid{os.getppid()}")
         self.key = str(key)
+        # The launch's first key, which names its lobby in every generation (lobby.py).
+        self.lobby_key = self.key if lobby_key is None else lobby_key
+        self.returned = False  # taken back into a running tree (come_back)
         self.given = given_secret(token, token_file)
         digest = hashlib.sha256(f"{self.key}:{num_nodes}".encode()).hexdigest()[:16]
         self.prefix = f"rv-{digest}-"
@@ -93,6 +98,27 @@ class Localhost(JoinerMixin):
         self.start = start_ticks()
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._twins: tuple[float, bool] = (float("-inf"), False)  # (when, whether) found
+
+    def come_back(self) -> Localhost | None:
+        """For a process started again into a launch whose tree still runs and takes
+        nodes back in (its lobby is open: distlearn.survivors): knock, wait until the tree
+        takes it in (at its next step), and return the handler of the tree to join, the
+        next generation, in which this process is the last node. None when no tree of
+        this launch takes nodes in: this is a launch of its own."""
+        if self.num_nodes == 1:
+            return None
+        lobby = Lobby(self.lobby_key)
+        if not lobby.running():
+            return None
+        where = lobby.knock(self.node_index)
+        token = self.given.text if self.given is not None else None
+        handler = Localhost(where.index, where.nodes, key=where.key, token=token,
+                            lobby_key=self.lobby_key)  # fmt: skip
+        handler.generation = where.generation
+        handler.returned = True
+        log.warning("ipc: node %d of the launch comes back as node %d of %d (generation %d)",
+                    self.node_index, where.index, where.nodes, where.generation)  # fmt: skip
+        return handler
 
     def describe(self) -> str:
         return f"rendezvous key {self.key!r} in {runtime.runtime_dir()}"
