@@ -40,7 +40,7 @@ from ...fetch import sources as src
 from ...fetch.fetcher import Fetcher
 from ..rows import NameRows, Resolver
 from ..table import Index, labelled
-from . import arrow, csvmodule, lines
+from . import csvmodule, lines
 from .contract import Rows, Source
 from .meta import read_meta
 
@@ -60,10 +60,18 @@ class Reader:
     built: Callable[[], bool]
 
 
+def _arrow_read(source: Source) -> Rows | None:
+    # pyarrow's import costs a tenth of a second, paid only by the files `lines` declines
+    # (a job's start, where most index files are plain, waits for it otherwise).
+    from . import arrow
+
+    return arrow.read(source)
+
+
 # The readers, in the order they are asked (see the module's text).
 READERS: tuple[Reader, ...] = (
     Reader("lines", lines.read, lines.built),
-    Reader("arrow", arrow.read, lambda: True),
+    Reader("arrow", _arrow_read, lambda: True),
     Reader("csv", csvmodule.read, lambda: True),
 )
 
