@@ -28,4 +28,8 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     fi
     echo "$want" >"$stamp"
 fi
+# The package's bytecode, as a pip install writes it: with PYTHONDONTWRITEBYTECODE set
+# (as on CI machines) every process would compile ~100 modules from source at start.
+# Quick when nothing changed (compileall compares times).
+"$VENV/bin/python" -m compileall -q -j 0 distlearn dataset ipc >/dev/null 2>&1 || true
 echo "$VENV"
