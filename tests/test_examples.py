@@ -402,7 +402,7 @@ def test_a_killed_process_takes_its_loader_workers_with_it(job, tmp_path):
     j.assert_no_orphans(pids)
 
 
-NGINX = pytest.mark.skipif(not shutil.which("nginx"), reason="nginx is not installed")
+NGINX = pytest.mark.skipif(not shutil.which("nginx"), reason="nginx is not on PATH")
 
 
 @pytest.mark.parametrize(
