@@ -134,10 +134,13 @@ class Survivors:
             self._form()
             self.sgd.synchronize_parameters(model)
 
-    def _form(self) -> None:
-        """After the tree is (re)formed: every rank's state, and counts from zero."""
-        mine = json.dumps(self.batcher.state_dict()).encode()
-        self.states = [json.loads(b) for b in gather_bytes(self.comm, mine)]
+    def _form(self, states: list[dict] | None = None) -> None:
+        """After the tree is (re)formed: every rank's state (gathered, unless every rank
+        computed them alike), and counts from zero."""
+        if states is None:
+            mine = json.dumps(self.batcher.state_dict()).encode()
+            states = [json.loads(b) for b in gather_bytes(self.comm, mine)]
+        self.states = states
         self.base = self.batcher.handed_out
         self.known = [0] * self.comm.num_nodes
         self.sgd = AllReduceSGD(self.comm, **self.sgd_options)
@@ -199,7 +202,10 @@ class Survivors:
 
     def _admit(self, stepping: bool) -> None:
         """Node 0 said processes wait in the lobby: every rank, after the same round, takes
-        them in (node 0's list, shared), then `_welcome` on the grown tree."""
+        them in (node 0's list, shared), then `_welcome` on the grown tree. When they do not
+        all join (one died or froze after its knock was answered), the tree as it was goes
+        on: nobody left it."""
+        from .ipc.errors import IPCError
         from .ipc.rendezvous.lobby import Knock
 
         t0, comm = time.monotonic(), self.comm
@@ -210,7 +216,12 @@ class Survivors:
         if not knocks:
             return  # who knocked has gone again
         log.warning("survivors: %d process(es) come back; taking them in", len(knocks))
-        self.comm = comm.admit(knocks)
+        try:
+            self.comm = comm.admit(knocks)
+        except IPCError as err:
+            log.warning("survivors: the process(es) coming back did not join (%s); going on "
+                        "without them", err)  # fmt: skip
+            return
         self._welcome(t0, stepping, old_world=comm.num_nodes)
 
     def _welcome(self, t0: float, stepping: bool, old_world: int | None) -> None:
@@ -218,11 +229,53 @@ class Survivors:
         ranks; `old_world` None). Those that came back get the root's parameters and
         optimizer state; each old rank still in its epoch pools what it had not handed
         out and shares it with them (dataset.sampling.elastic.admit): every example still
-        once. One whose loader differs (index, seed, sampler) is turned away."""
+        once. One whose loader differs (index, seed, sampler) is turned away. Should one
+        that came back die before the shares are dealt, the old ranks re-form without
+        those that came back, as they were."""
+        from .dataset.sampling import elastic
+        from .ipc.errors import PeerError
+
+        back = old_world is None  # this process is one that came back
+        try:
+            met = self._meet(stepping, old_world)
+        except PeerError as err:
+            if back:
+                raise
+            assert old_world is not None
+            log.warning("survivors: a process coming back left while being taken in (%s); "
+                        "going on without them", err)  # fmt: skip
+            self.comm = self.comm.reform(set(range(old_world, self.comm.num_nodes)))
+            self._form()
+            return
+        if met is None:
+            return  # every one that came back was turned away
+        old_world, states, sharers = met
+        comm = self.comm
+        old = [elastic.Position.parse(st) for st in states[:old_world]]
+        stream = self.batcher.stream
+        # Every rank's new position, computed alike everywhere: no collective is left
+        # after the shares are dealt, so a death from here on is an ordinary one.
+        positions = [elastic.admit(old, sharers, r, comm.num_nodes, self.batcher.batch_size,
+                                   stream, stream.piece_weight)
+                     for r in range(comm.num_nodes)]  # fmt: skip
+        self.batcher.take_over(positions[comm.node_index])
+        self._form([stream.state_of(pos) for pos in positions])
+        took = time.monotonic() - t0
+        self.comebacks.append({"world": [old_world, comm.num_nodes], "now": comm.node_index,
+                               "sharers": sharers, "generation": comm.generation,
+                               "seconds": took})  # fmt: skip
+        log.warning("survivors: %d ranks go on, %d of them back (this one is %d) after %.2f s",
+                    comm.num_nodes, comm.num_nodes - old_world, comm.node_index, took)  # fmt: skip
+
+    def _meet(self, stepping: bool, old_world: int | None) -> tuple[int, list, list] | None:
+        """`_welcome`'s collectives, before anything of an old rank changes but the
+        optimizer state (reloaded from the root's, which it equals): (the old world size,
+        every rank's state, the old ranks still in their epoch); None when those that came
+        back were all turned away (the tree re-formed as it was)."""
         from .dataset.sampling import elastic
 
         comm = self.comm
-        back = old_world is None  # this process is one that came back
+        back = old_world is None
         # The old ranks know how many they were; those that came back learn it.
         agree = torch.tensor([comm.num_nodes if back else old_world], dtype=torch.int64)
         comm.all_reduce(agree, op="min")
@@ -252,23 +305,11 @@ class Survivors:
             states = [st for r, st in enumerate(states) if r not in bad]
             if comm.num_nodes == old_world:  # nobody came back after all: as we were
                 self._form()
-                return
+                return None
         flags = torch.zeros(comm.num_nodes, dtype=torch.int64)
         flags[comm.node_index] = int(stepping)
         comm.all_reduce(flags)
-        sharers = [r for r in range(old_world) if flags[r]]
-        old = [elastic.Position.parse(st) for st in states[:old_world]]
-        stream = self.batcher.stream
-        position = elastic.admit(old, sharers, comm.node_index, comm.num_nodes,
-                                 self.batcher.batch_size, stream, stream.piece_weight)  # fmt: skip
-        self.batcher.take_over(position)
-        self._form()
-        took = time.monotonic() - t0
-        self.comebacks.append({"world": [old_world, comm.num_nodes], "now": comm.node_index,
-                               "sharers": sharers, "generation": comm.generation,
-                               "seconds": took})  # fmt: skip
-        log.warning("survivors: %d ranks go on, %d of them back (this one is %d) after %.2f s",
-                    comm.num_nodes, comm.num_nodes - old_world, comm.node_index, took)  # fmt: skip
+        return old_world, states, [r for r in range(old_world) if flags[r]]
 
     # -- a death -------------------------------------------------------------------------
 

@@ -60,6 +60,16 @@ def parse(argv=None) -> argparse.Namespace:
         help="--die-rank dies as it ends its first epoch (the others may still step)",
     )
     p.add_argument("--stop-at", type=int, default=None)
+    p.add_argument(
+        "--die-when-back",
+        action="store_true",
+        help="a process that came back dies as soon as it has joined the grown tree",
+    )
+    p.add_argument(
+        "--die-after-admission",
+        action="store_true",
+        help="a process coming back dies once its knock is answered, before it joins",
+    )
     p.add_argument("--deterministic", action="store_true")
     p.add_argument(
         "--survive",
@@ -129,7 +139,19 @@ def main(argv=None) -> int:
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
         torch.set_num_threads(1)
+    if args.die_after_admission:  # the fault, around the library's own knock
+        from distlearn.ipc.rendezvous import lobby
+
+        knock = lobby.Lobby.knock
+
+        def knock_and_die(self, rank):
+            knock(self, rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        lobby.Lobby.knock = knock_and_die
     comm = make_comm(args.comm)
+    if args.die_when_back and getattr(comm, "came_back", False):
+        os.kill(os.getpid(), signal.SIGKILL)
     rank, world = comm.node_index, comm.num_nodes
     opts: dict = {}
     processor, data = None, args.data

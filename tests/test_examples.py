@@ -210,11 +210,12 @@ def test_elastic_quick_run_kills_a_rank_and_finishes_on_three(job, tmp_path):
 
 
 def test_elastic_quick_run_a_killed_rank_comes_back(job, tmp_path):
-    """examples/elastic.sh --come-back: rank 1 SIGKILLed at step 5 and started again by the
+    """examples/elastic.sh --come-back: rank 1 SIGKILLed at step 3 and started again by the
     launcher; it rejoins the running job at a step, and the job ends on 4 processes with
-    every training example used exactly once."""
-    j = job("--script", "examples/elastic.py", "--survive", "--quick", "--kill-at", "5",
-            "--kill-rank", "1", "--batch-size", "8", "--come-back", "--output",
+    every training example used exactly once. (Batches of 2: 500 steps a rank, so the job
+    is still running when the process started again has imported torch, under load too.)"""
+    j = job("--script", "examples/elastic.py", "--survive", "--quick", "--kill-at", "3",
+            "--kill-rank", "1", "--batch-size", "2", "--come-back", "--output",
             str(tmp_path / "out"))  # fmt: skip
     pids = j.pids()
     code = j.finish(timeout=280)

@@ -55,7 +55,7 @@ def launch(tmp: Path, world: int, n: int = 90, timeout: float = 240, comeback: b
                 p.kill()
                 p.wait()
     errs = [f.read_text() if f.exists() else "" for f in logs]
-    dead = [r for r, p in enumerate(procs) if p.returncode == -9]
+    dead = [r for r, p in enumerate(procs[:world]) if p.returncode == -9]
     assert len(dead) == 1, [p.returncode for p in procs]
     for r, (p, err) in enumerate(zip(procs, errs, strict=False)):
         if r == world and comeback_args:
@@ -159,3 +159,21 @@ def test_a_process_coming_back_with_another_loader_is_turned_away(tmp_path):
     assert "sampler='permutation' there, 'linear' here" in (tmp_path / "stderr3.txt").read_text()
     done = [x for p in ledgers for x in p if "done" in x]
     assert len(done) == 2 and all(d["world"] == 2 for d in done)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["die_when_back", "die_after_admission"])
+def test_a_process_that_dies_while_coming_back_leaves_the_job_as_it_was(tmp_path, fault):
+    """SIGKILLed as soon as it has joined the grown tree (the others are in the welcome's
+    first collective), or once its knock is answered but before it joins (the others wait
+    ADMIT_S for it): the job goes on without it, on the ranks it had, exactly once."""
+    n = 600
+    flag = "--" + fault.replace("_", "-")
+    ledgers = launch(tmp_path, 3, n=n, comeback=True, comeback_args=(flag,), die_at=3,
+                     die_rank=1, batch=4, sleep=0.1)  # fmt: skip
+    check(ledgers, n=n)
+    done = [x for p in ledgers for x in p if "done" in x]
+    assert len(done) == 2 and all(d["world"] == 2 for d in done)
+    assert all(d["comebacks"] == [] for d in done)
+    err = (tmp_path / "stderr0.txt").read_text()
+    assert "going on without them" in err, err[-3000:]

@@ -50,7 +50,7 @@ from distlearn.common.keywords import checked
 from ..errors import IPCError
 from ..rendezvous import Localhost, Roster, Static
 from ..rendezvous import from_env as env_handler
-from ..rendezvous.lobby import Admission, Knock, Lobby
+from ..rendezvous.lobby import ADMIT_S, Admission, Knock, Lobby
 from ..transport import Endpoint, Limits, Link, Liveness, fdlimit, runtime_dir
 from . import shm as shm_mod
 from .engine import Engine
@@ -197,7 +197,10 @@ class Tree(RunningMixin):
             return list(self._endpoint.addresses)
 
         try:
-            roster = rendezvous.rendezvous(listen, options, self.timeout)
+            # (a grown tree meets within ADMIT_S: one that came back and died does not hold
+            # the others up for the whole timeout)
+            meet = getattr(rendezvous, "meet_within", None) or self.timeout
+            roster = rendezvous.rendezvous(listen, options, meet)
             self.where = roster.where
             self._addresses = roster.addresses
             self._connect(roster, base, stall_warning)
@@ -478,11 +481,14 @@ class Tree(RunningMixin):
         """The tree of this tree's nodes, numbered as now, and the processes of `knocks`
         after them (node 0's list: every node calls this with it, at the same point). Node
         0 answers each knock with where to join; the returning processes meet the others
-        under the next generation. This tree is closed."""
+        under the next generation. This tree is closed, unless they do not all join within
+        ADMIT_S (one died, or froze): then every node raises IPCError and this tree, which
+        nobody left, goes on."""
         if not knocks:
             raise ValueError("admit: no knocks to take in")
         n = self.num_nodes + len(knocks)
         handler = self._successor(self.node_index, n, 0)
+        handler.meet_within = min(self.timeout, ADMIT_S)
         if self._lobby is not None:
             assert isinstance(handler, Localhost)
             for j, knock in enumerate(knocks):

@@ -33,13 +33,16 @@ from ..errors import IPCError
 from ..procs import running, start_ticks
 from ..transport import runtime
 
-__all__ = ["Admission", "Knock", "Lobby"]
+__all__ = ["ADMIT_S", "Admission", "Knock", "Lobby"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a returning node looks for its admission
 LOOK_S = 0.25  # node 0 lists knocks at most this often (it asks at every step)
 REPLACED_S = 10.0  # a lobby whose node 0 died: how long to wait for the survivors' new one
+# How long a tree taking processes back in waits for them to join it (Tree.admit), and
+# they for it: one that came back joins within a second or two of its admission.
+ADMIT_S = 30.0
 
 
 @dataclass(frozen=True)
