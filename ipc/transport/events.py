@@ -48,9 +48,11 @@ class EventLoopMixin:
     def wait(self, timeout: float) -> list:
         """Wait up to `timeout` seconds for traffic without handling it: `process` the
         events it returns (a caller that must handle them under its own lock)."""
-        if self._redials:  # (not past the time a link waits to be dialed again)
-            soonest = min(link.redial_at for link in self._redials)
-            timeout = min(timeout, max(0.0, soonest - time.monotonic()) + 0.001)
+        # (not past the time a link waits to be dialed again, or to say HELLO again)
+        waits = [link.redial_at for link in self._redials]
+        waits += [link.hello_at for link in self._hellos]
+        if waits:
+            timeout = min(timeout, max(0.0, min(waits) - time.monotonic()) + 0.001)
         return self._poller.poll(max(0, int(timeout * 1000)))
 
     def watch(self, fd: int) -> None:
@@ -74,6 +76,8 @@ class EventLoopMixin:
             self._check_monitors()
         if self._redials:
             self._redial_due()
+        if self._hellos:
+            self._hello_due()
         now = time.monotonic()
         if self.router is not None and (now < self._probe_until or now >= self._next_probe):
             self._next_probe = now + max(self.liveness.interval, 0.5)

@@ -49,6 +49,7 @@ import hmac
 import itertools
 import json
 import os
+import random
 import re
 import threading
 import time
@@ -73,6 +74,10 @@ ZAP_DOMAIN = b"distlearn-ipc"
 PLAIN_USER = b"distlearn"
 CLOSING = "closing: it takes no more links"
 MAX_AGAIN = 100  # times a dialer starts its handshake over before it gives up
+# ... after a random wait of up to AGAIN_WAIT_S x 2**(times so far), at most AGAIN_MAX_S:
+# a burst of dialers that all started over at once would take each other's places again.
+AGAIN_WAIT_S = 0.005
+AGAIN_MAX_S = 0.5
 
 
 def _again(header: bytes) -> bool:
@@ -325,7 +330,9 @@ class HandshakeMixin:
             self._drop(f"a bad handshake message from {link.address}: {err}")
 
     def _hello_again(self, link: Link) -> None:
-        """Start the handshake over (the listener lost ours), with a fresh nonce."""
+        """Start the handshake over (the listener lost ours), after a random wait that
+        doubles each time (`_hello_due` sends it): dialers of a burst that all started over
+        at once took each other's places again, and under load one lost 100 times in a row."""
         link.again += 1
         if link.again > MAX_AGAIN:
             link.failure = IPCError(
@@ -333,6 +340,21 @@ class HandshakeMixin:
                 f"{MAX_AGAIN} times (more connections at once than it holds)"
             )
             return
+        wait = min(AGAIN_MAX_S, AGAIN_WAIT_S * 2 ** min(link.again, 16))
+        link.hello_at = time.monotonic() + random.uniform(0.0, wait)
+        link.state = "again"
+        self._hellos.append(link)
+
+    def _hello_due(self) -> None:
+        """Say HELLO again on the links whose wait (`_hello_again`) is over."""
+        now = time.monotonic()
+        for link in [link for link in self._hellos if link.hello_at <= now]:
+            self._hellos.remove(link)
+            if link.failure is None and link.dead is None and link.state == "again":
+                self._hello(link)
+
+    def _hello(self, link: Link) -> None:
+        """A dialer's first handshake message, with a fresh nonce."""
         link._nonce = nonce()
         link.state = "handshake"
         hello = {"name": self.name, "nonce": link._nonce.hex(), "info": self.info}

@@ -118,6 +118,7 @@ class Link:
         self._nonce = b""
         self._hello: dict = {}
         self.again = 0  # handshakes the listener lost and we started over
+        self.hello_at = 0.0  # ... and when this one says HELLO again (state "again")
 
     def __repr__(self) -> str:
         return f"Link({self.name!r}, {self.address}, {self.state}{', dead' if self.dead else ''})"
@@ -237,6 +238,7 @@ class Endpoint(EventLoopMixin, HandshakeMixin, LivenessMixin, LeavingMixin):
         self._probe_until = 0.0  # probe accepted links on every poll until then
         self._next_probe = 0.0
         self._redials: list[Link] = []  # dialed links waiting to be dialed again
+        self._hellos: list[Link] = []  # links waiting to start their handshake over
         self._dropped = 0
         self._dropped_logged = -1e9
         self._unlogged = 0
