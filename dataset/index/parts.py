@@ -43,6 +43,7 @@ contract, all the batcher and the ``part-*`` samplers of
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import logging
@@ -292,10 +293,18 @@ class PartIndex:
         cap = self.max_part_bytes
         if src.is_http(url):
             fetcher = self._fetcher()
-            job = fetcher.submit(fetcher.fetch(url))
+            left = deadline.left()
+            # The deadline is kept on the fetcher's loop too (wait_for: its timer comes
+            # before the request's own, which starts later), not only by this thread's
+            # wait: woken late under load, the waiter's cancel came after the request's
+            # own timeout had fired and its retry had gone out, past part_timeout.
+            work = fetcher.fetch(url)
+            if left is not None:
+                work = asyncio.wait_for(work, max(left, 0.0))
+            job = fetcher.submit(work)
             try:
-                return job.result(timeout=deadline.left())
-            except concurrent.futures.TimeoutError:
+                return job.result(timeout=None if left is None else max(left, 0.0) + 5.0)
+            except TimeoutError:  # (asyncio's and concurrent.futures' are this one)
                 job.cancel()  # the request is dropped on the fetcher's loop, retries too
                 raise OutOfTime(f"{url}: its download ran past part_timeout") from None
         path = src.local_path(url)
@@ -317,8 +326,11 @@ class PartIndex:
                 policy = self.fetch.fetcher_kwargs()
                 policy.update(retries=self.retries, max_item_bytes=self.max_part_bytes)
                 # a part is large: the fetch timeout bounds each wait for data (idle),
-                # part_timeout a whole download
-                policy.update(timeout=self.part_timeout, idle_timeout=self.fetch.timeout)
+                # part_timeout a whole download, retries included (`_read_remote`: on the
+                # fetcher's loop). No timeout of aiohttp's own for an attempt: one that
+                # fell with the part's deadline turned its cancellation into a timeout,
+                # which was retried past part_timeout.
+                policy.update(timeout=None, idle_timeout=self.fetch.timeout)
                 # the parts are in the folder (or pattern) the user named: theirs
                 scope = scope_for(self.parts, None, self.fetch.credential_origins, guard=False)
                 self._own_fetcher = Fetcher(pool_size=self.resident_parts, scope=scope, **policy)
