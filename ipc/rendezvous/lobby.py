@@ -27,11 +27,11 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import IPCError
 from ..procs import running, start_ticks
 from ..transport import runtime
+from .records import _read_record
 
 __all__ = ["ADMIT_S", "Admission", "Knock", "Lobby"]
 
@@ -92,7 +92,7 @@ class Lobby:
             return
         self._published = False
         directory = runtime.runtime_dir()
-        rec = _read(directory, f"{self.prefix}.json")
+        rec = _read_record(directory, f"{self.prefix}.json")
         if isinstance(rec, dict) and rec.get("pid") == os.getpid():
             runtime.remove(directory, f"{self.prefix}.json")
 
@@ -111,7 +111,7 @@ class Lobby:
                 m = self._pattern.fullmatch(name)
                 if m is None:
                     continue
-                rec = _read(directory, name)
+                rec = _read_record(directory, name)
                 pid, start = int(m.group(1)), rec.get("start") if isinstance(rec, dict) else None
                 if not isinstance(rec, dict) or rec.get("pid") != pid or not running(pid, start):
                     runtime.remove(directory, name)
@@ -142,7 +142,7 @@ class Lobby:
         name = f"{self.prefix}.json"
         deadline = None
         while True:
-            rec = _read(directory, name)
+            rec = _read_record(directory, name)
             if rec is None:
                 return False
             if isinstance(rec, dict) and running(rec.get("pid"), rec.get("start")):
@@ -170,25 +170,18 @@ class Lobby:
         try:
             checked = time.monotonic()
             while True:
-                rec = _read(directory, answer)
+                rec = _read_record(directory, answer)
                 if isinstance(rec, dict) and rec.get("pid") == pid:
                     runtime.remove(directory, answer)
                     return _admission(rec, answer)
                 if time.monotonic() - checked > 1.0:
                     checked = time.monotonic()
-                    if not self.running() and _read(directory, answer) is None:
+                    if not self.running() and _read_record(directory, answer) is None:
                         raise IPCError(f"ipc: the tree this node was coming back to ended "
                                        f"before taking it in (lobby {self.prefix})")  # fmt: skip
                 time.sleep(POLL_S)
         finally:
             runtime.remove(directory, knock)
-
-
-def _read(directory: Path, name: str) -> object:
-    try:
-        return json.loads(runtime.read_private(directory, name) or b"null")
-    except ValueError:
-        return None
 
 
 def _admission(rec: dict, where: str) -> Admission:
