@@ -70,6 +70,12 @@ def parse(argv=None) -> argparse.Namespace:
         action="store_true",
         help="a process coming back dies once its knock is answered, before it joins",
     )
+    p.add_argument(
+        "--admit-s",
+        type=float,
+        default=None,
+        help="how long a growing tree waits for the processes it takes in (lobby.ADMIT_S)",
+    )
     p.add_argument("--deterministic", action="store_true")
     p.add_argument(
         "--survive",
@@ -139,6 +145,10 @@ def main(argv=None) -> int:
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
         torch.set_num_threads(1)
+    if args.admit_s is not None:
+        from distlearn.ipc.rendezvous import lobby
+
+        lobby.Lobby.admit_s = args.admit_s
     if args.die_after_admission:  # the fault, around the library's own knock
         from distlearn.ipc.rendezvous import lobby
 

@@ -52,13 +52,19 @@ def forked(target, *args) -> multiprocessing.Process:
 
 
 @contextlib.contextmanager
-def children(*procs):
-    """Start processes; on the way out kill any that are left."""
+def children(*procs, server: ipc.Server | None = None):
+    """Start processes; on the way out kill any that are left. With `server`, it is read on
+    the way out (what comes is dropped): a client's close() waits for the server to take
+    its goodbye, up to 5 s, and a server we no longer read would make each test wait so."""
     for p in procs:
         p.start()
     try:
         yield procs
     finally:
+        until = time.monotonic() + 10
+        while server is not None and any(p.is_alive() for p in procs) and time.monotonic() < until:
+            with contextlib.suppress(ipc.IPCError):
+                server.recv_any(timeout=0.05, skip_dead=True)
         for p in procs:
             p.join(10)
             if p.is_alive():
@@ -180,7 +186,7 @@ def test_into_with_the_wrong_shape_is_a_clear_error(path):
     p = forked(echo_client, server.port, 0, 1)
     q = forked(tensor_echo_client, server.port, 1)
     try:
-        with children(p, q):
+        with children(p, q, server=server):
             conns = server.clients(2, timeout=60)
             on_path(conns, path)
             nested_conn, tensor_conn = sorted(conns, key=lambda c: c.name)
@@ -268,7 +274,7 @@ def test_a_message_too_many_values_to_describe_is_refused_by_its_sender(path):
     server = ipc.Server(token=TOKEN)
     procs = [forked(echo_client, server.port, k, 1) for k in range(2)]
     try:
-        with children(*procs):
+        with children(*procs, server=server):
             conns = server.clients(2, timeout=60)
             on_path(conns, path)
             with pytest.raises(ValueError, match="limit 16384"):
@@ -379,7 +385,11 @@ def token_exchange(server: ipc.Server, token: str | None) -> str:
         with contextlib.suppress(ipc.IPCTimeoutError):
             value, _ = server.recv_any(timeout=60)
             assert value == b"x"
-        return a.recv() if a.poll(60) else "no answer"
+        until = time.monotonic() + 60
+        while not a.poll(0.05) and time.monotonic() < until:  # read on: its close() waits
+            with contextlib.suppress(ipc.IPCError):  # for the server to take its goodbye
+                server.recv_any(timeout=0.05, skip_dead=True)
+        return a.recv() if a.poll(0) else "no answer"
 
 
 def test_token_sources(monkeypatch):
@@ -521,7 +531,7 @@ def test_lone_tensors_of_every_dtype_shape_and_layout_round_trip(path):
     server = ipc.Server(token=TOKEN)
     p = forked(tensor_echo_client, server.port, 2 * len(values))
     try:
-        with children(p):
+        with children(p, server=server):
             [conn] = server.clients(1, timeout=60)
             on_path([conn], path)
             for v in values:
@@ -564,11 +574,11 @@ def test_a_busy_server_still_lets_new_clients_in(path):
     server = ipc.Server(token=TOKEN)
     busy = forked(tensor_echo_client, server.port, 10**9)
     try:
-        with children(busy):
+        with children(busy, server=server):
             [conn] = server.clients(1, timeout=60)
             on_path([conn], path)
             late = forked(echo_client, server.port, 1, 1)
-            with children(late):
+            with children(late, server=server):
                 x, until = torch.ones(2), time.monotonic() + 60
                 while len(server.connections()) < 2:  # never waits: the handshake is
                     assert time.monotonic() < until  # looked after between messages
@@ -2004,7 +2014,7 @@ def test_large_tensors_go_through_shared_memory_or_the_wire(elsewhere):
     out = CTX.Queue()
     server = ipc.Server("127.0.0.1", 0, token=TOKEN)
     try:
-        with children(forked(bulk_echo_client, server.port, 6, elsewhere, out)):
+        with children(forked(bulk_echo_client, server.port, 6, elsewhere, out), server=server):
             [conn] = server.clients(1, timeout=60)
             buf = torch.empty(BIG)
             for _ in range(6):

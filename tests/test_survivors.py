@@ -166,11 +166,13 @@ def test_a_process_coming_back_with_another_loader_is_turned_away(tmp_path):
 def test_a_process_that_dies_while_coming_back_leaves_the_job_as_it_was(tmp_path, fault):
     """SIGKILLed as soon as it has joined the grown tree (the others are in the welcome's
     first collective), or once its knock is answered but before it joins (the others wait
-    ADMIT_S for it): the job goes on without it, on the ranks it had, exactly once."""
+    ADMIT_S for it: 8 s here, not 30): the job goes on without it, on the ranks it had,
+    exactly once."""
     n = 600
     flag = "--" + fault.replace("_", "-")
+    wait = {"admit_s": 8} if fault == "die_after_admission" else {}  # (one that joins: 30)
     ledgers = launch(tmp_path, 3, n=n, comeback=True, comeback_args=(flag,), die_at=3,
-                     die_rank=1, batch=4, sleep=0.1)  # fmt: skip
+                     die_rank=1, batch=4, sleep=0.1, **wait)  # fmt: skip
     check(ledgers, n=n)
     done = [x for p in ledgers for x in p if "done" in x]
     assert len(done) == 2 and all(d["world"] == 2 for d in done)

@@ -50,7 +50,7 @@ from distlearn.common.keywords import checked
 from ..errors import IPCError
 from ..rendezvous import Localhost, Roster, Static
 from ..rendezvous import from_env as env_handler
-from ..rendezvous.lobby import ADMIT_S, Admission, Knock, Lobby
+from ..rendezvous.lobby import Admission, Knock, Lobby
 from ..transport import Endpoint, Limits, Link, Liveness, fdlimit, runtime_dir
 from . import shm as shm_mod
 from .engine import Engine
@@ -488,7 +488,7 @@ class Tree(RunningMixin):
             raise ValueError("admit: no knocks to take in")
         n = self.num_nodes + len(knocks)
         handler = self._successor(self.node_index, n, 0)
-        handler.meet_within = min(self.timeout, ADMIT_S)
+        handler.meet_within = min(self.timeout, Lobby.admit_s)
         if self._lobby is not None:
             assert isinstance(handler, Localhost)
             for j, knock in enumerate(knocks):

@@ -41,7 +41,7 @@ from .launches import (
     same_command_line,
     twin_launch,
 )
-from .lobby import ADMIT_S, Lobby
+from .lobby import Lobby
 from .localhost_joiner import JoinerMixin
 from .records import _publish_record, sweep_dead_records
 
@@ -116,7 +116,7 @@ class Localhost(JoinerMixin):
                             lobby_key=self.lobby_key)  # fmt: skip
         handler.generation = where.generation
         handler.returned = True
-        handler.meet_within = ADMIT_S  # as the others wait for it (Tree.admit)
+        handler.meet_within = Lobby.admit_s  # as the others wait for it (Tree.admit)
         log.warning("ipc: node %d of the launch comes back as node %d of %d (generation %d)",
                     self.node_index, where.index, where.nodes, where.generation)  # fmt: skip
         return handler
