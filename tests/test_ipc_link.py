@@ -274,6 +274,33 @@ def test_nothing_is_sent_to_a_peer_after_its_bye():
         listener.close(linger=0)
 
 
+def test_nothing_but_acks_follows_our_own_bye():
+    """Ours said BYE and waits for the ACK while the peer is busy: its heartbeat probe
+    went out after the BYE, and the peer, reading both, dropped 'a message from node 0
+    after its goodbye' (logged at the end of examples/elastic.sh's run) on a connection
+    that may already be closing (see the test above)."""
+    listener, dialer = _pair()
+    try:
+        _, back = _up(listener, dialer)
+        back.send(wire.control(Kind.BYE, {}))  # the listener's close(), its first step
+        back.bye_sent = True
+        router, listener.router = listener.router, _Recording(listener.router)
+        try:
+            listener._probe()  # a heartbeat while it waits for the ACK
+            assert listener.router.sent == []
+        finally:
+            listener.router = router
+        deadline = time.monotonic() + 30
+        while not back.acked:
+            assert time.monotonic() < deadline, "no ACK"
+            dialer.poll(0.01)
+            listener.poll(0.01)
+        assert dialer._dropped == 0
+    finally:
+        dialer.close(linger=0)
+        listener.close(linger=0)
+
+
 def test_a_peer_that_leaves_while_we_do_not_read_is_no_crash():
     """A peer floods us with messages and exits while we read nothing, and heartbeats go
     on: libzmq 4.3.5 aborts the process here when the receive queue has a high-water mark

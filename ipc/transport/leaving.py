@@ -70,7 +70,7 @@ class LeavingMixin:
                     break
                 self.poll(min(remaining, 0.05))
                 self.inbox.clear()  # we are leaving: users' messages no longer matter
-            if waiting:
+            if waiting and linger > 0:  # (at 0 the caller chose not to wait: no news)
                 log.warning(
                     "ipc %s: closing without an acknowledgement from %s after %.1f s",
                     self.name,

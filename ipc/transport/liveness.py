@@ -134,9 +134,10 @@ class LivenessMixin:
 
     def _probe(self) -> None:
         for link in list(self.links.values()):
-            # Not a peer that is leaving (it said BYE, or acknowledged ours): its socket may
-            # be closing, and a probe landing there can abort it (see _deliver).
-            if link.dialed or not link.up or link.bye is not None or link.acked:
+            # Not a peer that is leaving (it said BYE, or acknowledged ours) nor one we said
+            # BYE to (after it, a peer takes nothing but ACKs from us): its socket may be
+            # closing, and a probe landing there can abort it (see _deliver).
+            if link.dialed or not link.up or link.bye is not None or link.bye_sent or link.acked:
                 continue
             try:
                 self.router.send_multipart([link.rid, _PROBE], zmq.NOBLOCK)
