@@ -39,10 +39,11 @@ if (( ! ${#fast[@]} )); then
     rm -rf "$site"
 fi
 # Tests run side by side in worker processes (pytest-xdist): most of a test's time is
-# child processes starting (each imports torch) or waiting on a peer, not CPU, so two
-# workers on 2 cores take ~2/3 of the serial time. TEST_WORKERS=0 runs them in this
-# process (as does a later -n in the arguments). worksteal: the long tests at the end
-# do not wait behind one worker's queue.
+# waiting on a child process or a peer, not CPU (the cores were 55% idle with one
+# worker a core), so two workers a core, at most 8: on 2 cores the ipc files took 94 s
+# with 4 workers against 142 s with 2. TEST_WORKERS=0 runs them in this process (as
+# does a later -n in the arguments). worksteal: the long tests at the end do not wait
+# behind one worker's queue.
 cores="$(nproc)"
-workers="${TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+workers="${TEST_WORKERS:-$((2 * cores < 8 ? 2 * cores : 8))}"
 exec "$VENV/bin/python" -m pytest -n "$workers" --dist worksteal ${fast[@]+"${fast[@]}"} "$@"
