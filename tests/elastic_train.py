@@ -76,6 +76,12 @@ def parse(argv=None) -> argparse.Namespace:
         default=None,
         help="how long a growing tree waits for the processes it takes in (lobby.ADMIT_S)",
     )
+    p.add_argument(
+        "--hold",
+        default=None,
+        help="after a death, steps take 0.5 s more while this file exists (the test's "
+        "harness removes it once the process started again is done)",
+    )
     p.add_argument("--deterministic", action="store_true")
     p.add_argument(
         "--survive",
@@ -270,6 +276,8 @@ def survive(args, comm, batcher, model, opt, ledger) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.sleep:
                 time.sleep(args.sleep)
+            if args.hold and job.deaths and os.path.exists(args.hold):
+                time.sleep(0.5)  # the job is still there when the process started again knocks
         if args.die_in_drain and first == args.die_rank and not job.deaths and not job.came_back:
             os.kill(os.getpid(), signal.SIGKILL)
         job.end_epoch()

@@ -112,9 +112,10 @@ def test_slow_processor_is_decode(workers):
 def test_slow_training_loop_is_the_consumer():
     with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
                                 metrics_window=1.0) as b:  # fmt: skip
-        # 50 ms a step, 20 a window: a descheduled main thread (a loaded machine) inside
-        # next() must lose 100 ms of a window to make it look loader-bound
-        m = drive(b, 4, step_s=0.05)
+        # 100 ms a step, 10 a window: a descheduled main thread (a loaded machine) inside
+        # next() must lose 100 ms of a window to make it look loader-bound. (At 50 ms a
+        # step, 2 of 4 windows were called for the loader at a load of 14 on 2 cores.)
+        m = drive(b, 4, step_s=0.1)
     assert_named(m, "consumer")
     assert m["total"]["stall_fraction"] < 0.1
     assert m["window"]["queue"]["ready"] >= 1  # batches were waiting for the loop

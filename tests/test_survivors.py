@@ -22,11 +22,13 @@ TRAIN = HERE / "elastic_train.py"
 
 
 def launch(tmp: Path, world: int, n: int = 90, timeout: float = 240, comeback: bool = False,
-           comeback_args: tuple = (), **kw) -> list[list[dict]]:  # fmt: skip
+           comeback_args: tuple = (), hold: bool = False, **kw) -> list[list[dict]]:  # fmt: skip
     """`world` ranks of a --survive job (the torchrun variables, as examples/launch.py sets
     them); their ledgers, the survivors' last lines holding what happened. `comeback`: the
     rank killed is started again (the same command and variables, plus `comeback_args`: then
-    it must fail) once it is dead."""
+    it must fail) once it is dead. `hold`: the survivors slow down until that process has
+    ended (one that is turned away), so that a loaded machine's slow start of it does not
+    find the job over."""
     data = tmp / "data.pt"
     torch.save({"x": torch.arange(n, dtype=torch.float32).view(n, 1), "y": torch.arange(n) % 3},
                data)  # fmt: skip
@@ -34,6 +36,10 @@ def launch(tmp: Path, world: int, n: int = 90, timeout: float = 240, comeback: b
             str(tmp / "ckpt"), "--ledger", str(tmp / "ledger")]  # fmt: skip
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    held = tmp / "hold"
+    if hold:
+        held.touch()
+        args += ["--hold", str(held)]
     port = random.randint(20000, 40000)
     envs = [repo_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -48,6 +54,8 @@ def launch(tmp: Path, world: int, n: int = 90, timeout: float = 240, comeback: b
                 if dead:  # the rank killed comes back, as a launcher that restarts would
                     procs.append(subprocess.Popen([*args, *comeback_args], env=envs[dead[0]],
                                                   stderr=logs[world].open("w")))  # fmt: skip
+            if hold and len(procs) > world and procs[world].poll() is not None:
+                held.unlink(missing_ok=True)
             time.sleep(0.05)
     finally:
         for p in procs:
@@ -154,7 +162,7 @@ def test_a_process_coming_back_with_another_loader_is_turned_away(tmp_path):
     and exits; the job goes on without it, every example still once."""
     n = 300
     ledgers = launch(tmp_path, 3, n=n, comeback=True, comeback_args=("--sampler", "linear"),
-                     die_at=3, die_rank=1, batch=4, sleep=0.05)  # fmt: skip
+                     hold=True, die_at=3, die_rank=1, batch=4, sleep=0.05)  # fmt: skip
     check(ledgers, n=n)
     assert "sampler='permutation' there, 'linear' here" in (tmp_path / "stderr3.txt").read_text()
     done = [x for p in ledgers for x in p if "done" in x]
