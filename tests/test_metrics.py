@@ -113,10 +113,12 @@ def test_slow_training_loop_is_the_consumer():
     with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
                                 metrics_window=1.0) as b:  # fmt: skip
         # 100 ms a step, 10 a window: a descheduled main thread (a loaded machine) inside
-        # next() must lose 100 ms of a window to make it look loader-bound. (At 50 ms a
-        # step, 2 of 4 windows were called for the loader at a load of 14 on 2 cores.)
-        m = drive(b, 4, step_s=0.1)
-    assert_named(m, "consumer")
+        # next() must lose 100 ms of a window to make it look loader-bound. At a load of
+        # 14 on 2 cores (run 15 of the fresh runs) one window in 4 still could: so every
+        # window after the first (the workers starting) but one is the consumer's.
+        m = drive(b, 5, step_s=0.1)
+    got = verdicts(m)[1:]
+    assert len(got) >= 4 and sum(v == "consumer" for v in got) >= len(got) - 1, m["windows"]
     assert m["total"]["stall_fraction"] < 0.1
     assert m["window"]["queue"]["ready"] >= 1  # batches were waiting for the loop
 
