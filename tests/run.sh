@@ -38,12 +38,17 @@ if (( ! ${#fast[@]} )); then
     NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$site"
     rm -rf "$site"
 fi
-# Tests run side by side in worker processes (pytest-xdist): most of a test's time is
-# waiting on a child process or a peer, not CPU (the cores were 55% idle with one
-# worker a core), so two workers a core, at most 8: on 2 cores the ipc files took 94 s
-# with 4 workers against 142 s with 2. TEST_WORKERS=0 runs them in this process (as
-# does a later -n in the arguments). worksteal: the long tests at the end do not wait
-# behind one worker's queue.
+# Tests run side by side in worker processes (pytest-xdist). In the full tier most of a
+# test's time is waiting on a child process or a peer, not CPU (the cores were 55% idle
+# with one worker a core), so two workers a core, at most 8: on 2 cores the ipc files
+# took 94 s with 4 workers against 142 s with 2. The fast tier's short tests are CPU:
+# one worker a core, at most 4 (86 s with 2 workers, 152 s with 4). TEST_WORKERS=0 runs
+# them in this process (as does a later -n in the arguments). worksteal: the long tests
+# at the end do not wait behind one worker's queue.
 cores="$(nproc)"
-workers="${TEST_WORKERS:-$((2 * cores < 8 ? 2 * cores : 8))}"
+if (( ${#fast[@]} )); then
+    workers="${TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+else
+    workers="${TEST_WORKERS:-$((2 * cores < 8 ? 2 * cores : 8))}"
+fi
 exec "$VENV/bin/python" -m pytest -n "$workers" --dist worksteal ${fast[@]+"${fast[@]}"} "$@"
