@@ -111,14 +111,15 @@ def test_slow_processor_is_decode(workers):
 
 def test_slow_training_loop_is_the_consumer():
     with rows().sampled_batcher(batch_size=8, input_dims=(4,), workers="thread",
-                                metrics_window=1.0) as b:  # fmt: skip
-        # 100 ms a step, 10 a window: a descheduled main thread (a loaded machine) inside
-        # next() must lose 100 ms of a window to make it look loader-bound. At a load of
-        # 14 on 2 cores (run 15 of the fresh runs) one window in 4 still could: so every
-        # window after the first (the workers starting) but one is the consumer's.
-        m = drive(b, 5, step_s=0.1)
+                                metrics_window=2.5) as b:  # fmt: skip
+        # 500 ms a step, 5 a window: next() must take 50 ms a call to make the window look
+        # loader-bound. On 2 cores running the whole suite (load 5-8) it took 20-30 ms: the
+        # main thread's own hand-off and its wake-up after the loader's notify. At 100 ms a
+        # step that failed 2 windows of 4 (fresh run 23). The first window holds the
+        # workers' start; of the others all but one must be the consumer's.
+        m = drive(b, 4, step_s=0.5)
     got = verdicts(m)[1:]
-    assert len(got) >= 4 and sum(v == "consumer" for v in got) >= len(got) - 1, m["windows"]
+    assert len(got) >= 3 and sum(v == "consumer" for v in got) >= len(got) - 1, m["windows"]
     assert m["total"]["stall_fraction"] < 0.1
     assert m["window"]["queue"]["ready"] >= 1  # batches were waiting for the loop
 
