@@ -23,6 +23,18 @@ WORKER = Path(__file__).with_name("ipc_workers.py")
 TRANSPORTS = [pytest.param(True, id="shm"), pytest.param(False, id="sockets")]
 
 
+def read_server_until(server, done, seconds: float) -> None:
+    """Read `server` (what comes is dropped) until `done()` or `seconds` pass: a client's
+    close() waits, up to 5 s, for the server to take its goodbye, and a server no longer
+    read would make each test wait so."""
+    from distlearn import ipc
+
+    until = time.monotonic() + seconds
+    while not done() and time.monotonic() < until:
+        with contextlib.suppress(ipc.IPCError):
+            server.recv_any(timeout=0.05, skip_dead=True)
+
+
 def _forkserver():
     """Workers fork from a server that imported torch once: a 2-core box cannot afford
     a fresh torch import per node per test."""

@@ -9,7 +9,6 @@ ZeroMQ does not bound).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -30,6 +29,7 @@ from conftest import repo_env
 from ipc_harness import (
     collect,
     netns_line,  # noqa: F401 (a fixture)
+    read_server_until,
     start_worker,
     wait_all,
 )
@@ -444,10 +444,7 @@ def test_random_tokens_of_128_bits_and_more_are_taken(make):
         t = threading.Thread(target=client, args=(server.port,))
         t.start()
         value, _ = server.recv_any(timeout=30)
-        until = time.monotonic() + 30
-        while t.is_alive() and time.monotonic() < until:  # its close() waits for the
-            with contextlib.suppress(ipc.IPCError):  # server to take its goodbye: read on
-                server.recv_any(timeout=0.05, skip_dead=True)
+        read_server_until(server, lambda: not t.is_alive(), 30)
         t.join(30)
     assert torch.equal(value, sent)
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 import zmq
 from conftest import repo_env, shm_files
+from ipc_harness import read_server_until
 from ipc_workers import TEST_TOKEN, WRONG_TOKEN
 
 from distlearn import ipc
@@ -61,10 +62,8 @@ def children(*procs, server: ipc.Server | None = None):
     try:
         yield procs
     finally:
-        until = time.monotonic() + 10
-        while server is not None and any(p.is_alive() for p in procs) and time.monotonic() < until:
-            with contextlib.suppress(ipc.IPCError):
-                server.recv_any(timeout=0.05, skip_dead=True)
+        if server is not None:
+            read_server_until(server, lambda: not any(p.is_alive() for p in procs), 10)
         for p in procs:
             p.join(10)
             if p.is_alive():
@@ -385,10 +384,7 @@ def token_exchange(server: ipc.Server, token: str | None) -> str:
         with contextlib.suppress(ipc.IPCTimeoutError):
             value, _ = server.recv_any(timeout=60)
             assert value == b"x"
-        until = time.monotonic() + 60
-        while not a.poll(0.05) and time.monotonic() < until:  # read on: its close() waits
-            with contextlib.suppress(ipc.IPCError):  # for the server to take its goodbye
-                server.recv_any(timeout=0.05, skip_dead=True)
+        read_server_until(server, lambda: a.poll(0.05), 60)
         return a.recv() if a.poll(0) else "no answer"
 
 
