@@ -91,7 +91,10 @@ def run_once(
         except subprocess.TimeoutExpired:
             kill_group(proc)
             out, _ = proc.communicate()  # what the job said before it was stopped
-            said = " | ".join(out.splitlines()[-8:])
+            # A job stopped before its first line (Python and torch still loading on a
+            # busy machine) says so, rather than "timed out" and nothing after it.
+            lines = out.splitlines()[-8:]
+            said = " | ".join(lines) or f"no output yet: {Path(cmd[1]).name} was starting"
             return {"error": f"timed out after {timeout:.0f}s: {said}"}
         finally:
             kill_group(proc)

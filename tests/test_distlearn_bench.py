@@ -136,3 +136,11 @@ def test_a_job_that_runs_out_of_time_says_what_it_was_doing():
     said = res["error"].removeprefix("timed out after 6s: ")
     assert said != res["error"], res["error"]
     assert any(w in said for w in ("prepare_mnist", "launch", "distlearn", "mnist.py")), said
+
+
+def test_a_job_stopped_before_it_printed_anything_says_it_was_starting():
+    # At 6 s on a loaded machine the job above can still be importing torch, silent.
+    from bench.training import run_once
+
+    res = run_once(2, "ipc", quick=True, timeout=0.01)
+    assert res["error"] == "timed out after 0s: no output yet: launch.py was starting", res
