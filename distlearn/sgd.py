@@ -13,6 +13,7 @@ from torch import nn
 from . import preemption
 from .buckets import GradientBuckets, _zero_at, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, check_same_layout, supports_async
+from .state import broadcast_state_dict
 from .tensors import grad_or_zeros, gradient_holders, gradients_of, leaves, reusable, state_of
 
 _MiB = 1 << 20
@@ -65,7 +66,7 @@ class AllReduceSGD:
             loss_fn(model(batch.input), batch.target).backward()
             sgd.sum_and_normalize_gradients(model) # the mean gradient over the nodes
             optimizer.step(); optimizer.zero_grad()
-        sgd.synchronize_parameters(model)          # end of epoch: uneven step counts are fine
+        sgd.synchronize_parameters(model, optimizer)  # end of epoch: uneven steps are fine
 
     Given a module and a communicator with the asynchronous all-reduce (the `ipc` tree,
     TorchDistributed), the gradients are all-reduced in buckets while backward is still
@@ -80,7 +81,8 @@ class AllReduceSGD:
 
     Nodes may take different numbers of steps in an epoch: `synchronize_parameters`
     keeps the early finishers taking part (with zeros) until all are done, then gives
-    everyone the parameters of the node that took the most steps.
+    everyone the parameters (and, given the optimizer, its state) of the node that took
+    the most steps.
 
     Args:
         comm: The communicator: an `ipc.Tree`, `backends.TorchDistributed` or
@@ -325,7 +327,7 @@ class AllReduceSGD:
 
     # -- parameters ---------------------------------------------------------------------
 
-    def synchronize_parameters(self, x: Any) -> None:
+    def synchronize_parameters(self, x: Any, optimizer: Any = None) -> None:
         """Give every node the same parameters (and, for a module, buffers).
 
         At the start (nobody has stepped) that is the root's; after an epoch it is the
@@ -333,12 +335,28 @@ class AllReduceSGD:
         A node that gets here first keeps joining the others' gradient all-reduces
         until every node has. Every node must call this at the same point of its loop.
 
+        Pass the `optimizer` when it keeps state (momentum, Adam's moments): every node
+        then gets that same node's optimizer state too. A node that took fewer steps
+        never ran the optimizer on the steps it sat out, so without it its momentum
+        differs from the others', and the replicas drift apart again in the next epoch.
+
         Args:
             x: A module, an iterable of tensors (`model.parameters()`), or a dict.
+            optimizer: This node's optimizer over `x`'s parameters (anything with
+                `state_dict` and `load_state_dict`), or None to leave it alone.
 
         Raises:
             ValueError: The nodes' models differ (shapes, dtypes, trainable parameters).
+            TypeError: `optimizer` has no `state_dict` / `load_state_dict`.
         """
+        if optimizer is not None and not (
+            callable(getattr(optimizer, "state_dict", None))
+            and callable(getattr(optimizer, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"optimizer must have state_dict() and load_state_dict() (a torch.optim "
+                f"optimizer), got {type(optimizer).__name__}"
+            )
         x = reusable(x)
         self._check_layout(x)
         params = state_of(x)
@@ -351,16 +369,21 @@ class AllReduceSGD:
         self.steps = 0
         self._layout = None
         self._owners = {}
+        winner = int(steps.argmax())  # the first index among ties; the root if none stepped
         if int(steps.max()) == 0:
             self.comm.scatter(params)
-            return
-        winner = int(steps.argmax())  # the first index among ties
-        if self.comm.node_index != winner:
-            with torch.no_grad():
-                for p in params:
-                    p.zero_()
-        # Everyone else sends zeros, so the sum is exactly the winner's values.
-        self.comm.all_reduce(params)
+        else:
+            if self.comm.node_index != winner:
+                with torch.no_grad():
+                    for p in params:
+                        p.zero_()
+            # Everyone else sends zeros, so the sum is exactly the winner's values.
+            self.comm.all_reduce(params)
+        if optimizer is not None:
+            mine = optimizer.state_dict() if self.comm.node_index == winner else None
+            state = broadcast_state_dict(self.comm, mine, device=device, src=winner)
+            if self.comm.node_index != winner:
+                optimizer.load_state_dict(state)
 
     def _drain(self, x: Any) -> None:
         """Join the gradient all-reduces of nodes still in their epoch, contributing

@@ -1,5 +1,5 @@
 """Broadcast a `state_dict` (an optimizer's Adam moments, a scheduler's counters) from
-the root to every node, even to nodes whose state is still empty.
+the root (or another node) to every node, even to nodes whose state is still empty.
 
 The structure travels as JSON inside a uint8 tensor and the tensors travel through the
 communicator's `scatter`, so nothing received is unpickled or executed.
@@ -70,53 +70,76 @@ def _allocate(node: Any, out: list[tuple[int, torch.Tensor]], device: torch.devi
             _allocate(value, out, device)
 
 
+def _from_node(comm: Communicator, x: torch.Tensor | list[torch.Tensor], src: int) -> None:
+    """`src`'s values of `x` on every node, in place: the communicator's scatter from the
+    root; from another node, a sum all-reduce to which every other node gives zeros
+    (exact: v + 0 == v)."""
+    if src == 0:
+        comm.scatter(x)
+        return
+    if comm.node_index != src:
+        for t in x if isinstance(x, list) else [x]:
+            t.zero_()
+    comm.all_reduce(x)
+
+
 def broadcast_state_dict(
-    comm: Communicator, state_dict: dict | None, device: torch.device | str | None = None
+    comm: Communicator,
+    state_dict: dict | None,
+    device: torch.device | str | None = None,
+    src: int = 0,
 ) -> dict:
-    """The root's `state_dict` on every node (the root gets its own back).
+    """Node `src`'s `state_dict` on every node (`src` gets its own back).
 
     The structure travels as JSON in a uint8 tensor, then the tensors, so nodes with
     empty state (a fresh optimizer) receive it whole.
 
     Args:
         comm: The communicator.
-        state_dict: The root's state; other nodes may pass None or a state of another
+        state_dict: Node `src`'s state; other nodes may pass None or a state of another
             shape, which is ignored.
-        device: Where new tensors go; by default where the root's tensors are (with
-            NCCL, pass a CUDA device: it reduces only CUDA tensors).
+        device: Where new tensors go; by default where `src`'s tensors are (with NCCL,
+            pass a CUDA device: it reduces only CUDA tensors).
+        src: The node whose state travels: the root by default. From another node the
+            tensors travel in a sum all-reduce (the others give zeros), not a scatter.
 
     Returns:
-        The root's state, with tensors of this node.
+        Node `src`'s state, with tensors of this node.
 
     Raises:
-        TypeError: The root passed something other than a dict.
+        TypeError: Node `src` passed something other than a dict.
+        ValueError: `src` is not a node of the communicator.
     """
     comm = check_communicator(comm)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < comm.num_nodes:
+        raise ValueError(f"src must be a node index in [0, {comm.num_nodes}), got {src!r}")
     wire = torch.device(device) if device is not None else torch.device("cpu")
-    is_root = comm.node_index == 0
+    is_src = comm.node_index == src
     tensors: list[torch.Tensor] = []
-    if is_root:
+    if is_src:
         if not isinstance(state_dict, dict):
-            raise TypeError(f"the root must pass a dict, got {type(state_dict).__name__}")
+            raise TypeError(f"node {src} must pass a dict, got {type(state_dict).__name__}")
         skeleton = json.dumps(_encode(state_dict, tensors, "")).encode()
         length = torch.tensor([len(skeleton)], dtype=torch.int64, device=wire)
     else:
         length = torch.zeros(1, dtype=torch.int64, device=wire)
-    comm.scatter(length)
+    _from_node(comm, length, src)
     blob = torch.zeros(int(length.item()), dtype=torch.uint8, device=wire)
-    if is_root:
+    if is_src:
         blob.copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-    comm.scatter(blob)
+    _from_node(comm, blob, src)
     tree = json.loads(bytes(blob.cpu().numpy()))
-    if is_root:
+    if is_src:
         if device is not None:
             tensors = [t.to(device) for t in tensors]
+        if src != 0:  # the all-reduce writes into them: not into the caller's own state
+            tensors = [t.clone() for t in tensors]
     else:
         found: list[tuple[int, torch.Tensor]] = []
         _allocate(tree, found, torch.device(device) if device is not None else None)
         tensors = [t for _, t in sorted(found, key=lambda it: it[0])]
     if tensors:
-        comm.scatter(tensors)
+        _from_node(comm, tensors, src)
     return _decode(tree, tensors)
 
 

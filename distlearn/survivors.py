@@ -132,7 +132,7 @@ class Survivors:
             self._welcome(time.monotonic(), stepping=False, old_world=None)
         else:
             self._form()
-            self.sgd.synchronize_parameters(model)
+            self.sgd.synchronize_parameters(model, optimizer)
 
     def _form(self, states: list[dict] | None = None) -> None:
         """After the tree is (re)formed: every rank's state (gathered, unless every rank
@@ -176,7 +176,9 @@ class Survivors:
         while True:
             try:
                 self.draining = True
-                self.sgd.synchronize_parameters(self.model)
+                # the optimizer's state too: momentum of the steps a rank sat out would
+                # otherwise part the replicas again (and a rank let in takes the root's)
+                self.sgd.synchronize_parameters(self.model, self.optimizer)
                 return
             except _Admit:
                 self.draining = False

@@ -33,7 +33,9 @@ class SGD(mnist_lib.Algorithm):
         self.sgd.sum_and_normalize_gradients(model)
 
     def end_epoch(self, model):
-        self.sgd.synchronize_parameters(model)  # uneven step counts end here too
+        # uneven step counts end here too; the momentum of the node that took the most
+        # steps goes with its weights
+        self.sgd.synchronize_parameters(model, self.optimizer)
         return model
 
 

@@ -87,6 +87,7 @@ class Algorithm:
     """
 
     name = "single process"
+    optimizer: Any = None  # the loop's, set before `start` (its state is synchronized too)
 
     def start(self, comm: Any, model: nn.Module) -> None:
         """Before the first step: every node begins from the same weights."""
@@ -486,6 +487,7 @@ def main(
     schedule = Schedule(
         args.lr, steps_per_epoch * args.epochs, round(args.warmup * steps_per_epoch)
     )
+    algorithm.optimizer = optimizer
     with torch.no_grad():
         algorithm.start(comm, model)
     if lead:

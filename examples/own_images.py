@@ -166,7 +166,7 @@ def train(args: argparse.Namespace) -> None:
             opt.step()
             n = len(batch.target)
             seen += torch.tensor([loss.item() * n, (logits.argmax(1) == batch.target).sum(), n])
-        sgd.synchronize_parameters(model)  # uneven partitions end equal, and no rank hangs
+        sgd.synchronize_parameters(model, opt)  # uneven partitions end equal (momentum too)
         tree.all_reduce(seen)
         if rank == 0:
             line = (

@@ -30,7 +30,7 @@ for epoch in range(3):
         sgd.sum_and_normalize_gradients(model)  # mean over the nodes that contributed
         opt.step()
         seen += torch.tensor([loss.item() * len(batch.target), len(batch.target)])
-    sgd.synchronize_parameters(model)  # uneven step counts end equal, no hang
+    sgd.synchronize_parameters(model, opt)  # uneven step counts end equal, no hang
     tree.all_reduce(seen)
     if tree.node_index == 0:
         print(f"epoch {epoch}: loss {seen[0] / seen[1]:.4f} over {seen[1]:.0f} items")

@@ -75,6 +75,25 @@ def uneven_reference(steps_table: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
+def uneven_momentum_reference(steps_table: list[list[int]], lr: float, momentum: float):
+    """SGD with momentum in one process over the mean gradient of the nodes still
+    running at each step (the path of the node with the most steps): the parameters
+    after every step, per epoch, and the final momentum buffer."""
+    params = torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    buf = torch.zeros_like(params)
+    out = []
+    for epoch, steps in enumerate(steps_table):
+        mine = []
+        for k in range(max(steps)):
+            active = [n for n, s in enumerate(steps) if s > k]
+            g = sum(uneven_grad(epoch, n, k, steps[n]) for n in active) / len(active)
+            buf = buf * momentum + g
+            params = params - lr * buf
+            mine.append(params.clone())
+        out.append(mine)
+    return out, buf
+
+
 def ea_init(seed: int) -> torch.Tensor:
     return torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 

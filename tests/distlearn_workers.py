@@ -262,6 +262,28 @@ def sgd_uneven(comm, cfg) -> dict:
     return {"synced": synced, "counts": counts}
 
 
+def sgd_uneven_momentum(comm, cfg) -> dict:
+    """Uneven epochs under torch.optim.SGD with momentum, the optimizer given to
+    synchronize_parameters: the parameters after every step, and the final state."""
+    r = comm.node_index
+    g = torch.Generator().manual_seed(r)  # different weights: the first sync fixes them
+    p = nn.Parameter(torch.randn(7, dtype=torch.float64, generator=g))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    sgd = AllReduceSGD(comm)
+    sgd.synchronize_parameters([p], opt)
+    after = []  # per epoch, the parameters after each of this node's steps
+    for epoch, steps_per_node in enumerate(cfg["steps"]):
+        steps, mine = steps_per_node[r], []
+        for step in range(steps):
+            p.grad = sim.uneven_grad(epoch, r, step, steps)
+            sgd.sum_and_normalize_gradients([p])
+            opt.step()
+            mine.append(p.detach().clone())
+        sgd.synchronize_parameters([p], opt)
+        after.append(mine)
+    return {"after": after, "buf": opt.state_dict()["state"][0]["momentum_buffer"]}
+
+
 def easgd(comm, cfg) -> dict:
     """AllReduceEA with uneven epochs, for comparison with a replica simulation."""
     out = {}
@@ -707,6 +729,7 @@ SCENARIOS = {
         reduce_at_root,
         sgd_equivalence,
         sgd_uneven,
+        sgd_uneven_momentum,
         easgd,
         state,
         sgd_overlap,

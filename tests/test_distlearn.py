@@ -122,8 +122,11 @@ def config(num_nodes: int) -> dict:
     cfg["sgd_complex"] = {"steps": 3, "batch": 12}
     if num_nodes == 3:
         # torch.optim costs every process seconds of imports (torch._dynamo) on first
-        # use: the optimizer-state scenario runs with 3 nodes only.
+        # use: the optimizer-state scenarios run with 3 nodes only.
         cfg["state"] = {}
+        # the most steps at node 1, then 0, then a tie; node 2 sits out epoch 0 whole
+        # (its optimizer state still empty)
+        cfg["sgd_uneven_momentum"] = {"steps": [[2, 5, 0], [4, 1, 3], [3, 3, 1]]}
     return cfg
 
 
@@ -408,6 +411,30 @@ def test_sgd_matches_one_process_on_the_whole_batch(run, comm, num_nodes):
         )
         # Every node holds exactly the same bits.
         assert_same(ours["state"], results[0]["sgd_equivalence"]["state"])
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_sgd_uneven_steps_keep_the_replicas_equal_with_momentum(run, comm):
+    """Given the optimizer, synchronize_parameters hands on the momentum of the node that
+    took the most steps with its weights: in the next epoch every node still takes the
+    same step, and all follow one process's SGD with momentum on the mean gradients.
+    (Without it, node 2, which sat out epoch 0, steps without momentum in epoch 1.)"""
+    results = run(comm, 3)
+    table = config(3)["sgd_uneven_momentum"]["steps"]
+    reference, buf = sim.uneven_momentum_reference(table, lr=0.1, momentum=0.9)
+    for res in results:
+        r, ours = res["node_index"], res["sgd_uneven_momentum"]
+        for epoch, steps in enumerate(table):
+            assert len(ours["after"][epoch]) == steps[r]
+            for k, p in enumerate(ours["after"][epoch]):
+                assert_same(p, reference[epoch][k], atol=1e-12, rtol=1e-12,
+                            what=f"node {r}, epoch {epoch}, step {k}")  # fmt: skip
+                # the same bits as every other node that took step k
+                for other in results:
+                    theirs = other["sgd_uneven_momentum"]["after"][epoch]
+                    if k < len(theirs):
+                        assert_same(p, theirs[k], what=f"nodes {r}, {other['node_index']}")
+        assert_same(ours["buf"], buf, atol=1e-12, rtol=1e-12, what=f"node {r}'s momentum")
 
 
 @pytest.mark.parametrize("comm, num_nodes", RUN_CASES)

@@ -171,6 +171,18 @@ def test_broadcast_state_dict_keeps_structure(comm):
     synchronize_optimizer(comm, opt)
     with pytest.raises(TypeError, match=r"state_dict\['bad'\]: cannot broadcast a set"):
         broadcast_state_dict(comm, {"bad": {1, 2}})
+    for src in (1, -1, True, "0"):  # one node: only node 0 is a node
+        with pytest.raises(ValueError, match=r"src must be a node index in \[0, 1\)"):
+            broadcast_state_dict(comm, state, src=src)
+
+
+def test_synchronize_parameters_checks_the_optimizer(comm):
+    model = nn.Linear(3, 2)
+    sgd = AllReduceSGD(comm)
+    with pytest.raises(TypeError, match="optimizer must have state_dict"):
+        sgd.synchronize_parameters(model, optimizer=model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sgd.synchronize_parameters(model, opt)  # one node: its own state back, unchanged
 
 
 # -- the asynchronous all-reduce ---------------------------------------------------------
