@@ -68,10 +68,15 @@ def verdicts(m: dict) -> list[str]:
 
 
 def assert_named(m: dict, want: str) -> None:
+    """The whole run's verdict is `want`, and every window's but one. A 0.5 s window
+    on 2 cores running the suite can go the other way: in fresh runs 28 and 34 one window
+    of 6 of a throttled server was 'workers', half its stall in the main thread's own
+    sampling and hand-off while the fetch threads held the GIL."""
     got = verdicts(m)
-    assert len(got) >= 3, m["windows"]
-    right = sum(v == want for v in got) / len(got)
-    assert right >= 0.95, (want, got, [w["why"] for w in m["windows"]])
+    assert len(got) >= 5, m["windows"]
+    why = (want, got, [w["why"] for w in m["windows"]], m["total"]["why"])
+    assert m["total"]["verdict"] == want, why
+    assert sum(v == want for v in got) >= len(got) - 1, why
 
 
 # -- the three bottlenecks ------------------------------------------------------------------
