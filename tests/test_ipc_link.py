@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -576,13 +578,15 @@ tree.close()
 """
 
 
-def _limited_root(soft: int, hard: int, nodes: int, key: str) -> subprocess.Popen:
+def _limited_root(
+    soft: int, hard: int, nodes: int, key: str, env: dict | None = None
+) -> subprocess.Popen:
     from conftest import repo_env
 
     return subprocess.Popen(
         [sys.executable, "-c", _LIMITED_ROOT, str(soft), str(hard), str(nodes), key],
-        env=repo_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        env={**repo_env(), **(env or {})}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
@@ -685,26 +689,41 @@ def test_node_0_that_runs_out_of_files_mid_rendezvous_refuses_and_then_gives_up(
         assert said in str(e) and "limit of open files" in str(e), (i, str(e))
 
 
-def test_the_record_of_a_node_0_killed_while_it_said_it_was_unable_is_passed_over():
-    """A node 0 without the files says so in its record, and is killed in its wait: its
-    record stayed (nobody listens at its address, so the sweep judged it not ours), and
-    while its pid looked alive (a zombie not yet reaped, or the pid given to another
-    process) the next launch's nodes raised its reason instead of joining their own."""
+def test_the_record_of_a_node_0_killed_while_it_said_it_was_unable_is_passed_over(monkeypatch):
+    """A node 0 without the files says so in its record, and is killed in its wait. While
+    its pid looked alive (a zombie not yet reaped, or the pid given to another process)
+    the next launch's nodes raised its reason instead of joining their own. Now they pass
+    it over, and the sweep removes it. (A runtime directory of the test's own: the first
+    tree any other test starts on this host sweeps such a record away at once.)"""
+    from distlearn.ipc.rendezvous import localhost, records
+
     n, key = 3, f"stale-{os.getpid()}"
-    unable = _limited_root(28, 28, n, key)  # 3 nodes need 2 + 32 more files than 28 allow
-    record = _record_of(unable, n, key)
-    assert b'"unable"' in record.read_bytes()
-    unable.kill()  # SIGKILL, and not reaped yet: a zombie
-    time.sleep(0.2)
-    assert record.exists()  # left behind
-    root = _limited_root(4096, 4096, n, key)
+    base = tempfile.mkdtemp(prefix="dl-stale-")  # 0700, and short for socket paths
+    monkeypatch.setattr(tempfile, "tempdir", base)  # this process's runtime directory
+    monkeypatch.setattr(localhost, "_swept", True)  # its joiners do not sweep first
+    env = {"TMPDIR": base}
+    unable = _limited_root(28, 28, n, key, env)  # 3 nodes need 2 + 32 more files than 28 allow
+    root = None
     joiners = _Joiners(n, key)
     try:
-        _record_of(root, n, key)
+        record = _record_of(unable, n, key)
+        assert b'"unable"' in record.read_bytes()
+        unable.kill()  # SIGKILL, and not reaped yet: a zombie
+        time.sleep(0.2)
+        assert record.exists()  # left behind
         joiners.start(range(1, n))
+        time.sleep(1.0)  # they find no node 0 but the zombie's record, and wait
+        assert joiners.errors == {}, {i: str(e) for i, (_, e) in joiners.errors.items()}
+        assert records.sweep_dead_records(runtime.runtime_dir()) == 1
+        assert not record.exists()
+        root = _limited_root(4096, 4096, n, key, env)
+        _record_of(root, n, key)
         joiners.join()  # the rendezvous: the roster, or an error
     finally:
-        root.kill()
-        root.communicate()
-        unable.communicate()
+        for proc in (root, unable):
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+        joiners.join()
+        shutil.rmtree(base, ignore_errors=True)
     assert joiners.errors == {}, {i: str(e) for i, (_, e) in joiners.errors.items()}
