@@ -98,6 +98,21 @@ def scatter_once(node: int, n: int, key: str) -> dict:
 
 
 @scenario
+def reform_acknowledged(node: int, n: int, key: str) -> dict:
+    """Every node re-forms the tree with nobody dead (as `admit` does when a process comes
+    back), then runs a collective on the new one; what the old tree's links saw."""
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(10))
+    new = tree.reform([])
+    said_bye = [link for link in tree._endpoint.links.values() if link.bye_sent]
+    x = torch.full((10,), float(node + 1))
+    count = new.all_reduce(x)
+    new.close()
+    return {"said_bye": len(said_bye), "acked": sum(link.acked for link in said_bye),
+            "count": count, "sum": float(x[0])}  # fmt: skip
+
+
+@scenario
 def stop_in_op(node: int, n: int, key: str) -> dict:
     """Node STOP_NODE freezes (SIGSTOP) inside a custom op of the second all_reduce."""
     stopper = int(os.environ.get("STOP_NODE", "1"))

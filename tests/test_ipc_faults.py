@@ -41,6 +41,20 @@ def test_last_collective_before_close_arrives(tmp_path):
     _scatter_once_runs(5, tmp_path)
 
 
+def test_a_re_formed_tree_closes_its_old_links_once_the_peers_acknowledged(tmp_path):
+    """When the tree re-forms (a death, or a process let back in), every node leaves the old
+    tree as close() does: its sockets close only after each peer acknowledged its BYE.
+    Closed at once, a peer's BYE landed on a closing socket, then the peer's hang-up and a
+    heartbeat aborted node 0 in libzmq 4.3.5 (zeromq/libzmq#4841), as a killed process
+    came back (test_examples' come-back run, 1 full-suite run in about 20)."""
+    n = 4
+    results, texts = run_tree("reform_acknowledged", n, tmp_path, timeout=120)
+    for i, res in enumerate(results):
+        assert res is not None, texts[i][-3000:]
+        assert res["said_bye"] >= 1 and res["acked"] == res["said_bye"], (i, res)
+        assert res["count"] == n and res["sum"] == n * (n + 1) / 2, (i, res)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # 200 launches of 5 processes: minutes on a loaded machine
 def test_last_collective_before_close_arrives_200_runs(tmp_path):

@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = env_float("IPC_TIMEOUT", 300.0, low=0)
 DEFAULT_CHUNK = 1 << 20
 DEFAULT_STALL_WARNING = env_float("IPC_STALL_WARNING", 30.0, low=0)
+RELEASE_S = 5.0  # how long a re-formed tree waits for its old peers' acknowledgements
 
 _TREES: weakref.WeakSet = weakref.WeakSet()
 
@@ -523,12 +524,23 @@ class Tree(RunningMixin):
         if lobby is not None:  # node 0 stays node 0: the lobby goes on, never closed between
             tree._lobby = lobby
             lobby.publish(tree.generation, tree.num_nodes)
-        with contextlib.suppress(Exception):  # a broken tree: release what is left of it
-            self._release(linger=0)
         self._closed = True
         _TREES.discard(self)
         if self._comm is not None:
             self._comm.stop()
+        # The old tree is left as close() leaves one: BYE on every live link, and its
+        # sockets closed only once each peer has acknowledged (every survivor releases its
+        # own old tree here, so the answers come within moments). Closed at once, a peer's
+        # BYE landed on our closing socket, and its hang-up then a heartbeat aborted this
+        # process in libzmq 4.3.5 (zeromq/libzmq#4841): node 0 died so when a killed
+        # process came back, in 1 full-suite run of about 20.
+        locked = self._lock.acquire(timeout=RELEASE_S)  # (the comm thread's last service)
+        try:
+            with contextlib.suppress(Exception):  # a broken tree: release what is left of it
+                self._release(linger=RELEASE_S if locked else 0)
+        finally:
+            if locked:
+                self._lock.release()
         return tree
 
     def close(self) -> None:
