@@ -13,7 +13,7 @@ from torch import nn
 from . import preemption
 from .buckets import GradientBuckets, _zero_at, compressed_scale, wire_dtype
 from .comm import Communicator, check_communicator, check_same_layout, supports_async
-from .state import broadcast_state_dict
+from .state import broadcast_state_dict, from_node
 from .tensors import grad_or_zeros, gradient_holders, gradients_of, leaves, reusable, state_of
 
 _MiB = 1 << 20
@@ -370,15 +370,7 @@ class AllReduceSGD:
         self._layout = None
         self._owners = {}
         winner = int(steps.argmax())  # the first index among ties; the root if none stepped
-        if int(steps.max()) == 0:
-            self.comm.scatter(params)
-        else:
-            if self.comm.node_index != winner:
-                with torch.no_grad():
-                    for p in params:
-                        p.zero_()
-            # Everyone else sends zeros, so the sum is exactly the winner's values.
-            self.comm.all_reduce(params)
+        from_node(self.comm, params, winner)
         if optimizer is not None:
             mine = optimizer.state_dict() if self.comm.node_index == winner else None
             state = broadcast_state_dict(self.comm, mine, device=device, src=winner)

@@ -70,7 +70,7 @@ def _allocate(node: Any, out: list[tuple[int, torch.Tensor]], device: torch.devi
             _allocate(value, out, device)
 
 
-def _from_node(comm: Communicator, x: torch.Tensor | list[torch.Tensor], src: int) -> None:
+def from_node(comm: Communicator, x: torch.Tensor | list[torch.Tensor], src: int) -> None:
     """`src`'s values of `x` on every node, in place: the communicator's scatter from the
     root; from another node, a sum all-reduce to which every other node gives zeros
     (exact: v + 0 == v)."""
@@ -123,11 +123,11 @@ def broadcast_state_dict(
         length = torch.tensor([len(skeleton)], dtype=torch.int64, device=wire)
     else:
         length = torch.zeros(1, dtype=torch.int64, device=wire)
-    _from_node(comm, length, src)
+    from_node(comm, length, src)
     blob = torch.zeros(int(length.item()), dtype=torch.uint8, device=wire)
     if is_src:
         blob.copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-    _from_node(comm, blob, src)
+    from_node(comm, blob, src)
     tree = json.loads(bytes(blob.cpu().numpy()))
     if is_src:
         if device is not None:
@@ -139,7 +139,7 @@ def broadcast_state_dict(
         _allocate(tree, found, torch.device(device) if device is not None else None)
         tensors = [t for _, t in sorted(found, key=lambda it: it[0])]
     if tensors:
-        _from_node(comm, tensors, src)
+        from_node(comm, tensors, src)
     return _decode(tree, tensors)
 
 

@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     ledger.write(start=True, world=world, restored=ckpt.restored_from, step=step,
                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"),
                  slurm_restart=os.environ.get("SLURM_RESTART_COUNT"))  # fmt: skip
-    sgd.synchronize_parameters(model)
+    sgd.synchronize_parameters(model, opt)
     try:
         while True:
             position = batcher.state_dict()
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
                         ledger.write(saved=ckpt.last_saved, step=step)
                 if args.sleep:
                     time.sleep(args.sleep)
-            sgd.synchronize_parameters(model)
+            sgd.synchronize_parameters(model, opt)
             if args.eval_s:
                 ledger.write(evaluating=batcher.epoch)
                 time.sleep(args.eval_s)  # an evaluation: no collective
