@@ -1377,6 +1377,31 @@ def test_workqueue_results_stay_readable_after_close_returns():
     assert q.read() is None
 
 
+def late_reader(name, i):
+    q = ipc.WorkQueue(name)
+    time.sleep(3.0)  # connected; the owner closes meanwhile, and its broker goes
+    item = q.read()
+    q.close()
+    return item
+
+
+def test_a_worker_that_meets_the_owners_goodbye_of_a_drained_queue_reads_none():
+    """A worker connected as the owner's close() ended (every item handed out, no worker
+    seen) met the broker's goodbye at its first read and raised PeerError ("it said
+    goodbye"), failing its ipc.map (fresh suite run 51). The queue was drained: the
+    broker's goodbye says so, and the read returns None as for a worker that came late."""
+    name = f"drained-bye-{os.getpid()}"
+    q = ipc.WorkQueue(name)
+    workers = ipc.map(1, late_reader, name)
+    deadline = time.monotonic() + 60
+    while not q._broker.links:  # the worker is connected, and reads nothing yet
+        assert time.monotonic() < deadline, "the worker did not connect"
+        time.sleep(0.05)
+    with pytest.raises(ipc.IPCTimeoutError, match="workers still connected"):
+        q.close(timeout=0.5)  # the broker stops: its goodbye reaches the worker
+    assert workers.join(timeout=60) == [None]
+
+
 def big_result_and_leave(name, i):
     q = ipc.WorkQueue(name)
     k = q.read()

@@ -37,7 +37,8 @@ item if it comes back. One that comes back when no worker is left makes the
 owner's `close()` raise IPCError, naming how many. A worker that
 opens a WorkQueue whose owner closed it, and still runs, is told the same:
 it came late (a map worker that started after the others had done the work),
-and must not take the name and wait for workers of its own.
+and must not take the name and wait for workers of its own. So is one whose
+read meets the broker's goodbye, which names the queues that were drained.
 """
 
 from __future__ import annotations
@@ -256,6 +257,12 @@ class _Broker:
                     self._serve()
         finally:
             with self.lock:
+                # Said in our goodbye: a reader whose request meets it (one that connected
+                # as the owner's close() ended) learns the queue was drained, not "gone".
+                drained = [
+                    name for name, q in self.queues.items()
+                    if q.closed and not q.items and not self._out(q)
+                ]  # fmt: skip
                 for name, q in self.queues.items():
                     # Items no other process will read now: their blocks are free again.
                     # Results the owner has still to read stay (its close() may end
@@ -266,7 +273,7 @@ class _Broker:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_w = None
-            ep.close(linger=1.0)
+            ep.close(bye={"drained": drained}, linger=1.0)
 
     def _ended(self, kind: str, link: Link) -> None:
         if kind == "dead" or (link.bye or {}).get("unread") is True:

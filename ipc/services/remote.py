@@ -96,6 +96,8 @@ class _Remote:
 
     def get(self, name: str, block: bool, timeout: float | None = None) -> tuple[str, object]:
         ep, link = self.endpoint, self.link
+        if self._drained_at_goodbye(name):
+            return DRAINED, None
         if self.asked is None:
             # The broker lets go of the last item it sent us when it reads this (never we:
             # killed before this request left, the item must still be whole for another).
@@ -128,6 +130,8 @@ class _Remote:
                     held = (frames[1:], self.bulk.memory_of(link))
                     return body["state"], _decode(self.bulk, held, self.label, release=False)
                 return body["state"], None
+            if self._drained_at_goodbye(name):
+                return DRAINED, None
             if link.dead is not None or link.bye is not None:
                 # (Why, in the link layer's words: also when this process was the one
                 # frozen past the heartbeats.)
@@ -138,6 +142,18 @@ class _Remote:
             if deadline is not None and time.monotonic() >= deadline:
                 # The request stays queued at the broker; the next read takes its answer.
                 raise IPCTimeoutError(f"ipc {self.label}: no item within {timeout} s")
+
+    def _drained_at_goodbye(self, name: str) -> bool:
+        """Whether the broker said goodbye naming queue `name` drained (closed by its
+        owner, every item read): a read then ends as the broker would have answered it.
+        A worker that connected as the owner's close() ended gets this, not an error."""
+        bye = self.link.bye
+        drained = bye.get("drained") if isinstance(bye, dict) else None
+        if isinstance(drained, list) and name in drained:
+            self.asked = None
+            self.closed_seen[name] = DRAINED
+            return True
+        return False
 
     def close(self) -> None:
         """Say goodbye: returns once the broker has read every write; PeerError if writes
