@@ -104,11 +104,13 @@ def reform_acknowledged(node: int, n: int, key: str) -> dict:
     tree = tree_from_args(node, n, key)
     tree.all_reduce(torch.ones(10))
     new = tree.reform([])
-    said_bye = [link for link in tree._endpoint.links.values() if link.bye_sent]
+    old = list(tree._endpoint.links.values())
+    said_bye = [link for link in old if link.bye_sent]
     x = torch.full((10,), float(node + 1))
     count = new.all_reduce(x)
     new.close()
     return {"said_bye": len(said_bye), "acked": sum(link.acked for link in said_bye),
+            "heard_bye": sum(link.bye is not None for link in old),
             "count": count, "sum": float(x[0])}  # fmt: skip
 
 
