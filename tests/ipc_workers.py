@@ -140,6 +140,35 @@ def stop_in_op(node: int, n: int, key: str) -> dict:
 
 
 @scenario
+def killed_asleep(node: int, n: int, key: str) -> dict:
+    """Node KILL_NODE is SIGKILLed while it sleeps in a shared-memory barrier: in a sliced
+    all_reduce it reduced its slice and went to sleep waiting for node 0, whose custom
+    op takes 3 s over its own slice; node 0 then arrives last, after the death."""
+    victim = int(os.environ.get("KILL_NODE", "1"))
+    tree = tree_from_args(node, n, key)
+    tree.all_reduce(torch.ones(1000))
+
+    slept = []
+
+    def op(a: torch.Tensor, b: torch.Tensor) -> None:  # called once a chunk: sleep once
+        if node != victim and not slept:
+            slept.append(time.sleep(3.0))
+        a.add_(b)
+
+    if node == victim:  # asleep in the barrier by then
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    out: dict = {"error": None}
+    start = time.monotonic()
+    try:
+        tree.all_reduce(torch.ones(1 << 20), op=op)  # 4 MiB: sliced, a slice each
+        tree.all_reduce(torch.ones(1000))
+    except ipc.IPCError as exc:
+        _failure(out, exc, start)
+    tree.close()
+    return out
+
+
+@scenario
 def slow(node: int, n: int, key: str) -> dict:
     """Node SLOW_NODE sleeps SLOW_S seconds before the second all_reduce: waited for."""
     tree = tree_from_args(node, n, key)

@@ -83,6 +83,23 @@ def test_frozen_node_is_named_in_seconds(shm, tmp_path):
         assert r["elapsed"] < 25, r  # heartbeats: 6 s; the old behaviour was 300 s
 
 
+def test_a_node_killed_asleep_in_a_shared_memory_barrier_is_named(tmp_path):
+    """In a sliced all_reduce over the slots, node 1 reduces its slice, goes to sleep on
+    its FIFO at the barrier (its sleep mark set) and is SIGKILLed there; node 0, slowed
+    by its op, arrives last and writes the wake-up byte into a FIFO nobody reads any
+    more. That is no failure of the barrier's: node 0 must go on and name node 1 as
+    gone. It failed with BrokenPipeError instead (as did a fresh run of the suite, when
+    a peer closed its tree right after waking on its own)."""
+    n = 2
+    env = [{"KILL_NODE": "1", "IPC_SHM_CMA": "0"}] * n  # slots: nothing read from node 1
+    results, texts = run_tree("killed_asleep", n, tmp_path, ipc_timeout=60, extra_env=env,
+                              expect_rc={1: -9})  # fmt: skip
+    r = results[0]
+    assert r["error"] == "PeerError", texts[0]
+    assert r["peer"] == 1, r["message"]
+    assert r["elapsed"] < 20, r  # node 0's 3 s op, then at once; the timeout is 60 s
+
+
 def test_slow_node_is_waited_for_and_reported(tmp_path):
     """A node that is late (alive) is waited for, and after `stall_warning` the others log
     which node has not reached the collective."""

@@ -119,5 +119,9 @@ class BarrierMixin:
     def _wake(self, b: int) -> None:
         for j, fd in self._wfd.items():
             if self._words[self._arrivals[j] + ASLEEP] == b:
-                with contextlib.suppress(BlockingIOError):  # full pipe: it is awake anyway
+                # A full pipe: it is awake anyway. A broken one (EPIPE): its reader is
+                # gone, so there is nobody to wake. The sleeper woke on its own (the
+                # nap) and closed its group between our look at its mark and this
+                # write, or it died asleep: then the links name it, as for any death.
+                with contextlib.suppress(BlockingIOError, BrokenPipeError):
                     os.write(fd, b"\x01")
